@@ -1,0 +1,1 @@
+"""Code shared by router and worker. Nothing in this package imports torch."""

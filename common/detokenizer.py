@@ -1,0 +1,51 @@
+"""Streaming token ids -> text deltas, one request at a time.
+
+Contract:
+- Input: token ids via `push(ids)`, one or a few at a time, then one `flush()` at the end.
+- Output: each call returns only the new text; the deltas concatenate to
+  `tokenizer.decode(all_ids)`. A delta is returned only once it is whole UTF-8: while the decoded
+  text ends in U+FFFD (a multi-byte character split across byte-level tokens) it is held back.
+  `flush()` returns whatever is left, invalid bytes included (as U+FFFD).
+- State: a window of recent ids. `context` of them were already emitted and are decoded again
+  only so the new text joins onto them correctly (the prefix-offset/read-offset scheme of vLLM
+  and TGI); each push costs O(window), not O(all ids so far).
+- Fails: never on any id sequence the tokenizer can decode.
+- Proven by tests/test_tokenizer.py: pushing emoji/CJK text token by token concatenates to the
+  full decode, some pushes are held back, and no delta contains U+FFFD.
+"""
+
+from collections.abc import Sequence
+
+from common.tokenizer import Tokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window_ids: list[int] = []
+        self._num_context_ids = 0  # leading window ids whose text was already emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text the new ids complete; "" while a character is still incomplete."""
+        self._window_ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the stream."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        context_text = self._decode(self._window_ids[: self._num_context_ids])
+        text = self._decode(self._window_ids)
+        if not final and (len(text) <= len(context_text) or text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        # the ids just emitted become the next window's context
+        self._window_ids = self._window_ids[self._num_context_ids :]
+        self._num_context_ids = len(self._window_ids)
+        return text[len(context_text) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

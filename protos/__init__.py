@@ -1,0 +1,1 @@
+"""Protobuf contracts. The generated *_pb2 modules are built by `make protos`, never committed."""

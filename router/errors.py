@@ -1,0 +1,111 @@
+"""Errors in one place: domain exceptions and the interceptor that maps them to gRPC status.
+
+Contract
+- input: any exception raised by a servicer method of the router.
+- output: the call ends with the exception's gRPC status code and message; `Overloaded` also
+  carries trailing metadata `retry-after-ms`. Anything unexpected becomes INTERNAL (logged), so a
+  handled case never surfaces as UNKNOWN.
+- state: none.
+- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_validation.py (end to end).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class ValidationError(RouterError):
+    """A request field is invalid; the message starts with the field's name."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class AuthError(RouterError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(RouterError):
+    """No healthy worker, the router is draining, or a worker was lost mid-stream."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(RouterError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Overloaded(RouterError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("retry-after-ms", str(self.retry_after_ms)),)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    if isinstance(exc, RouterError):
+        return exc.code, exc.message, exc.trailing_metadata()
+    log.exception("unhandled error in router", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message, trailing = status_of(exc)
+    await context.abort(code, message, trailing_metadata=trailing)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every unary-unary and unary-stream handler so domain errors become statuses."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith("/llm.v1."):
+            return handler  # health and reflection handle their own errors
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+                    await _abort(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+                    await _abort(context, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer)
+        return handler

@@ -1,0 +1,143 @@
+"""Worker registry: which workers exist, whether they are healthy, what they serve.
+
+Contract
+- input: worker addresses from a discovery source (`discover()`; `StaticRegistry` returns the
+  --workers list; a Ray-backed registry will override it).
+- output: `healthy(model)` -> `WorkerHandle`s with a channel, stub, model info and load counters;
+  `models()` -> served models as `ModelSpec`s.
+- state: one `WorkerHandle` per address; a probe task refreshes health (grpc.health.v1 Check),
+  info (once) and load (`Worker.GetLoad`) every `poll_s`. `mark_failed` takes a worker out of
+  rotation at once when a call to it fails; the next good probe brings it back.
+- failure modes: unreachable / NOT_SERVING workers are unhealthy; `on_change(any_healthy)` fires
+  when the router goes from no healthy worker to some or back (drives the router's health).
+- proven by: tests/test_grpc_two_workers.py, tests/test_grpc_worker_loss.py.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.llm.v1 import worker_pb2, worker_pb2_grpc
+from router.validation import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    info: worker_pb2.WorkerInfo | None = None
+    load: worker_pb2.LoadReport | None = None
+    healthy: bool = False
+    outstanding_tokens: int = 0        # router-side accounting, see balancer.Lease
+    num_inflight: int = 0
+    last_error: str = field(default="")
+
+
+class WorkerRegistry(abc.ABC):
+    def __init__(self, poll_s: float = 1.0, channel_options: tuple = ()):
+        self._poll_s = poll_s
+        self._options = channel_options
+        self._handles: dict[str, WorkerHandle] = {}
+        self._task: asyncio.Task | None = None
+        self._listeners: list[Callable[[bool], None]] = []
+        self._any_healthy = False
+
+    @abc.abstractmethod
+    async def discover(self) -> list[str]:
+        """Addresses (host:port) of the workers that should exist now."""
+
+    def on_change(self, listener: Callable[[bool], None]) -> None:
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        await self._refresh()
+        self._task = asyncio.create_task(self._probe_forever(), name="worker-registry")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(h.channel.close() for h in self._handles.values()))
+
+    def all(self) -> list[WorkerHandle]:
+        return list(self._handles.values())
+
+    def healthy(self, model: str | None = None) -> list[WorkerHandle]:
+        return [h for h in self._handles.values()
+                if h.healthy and h.info is not None and (model is None or h.info.model == model)]
+
+    def models(self) -> dict[str, ModelSpec]:
+        specs: dict[str, ModelSpec] = {}
+        for h in self.healthy():
+            specs.setdefault(h.info.model, ModelSpec(h.info.model, h.info.max_model_len, h.info.vocab_size))
+        return specs
+
+    def mark_failed(self, handle: WorkerHandle, reason: str) -> None:
+        if handle.healthy:
+            log.warning("worker %s out of rotation: %s", handle.address, reason)
+        handle.healthy = False
+        handle.last_error = reason
+        self._notify()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        addresses = await self.discover()
+        for address in addresses:
+            if address not in self._handles:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+                self._handles[address] = WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
+        for address in set(self._handles) - set(addresses):
+            await self._handles.pop(address).channel.close()
+        await asyncio.gather(*(self._probe(h) for h in self._handles.values()))
+        self._notify()
+
+    async def _probe(self, h: WorkerHandle) -> None:
+        timeout = max(self._poll_s, 0.5)
+        try:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                raise ConnectionError("worker reports NOT_SERVING")
+            if h.info is None:
+                h.info = await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
+            h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            if h.healthy:
+                log.warning("worker %s unhealthy: %s", h.address, reason)
+            h.healthy, h.last_error = False, reason
+            return
+        if not h.healthy:
+            log.info("worker %s healthy (model %s)", h.address, h.info.model)
+        h.healthy, h.last_error = True, ""
+
+    def _notify(self) -> None:
+        any_healthy = bool(self.healthy())
+        if any_healthy != self._any_healthy:
+            self._any_healthy = any_healthy
+            for listener in self._listeners:
+                listener(any_healthy)
+
+
+class StaticRegistry(WorkerRegistry):
+    """A fixed list of worker addresses (the --workers flag)."""
+
+    def __init__(self, addresses: tuple[str, ...], **kwargs):
+        super().__init__(**kwargs)
+        self._addresses = list(addresses)
+
+    async def discover(self) -> list[str]:
+        return self._addresses

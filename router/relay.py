@@ -1,0 +1,167 @@
+"""Stream relay: one validated, tokenized request -> a worker stream -> text chunks.
+
+Contract
+- input: `ValidRequest`, prompt token ids, resolved max_tokens, the tenant, the arrival time and
+  the time left before the client's deadline.
+- output: an async stream of `Chunk` (token ids, text delta, logprobs) then one `Done`
+  (reason stop / length / cancelled, usage, timings).
+- state: per request only (detokenizer, stop-string matcher, the worker's `Lease`).
+- failure modes: the worker fails before the first token -> it is taken out of rotation and the
+  request is retried on another worker (each worker at most once); no worker left or a failure
+  after tokens were sent -> `Unavailable` naming the worker; the deadline passes ->
+  `DeadlineExceeded`. The worker call is cancelled whenever this generator stops early (client
+  cancel, deadline, stop string), which aborts the sequence on the worker.
+- proven by: tests/test_grpc_e2e.py (text == engine output), tests/test_grpc_worker_loss.py.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
+from protos.llm.v1 import worker_pb2
+from router.balancer import LeastOutstandingTokens, Lease
+from router.errors import DeadlineExceeded, RouterError, Unavailable
+from router.registry import WorkerHandle, WorkerRegistry
+from router.stop_strings import StopStringMatcher
+from router.tenants import Tenant
+from router.validation import ValidRequest
+
+# Failures before the first token that another worker may not repeat.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+FINISH_REASONS = {
+    worker_pb2.WORKER_FINISH_REASON_STOP: "stop",
+    worker_pb2.WORKER_FINISH_REASON_LENGTH: "length",
+    worker_pb2.WORKER_FINISH_REASON_ABORT: "cancelled",
+}
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass
+class Done:
+    request_id: str
+    reason: str                 # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+class WorkerLost(Exception):
+    """The worker stream broke; `retryable` when no token had been relayed yet."""
+
+    def __init__(self, message: str, retryable: bool, code: grpc.StatusCode):
+        super().__init__(message)
+        self.retryable = retryable
+        self.code = code
+
+
+def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, tenant: Tenant):
+    sampling = worker_pb2.WorkerSampling(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, logprobs=req.logprobs,
+        max_tokens=max_tokens, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+    if req.seed is not None:
+        sampling.seed = req.seed
+    return worker_pb2.WorkerRequest(
+        request_id=f"{req.request_id}/{uuid.uuid4().hex[:12]}", prompt_token_ids=prompt_ids,
+        sampling=sampling, priority=req.priority, cache_salt=tenant.name)
+
+
+class Relay:
+    def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer):
+        self._registry = registry
+        self._tokenizer = tokenizer
+        self._balancer = LeastOutstandingTokens()
+
+    async def run(self, req: ValidRequest, prompt_ids: list[int], max_tokens: int, tenant: Tenant,
+                  arrival_s: float, deadline_s: float | None) -> AsyncIterator[Chunk | Done]:
+        wreq = _worker_request(req, prompt_ids, max_tokens, tenant)
+        tried: list[str] = []
+        errors: list[str] = []
+        while True:
+            worker = self._balancer.choose(self._registry.healthy(req.model.name), exclude=tried)
+            if worker is None:
+                detail = f"; tried: {'; '.join(errors)}" if errors else ""
+                raise Unavailable(f"no healthy worker for model {req.model.name!r}{detail}")
+            tried.append(worker.address)
+            try:
+                async for event in self._attempt(worker, wreq, req, arrival_s, deadline_s):
+                    yield event
+                return
+            except WorkerLost as lost:
+                if lost.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self._registry.mark_failed(worker, str(lost))
+                if not lost.retryable:
+                    raise Unavailable(str(lost)) from None
+                errors.append(str(lost))
+
+    async def _attempt(self, worker: WorkerHandle, wreq, req: ValidRequest, arrival_s: float,
+                       deadline_s: float | None) -> AsyncIterator[Chunk | Done]:
+        timeout = None if deadline_s is None else deadline_s - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("deadline passed before the request reached a worker")
+        detok = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=True)
+        stops = StopStringMatcher(req.stop)
+        dispatch_s = time.monotonic()
+        first_token_s = None
+        num_out = 0
+        lease = Lease(worker, len(wreq.prompt_token_ids), wreq.sampling.max_tokens)
+        call = worker.stub.Generate(wreq, timeout=timeout)
+        try:
+            async for msg in call:
+                ids = list(msg.token_ids)
+                text, stopped = stops.push(detok.push(ids)) if ids else ("", False)
+                finished = msg.HasField("finished")
+                if finished and not stopped:
+                    tail, stopped = stops.push(detok.flush())
+                    text += tail if stopped else tail + stops.flush()
+                if ids or text:
+                    lease.progress(len(ids), first=num_out == 0)
+                    if first_token_s is None and ids:
+                        first_token_s = time.monotonic()
+                    num_out += len(ids)
+                    yield Chunk(ids, text, list(msg.logprobs))
+                if stopped or finished:
+                    now = time.monotonic()
+                    reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")
+                    yield Done(
+                        request_id=req.request_id, reason=reason,
+                        prompt_tokens=len(wreq.prompt_token_ids), completion_tokens=num_out,
+                        cached_prompt_tokens=msg.num_cached_tokens,
+                        queue_ms=(dispatch_s - arrival_s) * 1e3 + msg.queue_ms,
+                        ttft_ms=((first_token_s or now) - arrival_s) * 1e3,
+                        total_ms=(now - arrival_s) * 1e3)
+                    return
+            raise WorkerLost(f"worker {worker.address} closed the stream without finishing",
+                             retryable=num_out == 0, code=grpc.StatusCode.UNAVAILABLE)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"deadline exceeded after {num_out} tokens") from None
+            if num_out:
+                raise WorkerLost(f"worker {worker.address} was lost mid-stream after {num_out} tokens "
+                                 f"({code.name}: {exc.details()})", retryable=False, code=code) from None
+            if code not in RETRYABLE:
+                raise RouterError(f"worker {worker.address} rejected the request "
+                                  f"({code.name}: {exc.details()})") from None
+            raise WorkerLost(f"worker {worker.address} failed before the first token "
+                             f"({code.name}: {exc.details()})", retryable=True, code=code) from None
+        finally:
+            call.cancel()
+            lease.release()

@@ -1,0 +1,101 @@
+"""Router process: wires config, tenants, tokenizer, registry and the servicer into a grpc.aio
+server with health, reflection, message-size limits and a SIGTERM drain.
+
+Contract
+- input: `RouterConfig`.
+- output: serves `llm.v1.Generation`, `grpc.health.v1.Health` (SERVING while at least one worker
+  is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0.
+- state: the server and registry for the process lifetime.
+- failure modes: refuses to bind a non-loopback address without API keys (unless
+  --allow-insecure-public); on SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE,
+  in-flight calls get `drain_grace_s` to finish, then the server stops.
+- proven by: tests/test_grpc_drain.py, tests/test_router_no_torch.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.model_files import default_model_path
+from common.net import bind_address
+from common.tokenizer import Tokenizer
+from protos.llm.v1 import generation_pb2, generation_pb2_grpc
+from router.config import RouterConfig
+from router.drain import Drain
+from router.errors import ErrorInterceptor
+from router.registry import StaticRegistry
+from router.service import GenerationService
+from router.tenants import Tenants
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+async def serve(config: RouterConfig) -> int:
+    tenants = Tenants.load(config.tenants_file, allow_public=config.allow_insecure_public)
+    if not config.binds_loopback and not tenants.require_key and not config.allow_insecure_public:
+        raise SystemExit(f"refusing to serve {config.host} without API keys: "
+                         "pass --tenants FILE or --allow-insecure-public")
+    tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
+    options = channel_options(config.max_message_bytes)
+    registry = StaticRegistry(config.workers, poll_s=config.health_poll_s, channel_options=tuple(options))
+    drain = Drain()
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationService(registry, tokenizer, tenants, config.limits, drain), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(bind_address(config.host, config.port))
+    if port == 0:
+        raise SystemExit(f"cannot bind {bind_address(config.host, config.port)}")
+
+    pending: set[asyncio.Task] = set()
+
+    def on_workers(any_healthy: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if any_healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            task = asyncio.create_task(health_servicer.set(name, status))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    registry.on_change(on_workers)
+    await server.start()
+    await registry.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # The "listening" line is machine-read by launchers that pass --port 0.
+    print(f"router listening on {bind_address(config.host, port)}", flush=True)
+    log.info("workers: %s", ", ".join(config.workers) or "none")
+    await stop.wait()
+
+    log.info("draining: %d call(s) in flight, grace %.1f s", drain.num_inflight, config.drain_grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    if not await drain.drain(config.drain_grace_s):
+        log.warning("grace period over: cancelling %d call(s)", drain.num_inflight)
+    await server.stop(grace=1.0)
+    await registry.stop()
+    log.info("router stopped")
+    return 0

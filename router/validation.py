@@ -1,0 +1,169 @@
+"""Request validation: protobuf `GenerateRequest` -> `ValidRequest` (plain dataclass), or
+`ValidationError` whose message starts with the offending field's name.
+
+Contract
+- input: a `GenerateRequest`, the router's `Limits`, and the served models (name -> `ModelSpec`).
+- output: `ValidRequest` with defaults applied; after tokenization `fit_to_context` checks the
+  prompt length against the model's context and resolves `max_tokens`.
+- state: none (pure; no grpc, no I/O).
+- failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`.
+- proven by: tests/test_router_validation.py (table), tests/test_grpc_validation.py (end to end).
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.config import Limits
+from router.errors import ValidationError
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    model: ModelSpec
+    prompt: str | None = None                        # exactly one of prompt / chat / token ids
+    chat: tuple[dict[str, str], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: bool = False
+    max_tokens: int | None = None                    # None = server default, fitted to the context
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+
+
+def _check(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise ValidationError(field, problem)
+
+
+def _resolve_model(name: str, models: Mapping[str, ModelSpec]) -> ModelSpec:
+    if name:
+        _check(name in models, "model", f"unknown model {name!r}; served: {sorted(models)}")
+        return models[name]
+    _check(len(models) == 1, "model", f"required when several models are served: {sorted(models)}")
+    return next(iter(models.values()))
+
+
+def _request_id(rid: str, limits: Limits) -> str:
+    if not rid:
+        return uuid.uuid4().hex
+    _check(len(rid) <= limits.max_request_id_len, "request_id",
+           f"longer than {limits.max_request_id_len} characters")
+    _check(rid.isascii() and rid.isprintable() and " " not in rid, "request_id",
+           "must be printable ASCII without spaces")
+    return rid
+
+
+def _input(req: pb.GenerateRequest, model: ModelSpec, limits: Limits) -> dict:
+    kind = req.WhichOneof("input")
+    _check(kind is not None, "input", "one of prompt, chat or token_ids is required")
+    if kind == "prompt":
+        _check(req.prompt != "", "prompt", "must not be empty")
+        _check(len(req.prompt) <= limits.max_prompt_chars, "prompt",
+               f"longer than {limits.max_prompt_chars} characters")
+        return {"prompt": req.prompt}
+    if kind == "chat":
+        messages = req.chat.messages
+        _check(len(messages) > 0, "chat.messages", "must not be empty")
+        _check(len(messages) <= limits.max_chat_messages, "chat.messages",
+               f"more than {limits.max_chat_messages} messages")
+        for i, m in enumerate(messages):
+            _check(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
+                   f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+        _check(sum(len(m.content) for m in messages) <= limits.max_prompt_chars, "chat.messages",
+               f"longer than {limits.max_prompt_chars} characters in total")
+        _check(any(m.content for m in messages), "chat.messages", "all messages are empty")
+        return {"chat": tuple({"role": m.role, "content": m.content} for m in messages)}
+    ids = tuple(req.token_ids.ids)
+    _check(len(ids) > 0, "token_ids.ids", "must not be empty")
+    bad = next((t for t in ids if t >= model.vocab_size), None)
+    _check(bad is None, "token_ids.ids", f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+    return {"prompt_token_ids": ids}
+
+
+def _sampling(s: pb.SamplingParams, model: ModelSpec) -> dict:
+    out: dict = {}
+    if s.HasField("temperature"):
+        t = s.temperature
+        _check(math.isfinite(t) and t >= 0, "sampling.temperature", f"must be a finite number >= 0, got {t}")
+        out["temperature"] = float(t)
+    if s.HasField("top_p"):
+        p = s.top_p
+        _check(math.isfinite(p) and 0 < p <= 1, "sampling.top_p", f"must be in (0, 1], got {p}")
+        out["top_p"] = float(p)
+    _check(s.top_k <= model.vocab_size, "sampling.top_k",
+           f"must be <= the vocabulary size {model.vocab_size} (0 = off), got {s.top_k}")
+    _check(s.logprobs <= 1, "sampling.logprobs", f"must be 0 or 1, got {s.logprobs}")
+    out.update(top_k=s.top_k, logprobs=s.logprobs == 1)
+    if s.HasField("seed"):
+        out["seed"] = s.seed
+    return out
+
+
+def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
+    out: dict = {"ignore_eos": s.ignore_eos}
+    if s.HasField("max_tokens"):
+        _check(s.max_tokens >= 1, "stopping.max_tokens", "must be >= 1 (leave unset for the server default)")
+        _check(s.max_tokens <= limits.max_tokens_limit, "stopping.max_tokens",
+               f"must be <= {limits.max_tokens_limit}, got {s.max_tokens}")
+        out["max_tokens"] = s.max_tokens
+    _check(len(s.stop) <= limits.max_stop_strings, "stopping.stop",
+           f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
+    for i, text in enumerate(s.stop):
+        _check(0 < len(text) <= limits.max_stop_string_len, f"stopping.stop[{i}]",
+               f"must be 1 to {limits.max_stop_string_len} characters long")
+    out["stop"] = tuple(s.stop)
+    _check(len(s.stop_token_ids) <= limits.max_stop_token_ids, "stopping.stop_token_ids",
+           f"at most {limits.max_stop_token_ids} ids, got {len(s.stop_token_ids)}")
+    bad = next((t for t in s.stop_token_ids if t >= model.vocab_size), None)
+    _check(bad is None, "stopping.stop_token_ids",
+           f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+    out["stop_token_ids"] = tuple(s.stop_token_ids)
+    return out
+
+
+def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, ModelSpec]) -> ValidRequest:
+    """Everything that can be checked before tokenization."""
+    model = _resolve_model(req.model, models)
+    return ValidRequest(
+        request_id=_request_id(req.request_id, limits),
+        model=model,
+        priority=req.priority,
+        **_input(req, model, limits),
+        **_sampling(req.sampling, model),
+        **_stopping(req.stopping, model, limits),
+    )
+
+
+def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) -> int:
+    """Checks the tokenized prompt against the model's context; returns the max_tokens to use."""
+    context = req.model.max_model_len
+    field = "token_ids.ids" if req.prompt_token_ids is not None else "chat.messages" if req.chat else "prompt"
+    _check(num_prompt_tokens > 0, field, "tokenizes to zero tokens")
+    _check(num_prompt_tokens < context, field,
+           f"{num_prompt_tokens} tokens do not fit the model's context of {context} tokens")
+    room = context - num_prompt_tokens
+    if req.max_tokens is None:
+        return min(limits.default_max_tokens, room)
+    _check(req.max_tokens <= room, "stopping.max_tokens",
+           f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
+           f"context of {context} tokens")
+    return req.max_tokens

@@ -1,0 +1,121 @@
+"""Real worker and router processes on 127.0.0.1 for end-to-end tests.
+
+Each process binds port 0 and prints its address ("... listening on HOST:PORT"); `start_*` reads it
+from the log, then waits for grpc.health.v1 SERVING (no sleeps). `stop` terminates, then kills.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"listening on (\S+)")
+# KV budget for tests: 68 blocks of 16 tokens with SmolLM2-135M float32 (1,088-token context).
+TEST_KV_CACHE_MB = 48
+START_TIMEOUT_S = 180.0
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str]):
+        self.name = name
+        self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
+                                      stdout=self._log, stderr=subprocess.STDOUT)
+        self.address = ""
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_listening(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = LISTENING.search(self.log_path.read_text(errors="replace"))
+            if found:
+                self.address = found.group(1)
+                return self.address
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)  # polling a log file; no event to wait on across processes
+        raise TimeoutError(f"{self.name} did not start within {timeout_s} s:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+
+def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START_TIMEOUT_S,
+                want=health_pb2.HealthCheckResponse.SERVING) -> None:
+    """Polls grpc.health.v1 Check until it reports `want`."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == want:
+                    return
+                last = "wrong status"
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not {health_pb2.HealthCheckResponse.ServingStatus.Name(want)} "
+                       f"within {timeout_s} s ({last})")
+
+
+def start_worker(*extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
+    return Proc("worker", ["/tmp/shim/run_worker.py", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), *extra])
+
+
+def start_router(workers: list[str], *extra: str) -> Proc:
+    return Proc("router", ["-m", "router", "--port", "0", "--workers", ",".join(workers),
+                           "--health-poll-s", "0.2", *extra])
+
+
+def ready(*procs: Proc) -> None:
+    """Waits for each process to listen and report SERVING (in order)."""
+    for proc in procs:
+        wait_health(proc.wait_listening(START_TIMEOUT_S), proc)
+
+
+def wait_for_workers(router_address: str, num_workers: int, metadata=(), timeout_s: float = 30.0) -> None:
+    """Waits until the router sees `num_workers` healthy workers (ListModels)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(router_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < deadline:
+            models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=2.0).models
+            if models and models[0].num_workers == num_workers:
+                return
+            time.sleep(0.05)
+    raise TimeoutError(f"router {router_address} did not see {num_workers} workers")
+
+
+def worker_load(address: str) -> worker_pb2.LoadReport:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)

@@ -1,0 +1,124 @@
+"""Two workers behind one router: requests spread (acceptance 2); killing a worker while requests
+are queued or running (acceptance 4): queued ones complete on the other worker, streaming ones
+end with UNAVAILABLE, nothing hangs."""
+import concurrent.futures as cf
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc
+from tests import procs
+
+# Two running sequences per worker, so that further requests queue inside the worker.
+MAX_NUM_SEQS = 2
+
+
+@pytest.fixture(scope="module")
+def workers():
+    started = [procs.start_worker("--max-num-seqs", str(MAX_NUM_SEQS)) for _ in range(2)]
+    try:
+        procs.ready(*started)
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(workers):
+    proc = procs.start_router([w.address for w in workers])
+    try:
+        procs.ready(proc)
+        procs.wait_for_workers(proc.address, 2)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(router):
+    with grpc.insecure_channel(router.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def long_request(i, max_tokens):
+    return pb.GenerateRequest(request_id=f"r{i}", prompt=f"Story number {i}:",
+                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_concurrent_requests_spread_across_both_workers(stub, workers):
+    stop_polling = threading.Event()
+    seen = {w.address: 0 for w in workers}
+
+    def poll():
+        while not stop_polling.is_set():
+            for w in workers:
+                load = procs.worker_load(w.address)
+                seen[w.address] = max(seen[w.address], load.num_running + load.num_waiting)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: list(stub.Generate(long_request(i, 24), timeout=120)), range(4)))
+    finally:
+        stop_polling.set()
+        poller.join()
+    for msgs in results:
+        assert msgs[-1].finished.usage.completion_tokens == 24
+    assert all(n >= 1 for n in seen.values()), seen
+    assert sum(seen.values()) >= 3, seen
+
+
+def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers):
+    """6 requests: 2 running + 1 queued on each worker; then one worker is killed."""
+    num_requests = 3 * len(workers)
+    first_token = [threading.Event() for _ in range(num_requests)]
+    outcomes: list = [None] * num_requests
+
+    def run(i):
+        tokens = 0
+        try:
+            for msg in stub.Generate(long_request(i, 120), timeout=300):
+                if msg.HasField("chunk") and msg.chunk.token_ids:
+                    tokens += len(msg.chunk.token_ids)
+                    first_token[i].set()
+                elif msg.HasField("finished"):
+                    outcomes[i] = ("ok", tokens, msg.finished.usage.completion_tokens)
+        except grpc.RpcError as exc:
+            outcomes[i] = (exc.code(), tokens, exc.details())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num_requests)]
+    for t in threads:
+        t.start()
+    victim, survivor = workers
+    deadline = time.monotonic() + 120
+    while True:  # wait until 2 stream on each worker and 1 waits in each worker's queue
+        streaming = sum(e.is_set() for e in first_token)
+        loads = [procs.worker_load(w.address) for w in workers]
+        if streaming == 2 * MAX_NUM_SEQS and all(l.num_running == 2 and l.num_waiting == 1 for l in loads):
+            break
+        assert time.monotonic() < deadline, (streaming, loads)
+        time.sleep(0.02)
+    victim.signal(signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a request hung after the worker died"
+
+    failed = [o for o in outcomes if o[0] != "ok"]
+    done = [o for o in outcomes if o[0] == "ok"]
+    # the two sequences running on the victim were mid-stream: UNAVAILABLE with a clear message
+    assert len(failed) == MAX_NUM_SEQS, outcomes
+    for code, tokens, details in failed:
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert tokens > 0 and "lost mid-stream" in details and victim.address in details
+    # everything else, including the request queued on the victim, completed on the survivor
+    assert len(done) == num_requests - MAX_NUM_SEQS
+    assert all(tokens == completion == 120 for _, tokens, completion in done)
+    # the router keeps serving with the survivor alone
+    msgs = list(stub.Generate(long_request(99, 4), timeout=60))
+    assert msgs[-1].finished.usage.completion_tokens == 4

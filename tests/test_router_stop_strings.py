@@ -1,0 +1,62 @@
+"""StopStringMatcher: held-back text, earliest match, flush, no stops."""
+import pytest
+
+from router.stop_strings import StopStringMatcher
+
+
+def run(stops, deltas):
+    m = StopStringMatcher(stops)
+    out, stopped = [], False
+    for d in deltas:
+        text, stopped = m.push(d)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(m.flush())
+    return "".join(out), stopped
+
+
+def test_no_stops_passes_text_through():
+    m = StopStringMatcher(())
+    assert m.push("hello") == ("hello", False)
+    assert m.flush() == ""
+
+
+def test_stop_split_across_deltas_is_removed():
+    assert run(["END"], ["abc E", "N", "D tail"]) == ("abc ", True)
+
+
+def test_partial_prefix_is_held_then_released():
+    m = StopStringMatcher(["END"])
+    assert m.push("abcE") == ("abc", False)
+    assert m.push("N") == ("", False)
+    assert m.push("x") == ("ENx", False)
+    assert m.flush() == ""
+
+
+def test_held_text_is_flushed_at_end_of_stream():
+    assert run(["###"], ["a#", "#"]) == ("a##", False)
+
+
+def test_earliest_of_several_stops_wins():
+    assert run(["world", "lo w"], ["hel", "lo world"]) == ("hel", True)
+
+
+def test_stop_inside_a_single_delta():
+    assert run(["\n\n"], ["one\n\ntwo"]) == ("one", True)
+
+
+@pytest.mark.parametrize("text", ["abcdef", "a\nb\n\nc", "xyzENDxyz"])
+def test_character_by_character_equals_whole(text):
+    stops = ["END", "\n\n"]
+    whole = run(stops, [text])
+    chars = run(stops, list(text))
+    assert whole == chars
+
+
+def test_push_after_stop_is_a_bug():
+    m = StopStringMatcher(["x"])
+    assert m.push("x") == ("", True)
+    with pytest.raises(AssertionError):
+        m.push("more")

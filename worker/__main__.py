@@ -1,0 +1,49 @@
+"""`python -m worker --port N [--model PATH]` serves one engine over gRPC (see --help)."""
+import argparse
+import asyncio
+import logging
+import sys
+
+from common.net import is_loopback_host
+from worker.config import EngineConfig
+from worker.server import WorkerServerConfig, serve
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
+    p = argparse.ArgumentParser(prog="python -m worker", description="LLM worker (gRPC)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = ephemeral (printed at start-up)")
+    p.add_argument("--allow-insecure-public", action="store_true",
+                   help="bind a non-loopback address (the worker API has no authentication)")
+    p.add_argument("--drain-grace-s", type=float, default=10.0)
+    p.add_argument("--model", default=None, help="GGUF file or HF dir (default: embedded SmolLM2)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="KV cache budget (CPU), MiB")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if not is_loopback_host(a.host) and not a.allow_insecure_public:
+        p.error(f"refusing to bind {a.host}: the worker API is unauthenticated; "
+                "pass --allow-insecure-public on a private network")
+    overrides = {k: v for k, v in {
+        "kv_cache_bytes": None if a.kv_cache_mb is None else int(a.kv_cache_mb * 2**20),
+        "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+        "max_model_len": a.max_model_len, "num_threads": a.num_threads,
+    }.items() if v is not None}
+    engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+                          seed=a.seed, **overrides)
+    return WorkerServerConfig(engine=engine, host=a.host, port=a.port, drain_grace_s=a.drain_grace_s)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    return asyncio.run(serve(parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

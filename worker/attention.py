@@ -1,0 +1,59 @@
+"""Attention backends: the one seam between the model and the kernels.
+
+Contract: `AttentionMetadata` is built once per step by the model runner and shared by all layers:
+- `slot_mapping [num_tokens] int64`: cache slot of each new token (block_id * block_size + offset).
+- `block_tables [num_seqs, max_blocks] int32`: physical block ids of each sequence, padded with 0.
+- `seq_lens [num_seqs] int32`: tokens in context after this step (cached + new).
+- `query_start_loc [num_seqs + 1] int32`: offsets of each sequence's new tokens in the flat batch.
+- `max_query_len`, `max_seq_len`: host-side ints, so kernels need no device sync.
+A backend offers `store_kv` and `paged_attention` with the signatures of worker/kernels/reference.py.
+"torch" is the plain-torch reference (CPU and anywhere); "triton" runs the Triton kernels (CUDA, or
+CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py and the engine-vs-HF tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend:
+    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool):
+        self.name = name
+        self._store_kv = store_kv
+        self._paged_attention = paged_attention
+        self._takes_max_lens = takes_max_lens
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it."""
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = (dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+                 if self._takes_max_lens else {})
+        return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, **extra)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from worker.kernels import reference
+        return AttentionBackend("torch", reference.store_kv, reference.paged_attention, False)
+    if name == "triton":
+        from worker.kernels import triton_attention, triton_store_kv
+        return AttentionBackend("triton", triton_store_kv.store_kv,
+                                triton_attention.paged_attention, True)
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")
+
+

@@ -1,0 +1,118 @@
+"""Plain-torch reference kernels: the CPU attention backend and the oracle for the Triton kernels.
+
+Contract (shared with worker/kernels/triton_*.py):
+- Paged KV cache: one tensor per layer for K and one for V, shape
+  `[num_blocks, block_size, num_kv_heads, head_dim]`. Token slot `s` lives at block `s // block_size`,
+  row `s % block_size`.
+- `store_kv(key, value, k_cache, v_cache, slot_mapping)`: key/value `[num_tokens, num_kv_heads,
+  head_dim]`, `slot_mapping [num_tokens] int64`; slots < 0 are skipped (padding). Writes in place.
+- `paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)`:
+  q `[num_tokens, num_heads, head_dim]` holding each sequence's new tokens back to back
+  (`query_start_loc [num_seqs + 1] int32`), `seq_lens [num_seqs] int32` = cached + new tokens,
+  `block_tables [num_seqs, max_blocks] int32`. The new tokens are the last `query_len` positions of
+  each sequence: causal among themselves, full over the cached prefix. GQA: query head h reads KV
+  head h // (num_heads // num_kv_heads). Returns `[num_tokens, num_heads, head_dim]`, q's dtype;
+  softmax is computed in float32.
+- Fails how: shape or dtype mismatch raises ValueError before any work.
+- Proven by: tests/test_kernels.py (Triton vs this) and tests/test_engine_hf.py (engine logits vs
+  transformers).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"head layout mismatch: q heads {num_heads}x{head_dim}, "
+                         f"kv heads {num_kv_heads}x{k_cache.shape[3]}")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"batch mismatch: seq_lens {num_seqs}, query_start_loc "
+                         f"{query_start_loc.shape[0]}, block_tables {block_tables.shape[0]}")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"store_kv shapes: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+                         f"cache {tuple(k_cache.shape)}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    slot_mapping = slot_mapping.long()
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _attend_group(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_lens, scale):
+    """Attention for a group of sequences, padded to the group's longest query and context."""
+    num_seqs = len(q_lens)
+    block_size = k_cache.shape[1]
+    max_q = max(q_lens)
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    device = q.device
+    tables = block_tables[:, :num_blocks].long()
+    # Gather each sequence's context: (S, L, Hkv, D) -> (S, Hkv, L, D)
+    keys = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    starts = torch.tensor(q_starts, device=device)
+    lens = torch.tensor(q_lens, device=device)
+    j = torch.arange(max_q, device=device)
+    row_valid = j[None, :] < lens[:, None]                                   # (S, Q)
+    rows = torch.where(row_valid, starts[:, None] + j[None, :], starts[:, None])
+    queries = q[rows].transpose(1, 2)                                        # (S, H, Q, D)
+    # Query j of sequence s sits at position seq_len - q_len + j and sees keys up to it.
+    pos = (seq_lens.long()[:, None] - lens[:, None]) + j[None, :]            # (S, Q)
+    k_idx = torch.arange(max_len, device=device)
+    mask = k_idx[None, None, :] <= pos[:, :, None]                           # (S, Q, L)
+    mask = mask | ~row_valid[:, :, None] & (k_idx == 0)                      # padding rows: no NaN
+    out = F.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=True)                                        # (S, H, Q, D)
+    out = out.transpose(1, 2)                                                # (S, Q, H, D)
+    return out[row_valid], rows[row_valid]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    # Decodes (one new token) and prefill chunks are padded separately: padding a decode to a
+    # 512-token chunk would cost 512x its work.
+    groups = ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1])
+    for idx in groups:
+        if not idx:
+            continue
+        sel = torch.tensor(idx, device=q.device)
+        vals, rows = _attend_group(q, k_cache, v_cache, block_tables[sel], seq_lens[sel],
+                                   [starts[i] for i in idx], [q_lens[i] for i in idx], scale)
+        out[rows] = vals.to(q.dtype)
+    return out
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Causal attention of one sequence over contiguous K/V: q (T, H, D), k/v (L, Hkv, D), T <= L."""
+    t, length = q.shape[0], k.shape[0]
+    mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).to(q.dtype)

@@ -1,0 +1,1 @@
+"""Model definition (Llama family) and weight loaders (GGUF, HF safetensors)."""

@@ -1,0 +1,194 @@
+"""Llama-family decoder in one readable file (SmolLM2, Llama 2/3, Qwen2-style q/k/v bias).
+
+Contract: `forward(input_ids [T] int64, positions [T] int64, kv_caches, meta) -> hidden [T, C]`
+over a *flat* batch: the new tokens of every scheduled sequence back to back (no padding, no batch
+dimension). `compute_logits(hidden [S, C]) -> [S, vocab] float32`, called only on the rows that
+sample. State: none besides the weights; the paged KV cache is passed in (one (K, V) pair per
+layer) and written through the attention backend. Weights use Hugging Face names at load time
+(`load_hf_state_dict`) and are fused here (q|k|v, gate|up) so each projection is one matmul.
+Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None or scaling.factor == 1.0:
+        return inv_freq.float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+    out = torch.where(wavelen < high_wavelen, inv_freq, out)
+    return out.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE, with cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        self.args = (head_dim, max_position, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        if not self.cos.is_meta:
+            self.reset()
+
+    def reset(self) -> None:
+        head_dim, max_position, theta, scaling = self.args
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.cos = freqs.cos().to(self.cos.device)                      # (P, D/2)
+        self.sin = freqs.sin().to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions][:, None, :]                          # (T, 1, D/2)
+        sin = self.sin[positions][:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)                            # (T, H, D/2)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rope(positions, q.view(-1, self.num_heads, self.head_dim))     # (T, H, D)
+        k = self.rope(positions, k.view(-1, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))                        # (T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                        # (T, F) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                        # (T, C)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def reset_rope(self) -> None:
+        self.layers[0].self_attn.rope.reset()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()                                 # (S, V)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors ("model.layers.0.self_attn.q_proj.weight", ...)."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, shard = fused[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                self._copy_shard(params[key], tensor, target, shard)
+                loaded.add(f"{key}#{shard}")
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name!r}")
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+                params[name].copy_(tensor)
+                loaded.add(name)
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"missing weights: {sorted(missing)[:5]} ({len(missing)} in all)")
+
+    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int) -> None:
+        cfg = self.config
+        if target == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            offset, size = [(0, q), (q, kv), (q + kv, kv)][shard]
+        else:
+            offset, size = shard * cfg.intermediate_size, cfg.intermediate_size
+        dst = param.narrow(0, offset, size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{target}[{shard}]: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+        dst.copy_(tensor)

@@ -1,0 +1,140 @@
+"""Model runner: turns a scheduler plan into one forward pass and sampled tokens.
+
+Contract:
+- Input: `SchedulerOutput` (which sequences, how many new tokens each).
+- Builds flat inputs for the step: `input_ids [T] int64`, `positions [T] int64`,
+  `slot_mapping [T] int64`, `block_tables [S, max_blocks] int32`, `seq_lens [S] int32`,
+  `query_start_loc [S+1] int32` (see worker/attention.py), runs the model, computes logits only
+  for sequences that finish their outstanding tokens this step, and samples.
+- Output: `{request_id: (token_id, logprob | None)}` for the sampling sequences.
+- State: the model weights, the paged KV cache (`kv_caches[layer] = (K, V)`, each
+  `[num_blocks, block_size, num_kv_heads, head_dim]`), one torch.Generator per sampling request.
+- Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
+  after loading the weights times `gpu_memory_utilization` (CUDA).
+- Proven by tests/test_engine_hf.py (logits vs transformers) and tests/test_engine_batching.py.
+"""
+from __future__ import annotations
+
+import logging
+
+from collections.abc import Callable
+
+import torch
+
+from worker.attention import AttentionMetadata, get_attention_backend
+from worker.config import EngineConfig
+from worker.model.loader import load_model
+from worker.sampler import sample
+from worker.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.dtype, self.device)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.model_name, self.eos_token_ids, self.load_s = loaded.name, loaded.eos_token_ids, loaded.load_s
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        cfg, dtype = self.model_config, self.model.embed_tokens.weight.dtype
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
+        self.seed_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
+        log.info("model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
+                 self.model_name, self.load_s, self.num_blocks, self.num_blocks * self.block_size,
+                 self.num_blocks * self.kv_bytes_per_block / 2**20, self.backend.name)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elt = self.model.embed_tokens.weight.element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elt
+
+    def _num_kv_blocks(self) -> int:
+        budget = self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        num_blocks = budget // self.kv_bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {budget} bytes is smaller than one block "
+                             f"({self.kv_bytes_per_block} bytes)")
+        return int(num_blocks)
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        gen = self.generators.get(request_id)
+        if gen is None:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[request_id] = gen
+        return gen
+
+    def prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        logits_rows: list[int] = []
+        max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
+        tables = []
+        for s in plan.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            starts.append(starts[-1] + s.num_new_tokens)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            if s.samples:
+                logits_rows.append(starts[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_new_tokens for s in plan.scheduled),
+            max_seq_len=max(seq_lens))
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logits_rows)
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        input_ids, positions, meta, logits_rows = self.prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)     # (T, C)
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_rows])                            # (S, V)
+        if self.logits_observer is not None:
+            self.logits_observer([seq.request_id for seq in sampling], logits)
+        params = [seq.sampling for seq in sampling]
+        gens = [None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
+                for seq in sampling]
+        tokens, logprobs = sample(logits, params, gens)
+        return {seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
+                for i, seq in enumerate(sampling)}
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+

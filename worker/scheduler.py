@@ -1,0 +1,210 @@
+"""Continuous-batching scheduler (pure Python, no torch).
+
+Contract:
+- Input: sequences (`add`), aborts (`abort`), and after each model step the sampled tokens
+  (`update`).
+- Output: `schedule()` returns a `SchedulerOutput` plan: for each scheduled sequence how many of its
+  outstanding tokens to compute this step. One token budget per step (`max_num_batched_tokens`)
+  is shared by decodes (1 token) and prompt chunks (chunked prefill), so prefill and decode mix
+  freely; at most `max_num_seqs` run at once.
+- State: `waiting` (sorted by priority, then arrival) and `running` queues; the block manager.
+- Fails how: when KV blocks run out, the lowest-priority, newest running sequence is preempted by
+  recompute (blocks freed, it returns to the front of its priority class in `waiting`). A waiting
+  sequence of higher priority may preempt a lower-priority running one.
+- Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
+  at the end) and tests/test_engine_batching.py (batched == alone, token for token).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence, SequenceStatus
+from worker.types import FinishReason
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last outstanding token (so it samples)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0         # cumulative, counted when a request is first scheduled
+        self.num_generation_tokens = 0     # cumulative sampled tokens
+
+    # -- intake ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {seq.request_id!r}")
+        if not seq.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if seq.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens; the limit is "
+                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        self.requests[seq.request_id] = seq
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- planning -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self.running[-1]          # lowest priority, newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                hit = self.bm.match_prefix(seq)
+                if seq.first_scheduled_s is None:
+                    seq.num_cached_tokens = hit
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self.running[-1] if self.running else None
+                if victim is None or victim.priority >= seq.priority:
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                for j, s in enumerate(out.scheduled):
+                    if s.seq is victim:
+                        budget += out.scheduled.pop(j).num_new_tokens
+                        break
+            else:
+                self.waiting.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                continue
+            self.bm.free(seq)                      # hit blocks go back (hashes kept) until later
+            break
+        return budget
+
+    # -- results --------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
+        """Advance computed tokens, append sampled ones, finish what is done. Returns the sequences
+        that produced a token or finished this step."""
+        now = time.monotonic()
+        touched = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self.bm.num_prefix_queries += seq.num_prompt_tokens
+                self.bm.num_prefix_hits += seq.num_cached_tokens
+            samples = s.samples
+            seq.num_computed_tokens += s.num_new_tokens
+            self.bm.commit(seq)
+            if not samples:
+                continue
+            token, logprob = sampled[seq.request_id]
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self.num_generation_tokens += 1
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            touched.append(seq)
+        return touched
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- helpers --------------------------------------------------------------------------
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.request_id]
+
+    def check_integrity(self) -> None:
+        live = self.waiting + self.running
+        assert len(live) == len(self.requests), "queues and request map disagree"
+        assert len(self.running) <= self.max_num_seqs
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
+        self.bm.check_integrity(live)

@@ -1,0 +1,130 @@
+"""Worker gRPC service: `llm.v1.Worker` around an `AsyncEngine`, plus grpc.health.v1.
+
+Contract
+- input: `WorkerRequest` (token ids + fully resolved sampling) from a router.
+- output: a stream of `WorkerResponse` (new token ids, logprobs, cached/queue stats on every
+  message; `finished` on the last); `LoadReport` from `engine.stats()`; `WorkerInfo` from
+  `engine.info`. Protobuf stops here: the engine sees only `worker.types`.
+- state: the engine (its loop runs on its own thread; this side only awaits its outputs).
+- failure modes: bad sampling values or an engine-rejected prompt -> INVALID_ARGUMENT; a cancelled
+  call (router cancel, deadline, lost connection) aborts the sequence in the engine, freeing its KV
+  blocks in the next step; SIGTERM -> health NOT_SERVING, in-flight streams get `drain_grace_s`,
+  then the engine shuts down.
+- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_worker_loss.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.net import bind_address
+from protos.llm.v1 import worker_pb2 as wpb
+from protos.llm.v1 import worker_pb2_grpc
+from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig
+from worker.types import FinishReason, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
+FINISH_REASONS = {
+    FinishReason.STOP: wpb.WORKER_FINISH_REASON_STOP,
+    FinishReason.LENGTH: wpb.WORKER_FINISH_REASON_LENGTH,
+    FinishReason.ABORT: wpb.WORKER_FINISH_REASON_ABORT,
+}
+
+
+@dataclass(frozen=True)
+class WorkerServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0                          # 0 = ephemeral; the bound port is logged
+    drain_grace_s: float = 10.0
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
+        max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def to_response(out: RequestOutput) -> wpb.WorkerResponse:
+    msg = wpb.WorkerResponse(token_ids=out.new_token_ids, logprobs=out.new_logprobs or (),
+                             num_cached_tokens=out.num_cached_tokens, queue_ms=out.queue_s * 1e3)
+    if out.finished:
+        msg.finished.CopyFrom(wpb.WorkerFinished(
+            reason=FINISH_REASONS[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens, ttft_ms=out.ttft_s * 1e3))
+    return msg
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine
+
+    async def Generate(self, request: wpb.WorkerRequest, context: grpc.aio.ServicerContext):
+        try:
+            sampling = to_sampling(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
+                                        priority=request.priority, salt=request.cache_salt)
+        try:
+            async for out in outputs:
+                yield to_response(out)
+        except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            await outputs.aclose()  # on cancellation this aborts the sequence in the engine
+
+    async def GetLoad(self, request, context) -> wpb.LoadReport:
+        s = self._engine.stats()
+        return wpb.LoadReport(num_running=s.num_running, num_waiting=s.num_waiting,
+                              num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks)
+
+    async def GetInfo(self, request, context) -> wpb.WorkerInfo:
+        i = self._engine.info
+        return wpb.WorkerInfo(model=i.name, block_size=i.block_size, max_model_len=i.max_model_len,
+                              vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids)
+
+
+async def serve(config: WorkerServerConfig) -> int:
+    engine = AsyncEngine.from_config(config.engine)
+    options = [("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.max_receive_message_length", config.max_message_bytes)]
+    server = grpc.aio.server(options=options)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = bind_address(config.host, config.port)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        engine.shutdown()
+        raise SystemExit(f"cannot bind {address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    info = engine.info
+    # The "listening" line is machine-read by launchers that pass --port 0.
+    print(f"worker listening on {bind_address(config.host, port)}", flush=True)
+    log.info("model %s, block size %d, max model len %d, %d KV blocks", info.name, info.block_size,
+             info.max_model_len, engine.stats().num_total_blocks)
+    await stop.wait()
+
+    log.info("draining (grace %.1f s)", config.drain_grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=config.drain_grace_s)
+    engine.shutdown()
+    log.info("worker stopped")
+    return 0

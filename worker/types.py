@@ -1,0 +1,84 @@
+"""Engine-facing request and output types (pure Python, no torch).
+
+Contract: the engine is token-in / token-out. A request is `prompt_token_ids: list[int]` plus
+`SamplingParams`; each `LLMEngine.step()` returns one `RequestOutput` per sequence that produced
+tokens or finished in that step. `new_token_ids` are the tokens produced since the last output
+(usually one); `new_logprobs` (natural log, float) are parallel to it when requested.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS or a stop token id
+    LENGTH = "length"      # max_tokens reached or context full
+    ABORT = "abort"        # aborted by the caller (cancellation, deadline)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None           # per-request generator; same seed -> same tokens
+    logprobs: bool = False            # return the logprob of each chosen token
+    max_tokens: int = 16              # >= 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int            # prompt tokens served from the prefix cache
+    queue_s: float = 0.0              # arrival -> first scheduled
+    ttft_s: float = 0.0               # arrival -> first output token (0 until then)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int              # cumulative
+    num_prefix_queries: int           # cumulative prompt tokens looked up in the prefix cache
+    num_prefix_hits: int              # cumulative prompt tokens found there
+    num_prompt_tokens: int            # cumulative
+    num_generation_tokens: int        # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
