@@ -1,0 +1,150 @@
+"""AsyncEngine: runs LLMEngine on its own thread and streams outputs to asyncio consumers.
+
+Contract:
+- `generate(request_id, prompt_token_ids, sampling, priority, salt)` is an async iterator of
+  `RequestOutput`; the last one has `finished=True`. If the consumer stops early (cancelled
+  task, closed generator) the request is aborted in the engine and its blocks freed in the next
+  step. Engine-side rejections (ValueError: duplicate id, prompt too long, bad token id) are raised
+  from the iterator.
+- Threads: only the engine thread touches LLMEngine. Other threads post commands to a queue; the
+  engine thread hands outputs back with `loop.call_soon_threadsafe`, so the event loop never
+  blocks on torch.
+- `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
+- Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
+  them, and the loop goes on serving new requests.
+- Proven by tests/test_async_engine.py and the gRPC end-to-end tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: deque[tuple] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._stats = engine.stats()
+        self.step_observers: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        engine = cls(LLMEngine(config))
+        engine.start()
+        return engine
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.engine.info
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0, salt: str = "") -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._post(("add", request_id, list(prompt_token_ids), sampling, priority, salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def _post(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    # -- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._apply_commands()
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:                  # a bug or OOM: fail in-flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+            self._stats = engine.stats()
+            for observer in self.step_observers:
+                observer(engine, outputs)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                _, request_id, prompt, sampling, priority, salt = command
+                try:
+                    self.engine.add_request(request_id, prompt, sampling, priority, salt)
+                except ValueError as exc:
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(exc)
+            else:
+                self.engine.abort(command[1])
+        self._stats = self.engine.stats()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(RuntimeError(f"engine step failed: {exc}"))
+        self.engine.step()                            # drain the abort outputs
+        self._stats = self.engine.stats()
