@@ -102,7 +102,9 @@ def hf_model_config(config: dict) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {SUPPORTED_ARCHS})")
     num_heads = config["num_attention_heads"]
-    rs = config.get("rope_scaling") or {}
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
+    rs = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_theta = rs.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = None
     if rs.get("rope_type", rs.get("type")) == "llama3":
         scaling = RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
@@ -114,7 +116,7 @@ def hf_model_config(config: dict) -> ModelConfig:
         num_heads=num_heads, num_kv_heads=config.get("num_key_value_heads", num_heads),
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
         max_position=config.get("max_position_embeddings", 4096),
-        rope_theta=config.get("rope_theta", 10000.0), rms_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta, rms_eps=config.get("rms_norm_eps", 1e-5),
         tie_embeddings=config.get("tie_word_embeddings", False),
         qkv_bias=config.get("attention_bias", arch == "qwen2"), rope_scaling=scaling,
         name=config.get("_name_or_path") or arch)
