@@ -5,7 +5,9 @@ Both sides get the same greedy requests (fixed output length, `ignore_eos`) all 
 (saturation), in alternating rounds; each side reports output tokens/s and TTFT percentiles. The
 gRPC side sends text and lets the router tokenize, detokenize and relay, so every layer a client
 goes through is on the clock. A throughput figure counts only if greedy outputs match between the
-two sides (METRICS.md correctness guard). Prints the throughput ratio and the added TTFT p50.
+two sides (METRICS.md correctness guard). Prints the throughput ratio and the added TTFT p50, both
+at saturation (where arrival order also shapes the first batch) and one request at a time (the
+layers' own latency).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import asyncio
 import os
 import platform
 import random
-import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -72,23 +73,20 @@ async def run_in_process(engine: AsyncEngine, prompt_ids: list[list[int]], outpu
     return Round("in-process", time.perf_counter() - start, [r[0] for r in results], [r[1] for r in results])
 
 
-async def run_grpc(target: str, prompts: list[str], output_len: int) -> Round:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+async def run_grpc(stub: generation_pb2_grpc.GenerationStub, prompts: list[str], output_len: int) -> Round:
+    async def one(prompt: str) -> tuple[float, list[int]]:
+        request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(temperature=0.0),
+                                     stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
+        start, ttft, ids = time.perf_counter(), 0.0, []
+        async for msg in stub.Generate(request):
+            if msg.HasField("chunk") and msg.chunk.token_ids:
+                if not ids:
+                    ttft = time.perf_counter() - start
+                ids.extend(msg.chunk.token_ids)
+        return ttft, ids
 
-        async def one(prompt: str) -> tuple[float, list[int]]:
-            request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(temperature=0.0),
-                                         stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
-            start, ttft, ids = time.perf_counter(), 0.0, []
-            async for msg in stub.Generate(request):
-                if msg.HasField("chunk") and msg.chunk.token_ids:
-                    if not ids:
-                        ttft = time.perf_counter() - start
-                    ids.extend(msg.chunk.token_ids)
-            return ttft, ids
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
     return Round("grpc", time.perf_counter() - start, [r[0] for r in results], [r[1] for r in results])
 
 
@@ -126,22 +124,39 @@ async def main_async(a: argparse.Namespace) -> None:
         router = LocalProcess("router", ["-m", "router", "--port", "0", "--workers", worker_address,
                                          "--health-poll-s", "0.2"], quiet=True)
         target = router.wait_listening(60)
-        await wait_for_worker(target)
-        # warm-up on both sides, excluded from the figures
-        await run_in_process(engine, prompt_ids[:2], 4, "warmup")
-        await run_grpc(target, prompts[:2], 4)
-        rounds: dict[str, list[Round]] = {"in-process": [], "grpc": []}
-        for r in range(a.rounds):  # alternate sides so drift in machine speed hits both
-            rounds["in-process"].append(await run_in_process(engine, prompt_ids, a.output_len, f"round{r}"))
-            rounds["grpc"].append(await run_grpc(target, prompts, a.output_len))
-            print(f"round {r}: in-process {rounds['in-process'][-1].output_tokens_per_s:.1f} tok/s, "
-                  f"grpc {rounds['grpc'][-1].output_tokens_per_s:.1f} tok/s", flush=True)
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await wait_for_worker(stub)
+            rounds, single = await measure(a, engine, stub, prompts, prompt_ids)
     finally:
         if router:
             router.stop()
         worker.stop()
         engine.shutdown()
 
+    report(a, rounds, single)
+
+
+async def measure(a: argparse.Namespace, engine: AsyncEngine, stub, prompts: list[str],
+                  prompt_ids: list[list[int]]) -> tuple[dict[str, list[Round]], dict[str, list[float]]]:
+    # warm-up on both sides, excluded from the figures
+    await run_in_process(engine, prompt_ids[:2], 4, "warmup")
+    await run_grpc(stub, prompts[:2], 4)
+    rounds: dict[str, list[Round]] = {"in-process": [], "grpc": []}
+    for r in range(a.rounds):  # alternate sides so drift in machine speed hits both
+        rounds["in-process"].append(await run_in_process(engine, prompt_ids, a.output_len, f"round{r}"))
+        rounds["grpc"].append(await run_grpc(stub, prompts, a.output_len))
+        print(f"round {r}: in-process {rounds['in-process'][-1].output_tokens_per_s:.1f} tok/s, "
+              f"grpc {rounds['grpc'][-1].output_tokens_per_s:.1f} tok/s", flush=True)
+    single: dict[str, list[float]] = {"in-process": [], "grpc": []}
+    for i in range(a.num_single):  # unloaded: one request at a time, alternating sides
+        k = i % len(prompts)
+        single["in-process"] += (await run_in_process(engine, [prompt_ids[k]], 2, f"single{i}")).ttft_s
+        single["grpc"] += (await run_grpc(stub, [prompts[k]], 2)).ttft_s
+    return rounds, single
+
+
+def report(a: argparse.Namespace, rounds: dict[str, list[Round]], single: dict[str, list[float]]) -> None:
     reference = rounds["in-process"][0].outputs
     matches = sum(o == ref for side in rounds.values() for rnd in side for o, ref in zip(rnd.outputs, reference))
     total = a.num_requests * 2 * a.rounds
@@ -153,20 +168,21 @@ async def main_async(a: argparse.Namespace) -> None:
     ratio = via_grpc["tok_s"] / inproc["tok_s"]
     print(f"\nthroughput ratio grpc / in-process: {ratio:.3f} (gRPC layers cost {100 * (1 - ratio):.1f}%; "
           f"target < 10%)")
-    print(f"added TTFT p50: {(via_grpc['ttft_p50'] - inproc['ttft_p50']) * 1e3:+.0f} ms")
+    single_p50 = {side: percentile(values, 0.5) for side, values in single.items()}
+    print(f"added TTFT p50 at saturation: {(via_grpc['ttft_p50'] - inproc['ttft_p50']) * 1e3:+.0f} ms; "
+          f"one request at a time: {(single_p50['grpc'] - single_p50['in-process']) * 1e3:+.1f} ms "
+          f"({single_p50['in-process'] * 1e3:.0f} -> {single_p50['grpc'] * 1e3:.0f} ms)")
     print(f"greedy outputs identical to the first in-process round: {matches}/{total}"
           + ("" if matches == total else "  <- figures do not count (correctness guard)"))
 
 
-async def wait_for_worker(target: str, timeout_s: float = 60.0) -> None:
+async def wait_for_worker(stub: generation_pb2_grpc.GenerationStub, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        while time.monotonic() < deadline:
-            models = (await stub.ListModels(pb.ListModelsRequest())).models
-            if models and models[0].num_workers:
-                return
-            await asyncio.sleep(0.1)
+    while time.monotonic() < deadline:
+        models = (await stub.ListModels(pb.ListModelsRequest())).models
+        if models and models[0].num_workers:
+            return
+        await asyncio.sleep(0.1)
     raise TimeoutError("the router saw no healthy worker")
 
 
@@ -175,6 +191,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-single", type=int, default=8, help="unloaded TTFT samples per side")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=float, default=256)
     p.add_argument("--dtype", default="float32")

@@ -1,7 +1,8 @@
 """Real worker and router processes on 127.0.0.1 for end-to-end tests.
 
-Each process binds port 0 and prints its address ("... listening on HOST:PORT"); `start_*` reads it
-from the log, then waits for grpc.health.v1 SERVING (no sleeps). `stop` terminates, then kills.
+Each process binds port 0 and prints its address ("... listening on HOST:PORT"); `ready` reads it
+from the process's log (kept under pytest's tmp dir), then waits for grpc.health.v1 SERVING.
+`stop` terminates, then kills.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ START_TIMEOUT_S = 180.0
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str]):
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path):
         self.name = name
-        self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)[1])
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
@@ -88,13 +89,13 @@ def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START
                        f"within {timeout_s} s ({last})")
 
 
-def start_worker(*extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
-    return Proc("worker", ["/tmp/shim/run_worker.py", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), *extra])
+def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
+    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), *extra], log_dir)
 
 
-def start_router(workers: list[str], *extra: str) -> Proc:
+def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc:
     return Proc("router", ["-m", "router", "--port", "0", "--workers", ",".join(workers),
-                           "--health-poll-s", "0.2", *extra])
+                           "--health-poll-s", "0.2", *extra], log_dir)
 
 
 def ready(*procs: Proc) -> None:

@@ -3,13 +3,15 @@
 Acceptance 1 (text == engine output, usage), 3 (cancel frees KV blocks within 1 s), 5 (invalid
 request table), 6 (SIGTERM drain), plus deadline propagation, stop strings, logprobs and ListModels.
 """
+import asyncio
 import signal
 import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
@@ -24,20 +26,31 @@ FRANCE = [pb.ChatMessage(role="user", content="What is the capital of France?")]
 
 
 @pytest.fixture(scope="module")
-def worker():
-    proc = procs.start_worker()
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def worker_started(logs):
+    """Started but maybe still loading, so the reference engine below loads at the same time."""
+    proc = procs.start_worker(logs)
     try:
-        procs.ready(proc)
         yield proc
     finally:
         proc.stop()
 
 
 @pytest.fixture(scope="module")
-def router(worker, tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+def worker(worker_started):
+    procs.ready(worker_started)
+    return worker_started
+
+
+@pytest.fixture(scope="module")
+def router(worker, logs):
+    tenants = logs / "tenants.yaml"
     tenants.write_text(f"tenants:\n  - name: tests\n    key_sha256: {hash_key(API_KEY)}\n")
-    proc = procs.start_router([worker.address], "--tenants", str(tenants), "--max-tokens-limit", "512")
+    proc = procs.start_router(logs, [worker.address], "--tenants", str(tenants), "--max-tokens-limit", "512")
     try:
         procs.ready(proc)
         procs.wait_for_workers(proc.address, 1, metadata=AUTH)
@@ -64,10 +77,13 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(worker_started):
+    """The reference: the same engine config in this process, no gRPC in between."""
+    from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    from worker.engine import LLMEngine
-    return LLMEngine(EngineConfig(kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20)))
+    engine = AsyncEngine.from_config(EngineConfig(kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20)))
+    yield engine
+    engine.shutdown()
 
 
 def greedy(max_tokens, logprobs=0, stop=(), **kw):
@@ -90,7 +106,15 @@ def collect(stub, request, **kw):
 
 def engine_output(engine, tokenizer, prompt_ids, max_tokens):
     from worker.types import SamplingParams
-    [ids] = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+    async def run():
+        ids = []
+        async for out in engine.generate(f"ref-{len(prompt_ids)}-{time.monotonic_ns()}", prompt_ids,
+                                         SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+            ids.extend(out.new_token_ids)
+        return ids
+
+    ids = asyncio.run(run())
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -107,7 +131,7 @@ def wait_idle(worker_stub, timeout_s):
 
 
 @pytest.mark.parametrize("kind", ["prompt", "chat", "token_ids"])
-def test_stream_equals_engine_output(stub, engine, tokenizer, kind):
+def test_stream_equals_engine_output(engine, stub, tokenizer, kind):
     text_prompt = "The three primary colors are"
     if kind == "prompt":
         request, prompt_ids = greedy(24, prompt=text_prompt), tokenizer.encode(text_prompt)
@@ -134,7 +158,7 @@ def test_stream_equals_engine_output(stub, engine, tokenizer, kind):
         assert "Paris" in text
 
 
-def test_stop_string_truncates_and_finishes_with_stop(stub, engine, tokenizer):
+def test_stop_string_truncates_and_finishes_with_stop(engine, stub, tokenizer):
     request = greedy(24, chat=pb.Chat(messages=FRANCE), stop=[" Paris"])
     _, full_text = engine_output(engine, tokenizer, tokenizer.encode_chat([{"role": "user",
                                  "content": FRANCE[0].content}]), 24)
@@ -162,6 +186,16 @@ def test_list_models(stub):
     models = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH).models
     assert len(models) == 1
     assert models[0].num_workers == 1 and models[0].max_model_len > 0 and models[0].id
+
+
+def test_health_and_reflection(router):
+    with grpc.insecure_channel(router.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="llm.v1.Generation"))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert {"llm.v1.Generation", "grpc.health.v1.Health"} <= names
 
 
 def test_cancel_frees_kv_blocks_within_one_second(stub, worker_stub):
@@ -240,16 +274,16 @@ def test_invalid_requests_get_status_and_message_then_server_still_serves(stub):
     assert len(ids) == finished.usage.completion_tokens > 0
 
 
-def test_sigterm_drains_router(worker, worker_stub):
+def test_sigterm_drains_router(worker, logs):
     """In-flight streams finish, new calls get UNAVAILABLE, exit status 0 (acceptance 6)."""
-    proc = procs.start_router([worker.address])
+    proc = procs.start_router(logs, [worker.address])
     try:
         procs.ready(proc)
         procs.wait_for_workers(proc.address, 1)
         with grpc.insecure_channel(proc.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = pb.GenerateRequest(prompt="List some fruits:", stopping=pb.StoppingCriteria(
-                max_tokens=40, ignore_eos=True))
+                max_tokens=24, ignore_eos=True))
             started = threading.Barrier(3)
             results = [None, None]
 
@@ -277,8 +311,8 @@ def test_sigterm_drains_router(worker, worker_stub):
             for t in threads:
                 t.join(timeout=60)
             for tokens, finished in results:
-                assert tokens == 40 and finished.reason == pb.FINISH_REASON_LENGTH
-                assert finished.usage.completion_tokens == 40
+                assert tokens == 24 and finished.reason == pb.FINISH_REASON_LENGTH
+                assert finished.usage.completion_tokens == 24
         assert proc.popen.wait(timeout=30) == 0
     finally:
         proc.stop()

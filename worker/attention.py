@@ -25,14 +25,16 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prepared: object = None      # backend-specific per-step index work, built by the first layer
 
 
 class AttentionBackend:
-    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool):
+    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None):
         self.name = name
         self._store_kv = store_kv
         self._paged_attention = paged_attention
         self._takes_max_lens = takes_max_lens
+        self._prepare = prepare
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -40,6 +42,11 @@ class AttentionBackend:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         extra = (dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
                  if self._takes_max_lens else {})
+        if self._prepare is not None:
+            if meta.prepared is None:
+                meta.prepared = self._prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                              k_cache.shape[1])
+            extra["plan"] = meta.prepared
         return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, **extra)
 
@@ -49,7 +56,8 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from worker.kernels import reference
-        return AttentionBackend("torch", reference.store_kv, reference.paged_attention, False)
+        return AttentionBackend("torch", reference.store_kv, reference.paged_attention, False,
+                                reference.plan_attention)
     if name == "triton":
         from worker.kernels import triton_attention, triton_store_kv
         return AttentionBackend("triton", triton_store_kv.store_kv,

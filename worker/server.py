@@ -80,6 +80,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield to_response(out)
         except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # an engine step failed; the engine keeps serving others
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             await outputs.aclose()  # on cancellation this aborts the sequence in the engine
 

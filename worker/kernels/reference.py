@@ -19,6 +19,8 @@ Contract (shared with worker/kernels/triton_*.py):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -57,53 +59,64 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _attend_group(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_lens, scale):
-    """Attention for a group of sequences, padded to the group's longest query and context."""
-    num_seqs = len(q_lens)
-    block_size = k_cache.shape[1]
-    max_q = max(q_lens)
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    device = q.device
-    tables = block_tables[:, :num_blocks].long()
-    # Gather each sequence's context: (S, L, Hkv, D) -> (S, Hkv, L, D)
-    keys = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    starts = torch.tensor(q_starts, device=device)
-    lens = torch.tensor(q_lens, device=device)
-    j = torch.arange(max_q, device=device)
-    row_valid = j[None, :] < lens[:, None]                                   # (S, Q)
-    rows = torch.where(row_valid, starts[:, None] + j[None, :], starts[:, None])
-    queries = q[rows].transpose(1, 2)                                        # (S, H, Q, D)
-    # Query j of sequence s sits at position seq_len - q_len + j and sees keys up to it.
-    pos = (seq_lens.long()[:, None] - lens[:, None]) + j[None, :]            # (S, Q)
-    k_idx = torch.arange(max_len, device=device)
-    mask = k_idx[None, None, :] <= pos[:, :, None]                           # (S, Q, L)
-    mask = mask | ~row_valid[:, :, None] & (k_idx == 0)                      # padding rows: no NaN
-    out = F.scaled_dot_product_attention(
-        queries.float(), keys.float(), values.float(), attn_mask=mask[:, None],
-        scale=scale, enable_gqa=True)                                        # (S, H, Q, D)
-    out = out.transpose(1, 2)                                                # (S, Q, H, D)
-    return out[row_valid], rows[row_valid]
+@dataclass
+class GroupPlan:
+    """Index tensors for one padded group of sequences; shared by every layer of a step."""
+    slots: torch.Tensor       # (S, L) int64: cache slot of each context position
+    rows: torch.Tensor        # (S, Q) int64: q row of each padded query (padding -> a valid row)
+    valid: torch.Tensor       # (S, Q) bool: real queries
+    mask: torch.Tensor        # (S, 1, Q, L) bool: which keys each query sees
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int) -> list[GroupPlan]:
+    """Split the batch into decodes (one new token) and prefill chunks and pad each group apart:
+    padding a decode to a 512-token chunk would cost 512x its work."""
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    device = block_tables.device
+    plans = []
+    for idx in ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1]):
+        if not idx:
+            continue
+        sel = torch.tensor(idx, device=device)
+        lens_ctx = seq_lens[sel].long()
+        max_len = int(lens_ctx.max())
+        k_idx = torch.arange(max_len, device=device)
+        tables = block_tables[sel].long()
+        slots = tables[:, k_idx // block_size] * block_size + k_idx % block_size        # (S, L)
+        q_start = torch.tensor([starts[i] for i in idx], device=device)
+        q_len = torch.tensor([q_lens[i] for i in idx], device=device)
+        j = torch.arange(max(q_lens[i] for i in idx), device=device)
+        valid = j[None, :] < q_len[:, None]                                             # (S, Q)
+        rows = torch.where(valid, q_start[:, None] + j[None, :], q_start[:, None])
+        # Query j of a sequence sits at position seq_len - q_len + j and sees keys up to it.
+        pos = (lens_ctx - q_len)[:, None] + j[None, :]                                  # (S, Q)
+        mask = k_idx[None, None, :] <= pos[:, :, None]                                  # (S, Q, L)
+        mask |= ~valid[:, :, None] & (k_idx == 0)                     # padding rows: no NaN
+        plans.append(GroupPlan(slots, rows, valid, mask[:, None]))
+    return plans
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float,
+                    plan: list[GroupPlan] | None = None) -> torch.Tensor:
+    """`plan` (from plan_attention) may be passed to reuse the index work across layers."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    # Decodes (one new token) and prefill chunks are padded separately: padding a decode to a
-    # 512-token chunk would cost 512x its work.
-    groups = ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1])
-    for idx in groups:
-        if not idx:
-            continue
-        sel = torch.tensor(idx, device=q.device)
-        vals, rows = _attend_group(q, k_cache, v_cache, block_tables[sel], seq_lens[sel],
-                                   [starts[i] for i in idx], [q_lens[i] for i in idx], scale)
-        out[rows] = vals.to(q.dtype)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    # float32 stays float32; bf16/fp16 go to SDPA as they are (its CPU kernel accumulates in fp32).
+    for g in plan:
+        keys = flat_k[g.slots].transpose(1, 2)                                          # (S, Hkv, L, D)
+        values = flat_v[g.slots].transpose(1, 2)
+        queries = q[g.rows].transpose(1, 2)                                             # (S, H, Q, D)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=True)                             # (S, H, Q, D)
+        out[g.rows[g.valid]] = o.transpose(1, 2)[g.valid]
     return out
 
 

@@ -66,9 +66,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().to(self.cos.device)                      # (P, D/2)
         self.sin = freqs.sin().to(self.sin.device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :]                          # (T, 1, D/2)
-        sin = self.sin[positions][:, None, :]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each token's position, (T, 1, D/2); computed once per step."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_sin
         x1, x2 = x.float().chunk(2, dim=-1)                            # (T, H, D/2)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -84,11 +88,12 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(positions, q.view(-1, self.num_heads, self.head_dim))     # (T, H, D)
-        k = self.rope(positions, k.view(-1, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
+        q = self.rope.apply(rope_cs, q.view(-1, self.num_heads, self.head_dim))     # (T, H, D)
+        k = self.rope.apply(rope_cs, k.view(-1, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))                        # (T, C)
@@ -113,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, backend)
+    def forward(self, x, rope_cs, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cs, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,8 +137,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                        # (T, C)
+        rope_cs = self.layers[0].self_attn.rope.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, backend)
+            x = layer(x, rope_cs, kv_cache, meta, backend)
         return self.norm(x)
 
     def reset_rope(self) -> None:

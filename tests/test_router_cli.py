@@ -1,0 +1,39 @@
+"""Process-level guards: the router never imports torch; neither server binds a public address
+without keys / an explicit flag; the CLI builds the config it says it does."""
+import subprocess
+import sys
+
+import pytest
+
+from router.config import Limits, RouterConfig, parse_args
+from tests.procs import REPO
+
+
+def test_router_modules_do_not_import_torch():
+    code = ("import sys, router.__main__, router.server, router.client, router.local; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'worker'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+@pytest.mark.parametrize("module", ["router", "worker"])
+def test_public_bind_without_keys_is_refused(module):
+    out = subprocess.run([sys.executable, "-m", module, "--host", "0.0.0.0", "--port", "0"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "refusing" in out.stderr
+
+
+def test_parse_args():
+    config = parse_args(["--workers", "127.0.0.1:1, 127.0.0.1:2", "--port", "0", "--max-tokens-limit", "100",
+                         "--default-max-tokens", "50", "--drain-grace-s", "3"])
+    assert config.workers == ("127.0.0.1:1", "127.0.0.1:2")
+    assert (config.port, config.drain_grace_s, config.host) == (0, 3.0, "127.0.0.1")
+    assert config.limits == Limits(default_max_tokens=50, max_tokens_limit=100)
+    assert config.binds_loopback
+
+
+@pytest.mark.parametrize("kwargs", [{"workers": ("nohost",)}, {"port": 70000}, {"drain_grace_s": -1}])
+def test_bad_config_is_rejected(kwargs):
+    with pytest.raises(ValueError):
+        RouterConfig(**kwargs)
