@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     logprobs.extend(msg.chunk.logprobs)
                 else:
                     f = msg.finished
-                    print(file=sys.stderr)
+                    print(flush=True)
                     print(f"[{REASONS.get(f.reason, 'unspecified')}] prompt {f.usage.prompt_tokens} "
                           f"(cached {f.usage.cached_prompt_tokens}), completion "
                           f"{f.usage.completion_tokens} tokens; queue {f.timing.queue_ms:.0f} ms, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 import grpc
 
@@ -99,8 +100,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 try:
-                    async for response in inner_stream(request, context):
-                        yield response
+                    async with aclosing(inner_stream(request, context)) as responses:
+                        async for response in responses:
+                            yield response
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - this is the one mapping point

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -101,8 +102,9 @@ class Relay:
                 raise Unavailable(f"no healthy worker for model {req.model.name!r}{detail}")
             tried.append(worker.address)
             try:
-                async for event in self._attempt(worker, wreq, req, arrival_s, deadline_s):
-                    yield event
+                async with aclosing(self._attempt(worker, wreq, req, arrival_s, deadline_s)) as events:
+                    async for event in events:
+                        yield event
                 return
             except WorkerLost as lost:
                 if lost.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import aclosing
+
+import jinja2
 
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.config import Limits
 from router.drain import Drain
-from router.errors import Unavailable
+from router.errors import Unavailable, ValidationError
 from router.registry import WorkerRegistry
 from router.relay import Chunk, Done, Relay
 from router.tenants import Tenants
@@ -65,8 +68,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
             remaining = context.time_remaining()
             deadline_s = None if remaining is None else arrival_s + remaining
-            async for event in self._relay.run(req, prompt_ids, max_tokens, tenant, arrival_s, deadline_s):
-                yield _to_pb(event)
+            events = self._relay.run(req, prompt_ids, max_tokens, tenant, arrival_s, deadline_s)
+            async with aclosing(events):  # closing the call closes the worker stream at once
+                async for event in events:
+                    yield _to_pb(event)
         finally:
             self._drain.exit()
 
@@ -86,5 +91,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.chat is not None:
-            return self._tokenizer.encode_chat(list(req.chat))
+            try:
+                return self._tokenizer.encode_chat(list(req.chat))
+            except (ValueError, jinja2.TemplateError) as exc:  # the template refused these messages
+                raise ValidationError("chat.messages", str(exc)) from None
         return self._tokenizer.encode(req.prompt)

@@ -24,7 +24,9 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(logs):
-    started = [procs.start_worker(logs, "--max-num-seqs", str(MAX_NUM_SEQS)) for _ in range(2)]
+    # one torch thread each: two workers share this machine's cores without OpenMP spin contention
+    started = [procs.start_worker(logs, "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1")
+               for _ in range(2)]
     try:
         procs.ready(*started)
         yield started

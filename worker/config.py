@@ -59,6 +59,7 @@ class EngineConfig:
     attention_backend: str = "auto"       # auto | torch | triton
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads; None = torch default
+    enforce_eager: bool = False           # CUDA: never replay decode steps from CUDA graphs
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ Contract:
   `[num_blocks, block_size, num_kv_heads, head_dim]`), one torch.Generator per sampling request.
 - Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
   after loading the weights times `gpu_memory_utilization` (CUDA).
+- CUDA: decode-only steps replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`.
 - Proven by tests/test_engine_hf.py (logits vs transformers) and tests/test_engine_batching.py.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import EngineConfig
-from worker.model.loader import load_model
+from worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from worker.model.llama import LlamaModel
 from worker.sampler import sample
 from worker.scheduler import SchedulerOutput
 
@@ -32,13 +34,30 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = torch.device(config.device)
+        # Imported here: the loaders pull in gguf, which a runner built from_model() never needs.
+        from worker.model.loader import load_model
+
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, self.device)
-        self.model, self.model_config = loaded.model, loaded.config
-        self.model_name, self.eos_token_ids, self.load_s = loaded.name, loaded.eos_token_ids, loaded.load_s
+        loaded = load_model(config.model, config.dtype, torch.device(config.device))
+        self._setup(config, loaded.model, loaded.name, loaded.eos_token_ids, loaded.load_s)
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model: LlamaModel, eos_token_ids: tuple[int, ...] = (),
+                   name: str = "in-memory") -> ModelRunner:
+        """A runner over an already built model (on config.device), e.g. random weights."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        runner = cls.__new__(cls)
+        runner._setup(config, model, name, tuple(eos_token_ids), 0.0)
+        return runner
+
+    def _setup(self, config: EngineConfig, model: LlamaModel, name: str,
+               eos_token_ids: tuple[int, ...], load_s: float) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, self.model_config = model, model.config
+        self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
@@ -53,6 +72,16 @@ class ModelRunner:
         log.info("model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
                  self.model_name, self.load_s, self.num_blocks, self.num_blocks * self.block_size,
                  self.num_blocks * self.kv_bytes_per_block / 2**20, self.backend.name)
+        # Decode-only steps replay CUDA graphs (worker/cuda_graphs.py); all others run eagerly.
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if not config.enforce_eager and CudaGraphRunner.supported(self.device, self.backend):
+            max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
+                                self.num_blocks * self.block_size)
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend,
+                                               capture_sizes(config.max_num_seqs),
+                                               -(-max_model_len // self.block_size), self.block_size)
+            with torch.inference_mode():
+                self.cuda_graphs.capture()
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -118,8 +147,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
-        input_ids, positions, meta, logits_rows = self.prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)     # (T, C)
+        if self.cuda_graphs is not None and self.cuda_graphs.batch_size_for(plan) is not None:
+            hidden, logits_rows = self.cuda_graphs.run(plan)                               # (S, C)
+        else:
+            input_ids, positions, meta, logits_rows = self.prepare(plan)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
         sampling = [s.seq for s in plan.scheduled if s.samples]
         if not sampling:
             return {}

@@ -1,0 +1,229 @@
+"""Admission control: refuse early, with a retry-after, or admit into the fair queue.
+
+Contract
+- input: `admit(tenant, num_prompt_tokens, max_tokens, priority=, deadline_s=, payload=)` for a
+  validated, tokenized request; `deadline_s` on the controller's clock (time.monotonic).
+- output: a `Ticket` whose `item` is now in the `FairQueue`, or `AdmissionError(reason,
+  retry_after_ms, message)`. Checks, in order (tenant-attributable first):
+    rate_limited       the tenant's requests/s or tokens/min bucket lacks 1 request or
+                       prompt + max_tokens tokens; retry-after = exact refill time
+    concurrency        the tenant already has max_concurrency open requests (queued + running)
+    tenant_queue_full  the tenant already has max_queued requests waiting
+    global_queue_full  the router already has max_queued_total requests waiting
+    token_budget       prompt + max_tokens of all open requests would pass max_tokens_in_flight
+    deadline           the estimated queue wait (FairQueue.estimated_wait_s) ends after deadline_s
+  A refused request takes nothing (no rate tokens, no budget). Retry-after for the capacity
+  reasons = the time the measured dispatch rate (or the tenant's weighted share of it) needs for
+  the work that must leave first; `default_retry_after_ms` before any rate was measured; always
+  within [1, max_retry_after_ms].
+- state: per tenant two token buckets and the open-request count; the tokens in flight; counters
+  `refusals[(tenant, reason)]` and `admitted[tenant]`. `Ticket.release()` (idempotent; call it
+  when the stream ends however it ends) removes a still-queued item from the queue, returns the
+  budget, and with `num_output_tokens` refunds unused max_tokens to the tokens/min bucket.
+- failure modes: only AdmissionError; everything is synchronous (one event loop, no locks).
+- proven by: tests/test_fairness_admission.py (each reason, retry-after values, isolation between
+  tenants, ticket release); metric llm_admission_rejections_total{tenant,reason}.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router.fair_queue import FairQueue, QueuedRequest
+from router.rate_limit import TokenBucket
+
+REASONS = ("rate_limited", "concurrency", "tenant_queue_full", "global_queue_full", "token_budget",
+           "deadline")
+
+
+class AdmissionError(Exception):
+    """A refusal: maps to RESOURCE_EXHAUSTED with trailing metadata retry-after-ms."""
+
+    def __init__(self, reason: str, retry_after_ms: int, message: str):
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_ms = retry_after_ms
+        self.message = message
+
+
+class TenantPolicy(Protocol):
+    """What admission and the fair queue read from a tenant (router.tenants.Tenant, TenantLimits)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def max_concurrency(self) -> int | None: ...
+    @property
+    def max_queued(self) -> int | None: ...
+    @property
+    def rate_requests_per_s(self) -> float | None: ...
+    @property
+    def burst_requests(self) -> float | None: ...
+    @property
+    def rate_tokens_per_min(self) -> float | None: ...
+    @property
+    def default_priority(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    name: str
+    weight: float = 1.0
+    max_concurrency: int | None = None       # open requests: queued + running
+    max_queued: int | None = None            # requests waiting in the fair queue
+    rate_requests_per_s: float | None = None
+    burst_requests: float | None = None      # None: one second's worth, at least 1
+    rate_tokens_per_min: float | None = None  # prompt + max_tokens; burst: one minute's worth
+    default_priority: int = 0
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_queued_total: int | None = None      # global queue cap
+    max_tokens_in_flight: int | None = None  # cluster budget: prompt + max_tokens of open requests
+    default_retry_after_ms: int = 1000       # when no dispatch rate has been measured yet
+    max_retry_after_ms: int = 60_000
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.default_retry_after_ms <= self.max_retry_after_ms
+
+
+class Ticket:
+    """One admitted request's claim: `release` it when the request ends, however it ends (again: no-op)."""
+
+    def __init__(self, controller: AdmissionController, item: QueuedRequest, num_tokens: int):
+        self._controller = controller
+        self.item = item
+        self.num_tokens = num_tokens  # prompt + max_tokens, held until release
+        self.released = False
+
+    def release(self, num_output_tokens: int | None = None) -> None:
+        self._controller._release(self, num_output_tokens)
+
+
+class AdmissionController:
+    def __init__(self, queue: FairQueue, config: AdmissionConfig = AdmissionConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        self._queue = queue
+        self._config = config
+        self._clock = clock
+        self._budget = config.max_tokens_in_flight
+        self._buckets: dict[str, tuple[tuple, TokenBucket | None, TokenBucket | None]] = {}
+        self._open: Counter[str] = Counter()
+        self.tokens_in_flight = 0
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        self.admitted: Counter[str] = Counter()
+
+    def num_open(self, tenant: str) -> int:
+        return self._open[tenant]
+
+    def set_token_budget(self, max_tokens_in_flight: int | None) -> None:
+        """The cluster budget may follow the workers' reported KV capacity; None = unlimited."""
+        self._budget = max_tokens_in_flight
+
+    def admit(self, tenant: TenantPolicy, num_prompt_tokens: int, max_tokens: int, *,
+              priority: int | None = None, deadline_s: float | None = None, payload: Any = None) -> Ticket:
+        item = QueuedRequest(tenant.name, tenant.weight, num_prompt_tokens, max_tokens,
+                             tenant.default_priority if priority is None else priority, payload)
+        num_tokens = num_prompt_tokens + max_tokens
+        requests, tokens = self._tenant_buckets(tenant)
+        try:
+            self._check(tenant, item, num_tokens, requests, tokens, deadline_s)
+        except AdmissionError as err:
+            self.refusals[(tenant.name, err.reason)] += 1
+            raise
+        for bucket, n in ((requests, 1), (tokens, num_tokens)):
+            if bucket is not None:
+                taken = bucket.try_take(n)
+                assert taken == 0.0, "checked above, on the same clock reading"
+        self._queue.push(item)
+        self._open[tenant.name] += 1
+        self.tokens_in_flight += num_tokens
+        self.admitted[tenant.name] += 1
+        return Ticket(self, item, num_tokens)
+
+    def _check(self, tenant: TenantPolicy, item: QueuedRequest, num_tokens: int, requests: TokenBucket | None,
+               tokens: TokenBucket | None, deadline_s: float | None) -> None:
+        name, cfg = tenant.name, self._config
+        waits = [requests.wait_s(1) if requests else 0.0, tokens.wait_s(num_tokens) if tokens else 0.0]
+        if math.isinf(waits[1]):
+            raise AdmissionError("rate_limited", cfg.max_retry_after_ms,
+                                 f"tenant {name}: the request's {num_tokens} tokens (prompt + max_tokens) "
+                                 f"exceed its limit of {tenant.rate_tokens_per_min:g} tokens per minute")
+        if max(waits) > 0:
+            raise AdmissionError("rate_limited", self._clamp_ms(max(waits)),
+                                 f"tenant {name}: rate limit reached")
+        if tenant.max_concurrency is not None and self._open[name] >= tenant.max_concurrency:
+            raise AdmissionError("concurrency", self._share_ms(tenant, item.max_cost),
+                                 f"tenant {name}: {tenant.max_concurrency} requests already open")
+        if tenant.max_queued is not None and self._queue.num_queued(name) >= tenant.max_queued:
+            raise AdmissionError("tenant_queue_full", self._share_ms(tenant, item.max_cost),
+                                 f"tenant {name}: {tenant.max_queued} requests already queued")
+        if cfg.max_queued_total is not None and len(self._queue) >= cfg.max_queued_total:
+            raise AdmissionError("global_queue_full", self._work_ms(item.max_cost),
+                                 f"router queue full ({cfg.max_queued_total} requests)")
+        if self._budget is not None and self.tokens_in_flight + num_tokens > self._budget:
+            excess = self.tokens_in_flight + num_tokens - self._budget
+            if num_tokens > self._budget:
+                raise AdmissionError("token_budget", cfg.max_retry_after_ms,
+                                     f"request needs {num_tokens} tokens, more than the cluster budget "
+                                     f"of {self._budget}")
+            raise AdmissionError("token_budget", self._work_ms(excess * item.max_cost / num_tokens),
+                                 f"cluster token budget spent ({self.tokens_in_flight} of {self._budget} "
+                                 "tokens in flight)")
+        if deadline_s is not None:
+            left_s = deadline_s - self._clock()
+            wait_s = self._queue.estimated_wait_s(name, tenant.weight, item.priority)
+            if left_s <= 0 or (wait_s is not None and wait_s > left_s):
+                estimate = "unknown" if wait_s is None else f"{wait_s * 1e3:.0f} ms"
+                raise AdmissionError("deadline", self._clamp_ms((wait_s or 0.0) - max(left_s, 0.0)),
+                                     f"estimated queue wait ({estimate}) exceeds the time left "
+                                     f"before the deadline ({max(left_s, 0.0) * 1e3:.0f} ms)")
+
+    def _release(self, ticket: Ticket, num_output_tokens: int | None) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        item = ticket.item
+        self._queue.remove(item)  # no-op once dispatched
+        self._open[item.tenant] -= 1
+        if self._open[item.tenant] == 0:
+            del self._open[item.tenant]
+        self.tokens_in_flight -= ticket.num_tokens
+        tokens = self._buckets.get(item.tenant, ((), None, None))[2]
+        if tokens is not None and num_output_tokens is not None:
+            tokens.give(max(0, item.max_tokens - num_output_tokens))
+        self._queue.notify()  # a request ended, so its worker may have room: wake the dispatcher
+
+    def _tenant_buckets(self, tenant: TenantPolicy) -> tuple[TokenBucket | None, TokenBucket | None]:
+        key = (tenant.rate_requests_per_s, tenant.burst_requests, tenant.rate_tokens_per_min)
+        cached = self._buckets.get(tenant.name)
+        if cached is None or cached[0] != key:  # new tenant or its limits changed
+            rps, burst, tpm = key
+            requests = TokenBucket(rps, burst or max(1.0, rps), self._clock) if rps else None
+            tokens = TokenBucket(tpm / 60.0, tpm, self._clock) if tpm else None
+            cached = self._buckets[tenant.name] = (key, requests, tokens)
+        return cached[1], cached[2]
+
+    def _work_ms(self, units: float) -> int:
+        """Time the fleet needs for `units` of max_cost work at the measured dispatch rate."""
+        rate = self._queue.dispatch_rate()
+        if rate is None:
+            return self._config.default_retry_after_ms
+        return self._clamp_ms(units / rate)
+
+    def _share_ms(self, tenant: TenantPolicy, units: float) -> int:
+        """Like `_work_ms`, at the tenant's weighted share of the rate (it competes for the rest)."""
+        idle = self._queue.num_queued(tenant.name) == 0
+        weights = self._queue.active_weight() + (tenant.weight if idle else 0.0)
+        return self._work_ms(units * weights / tenant.weight)
+
+    def _clamp_ms(self, seconds: float) -> int:
+        return int(min(self._config.max_retry_after_ms, max(1, math.ceil(seconds * 1e3))))
