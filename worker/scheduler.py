@@ -118,9 +118,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                hit = self.bm.match_prefix(seq)
-                if seq.first_scheduled_s is None:
-                    seq.num_cached_tokens = hit
+                self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
                 victim = self.running[-1] if self.running else None
@@ -134,6 +132,12 @@ class Scheduler:
                         break
             else:
                 self.waiting.pop(0)
+                if seq.first_scheduled_s is None:          # first admission: queue time ends here
+                    seq.first_scheduled_s = time.monotonic()
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                    self.num_prompt_tokens += seq.num_prompt_tokens
+                    self.bm.num_prefix_queries += seq.num_prompt_tokens
+                    self.bm.num_prefix_hits += seq.num_cached_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
@@ -151,11 +155,6 @@ class Scheduler:
         touched = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.first_scheduled_s is None:
-                seq.first_scheduled_s = now
-                self.num_prompt_tokens += seq.num_prompt_tokens
-                self.bm.num_prefix_queries += seq.num_prompt_tokens
-                self.bm.num_prefix_hits += seq.num_cached_tokens
             samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
             self.bm.commit(seq)
