@@ -98,8 +98,10 @@ class Target:
     @classmethod
     def parse(cls, text: str, index: int, allow_remote: bool = False) -> "Target":
         found = _NAME.match(text)
-        name, spec = (found.group(1), found.group(2)) if found else (f"target{index}", text)
-        if spec == "local" or spec.startswith("local:"):
+        name, spec = (found.group(1), found.group(2)) if found else ("", text)
+        is_local = spec == "local" or spec.startswith("local:")
+        name = name or (("local" if is_local else "target") + (str(index) if index else ""))
+        if is_local:
             return cls(name, "grpc", "", tuple(shlex.split(spec[len("local:"):])), local=True)
         if spec.startswith(("http://", "https://")):
             host = urllib.parse.urlsplit(spec).hostname or ""

@@ -10,7 +10,8 @@ Contract
   tokens a chunk holds); `usage` (asked for with `stream_options.include_usage`) gives the
   server's prompt and completion counts. Status: "OK", `HTTP_<code>`, `DEADLINE_EXCEEDED`,
   `CONNECTION_ERROR`, `PROTOCOL_ERROR` or `SERVER_ERROR` (an `error` object in the stream).
-- Sends `ignore_eos` and `seed` (vLLM and llama.cpp honour them; others ignore unknown fields).
+- Sends `seed`, and `ignore_eos` unless the run lets EOS end outputs (vLLM and llama.cpp honour
+  it; a server that rejects unknown fields needs `--no-ignore-eos`).
 - `await server_info(api_key)`: `GET /v1/models`; fills in the model name when none was given.
 """
 from __future__ import annotations
@@ -112,9 +113,11 @@ class OpenAIClient:
     def build_body(self, spec: RequestSpec) -> dict:
         o = self._options
         prompt = list(spec.prompt_ids) if o.prompt_format == "tokens" and spec.prompt_ids else spec.prompt
-        return {"model": self._model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": o.temperature,
-                "seed": spec.seed, "ignore_eos": o.ignore_eos}
+        body = {"model": self._model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": o.temperature, "seed": spec.seed}
+        if o.ignore_eos:
+            body["ignore_eos"] = True
+        return body
 
     async def send(self, spec: RequestSpec, record: RequestRecord, request_id: str,
                    api_key: str = "", priority: int = 0) -> None:

@@ -9,10 +9,12 @@ Contract
 - order: each point runs on every target before the next point; the target order alternates
   (A B, B A, A B, ...) so slow drift on a shared machine does not favour one side.
 - server counters: when a target has a metrics URL, its Prometheus counters are scraped before
-  and after each point and the differences stored with the point.
+  and (`METRICS_SETTLE_S` after the last request ended) after each point, and the differences
+  stored with the point; they cover warm-up requests too (compare with `all_requests()`).
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from loadtest.config import RunConfig
@@ -21,6 +23,9 @@ from loadtest.record import RequestRecord
 from loadtest.runner import Clock, PointRun
 from loadtest.summary import summarize_point
 from loadtest.workload import SyntheticText, Workload
+
+# A server counts a request when it ends, which can be just after the client saw the last message.
+METRICS_SETTLE_S = 1.0
 
 
 @dataclass
@@ -71,6 +76,7 @@ async def run_sweep(config: RunConfig, clients: dict, clock: Clock, synthetic: S
             records = await run.run()
             counters = None
             if before is not None:
+                await asyncio.sleep(METRICS_SETTLE_S)
                 counters = counter_deltas(before, scrape_counters(target.metrics_url))
             results.append(PointResult(target.name, label, value, records,
                                        summarize_point(records, tenants, slo), counters))

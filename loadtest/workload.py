@@ -69,7 +69,7 @@ def load_prompts(source: str) -> tuple[str, ...]:
 
 
 class Workload:
-    def __init__(self, tenant: TenantSpec, seed: int, synthetic: SyntheticText | None,
+    def __init__(self, tenant: TenantSpec, seed: int | str, synthetic: SyntheticText | None,
                  prompt_set: tuple[str, ...] | None = None):
         if (tenant.prompts == "synthetic" or tenant.shared_prefix_len) and synthetic is None:
             raise ValueError(f"tenant {tenant.name}: synthetic prompts need a tokenizer")

@@ -2,14 +2,17 @@
 against a real worker + router with a tenants file; the report files exist and parse, and agree
 with the server's own counts.
 
-The router has no Prometheus endpoint yet, so "the server's own counts" are what it reports per
-request (Finished.usage: prompt and completion tokens) and the worker's load report after the run
-(nothing running or waiting, every KV block free again). Checked: every request of the seeded
-plan was sent and finished OK; the server's completion counts equal the token ids the client
-received (and max_tokens, with ignore_eos); the server's prompt counts equal the client's
-synthetic prompt lengths; the summary's totals equal the sums over requests.jsonl.
+"The server's own counts": what it reports per request (Finished.usage: prompt and completion
+tokens), the worker's load report after the run (nothing running or waiting, every KV block free
+again) and, when the router announces a Prometheus endpoint ("metrics at http://.../metrics" in
+its log), its `llm_requests_total`, `llm_prompt_tokens_total` and `llm_generation_tokens_total`
+over the run. Checked: every request of the seeded plan was sent and finished OK; the server's
+completion counts equal the token ids the client received (and max_tokens, with ignore_eos); the
+server's prompt counts equal the client's synthetic prompt lengths; the summary's totals equal
+the sums over requests.jsonl.
 """
 import json
+import re
 
 import pytest
 
@@ -47,7 +50,9 @@ def server(tmp_path_factory):
 def test_two_tenant_load_report_agrees_with_the_server(server, tmp_path):
     worker, router = server
     out = tmp_path / "report"
-    argv = ["--target", router.address, "--duration-s", "17", "--warmup-s", "3", "--seed", "7",
+    announced = re.search(r"metrics at (http://\S+/metrics)", router.log_tail(100_000))
+    metrics = ["--metrics-url", announced.group(1)] if announced else []
+    argv = [*metrics, "--target", router.address, "--duration-s", "17", "--warmup-s", "3", "--seed", "7",
             "--tenant", f"name=alice,key={KEYS['alice']},weight=2,rate=0.7,input_len=uniform:16:48",
             "--tenant", f"name=bob,key={KEYS['bob']},arrival=gamma,burstiness=0.5,rate=0.4,input_len=24,"
                         "prefix_len=32",
@@ -63,7 +68,7 @@ def test_two_tenant_load_report_agrees_with_the_server(server, tmp_path):
     for png in ("latency_cdf.png", "tenant_service.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert report["seed"] == 7 and report["git"]["commit"] and report["config"]["warmup_s"] == 3
-    assert report["targets"]["target0"]["server_info"]["models"][0]["num_workers"] == 1
+    assert report["targets"]["target"]["server_info"]["models"][0]["num_workers"] == 1
 
     # every request of the seeded plan (same seed -> same stream) was sent and finished OK
     config = parse_args(argv)
@@ -76,6 +81,11 @@ def test_two_tenant_load_report_agrees_with_the_server(server, tmp_path):
     for r in requests:
         assert r["completion_tokens"] == sum(r["chunk_tokens"]) == OUTPUT_LEN
         assert r["prompt_tokens"] == r["input_len"]
+    if metrics:  # the router's Prometheus counters over the run, warm-up included
+        counters = report["points"][0]["server_counters"]
+        assert counters["llm_requests_total"] == len(requests)
+        assert counters["llm_prompt_tokens_total"] == sum(r["prompt_tokens"] for r in requests)
+        assert counters["llm_generation_tokens_total"] == OUTPUT_LEN * len(requests)
     load = procs.worker_load(worker.address)
     assert (load.num_running, load.num_waiting, load.num_free_blocks) == (0, 0, load.num_total_blocks)
 

@@ -77,7 +77,8 @@ def test_tenant_fields_override_defaults():
 
 
 def test_targets_and_remote_guard():
-    assert Target.parse("127.0.0.1:50051", 0) == Target("target0", "grpc", "127.0.0.1:50051")
+    assert Target.parse("127.0.0.1:50051", 0) == Target("target", "grpc", "127.0.0.1:50051")
+    assert Target.parse("local", 0).name == "local" and Target.parse("grpc://[::1]:5", 1).name == "target1"
     assert Target.parse("llama=http://localhost:8080/", 1) == Target("llama", "openai", "http://localhost:8080")
     local = Target.parse("small=local:--max-num-seqs 2", 0)
     assert local.local and local.local_args == ("--max-num-seqs", "2")
