@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all serve bench bench-grpc bench-gpu loadtest clean
+.PHONY: install protos test test-all serve bench bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
 
 install: $(STAMP)
 
@@ -32,12 +32,34 @@ test-all: install protos
 bench: install protos
 	$(PY) -m benchmarks.engine_vs_hf
 
-# A worker on an ephemeral port and the router on 127.0.0.1:50051; Ctrl-C stops both.
+# Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
+# the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything.
+WORKERS ?=
 serve: install protos
-	$(PY) -m router.local
+	$(PY) -m deploy.local $(if $(WORKERS),--workers $(WORKERS))
 
 bench-grpc: install protos
 	$(PY) -m benchmarks.grpc_overhead
 
+# The same workload through a traced and an untraced router + worker pair, alternating rounds.
+bench-tracing: install protos
+	$(PY) -m benchmarks.tracing_overhead $(ARGS)
+
+# The GPU machine has torch, triton and transformers but no venv: the system python, no install.
+bench-gpu:
+	$(PYTHON) -m benchmarks.gpu_bench $(ARGS)
+
 clean:
 	rm -rf $(VENV) protos/llm/v1/*_pb2*.py* .pytest_cache .hypothesis
+
+# Load test (loadtest/): without --target in LOADTEST_ARGS it starts a local worker + router on
+# ephemeral ports and stops them after; reports go to loadtest-results/<UTC time>/.
+LOADTEST_ARGS ?= --duration-s 30 --warmup-s 5 --rate 1 --input-len 64 --output-len 16 --slo ttft=2s,tpot=200ms
+loadtest: install protos
+	$(PY) -m loadtest $(LOADTEST_ARGS)
+
+# Fairness experiment: 3 tenants (weights 1, 2, 1) through one worker, VTC fair queue vs FCFS in
+# one run (~2.5 min); FAIRNESS_ARGS="--duration-s 300" for a long one. Reports: results/fairness/.
+FAIRNESS_ARGS ?=
+bench-fairness: install protos
+	$(PY) -m benchmarks.fairness $(FAIRNESS_ARGS)

@@ -67,7 +67,7 @@ def run_engine(prompts, outputs, dtype: str, args) -> dict:
             "kv_blocks": engine.block_manager.num_blocks}
 
 
-def hf_batches(model, prompts, outputs, batch_size: int, torch_dtype) -> list[list[int]]:
+def hf_batches(model, prompts, outputs, batch_size: int) -> list[list[int]]:
     import torch
 
     results = []
@@ -86,33 +86,56 @@ def hf_batches(model, prompts, outputs, batch_size: int, torch_dtype) -> list[li
     return results
 
 
-def run_hf(prompts, outputs, dtype: str, args) -> dict:
+def dense_hf_model(dtype: str):
+    """transformers' LlamaForCausalLM with the same dequantized weights as the engine: a plain dense
+    model, as users run it (transformers' own GGUF path keeps weights packed and casts per matmul)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.model_files import default_model_path
+    from common.model_files import default_model_path, read_gguf_metadata
+    from worker.model.loader import gguf_model_config, load_gguf_weights
 
     path = default_model_path()
+    cfg = gguf_model_config(read_gguf_metadata(path))
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position,
+                         rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    weights = {f"model.{k}": v for k, v in load_gguf_weights(path, cfg).items()}
+    model.load_state_dict(weights, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg)   # rebuild from meta
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch_dtype).eval()
+    return model.to(torch_dtype).eval()
+
+
+def run_hf(prompts, outputs, dtype: str, args) -> dict:
+    model = dense_hf_model(dtype)
     model.generation_config.eos_token_id = None
-    hf_batches(model, [prompts[0][:32]], [4], 1, torch_dtype)    # warm-up
+    hf_batches(model, [prompts[0][:32]], [4], 1)                 # warm-up
     calib = {}
     n_cal = args.calibration_prompts
     for bs in args.hf_batch_sizes:
         sub_p, sub_o = prompts[:n_cal], [min(o, 48) for o in outputs[:n_cal]]
         start = time.perf_counter()
-        hf_batches(model, sub_p, sub_o, bs, torch_dtype)
-        calib[bs] = sum(sub_o) / (time.perf_counter() - start)
+        hf_batches(model, sub_p, sub_o, bs)
+        calib[bs] = round(sum(sub_o) / (time.perf_counter() - start), 1)
     best = max(calib, key=calib.get)
     start = time.perf_counter()
-    result = hf_batches(model, prompts, outputs, best, torch_dtype)
+    result = hf_batches(model, prompts, outputs, best)
     return {"elapsed_s": time.perf_counter() - start, "outputs": result, "batch_size": best,
             "calibration_tok_s": calib}
 
 
 def side_main(args) -> None:
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     prompts, outputs = encode_workload(args.num_prompts, args.seed)
     fn = run_engine if args.side == "engine" else run_hf
     res = fn(prompts, outputs, args.dtype, args)
@@ -131,7 +154,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both sides; bf16 was slower than fp32 below batch 64 on this CPU (measured)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads, both sides")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-mib", type=int, default=2048)
@@ -146,7 +171,8 @@ def main() -> None:
     n_out, n_in = sum(outputs), sum(len(x) for x in prompts)
     print(f"workload: {len(prompts)} prompts, {n_in} prompt tokens ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))}), {n_out} output tokens ({min(outputs)}-{max(outputs)}), "
-          f"seed {args.seed}, dtype {args.dtype}, {os.cpu_count()} CPUs, git {git_rev()}")
+          f"seed {args.seed}, dtype {args.dtype}, threads {args.num_threads or 'default'}, "
+          f"{os.cpu_count()} CPUs, git {git_rev()}")
     results = {}
     for side in ("engine", "hf"):
         cmd = [sys.executable, "-m", "benchmarks.engine_vs_hf", "--side", side] + sys.argv[1:]

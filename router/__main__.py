@@ -1,15 +1,16 @@
 """`python -m router --workers host:port,...` (see `python -m router --help`)."""
 import asyncio
-import logging
 import sys
 
+from common.logs import setup_logging
 from router.config import parse_args
 from router.server import serve
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
-    return asyncio.run(serve(parse_args()))
+    config = parse_args()
+    setup_logging("router", config.telemetry.log_format)
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from common import telemetry
 from common.net import is_loopback_host
+from common.telemetry import TelemetryConfig
+from common.ray_names import DEFAULT_NAMESPACE
+
+DEFAULT_METRICS_PORT = 9464   # Prometheus /metrics and /targets; taken -> an ephemeral port
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     workers: tuple[str, ...] = ()             # static registry: host:port of each worker
+    ray_address: str | None = None            # also discover worker actors in this Ray cluster
+    ray_namespace: str = DEFAULT_NAMESPACE    # the Ray namespace the worker actors are named in
     model: str | None = None                  # tokenizer source (GGUF path); None = embedded model
     tenants_file: str | None = None
     allow_insecure_public: bool = False
@@ -36,12 +43,32 @@ class RouterConfig:
     health_poll_s: float = 1.0                # worker health/load probe period
     max_message_bytes: int = 16 * 1024 * 1024
     limits: Limits = Limits()
+    tenants_poll_s: float = 2.0               # reload the tenants file when it changes; 0 = SIGHUP only
+    fair_queue: str = "vtc"                   # vtc | fcfs (the baseline for comparisons)
+    max_queued: int | None = 1024             # requests waiting in this router's queue; None = no cap
+    max_tokens_in_flight: int | None = None   # prompt + max_tokens of open requests; None = no budget
+    affinity_imbalance: float = 0.25          # prefix affinity yields when its worker's load (fraction
+                                              # of KV capacity) exceeds the least loaded's by more
+    no_worker_grace_s: float = 5.0            # queued requests wait this long for a worker to return
+    telemetry: TelemetryConfig = TelemetryConfig()   # tracing, /metrics, log format
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0:
             raise ValueError("drain_grace_s must be >= 0")
+        if self.tenants_poll_s < 0:
+            raise ValueError("tenants_poll_s must be >= 0")
+        if self.fair_queue not in ("vtc", "fcfs"):
+            raise ValueError(f"fair_queue must be vtc or fcfs, got {self.fair_queue!r}")
+        for name in ("max_queued", "max_tokens_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+        if not self.affinity_imbalance >= 0:
+            raise ValueError(f"affinity_imbalance must be >= 0, got {self.affinity_imbalance}")
+        if not self.no_worker_grace_s >= 0:
+            raise ValueError(f"no_worker_grace_s must be >= 0, got {self.no_worker_grace_s}")
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -57,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--workers", default="", help="comma-separated host:port list of workers")
+    p.add_argument("--ray-address", default=None,
+                   help="discover worker actors in this Ray cluster: HOST:PORT (GCS), auto, or "
+                        "ray://HOST:10001 (Ray Client, from outside the cluster)")
+    p.add_argument("--ray-namespace", default=DEFAULT_NAMESPACE, help="Ray namespace of the workers")
     p.add_argument("--model", default=None, help="GGUF file for the tokenizer (default: embedded model)")
     p.add_argument("--tenants", dest="tenants_file", default=None, help="tenants YAML file")
     p.add_argument("--allow-insecure-public", action="store_true",
@@ -65,11 +96,29 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--health-poll-s", type=float, default=1.0)
     p.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
     p.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens_limit)
+    p.add_argument("--tenants-poll-s", type=float, default=2.0,
+                   help="check the tenants file for changes this often (0: reload on SIGHUP only)")
+    p.add_argument("--fair-queue", choices=("vtc", "fcfs"), default="vtc",
+                   help="queue order: weighted virtual token counter, or first come first served")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="requests waiting in this router's queue (0: no cap)")
+    p.add_argument("--max-tokens-in-flight", type=int, default=0,
+                   help="budget of prompt + max_tokens over open requests (0: none)")
+    p.add_argument("--affinity-imbalance", type=float, default=0.25,
+                   help="prefix affinity yields to the least loaded worker when the preferred one's "
+                        "load, as a fraction of its KV capacity, is higher by more than this")
+    p.add_argument("--no-worker-grace-s", type=float, default=5.0,
+                   help="requests queued for a model with no healthy worker fail (UNAVAILABLE) after this")
+    telemetry.add_args(p, default_metrics_port=DEFAULT_METRICS_PORT)
     a = p.parse_args(argv)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     return RouterConfig(
         host=a.host, port=a.port, workers=workers, model=a.model, tenants_file=a.tenants_file,
         allow_insecure_public=a.allow_insecure_public, drain_grace_s=a.drain_grace_s,
-        health_poll_s=a.health_poll_s,
+        health_poll_s=a.health_poll_s, ray_address=a.ray_address, ray_namespace=a.ray_namespace,
         limits=Limits(default_max_tokens=a.default_max_tokens, max_tokens_limit=a.max_tokens_limit),
+        tenants_poll_s=a.tenants_poll_s, fair_queue=a.fair_queue, max_queued=a.max_queued or None,
+        max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
+        no_worker_grace_s=a.no_worker_grace_s,
+        telemetry=telemetry.from_args(a),
     )

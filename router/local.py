@@ -1,4 +1,5 @@
-"""Local launcher: worker and router processes on loopback (`make serve`, `benchmarks/`).
+"""Local launcher: worker and router processes on loopback, without Ray (`benchmarks/`; `make serve`
+runs deploy/local.py, with Ray).
 
 Contract
 - `LocalProcess(name, args)` starts `python <args>` in its own session (so a terminal Ctrl-C reaches

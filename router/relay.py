@@ -1,11 +1,15 @@
 """Stream relay: one validated, tokenized request -> a worker stream -> text chunks.
 
 Contract
-- input: `ValidRequest`, prompt token ids, resolved max_tokens, the tenant, the arrival time and
-  the time left before the client's deadline.
+- input: `ValidRequest`, prompt token ids, resolved max_tokens, the tenant, the arrival time, the
+  client's deadline, the `Placement` the dispatcher chose (worker + lease) and `retry(tried)`,
+  which places a retry at once (retries do not queue again); gRPC `metadata` for the worker call
+  (the W3C trace context of the router's route span).
 - output: an async stream of `Chunk` (token ids, text delta, logprobs) then one `Done`
   (reason stop / length / cancelled, usage, timings).
-- state: per request only (detokenizer, stop-string matcher, the worker's `Lease`).
+- state: per request only (detokenizer, stop-string matcher); each attempt's `Placement` is
+  charged as tokens arrive (balancer lease and the tenant's fair-queue counter) and released when
+  the attempt ends, however it ends.
 - failure modes: the worker fails before the first token -> it is taken out of rotation and the
   request is retried on another worker (each worker at most once); no worker left or a failure
   after tokens were sent -> `Unavailable` naming the worker; the deadline passes ->
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -26,9 +30,9 @@ import grpc
 from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import worker_pb2
-from router.balancer import LeastOutstandingTokens, Lease
+from router.dispatcher import Placement
 from router.errors import DeadlineExceeded, RouterError, Unavailable
-from router.registry import WorkerHandle, WorkerRegistry
+from router.registry import WorkerRegistry
 from router.stop_strings import StopStringMatcher
 from router.tenants import Tenant
 from router.validation import ValidRequest
@@ -88,21 +92,23 @@ class Relay:
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer):
         self._registry = registry
         self._tokenizer = tokenizer
-        self._balancer = LeastOutstandingTokens()
 
     async def run(self, req: ValidRequest, prompt_ids: list[int], max_tokens: int, tenant: Tenant,
-                  arrival_s: float, deadline_s: float | None) -> AsyncIterator[Chunk | Done]:
+                  arrival_s: float, deadline_s: float | None, placement: Placement | None,
+                  retry: Callable[[list[str]], Placement | None],
+                  metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[Chunk | Done]:
         wreq = _worker_request(req, prompt_ids, max_tokens, tenant)
         tried: list[str] = []
         errors: list[str] = []
         while True:
-            worker = self._balancer.choose(self._registry.healthy(req.model.name), exclude=tried)
-            if worker is None:
+            if placement is None:
                 detail = f"; tried: {'; '.join(errors)}" if errors else ""
                 raise Unavailable(f"no healthy worker for model {req.model.name!r}{detail}")
+            worker = placement.worker
             tried.append(worker.address)
             try:
-                async with aclosing(self._attempt(worker, wreq, req, arrival_s, deadline_s)) as events:
+                attempt = self._attempt(placement, wreq, req, arrival_s, deadline_s, metadata)
+                async with aclosing(attempt) as events:
                     async for event in events:
                         yield event
                 return
@@ -112,9 +118,13 @@ class Relay:
                 if not lost.retryable:
                     raise Unavailable(str(lost)) from None
                 errors.append(str(lost))
+            finally:
+                placement.release()
+            placement = retry(tried)
 
-    async def _attempt(self, worker: WorkerHandle, wreq, req: ValidRequest, arrival_s: float,
-                       deadline_s: float | None) -> AsyncIterator[Chunk | Done]:
+    async def _attempt(self, placement: Placement, wreq, req: ValidRequest, arrival_s: float,
+                       deadline_s: float | None, metadata: tuple = ()) -> AsyncIterator[Chunk | Done]:
+        worker = placement.worker
         timeout = None if deadline_s is None else deadline_s - time.monotonic()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("deadline passed before the request reached a worker")
@@ -123,8 +133,7 @@ class Relay:
         dispatch_s = time.monotonic()
         first_token_s = None
         num_out = 0
-        lease = Lease(worker, len(wreq.prompt_token_ids), wreq.sampling.max_tokens)
-        call = worker.stub.Generate(wreq, timeout=timeout)
+        call = worker.stub.Generate(wreq, timeout=timeout, metadata=metadata)  # metadata: trace context
         try:
             async for msg in call:
                 ids = list(msg.token_ids)
@@ -134,7 +143,7 @@ class Relay:
                     tail, stopped = stops.push(detok.flush())
                     text += tail if stopped else tail + stops.flush()
                 if ids or text:
-                    lease.progress(len(ids), first=num_out == 0)
+                    placement.progress(len(ids), first=num_out == 0)
                     if first_token_s is None and ids:
                         first_token_s = time.monotonic()
                     num_out += len(ids)
@@ -166,4 +175,3 @@ class Relay:
                              f"({code.name}: {exc.details()})", retryable=True, code=code) from None
         finally:
             call.cancel()
-            lease.release()

@@ -1,5 +1,6 @@
-"""Router process: wires config, tenants, tokenizer, registry and the servicer into a grpc.aio
-server with health, reflection, message-size limits and a SIGTERM drain.
+"""Router process: wires config, tenants, tokenizer, registry, admission, the fair queue, the
+dispatcher and the servicer into a grpc.aio server with health, reflection, message-size limits,
+a SIGTERM drain and a SIGHUP / file-change reload of the tenants file.
 
 Contract
 - input: `RouterConfig`.
@@ -21,16 +22,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.metrics_http import start_metrics_server
 from common.model_files import default_model_path
 from common.net import bind_address
+from common.telemetry import setup_tracing
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
+from router.admission import AdmissionConfig, AdmissionController
+from router.affinity import PrefixAffinity
+from router.config import DEFAULT_METRICS_PORT, RouterConfig
+from router.dispatcher import Dispatcher
 from router.drain import Drain
 from router.errors import ErrorInterceptor
+from router.fair_queue import FairQueue
+from router.metrics import RouterMetrics, targets
 from router.registry import StaticRegistry
 from router.service import GenerationService
-from router.tenants import Tenants
+from router.tenants import TenantsFile
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -47,18 +55,38 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def serve(config: RouterConfig) -> int:
-    tenants = Tenants.load(config.tenants_file, allow_public=config.allow_insecure_public)
-    if not config.binds_loopback and not tenants.require_key and not config.allow_insecure_public:
+    tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public)
+    if not config.binds_loopback and not tenants.current.require_key and not config.allow_insecure_public:
         raise SystemExit(f"refusing to serve {config.host} without API keys: "
                          "pass --tenants FILE or --allow-insecure-public")
     tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
     options = channel_options(config.max_message_bytes)
-    registry = StaticRegistry(config.workers, poll_s=config.health_poll_s, channel_options=tuple(options))
+    registry_args = dict(poll_s=config.health_poll_s, channel_options=tuple(options))
+    if config.ray_address:     # Ray is imported only here: a static router never loads it
+        from router.ray_registry import RayRegistry
+        registry = RayRegistry(config.ray_address, config.ray_namespace, static=config.workers, **registry_args)
+    else:
+        registry = StaticRegistry(config.workers, **registry_args)
     drain = Drain()
+    queue = FairQueue(mode=config.fair_queue)
+    admission = AdmissionController(queue, AdmissionConfig(max_queued_total=config.max_queued,
+                                                           max_tokens_in_flight=config.max_tokens_in_flight))
+    dispatcher = Dispatcher(queue, registry, PrefixAffinity(), config.affinity_imbalance,
+                            recheck_s=config.health_poll_s, no_worker_grace_s=config.no_worker_grace_s)
+    telemetry = config.telemetry
+    metrics = RouterMetrics()
+    metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)
+    try:
+        metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
+                                              DEFAULT_METRICS_PORT, metrics.registry,
+                                              {"/targets": lambda: targets(registry)})
+    except OSError as exc:
+        raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
 
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationService(registry, tokenizer, tenants, config.limits, drain), server)
+        GenerationService(registry, tokenizer, tenants, config.limits, drain, admission, dispatcher,
+                          metrics=metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -79,16 +107,28 @@ async def serve(config: RouterConfig) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(on_workers)
+    tracing = setup_tracing(telemetry, "llm-router", instance=bind_address(config.host, port))
     await server.start()
     await registry.start()
+    dispatcher.start()
+    watcher = asyncio.create_task(tenants.watch(config.tenants_poll_s)) if (
+        config.tenants_file and config.tenants_poll_s > 0) else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, tenants.reload)
     # The "listening" line is machine-read by launchers that pass --port 0.
     print(f"router listening on {bind_address(config.host, port)}", flush=True)
-    log.info("workers: %s", ", ".join(config.workers) or "none")
+    log.info("workers: %s%s", ", ".join(config.workers) or "none",
+             f"; Ray actors in namespace {config.ray_namespace!r}" if config.ray_address else "")
+    if metrics_server:
+        log.info("metrics at http://%s/metrics, worker targets at http://%s/targets",
+                 metrics_server.address, metrics_server.address)
+    if tracing.enabled:
+        log.info("tracing to %s (sample ratio %g)", telemetry.otlp_endpoint or "console",
+                 telemetry.sample_ratio)
     await stop.wait()
 
     log.info("draining: %d call(s) in flight, grace %.1f s", drain.num_inflight, config.drain_grace_s)
@@ -96,6 +136,12 @@ async def serve(config: RouterConfig) -> int:
     if not await drain.drain(config.drain_grace_s):
         log.warning("grace period over: cancelling %d call(s)", drain.num_inflight)
     await server.stop(grace=1.0)
+    if watcher is not None:
+        watcher.cancel()
+    await dispatcher.stop()
     await registry.stop()
+    tracing.shutdown()
+    if metrics_server:
+        metrics_server.close()
     log.info("router stopped")
     return 0

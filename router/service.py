@@ -3,15 +3,22 @@
 Contract
 - input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`.
 - output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`.
-- state: none of its own (drain counter, registry and tenants are injected).
+- state: none of its own (drain counter, registry, tenants, admission and dispatcher are
+  injected); `admission_rejections` is admission's Counter of refusals by (tenant, reason).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
-  Stage order: drain check -> auth -> validate -> tokenize -> fit to context -> relay.
-- proven by: tests/test_grpc_e2e.py, tests/test_grpc_validation.py.
+  Stage order: drain check -> auth -> validate -> tokenize -> fit to context -> admit (refusal:
+  RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a worker with
+  room -> relay. A request's priority 0 means the tenant's `default_priority`.
+- observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
+  hands the route span's trace context to the worker call, records metrics and the log line.
+- proven by: tests/test_grpc_e2e.py, tests/test_grpc_validation.py, tests/test_observability_e2e.py.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import Counter
 from contextlib import aclosing
 
 import jinja2
@@ -19,12 +26,17 @@ import jinja2
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
+from router.admission import AdmissionController, AdmissionError
+from router.affinity import prefix_hashes
 from router.config import Limits
+from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
-from router.errors import Unavailable, ValidationError
+from router.errors import Overloaded, Unavailable, ValidationError
+from router.metrics import RouterMetrics
+from router.observe import RequestObservation
 from router.registry import WorkerRegistry
 from router.relay import Chunk, Done, Relay
-from router.tenants import Tenants
+from router.tenants import TenantsFile
 from router.validation import ValidRequest, fit_to_context, validate
 
 FINISH_REASONS = {
@@ -46,39 +58,81 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, tenants: Tenants,
-                 limits: Limits, drain: Drain):
+    def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, tenants: TenantsFile,
+                 limits: Limits, drain: Drain, admission: AdmissionController, dispatcher: Dispatcher,
+                 metrics: RouterMetrics | None = None):
         self._registry = registry
+        self._metrics = metrics
         self._tokenizer = tokenizer
         self._tenants = tenants
         self._limits = limits
         self._drain = drain
+        self._admission = admission
+        self._dispatcher = dispatcher
         self._relay = Relay(registry, tokenizer)
+        self.admission_rejections: Counter[tuple[str, str]] = admission.refusals
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        obs = RequestObservation(self._metrics, context.invocation_metadata())
+        try:
+            async with aclosing(self._generate(request, context, obs)) as responses:
+                async for response in responses:
+                    yield response
+        except BaseException as exc:  # observed, then handled by ErrorInterceptor
+            obs.fail(exc)
+            raise
+        finally:
+            obs.finish()
+
+    async def _generate(self, request: pb.GenerateRequest, context, obs: RequestObservation):
         arrival_s = time.monotonic()
         self._drain.enter()
         try:
-            tenant = self._tenants.authenticate(context.invocation_metadata() or (), context.peer())
+            obs.stage("auth")
+            tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            obs.stage("validate")
             models = self._registry.models()
             if not models:
                 raise Unavailable("no healthy worker is connected to this router")
             req = validate(request, self._limits, models)
+            req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
             prompt_ids = await asyncio.to_thread(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+            obs.request(req.request_id, tenant.name, req.model.name, len(prompt_ids), max_tokens,
+                        req.temperature, req.top_p)
             remaining = context.time_remaining()
             deadline_s = None if remaining is None else arrival_s + remaining
-            events = self._relay.run(req, prompt_ids, max_tokens, tenant, arrival_s, deadline_s)
-            async with aclosing(events):  # closing the call closes the worker stream at once
-                async for event in events:
-                    yield _to_pb(event)
+            pending = Pending(req.model.name, prefix_hashes(prompt_ids, tenant.name))
+            obs.stage("admission")
+            try:
+                ticket = self._admission.admit(tenant, len(prompt_ids), max_tokens, priority=req.priority,
+                                               deadline_s=deadline_s, payload=pending)
+            except AdmissionError as err:
+                raise Overloaded(err.message, err.retry_after_ms) from None
+            num_out = 0
+            try:
+                obs.stage("queue")
+                placement = await self._dispatcher.wait_placed(pending, deadline_s, time.monotonic())
+                obs.stage("route", worker=placement.worker.address if placement else None)
+                events = self._relay.run(req, prompt_ids, max_tokens, tenant, arrival_s, deadline_s, placement,
+                                         retry=lambda tried: self._dispatcher.place_retry(ticket.item, tried),
+                                         metadata=obs.metadata)
+                async with aclosing(events):  # closing the call closes the worker stream at once
+                    async for event in events:
+                        if isinstance(event, Chunk):
+                            num_out += len(event.token_ids)
+                        obs.event(event)
+                        yield _to_pb(event)
+            finally:
+                pending.discard()
+                ticket.release(num_output_tokens=num_out)
         finally:
             self._drain.exit()
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         self._drain.enter()
         try:
-            self._tenants.authenticate(context.invocation_metadata() or (), context.peer())
+            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
             cards = []
             for name, spec in sorted(self._registry.models().items()):
                 cards.append(pb.ModelCard(id=name, max_model_len=spec.max_model_len,

@@ -8,21 +8,31 @@ Contract
       tenants:
         - name: acme
           key_sha256: 9f86d081...   # sha256 hex of the API key; the key itself is never stored
-          weight: 2.0               # fair-share weight (used by the fair queue)
-          max_concurrency: 16       # optional; used by admission
-          rate_tokens_per_s: 5000   # optional; used by admission
+          weight: 2.0               # fair-share weight (the fair queue divides service by it)
+          max_concurrency: 16       # optional: open requests (queued + running)
+          max_queued: 32            # optional: requests waiting in the router's fair queue
+          rate_requests_per_s: 5    # optional: token bucket of requests ...
+          burst_requests: 10        # ... holding this many (default: one second's worth, >= 1)
+          rate_tokens_per_min: 60000  # optional: prompt + max_tokens per minute (burst: a minute's)
+          default_priority: 0       # used when a request's priority is 0 (unset)
 
   Without a file there is one `default` tenant with no key, allowed only from loopback peers
-  (or from anywhere with --allow-insecure-public).
+  (or from anywhere with --allow-insecure-public). `TenantsFile` reloads the file on SIGHUP or
+  when its modification time changes, by swapping the immutable `Tenants`: calls in flight keep
+  the `Tenant` they authenticated as; a bad new file is logged and the old table kept.
 - failure modes: malformed file -> ValueError at start-up; keys are compared in constant time
   against every tenant, so timing does not reveal which digest prefix matched.
 - proven by: tests/test_router_tenants.py, tests/test_grpc_validation.py (missing / wrong key).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
+import logging
+import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,6 +40,7 @@ import yaml
 
 from router.errors import AuthError
 
+log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
 
 
@@ -38,14 +49,42 @@ class Tenant:
     name: str
     key_sha256: str = ""
     weight: float = 1.0
-    max_concurrency: int | None = None
-    rate_tokens_per_s: float | None = None
+    max_concurrency: int | None = None       # open requests: queued + running
+    max_queued: int | None = None            # requests waiting in the router's fair queue
+    rate_requests_per_s: float | None = None
+    burst_requests: float | None = None      # None: one second's worth, at least 1
+    rate_tokens_per_min: float | None = None  # prompt + max_tokens; burst: one minute's worth
+    default_priority: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("tenant name must not be empty")
-        if not self.weight > 0:
-            raise ValueError(f"tenant {self.name}: weight must be > 0")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("tenant name must be a non-empty string")
+        if not _is_number(self.weight) or not 0 < self.weight < math.inf:
+            raise ValueError(f"tenant {self.name}: weight must be a number > 0, got {self.weight!r}")
+        for field in ("max_concurrency", "max_queued"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"tenant {self.name}: {field} must be an integer >= 1, got {value!r}")
+        for field in ("rate_requests_per_s", "burst_requests", "rate_tokens_per_min"):
+            value = getattr(self, field)
+            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"tenant {self.name}: {field} must be a number > 0, got {value!r}")
+        if self.burst_requests is not None:
+            if self.rate_requests_per_s is None:
+                raise ValueError(f"tenant {self.name}: burst_requests needs rate_requests_per_s")
+            if self.burst_requests < 1:
+                raise ValueError(f"tenant {self.name}: burst_requests must be >= 1 (one request)")
+        if not _is_int(self.default_priority):
+            raise ValueError(f"tenant {self.name}: default_priority must be an integer, "
+                             f"got {self.default_priority!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def hash_key(key: str) -> str:
@@ -132,3 +171,53 @@ class Tenants:
         if found is None:
             raise AuthError("invalid API key")
         return found
+
+
+class TenantsFile:
+    """The current `Tenants` of a file, swapped whole when the file is reloaded.
+
+    `reload()` (SIGHUP) reads the file again; `watch(poll_s)` reloads when its modification time,
+    size or inode changes (an editor's save or an atomic rename). A file that does not parse is
+    logged and the previous table kept, so a typo never locks every tenant out.
+    """
+
+    def __init__(self, path: str | None, allow_public: bool = False):
+        self.path = path
+        self._allow_public = allow_public
+        self._stamp = self._stat()
+        self.current = Tenants.load(path, allow_public)  # a bad file at start-up is fatal
+        self.num_reloads = 0
+
+    def reload(self) -> bool:
+        if self.path is None:
+            return False
+        self._stamp = self._stat()  # taken before reading: a later write changes it again
+        try:
+            tenants = Tenants.load(self.path, self._allow_public)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            log.error("tenants file %s not reloaded, keeping the previous %d tenant(s): %s",
+                      self.path, len(self.current.tenants), exc)
+            return False
+        self.current = tenants
+        self.num_reloads += 1
+        log.info("tenants file %s reloaded: %d tenant(s)", self.path, len(tenants.tenants))
+        return True
+
+    def reload_if_changed(self) -> bool:
+        if self.path is None or self._stat() in (None, self._stamp):
+            return False
+        return self.reload()
+
+    async def watch(self, poll_s: float) -> None:
+        while True:
+            await asyncio.sleep(poll_s)
+            self.reload_if_changed()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -32,7 +32,9 @@ def runner():
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig(kv_cache_bytes=256 * 2**20, attention_backend="torch"))
+    # One intra-op thread: on these shared 2-vCPU machines OpenMP barriers under CPU steal made
+    # two threads 1-5x slower than one (measured), and test processes run side by side.
+    return ModelRunner(EngineConfig(kv_cache_bytes=256 * 2**20, attention_backend="torch", num_threads=1))
 
 
 @pytest.fixture

@@ -37,3 +37,20 @@ def test_parse_args():
 def test_bad_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
         RouterConfig(**kwargs)
+
+
+def test_parse_fairness_args():
+    config = parse_args(["--fair-queue", "fcfs", "--max-queued", "7", "--max-tokens-in-flight", "5000",
+                         "--affinity-imbalance", "0.5", "--tenants-poll-s", "0", "--no-worker-grace-s", "2"])
+    assert (config.fair_queue, config.max_queued, config.max_tokens_in_flight) == ("fcfs", 7, 5000)
+    assert (config.affinity_imbalance, config.tenants_poll_s, config.no_worker_grace_s) == (0.5, 0.0, 2.0)
+    defaults = parse_args(["--max-queued", "0"])
+    assert (defaults.fair_queue, defaults.max_queued, defaults.max_tokens_in_flight) == ("vtc", None, None)
+
+
+@pytest.mark.parametrize("kwargs", [{"fair_queue": "lifo"}, {"max_queued": 0}, {"max_tokens_in_flight": -5},
+                                    {"affinity_imbalance": -0.1}, {"tenants_poll_s": -1},
+                                    {"no_worker_grace_s": -1}])
+def test_bad_fairness_config_is_rejected(kwargs):
+    with pytest.raises(ValueError):
+        RouterConfig(**kwargs)

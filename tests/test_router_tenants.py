@@ -1,8 +1,12 @@
-"""Tenants file parsing and authentication."""
+"""Tenants file parsing, validation, authentication and reloading."""
+import asyncio
+import os
+import signal
+
 import pytest
 
 from router.errors import AuthError
-from router.tenants import Tenants, hash_key, is_loopback_peer
+from router.tenants import Tenant, Tenants, TenantsFile, hash_key, is_loopback_peer
 
 LOOPBACK = "ipv4:127.0.0.1:5555"
 REMOTE = "ipv4:10.1.2.3:5555"
@@ -13,7 +17,11 @@ tenants:
     key_sha256: {hash_key("acme-secret")}
     weight: 2.0
     max_concurrency: 4
-    rate_tokens_per_s: 1000
+    max_queued: 8
+    rate_requests_per_s: 2.5
+    burst_requests: 5
+    rate_tokens_per_min: 60000
+    default_priority: 3
   - name: beta
     key_sha256: {hash_key("beta-secret")}
 """
@@ -26,9 +34,13 @@ def bearer(key):
 def test_keys_map_to_tenants_and_limits_are_kept():
     t = Tenants.from_yaml(YAML)
     acme = t.authenticate(bearer("acme-secret"), REMOTE)
-    assert (acme.name, acme.weight, acme.max_concurrency, acme.rate_tokens_per_s) == ("acme", 2.0, 4, 1000)
+    assert acme == Tenant("acme", hash_key("acme-secret"), weight=2.0, max_concurrency=4, max_queued=8,
+                          rate_requests_per_s=2.5, burst_requests=5, rate_tokens_per_min=60000,
+                          default_priority=3)
     beta = t.authenticate([("x-other", "1")] + bearer("beta-secret"), LOOPBACK)
-    assert (beta.name, beta.weight, beta.max_concurrency) == ("beta", 1.0, None)
+    assert beta == Tenant("beta", hash_key("beta-secret"))
+    assert (beta.max_queued, beta.rate_requests_per_s, beta.rate_tokens_per_min, beta.default_priority) == (
+        None, None, None, 0)
 
 
 @pytest.mark.parametrize("metadata, message", [
@@ -58,10 +70,82 @@ def test_default_tenant_only_on_loopback():
     "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    colour: red\n",
     "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    weight: 0\n",
     "tenants:\n  - {name: a, key_sha256: " + "a" * 64 + "}\n  - {name: a, key_sha256: " + "b" * 64 + "}\n",
+    "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    rate_tokens_per_s: 5\n",  # renamed: per_min
 ])
 def test_malformed_files_are_rejected(text):
     with pytest.raises(ValueError):
         Tenants.from_yaml(text)
+
+
+@pytest.mark.parametrize("fields", [
+    {"weight": float("inf")}, {"weight": "2"}, {"weight": True},
+    {"max_concurrency": 0}, {"max_queued": 0}, {"max_queued": 2.5}, {"max_queued": True},
+    {"rate_requests_per_s": 0}, {"rate_requests_per_s": -1}, {"rate_tokens_per_min": "fast"},
+    {"burst_requests": 5},                                  # a burst without a rate
+    {"rate_requests_per_s": 1, "burst_requests": 0.5},      # a burst smaller than one request
+    {"default_priority": 1.5}, {"default_priority": "high"},
+])
+def test_bad_limits_are_rejected(fields):
+    with pytest.raises(ValueError, match="tenant a"):
+        Tenant("a", **fields)
+
+
+def write(path, text):
+    path.write_text(text)
+    st = path.stat()  # a distinct mtime even on coarse-grained file systems
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def test_reload_swaps_the_table_and_keeps_it_when_the_new_file_is_bad(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    write(path, YAML)
+    source = TenantsFile(str(path))
+    old = source.current
+    acme = old.authenticate(bearer("acme-secret"), LOOPBACK)
+    assert not source.reload_if_changed()  # unchanged
+    write(path, YAML.replace("weight: 2.0", "weight: 3.0") + f"""  - name: gamma
+    key_sha256: {hash_key("gamma-secret")}
+""")
+    assert source.reload_if_changed() and source.num_reloads == 1
+    assert source.current.authenticate(bearer("acme-secret"), LOOPBACK).weight == 3.0
+    assert source.current.authenticate(bearer("gamma-secret"), LOOPBACK).name == "gamma"
+    assert acme.weight == 2.0 and old.authenticate(bearer("acme-secret"), LOOPBACK) is acme  # in flight: unchanged
+    current = source.current
+    write(path, "tenants: [oops")  # a typo: logged, the previous table stays
+    assert not source.reload_if_changed() and source.current is current
+    assert not source.reload_if_changed()  # the same bad file is not re-read every poll
+    path.unlink()
+    assert not source.reload_if_changed() and source.current is current
+
+
+def test_watch_and_sighup_reload(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    write(path, YAML)
+    source = TenantsFile(str(path))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        watcher = asyncio.create_task(source.watch(0.01))
+        try:
+            write(path, YAML.replace("max_queued: 8", "max_queued: 9"))
+            while source.num_reloads < 1:
+                await asyncio.sleep(0.01)
+            loop.add_signal_handler(signal.SIGHUP, source.reload)
+            os.kill(os.getpid(), signal.SIGHUP)
+            while source.num_reloads < 2:
+                await asyncio.sleep(0.01)
+        finally:
+            loop.remove_signal_handler(signal.SIGHUP)
+            watcher.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert source.current.authenticate(bearer("acme-secret"), LOOPBACK).max_queued == 9
+
+
+def test_no_file_means_the_default_tenant_and_nothing_to_reload():
+    source = TenantsFile(None)
+    assert source.current.authenticate([], LOOPBACK).name == "default"
+    assert not source.reload() and not source.reload_if_changed()
 
 
 @pytest.mark.parametrize("peer, loopback", [

@@ -1,9 +1,10 @@
 """`python -m worker --port N [--model PATH]` serves one engine over gRPC (see --help)."""
 import argparse
 import asyncio
-import logging
 import sys
 
+from common import telemetry
+from common.logs import setup_logging
 from common.net import is_loopback_host
 from worker.config import EngineConfig
 from worker.server import WorkerServerConfig, serve
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
+    telemetry.add_args(p, default_metrics_port=0)
     a = p.parse_args(argv)
     if not is_loopback_host(a.host) and not a.allow_insecure_public:
         p.error(f"refusing to bind {a.host}: the worker API is unauthenticated; "
@@ -37,12 +39,14 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
     }.items() if v is not None}
     engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
                           seed=a.seed, **overrides)
-    return WorkerServerConfig(engine=engine, host=a.host, port=a.port, drain_grace_s=a.drain_grace_s)
+    return WorkerServerConfig(engine=engine, host=a.host, port=a.port, drain_grace_s=a.drain_grace_s,
+                              telemetry=telemetry.from_args(a))
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    return asyncio.run(serve(parse_args()))
+    config = parse_args()
+    setup_logging("worker", config.telemetry.log_format)
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class LLMEngine:
         ttft_s = (seq.first_token_s - seq.arrival_s) if seq.first_token_s else 0.0
         return RequestOutput(seq.request_id, new, new_lp, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                             queue_s, ttft_s)
+                             queue_s, ttft_s, seq.num_preemptions)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -10,23 +10,31 @@ Contract
   call (router cancel, deadline, lost connection) aborts the sequence in the engine, freeing its KV
   blocks in the next step; SIGTERM -> health NOT_SERVING, in-flight streams get `drain_grace_s`,
   then the engine shuts down.
-- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_worker_loss.py.
+- observability: each Generate is a span continuing the router's trace (`worker.observe`);
+  Prometheus `/metrics` (`worker.metrics`) on --metrics-port, its address in `WorkerInfo`.
+- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_worker_loss.py,
+  tests/test_observability_e2e.py.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.metrics_http import start_metrics_server
 from common.net import bind_address
+from common.telemetry import TelemetryConfig, setup_tracing
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.metrics import WorkerMetrics
+from worker.observe import RequestObservation
 from worker.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ class WorkerServerConfig:
     port: int = 0                          # 0 = ephemeral; the bound port is logged
     drain_grace_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
+    telemetry: TelemetryConfig = TelemetryConfig()
 
 
 def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
@@ -65,25 +74,40 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics | None = None):
         self._engine = engine
+        self._metrics = metrics
+        self.worker_id = ""           # this worker's gRPC address, once bound
+        self.metrics_address = ""     # host:port of /metrics, reported in WorkerInfo
 
     async def Generate(self, request: wpb.WorkerRequest, context: grpc.aio.ServicerContext):
+        obs = RequestObservation(
+            self._metrics, worker_id=self.worker_id, model=self._engine.info.name,
+            request_id=request.request_id, tenant=request.cache_salt,
+            num_prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+            temperature=request.sampling.temperature, metadata=context.invocation_metadata())
         try:
-            sampling = to_sampling(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
-        outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
-                                        priority=request.priority, salt=request.cache_salt)
-        try:
-            async for out in outputs:
-                yield to_response(out)
-        except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RuntimeError as exc:  # an engine step failed; the engine keeps serving others
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            try:
+                sampling = to_sampling(request.sampling)
+            except ValueError as exc:
+                obs.fail("invalid_argument", str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+            outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
+                                            priority=request.priority, salt=request.cache_salt)
+            try:
+                async for out in outputs:
+                    obs.output(out)
+                    yield to_response(out)
+            except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
+                obs.fail("invalid_argument", str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RuntimeError as exc:  # an engine step failed; the engine keeps serving others
+                obs.fail("internal", str(exc))
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            finally:
+                await outputs.aclose()  # on cancellation this aborts the sequence in the engine
         finally:
-            await outputs.aclose()  # on cancellation this aborts the sequence in the engine
+            obs.finish()
 
     async def GetLoad(self, request, context) -> wpb.LoadReport:
         s = self._engine.stats()
@@ -93,40 +117,70 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
         return wpb.WorkerInfo(model=i.name, block_size=i.block_size, max_model_len=i.max_model_len,
-                              vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids)
+                              vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
+                              metrics_address=self.metrics_address)
 
 
-async def serve(config: WorkerServerConfig) -> int:
+async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
+                on_listening: Callable[[int], None] | None = None) -> int:
+    """Serves until SIGTERM/SIGINT, or until `stop` is set when one is given (a server on a thread
+    other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
+    `on_listening(port)` runs once the server is SERVING."""
     engine = AsyncEngine.from_config(config.engine)
+    telemetry = config.telemetry
+    metrics = WorkerMetrics(engine)
+    try:
+        metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
+                                              0, metrics.registry)
+    except OSError as exc:
+        engine.shutdown()
+        raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
     options = [("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.max_receive_message_length", config.max_message_bytes)]
     server = grpc.aio.server(options=options)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(engine), server)
+    service = WorkerService(engine, metrics)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = bind_address(config.host, config.port)
     port = server.add_insecure_port(address)
     if port == 0:
         engine.shutdown()
+        if metrics_server:
+            metrics_server.close()
         raise SystemExit(f"cannot bind {address}")
+    service.worker_id = bind_address(config.host, port)
+    service.metrics_address = metrics_server.address if metrics_server else ""
+    tracing = setup_tracing(telemetry, "llm-worker", instance=service.worker_id)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     info = engine.info
     # The "listening" line is machine-read by launchers that pass --port 0.
     print(f"worker listening on {bind_address(config.host, port)}", flush=True)
+    if on_listening is not None:
+        on_listening(port)
     log.info("model %s, block size %d, max model len %d, %d KV blocks", info.name, info.block_size,
              info.max_model_len, engine.stats().num_total_blocks)
+    if metrics_server:
+        log.info("metrics at http://%s/metrics", metrics_server.address)
+    if tracing.enabled:
+        log.info("tracing to %s (sample ratio %g)", telemetry.otlp_endpoint or "console",
+                 telemetry.sample_ratio)
     await stop.wait()
 
     log.info("draining (grace %.1f s)", config.drain_grace_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=config.drain_grace_s)
     engine.shutdown()
+    tracing.shutdown()
+    if metrics_server:
+        metrics_server.close()
     log.info("worker stopped")
     return 0

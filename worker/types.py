@@ -56,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int            # prompt tokens served from the prefix cache
     queue_s: float = 0.0              # arrival -> first scheduled
     ttft_s: float = 0.0               # arrival -> first output token (0 until then)
+    num_preemptions: int = 0          # times this sequence was preempted so far
 
 
 @dataclass(frozen=True)

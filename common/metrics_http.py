@@ -1,0 +1,81 @@
+"""The Prometheus HTTP endpoint: `/metrics` from a registry, plus extra JSON routes (the router's
+`/targets` for Prometheus HTTP service discovery).
+
+Contract
+- input: host, port (0 = ephemeral), a `CollectorRegistry`, optional `{path: () -> JSON value}`.
+- output: `MetricsServer` serving on its own daemon threads; `.address` is the bound `host:port`.
+  Every path other than the JSON routes serves the registry in the Prometheus text format.
+- state: the listening socket and its thread; `close()` stops them.
+- failure modes: OSError when the port cannot be bound (the caller decides whether to fall back).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
+
+from common.net import bind_address
+
+log = logging.getLogger(__name__)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds would flood the log
+        pass
+
+
+class MetricsServer:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry,
+                 json_routes: dict[str, Callable[[], object]] | None = None):
+        metrics_app = make_wsgi_app(registry)
+        routes = dict(json_routes or {})
+
+        def app(environ, start_response):
+            route = routes.get(environ.get("PATH_INFO", ""))
+            if route is None:
+                return metrics_app(environ, start_response)
+            body = json.dumps(route()).encode()
+            start_response("200 OK", [("Content-Type", "application/json"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
+        self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        self.host = host
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return bind_address(self.host, self.port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start_metrics_server(host: str, port: int | None, default_port: int, registry: CollectorRegistry,
+                         json_routes: dict[str, Callable[[], object]] | None = None) -> MetricsServer | None:
+    """`port` None = `default_port`, falling back to an ephemeral port when that one is taken
+    (several routers on one machine); an explicit port that cannot be bound is an error; -1 = off."""
+    if port == -1:
+        return None
+    disable_created_metrics()  # process-wide: `_created` series double the output and no panel reads them
+    if port is None and default_port:
+        try:
+            return MetricsServer(host, default_port, registry, json_routes)
+        except OSError as exc:
+            log.warning("metrics port %d unavailable (%s): using an ephemeral port", default_port, exc)
+    return MetricsServer(host, port or 0, registry, json_routes)

@@ -1,0 +1,139 @@
+"""Tracing setup and W3C trace-context propagation over gRPC metadata (router and worker share it).
+
+Contract
+- input: `TelemetryConfig`, built from the command line by `add_args` / `from_args`;
+  `env_endpoint` is the one place that reads `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`.
+- output: `setup_tracing(config, service_name)` installs an SDK tracer provider (parent-based ratio
+  sampler, batch span processor, OTLP/gRPC and/or console exporter) when an exporter is configured
+  and returns a `Tracing` handle whose `shutdown()` flushes it; with no exporter nothing is installed
+  and the OpenTelemetry API stays a no-op (no span objects, no exporter thread). Either way a
+  client's `traceparent` still flows through: the no-op tracer hands back the remote parent.
+  `extract(metadata)` / `inject(ctx)` move `traceparent` / `tracestate` between a Context and gRPC
+  metadata; `trace_id_of(span)` gives the hex id for log lines.
+- state: the global tracer provider, once per process.
+- failure modes: an unreachable collector never fails a request (the exporter drops spans and logs).
+- proven by: tests/test_observability_e2e.py (spans from router and worker over real OTLP/gRPC).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+METADATA_KEYS = ("traceparent", "tracestate")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    otlp_endpoint: str | None = None     # OTLP/gRPC collector, e.g. http://127.0.0.1:4317; None = no export
+    console: bool = False                # also print finished spans to stdout
+    sample_ratio: float = 1.0            # of new traces; a sampled/unsampled parent is followed
+    metrics_host: str | None = None      # None = the process's --host
+    metrics_port: int | None = None      # None = the component default; 0 = ephemeral; -1 = no /metrics
+    log_format: str = "text"             # text | json
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"trace sample ratio must be in [0, 1], got {self.sample_ratio}")
+        if self.metrics_port is not None and not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port must be in [-1, 65535], got {self.metrics_port}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log format must be text or json, got {self.log_format!r}")
+
+    @property
+    def tracing(self) -> bool:
+        return bool(self.otlp_endpoint) or self.console
+
+
+def add_args(p: argparse.ArgumentParser, default_metrics_port: int) -> None:
+    g = p.add_argument_group("observability")
+    g.add_argument("--otlp-endpoint", default=None,
+                   help="export traces over OTLP/gRPC to this collector (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset = no tracing)")
+    g.add_argument("--trace-console", action="store_true", help="print finished spans to stdout")
+    g.add_argument("--trace-sample-ratio", type=float, default=1.0,
+                   help="fraction of new traces recorded (a client's sampled flag is followed)")
+    g.add_argument("--metrics-host", default=None, help="Prometheus /metrics host (default: --host)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help=f"Prometheus /metrics port (default {default_metrics_port or 'ephemeral'}; "
+                        "0 = ephemeral; -1 = off)")
+    g.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one JSON object per log line (request lines carry the trace id)")
+
+
+def from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> TelemetryConfig:
+    return TelemetryConfig(otlp_endpoint=a.otlp_endpoint or env_endpoint(environ), console=a.trace_console,
+                           sample_ratio=a.trace_sample_ratio, metrics_host=a.metrics_host,
+                           metrics_port=a.metrics_port, log_format=a.log_format)
+
+
+def env_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The standard OTLP endpoint variables (for processes configured without a command line)."""
+    return environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+class Tracing:
+    """The installed provider (None when tracing is off); `shutdown()` flushes pending spans."""
+
+    def __init__(self, provider=None):
+        self.provider = provider
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def setup_tracing(config: TelemetryConfig, service_name: str, instance: str = "") -> Tracing:
+    if not config.tracing:
+        return Tracing()
+    # Imported here: a process without tracing never loads the SDK or the exporter.
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    attributes = {"service.name": service_name}
+    if instance:
+        attributes["service.instance.id"] = instance
+    provider = TracerProvider(resource=Resource.create(attributes),
+                              sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+    if config.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        endpoint = config.otlp_endpoint
+        insecure = not endpoint.startswith("https://")
+        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    if config.console:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return Tracing(provider)
+
+
+def extract(metadata: Iterable[tuple[str, str]] | None) -> Context:
+    """The remote parent from incoming gRPC metadata (an empty Context when there is none)."""
+    carrier = {k: v for k, v in metadata or () if k in METADATA_KEYS}
+    return _PROPAGATOR.extract(carrier) if carrier else Context()
+
+
+def inject(ctx: Context) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying `ctx`'s span as the remote parent (empty when it has no valid span)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return tuple(carrier.items())
+
+
+def trace_id_of(span: trace.Span) -> str:
+    """32 hex digits, or "" when the span belongs to no trace (tracing off, no client traceparent)."""
+    sc = span.get_span_context()
+    return trace.format_trace_id(sc.trace_id) if sc.is_valid else ""

@@ -1,0 +1,105 @@
+"""A simulated multi-node Ray cluster on one machine, for tests and the router-scale benchmark.
+
+Contract
+- `SimulatedCluster(num_nodes, gpus_per_node, cpus_per_node)`: a `ray.cluster_utils.Cluster`
+  with a head that takes no work and `num_nodes` nodes advertising `gpus_per_node` `GPU`
+  resources each (fake: nothing checks for a device, so workers run on CPU with `device="cpu"`).
+  As a context manager it connects this process as a driver and tears everything down on exit.
+  `address` is the GCS address other processes (routers) pass to `--ray-address`; with
+  `client_port`, the head also serves Ray Client at `client_address` (`ray://127.0.0.1:PORT`), the
+  way a router outside the cluster (KubeRay's router Deployment) connects.
+- `write_tiny_llama(path)`: a random 2-layer Llama safetensors checkpoint (~13 MB) with the
+  embedded tokenizer's vocabulary, so a router tokenizing with SmolLM2 can drive it; it loads in
+  well under a second, which keeps four workers cheap on a small machine. Its text is noise.
+- state: the cluster's processes (Ray's), until exit.
+- failure modes: Ray's own (ports, memory).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from common.ray_names import DEFAULT_NAMESPACE
+from deploy.ray_launch import ray_process_env
+
+SMOLLM2_VOCAB_SIZE = 49152
+
+
+class SimulatedCluster:
+    def __init__(self, num_nodes: int = 2, gpus_per_node: int = 2, cpus_per_node: int = 1,
+                 namespace: str = DEFAULT_NAMESPACE, client_port: int | None = None):
+        self.num_nodes = num_nodes
+        self.gpus_per_node = gpus_per_node
+        self.cpus_per_node = cpus_per_node
+        self.namespace = namespace
+        self.client_port = client_port
+        self.cluster = None
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def client_address(self) -> str:
+        return f"ray://127.0.0.1:{self.client_port}"
+
+    def __enter__(self) -> "SimulatedCluster":
+        import ray
+        from ray.cluster_utils import Cluster
+
+        ray_process_env()
+        head = {"num_cpus": 0, "include_dashboard": False}
+        if self.client_port:
+            head["ray_client_server_port"] = self.client_port
+        self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        try:
+            for _ in range(self.num_nodes):
+                self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, namespace=self.namespace, log_to_driver=False)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def write_tiny_llama(path: pathlib.Path, vocab_size: int = SMOLLM2_VOCAB_SIZE, seed: int = 0) -> pathlib.Path:
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    head_dim = hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    weights = {"model.embed_tokens.weight": rand(vocab_size, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "model.safetensors"))
+    config = {"model_type": "llama", "_name_or_path": "tiny-llama-sim", "vocab_size": vocab_size,
+              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": True, "eos_token_id": 2}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path

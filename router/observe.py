@@ -1,0 +1,143 @@
+"""One router request, observed: its spans, its metrics and its log line.
+
+Contract
+- input: the call's metadata (a client `traceparent` becomes the parent), then the servicer's
+  stage boundaries (`stage("auth")`, `stage("validate")`, `stage("admission")`, `stage("queue")`,
+  `stage("route", worker=...)`: each ends the previous stage), `request(...)` once the request is
+  known, `event(chunk_or_done)` for each relayed event, `fail(exc)` when it raises, `finish()` once.
+- output: span `llm.v1.Generation/Generate` (SERVER) with one child per stage; `metadata` is the
+  gRPC metadata that makes the worker's span a child of the `route` span (W3C traceparent);
+  the `common.request_metrics` families, the running / waiting gauges; one "request finished" log
+  line with the trace id.
+- state: per request only. Spans are started with explicit parents (never attached as the
+  "current" context), so nothing leaks across the servicer's async generator boundaries.
+- status vocabulary (label and log): stop | length | cancelled, or the gRPC status code in lower
+  case when the call fails (invalid_argument, unauthenticated, resource_exhausted, unavailable,
+  deadline_exceeded, internal).
+- proven by: tests/test_observability_e2e.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from common.logs import log_request
+from common.request_metrics import TokenClock
+from common.telemetry import extract, inject, trace_id_of
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.relay import Chunk, Done
+
+tracer = trace.get_tracer("llm.router")
+requests_log = logging.getLogger("llm.requests")
+
+
+def status_of(exc: BaseException) -> str:
+    if isinstance(exc, RouterError):
+        return exc.code.name.lower()
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    return "internal"
+
+
+class RequestObservation:
+    def __init__(self, metrics: RouterMetrics | None, metadata):
+        self.arrival_s = time.monotonic()
+        self._metrics = metrics
+        self._clock = TokenClock(metrics.requests, self.arrival_s) if metrics else None
+        self.span = tracer.start_span("llm.v1.Generation/Generate", context=extract(metadata),
+                                      kind=SpanKind.SERVER)
+        self._ctx = trace.set_span_in_context(self.span)
+        self._stage: trace.Span | None = None
+        self._stage_name = ""
+        self._stage_start_s = 0.0
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.request_id = self.tenant = self.worker = None
+        self.num_prompt_tokens: int | None = None
+        self.num_output_tokens = 0
+        self._done: Done | None = None
+        self._status: str | None = None
+
+    def stage(self, name: str, worker: str | None = None) -> None:
+        """Ends the current stage and begins `name`; `worker` is the worker the request was placed on."""
+        self._end_stage()
+        if name == "queue" and self._metrics:
+            self._metrics.waiting.inc()
+        if name == "route":
+            self.worker = worker
+            if self._metrics:
+                self._metrics.running.inc()
+        self._stage_name, self._stage_start_s = name, time.monotonic()
+        kind = SpanKind.CLIENT if name == "route" else SpanKind.INTERNAL
+        self._stage = tracer.start_span(name, context=self._ctx, kind=kind,
+                                        attributes={"llm.worker.id": worker} if worker else None)
+        if name == "route":
+            self.metadata = inject(trace.set_span_in_context(self._stage))
+
+    def _end_stage(self, error: str | None = None) -> None:
+        if self._stage is None:
+            return
+        if error is not None:
+            self._stage.set_status(Status(StatusCode.ERROR, error))
+        self._stage.end()
+        if self._stage_name == "queue" and self._metrics:
+            self._metrics.waiting.dec()
+            self._metrics.requests.queue.observe(time.monotonic() - self._stage_start_s)
+        if self._stage_name == "route" and self._metrics:
+            self._metrics.running.dec()
+        self._stage = None
+
+    def request(self, request_id: str, tenant: str, model: str, num_prompt_tokens: int, max_tokens: int,
+                temperature: float, top_p: float) -> None:
+        self.request_id, self.tenant, self.num_prompt_tokens = request_id, tenant, num_prompt_tokens
+        if self.span.is_recording():
+            self.span.set_attributes({
+                "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
+                "gen_ai.request.top_p": top_p, "gen_ai.usage.input_tokens": num_prompt_tokens,
+                "llm.request_id": request_id, "llm.tenant": tenant})
+
+    def event(self, event: Chunk | Done) -> None:
+        if isinstance(event, Done):
+            self._done = event
+            return
+        self.num_output_tokens += len(event.token_ids)
+        if self._clock is not None:
+            self._clock.tokens(len(event.token_ids), time.monotonic())
+
+    def fail(self, exc: BaseException) -> None:
+        self._status = status_of(exc)
+        message = exc.message if isinstance(exc, RouterError) else type(exc).__name__
+        if self._status != "cancelled":
+            self.span.set_status(Status(StatusCode.ERROR, message))
+        self._end_stage(error=None if self._status == "cancelled" else message)
+
+    def finish(self) -> None:
+        self._end_stage()
+        done = self._done
+        status = self._status or (done.reason if done else "cancelled")
+        served = self.worker is not None
+        if self._clock is not None:
+            self._clock.finish(status, self.num_prompt_tokens if served else None, time.monotonic())
+        trace_id = trace_id_of(self.span)
+        if self.span.is_recording():
+            self.span.set_attribute("gen_ai.response.finish_reasons", [status])
+            if self.worker:
+                self.span.set_attribute("llm.worker.id", self.worker)
+            if done is not None:
+                self.span.set_attributes({
+                    "gen_ai.usage.output_tokens": self.num_output_tokens,
+                    "gen_ai.usage.cache_read.input_tokens": done.cached_prompt_tokens,
+                    "llm.time_to_first_token_s": done.ttft_ms / 1e3})
+        self.span.end()
+        log_request(requests_log, request_id=self.request_id, tenant=self.tenant, status=status,
+                    worker=self.worker, prompt_tokens=self.num_prompt_tokens,
+                    completion_tokens=self.num_output_tokens if served else None,
+                    cached_prompt_tokens=done.cached_prompt_tokens if done else None,
+                    queue_ms=round(done.queue_ms, 1) if done else None,
+                    ttft_ms=round(done.ttft_ms, 1) if done else None,
+                    total_ms=round((time.monotonic() - self.arrival_s) * 1e3, 1), trace_id=trace_id or None)

@@ -1,0 +1,156 @@
+"""deploy/: the `ray up` config, the KubeRay manifests and the Dockerfile parse and agree with each
+other and with the code (issue 5): one image, one Ray version, ports, Service selectors, the head
+Service name and Ray Client port, namespaces, GPU resource names and counts, and command lines
+that the real argument parsers accept."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from deploy import ray_launch
+from router import config as router_config
+from tests.procs import REPO
+
+DEPLOY = REPO / "deploy"
+KUBERAY = DEPLOY / "kuberay"
+GPU = "nvidia.com/gpu"
+
+
+def docs(path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict]:
+    found = {}
+    for path in sorted(KUBERAY.glob("*.yaml")):
+        for doc in docs(path):
+            assert {"apiVersion", "kind", "metadata"} <= doc.keys(), (path.name, doc.keys())
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in found, f"{key} defined twice"
+            found[key] = doc
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_up() -> dict:
+    [config] = docs(DEPLOY / "ray-cluster.yaml")
+    return config   # prepare_config below fills defaults into a copy
+
+
+def one(k8s, kind: str) -> dict:
+    [doc] = [d for (k, _), d in k8s.items() if k == kind]
+    return doc
+
+
+def containers(pod_template: dict) -> list[dict]:
+    return pod_template["spec"]["containers"]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def module_args(command: list[str], module: str) -> list[str]:
+    assert command[:3] == ["python", "-m", module], command
+    return command[3:]
+
+
+def test_manifests_hold_the_expected_objects(k8s):
+    assert {k for k, _ in k8s} == {"RayCluster", "Deployment", "Service", "Job"}
+    assert one(k8s, "RayCluster")["apiVersion"] == "ray.io/v1"
+
+
+def test_one_image_everywhere(k8s, ray_up):
+    cluster = one(k8s, "RayCluster")["spec"]
+    images = {c["image"] for c in containers(cluster["headGroupSpec"]["template"])}
+    for group in cluster["workerGroupSpecs"]:
+        images |= {c["image"] for c in containers(group["template"])}
+    for kind in ("Deployment", "Job"):
+        images |= {c["image"] for c in containers(one(k8s, kind)["spec"]["template"])}
+    images.add(ray_up["docker"]["image"])
+    assert len(images) == 1, images
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"-t {images.pop()} ." in readme            # the build command tags that image
+
+
+def test_one_ray_version(k8s):
+    pinned = re.search(r"^ray==(\S+)$", (REPO / "requirements.txt").read_text(), re.M).group(1)
+    assert one(k8s, "RayCluster")["spec"]["rayVersion"] == pinned
+    base = re.search(r"^FROM rayproject/ray:(\S+)", (DEPLOY / "Dockerfile").read_text(), re.M).group(1)
+    assert base.startswith(f"{pinned}-"), base
+
+
+def test_routers_and_launcher_find_the_head_through_ray_client(k8s):
+    cluster = one(k8s, "RayCluster")
+    head = containers(cluster["spec"]["headGroupSpec"]["template"])[0]
+    client_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "client")
+    expected = f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"   # KubeRay's naming
+    router = containers(one(k8s, "Deployment")["spec"]["template"])[0]["command"]
+    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
+    assert flag(router, "--ray-address") == flag(launcher, "--ray-address") == expected
+    assert flag(router, "--ray-namespace") == flag(launcher, "--namespace")
+
+
+def test_router_ports_probes_and_service_agree(k8s):
+    deployment, service = one(k8s, "Deployment"), one(k8s, "Service")
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    [router] = containers(template)
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports["grpc"] == int(flag(router["command"], "--port"))
+    assert ports["metrics"] == int(flag(router["command"], "--metrics-port"))
+    assert router["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    assert router["livenessProbe"]["tcpSocket"]["port"] == ports["grpc"]
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in ports and port["port"] == ports[port["targetPort"]]
+    mount = router["volumeMounts"][0]
+    assert flag(router["command"], "--tenants").startswith(mount["mountPath"] + "/")
+    assert template["spec"]["volumes"][0]["name"] == mount["name"]
+    drain_s = router_config.RouterConfig.drain_grace_s
+    assert template["spec"]["terminationGracePeriodSeconds"] > drain_s
+
+
+def test_gpu_workers_and_launcher_agree(k8s):
+    cluster = one(k8s, "RayCluster")["spec"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"   # no worker on the head
+    [group] = cluster["workerGroupSpecs"]
+    [worker] = containers(group["template"])
+    resources = worker["resources"]
+    gpus = int(resources["limits"][GPU])
+    assert gpus >= 1 and resources["requests"][GPU] == resources["limits"][GPU]
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
+    _, launch = ray_launch.parse_args(module_args(launcher, "deploy.ray_launch"))
+    assert launch.num_workers == group["replicas"] * gpus          # one worker per GPU
+    assert launch.cpus_per_worker * gpus <= float(resources["limits"]["cpu"])
+    assert launch.detached and launch.use_gpus is None and launch.engine.device == "auto"
+
+
+def test_command_lines_parse_with_the_real_parsers(k8s):
+    router = containers(one(k8s, "Deployment")["spec"]["template"])[0]["command"]
+    config = router_config.parse_args(module_args(router, "router"))
+    assert config.ray_address.startswith("ray://") and config.tenants_file
+    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
+    args, _ = ray_launch.parse_args(module_args(launcher, "deploy.ray_launch"))
+    assert not args.stop
+
+
+def test_ray_up_config(ray_up):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(ray_up))     # what `ray up` runs first (schema + node types)
+    types = ray_up["available_node_types"]
+    assert ray_up["head_node_type"] in types
+    assert types[ray_up["head_node_type"]]["resources"] == {"CPU": 0}
+    gpu_types = [t for t in types.values() if t.get("resources", {}).get("GPU", 0) >= 1]
+    assert gpu_types and all(t["max_workers"] <= ray_up["max_workers"] for t in gpu_types)
+    head_cmd = " ".join(ray_up["head_start_ray_commands"])
+    worker_cmd = " ".join(ray_up["worker_start_ray_commands"])
+    gcs_port = re.search(r"ray start --head --port=(\d+)", head_cmd).group(1)
+    assert f"--address=$RAY_HEAD_IP:{gcs_port}" in worker_cmd
+    assert "--num-cpus=0" in head_cmd and "--ray-client-server-port=" in head_cmd

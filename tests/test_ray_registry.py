@@ -1,0 +1,151 @@
+"""RayRegistry's discovery rules against a fake `ray` module (milliseconds, no cluster): who is asked
+for an address and when, restarting and dead actors, static addresses, Ray outages; and the router
+loads Ray only when told to discover through it."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import types
+
+import pytest
+
+from router.ray_registry import RayRegistry
+from tests.procs import REPO
+
+
+class RayError(Exception):
+    pass
+
+
+class Ref:
+    def __init__(self, value=None, error: Exception | None = None, ready: bool = True):
+        self.value, self.error, self.ready = value, error, ready
+
+
+class Actor:
+    def __init__(self, fake: "FakeRay", name: str):
+        self._fake, self._name = fake, name
+        self.address = types.SimpleNamespace(remote=self._call)
+
+    def _call(self) -> Ref:
+        self._fake.calls.append(self._name)
+        return self._fake.answers[self._name]
+
+
+class FakeRay:
+    """The slice of the Ray API that discovery uses."""
+
+    def __init__(self):
+        self.names: list[tuple[str, str]] = []       # (namespace, name)
+        self.answers: dict[str, Ref] = {}
+        self.calls: list[str] = []
+        self.listing_fails = False
+        self.exceptions = types.SimpleNamespace(RayError=RayError)
+        self.util = types.SimpleNamespace(
+            list_named_actors=self._list,
+            client=types.SimpleNamespace(ray=types.SimpleNamespace(is_connected=lambda: False)))
+
+    def _list(self, all_namespaces: bool):
+        assert all_namespaces
+        if self.listing_fails:
+            raise ConnectionError("GCS unreachable")
+        return [{"namespace": ns, "name": n} for ns, n in self.names]
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_actor(self, name: str, namespace: str) -> Actor:
+        if (namespace, name) not in self.names:
+            raise ValueError(name)
+        return Actor(self, name)
+
+    def wait(self, refs, num_returns, timeout):
+        assert num_returns == len(refs) and timeout > 0
+        return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+
+    def get(self, ref: Ref):
+        if ref.error:
+            raise ref.error
+        return ref.value
+
+
+@pytest.fixture
+def fake() -> FakeRay:
+    return FakeRay()
+
+
+def registry_on(fake: FakeRay, **kwargs) -> RayRegistry:
+    registry = RayRegistry("auto", **kwargs)
+    registry._ray = fake          # what start() -> _connect() sets to the real module
+    return registry
+
+
+def discover(registry: RayRegistry, unhealthy: set[str] = frozenset()) -> list[str]:
+    for handle in registry._handles.values():   # the base registry's probe results
+        handle.healthy = handle.address not in unhealthy
+    return asyncio.run(registry.discover())
+
+
+def with_handles(registry: RayRegistry, addresses: list[str]) -> None:
+    registry._handles = {a: types.SimpleNamespace(address=a, healthy=True) for a in addresses}
+
+
+def test_asks_new_and_unhealthy_actors_only(fake):
+    fake.names = [("llm", "worker-0"), ("llm", "worker-1"), ("other", "worker-9"), ("llm", "directory")]
+    fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref("10.0.0.2:7000")}
+    registry = registry_on(fake)
+    assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7000"]
+    assert sorted(fake.calls) == ["worker-0", "worker-1"]     # other namespaces and names ignored
+
+    with_handles(registry, ["10.0.0.1:7000", "10.0.0.2:7000"])
+    fake.calls.clear()
+    assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7000"]
+    assert fake.calls == []                                     # healthy workers cost no Ray call
+
+    fake.calls.clear()
+    discover(registry, unhealthy={"10.0.0.2:7000"})
+    assert fake.calls == ["worker-1"]
+
+
+def test_restarting_actor_is_left_out_until_it_answers_at_its_new_port(fake):
+    fake.names = [("llm", "worker-0"), ("llm", "worker-1")]
+    fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref("10.0.0.2:7000")}
+    registry = registry_on(fake)
+    discover(registry)
+    with_handles(registry, ["10.0.0.1:7000", "10.0.0.2:7000"])
+
+    restarting = Ref(ready=False)
+    fake.answers["worker-1"] = restarting
+    assert discover(registry, unhealthy={"10.0.0.2:7000"}) == ["10.0.0.1:7000"]
+    fake.calls.clear()
+    assert discover(registry) == ["10.0.0.1:7000"]
+    assert fake.calls == []                        # the pending call is reused, not repeated
+
+    restarting.value, restarting.ready = "10.0.0.2:7100", True
+    assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7100"]
+
+
+def test_dead_actor_is_dropped_and_forgotten_when_unlisted(fake):
+    fake.names = [("llm", "worker-0"), ("llm", "worker-1")]
+    fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref(error=RayError("actor died"))}
+    registry = registry_on(fake)
+    assert discover(registry) == ["10.0.0.1:7000"]
+    fake.names = [("llm", "worker-0")]
+    assert discover(registry) == ["10.0.0.1:7000"]
+    assert set(registry._actors) == {"worker-0"}
+
+
+def test_static_addresses_come_first_and_ray_outage_keeps_known_workers(fake):
+    fake.names = [("llm", "worker-0")]
+    fake.answers = {"worker-0": Ref("10.0.0.1:7000")}
+    registry = registry_on(fake, static=("10.0.0.1:7000", "10.0.0.9:7000"))
+    assert discover(registry) == ["10.0.0.1:7000", "10.0.0.9:7000"]
+    fake.listing_fails = True
+    assert discover(registry) == ["10.0.0.1:7000", "10.0.0.9:7000"]
+
+
+def test_router_loads_ray_only_for_ray_discovery():
+    code = ("import sys, router.__main__, router.server, router.ray_registry, deploy.ray_launch; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
