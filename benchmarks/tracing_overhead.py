@@ -1,31 +1,41 @@
-"""What tracing costs: the gRPC overhead benchmark's workload through two router + worker stacks,
-one with tracing off (the default: no exporter, no SDK) and one exporting every span (sample ratio
-1) over OTLP/gRPC to a receiver in this process, in alternating rounds (`make bench-tracing`).
+"""What tracing costs: the gRPC overhead benchmark's requests through two router + worker stacks
+at the same time, one with tracing off (the default: no exporter, no SDK) and one exporting every
+span (sample ratio 1) over OTLP/gRPC to a receiver in this process (`make bench-tracing`).
 
-Each round sends the same greedy requests (fixed output length, `ignore_eos`) all at once to one
-stack; the stacks take turns (off, on, on, off, ...) so drift in machine speed hits both. Prints
-output tokens/s per side, the throughput ratio (pooled, and the median over round pairs, which a
-burst of load from other jobs on a shared machine moves less), the CPU time the router and worker
-processes spent per output token (Linux /proc; less sensitive to other jobs than wall time), the
-spans received, and the greedy-output correctness guard. A second, in-process part times one
-request's whole observation (router + worker spans and metrics) with the no-op tracer vs the SDK.
+Why at the same time: on a machine shared with other jobs, load comes in bursts that move a
+round's throughput by tens of percent, far more than the 3% being measured; stacks that take
+turns see different bursts. Run side by side, both see the same ones. Each round is a fixed time
+window in which each stack serves a closed loop of `--concurrency` streams of greedy requests
+(fixed output length, `ignore_eos`); the streams still open when the window closes are cancelled,
+and only tokens received inside the window count. `--aa` traces neither stack, to measure the
+method's own bias and noise (an A/A run).
+
+Prints output tokens/s per side and their ratio (pooled, and the median over rounds), the CPU time
+the router and worker processes spent per output token (Linux /proc), the spans received, and the
+correctness guard (greedy outputs identical across the two stacks). Then an in-process part times
+one request's whole observation (router + worker spans and metrics) with the no-op tracer vs the SDK.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import grpc
 
-from benchmarks.grpc_overhead import Round, git_revision, make_prompts, run_grpc, summarize, wait_for_worker
+from benchmarks.grpc_overhead import git_revision, make_prompts, wait_for_worker
 from common.otlp_sink import OtlpSink
+from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.local import LocalProcess
+
+SIDES = ("off", "on")
 
 
 def cpu_s(pid: int) -> float:
@@ -42,10 +52,9 @@ class Stack:
     """One worker + one router on loopback ephemeral ports."""
 
     def __init__(self, name: str, a: argparse.Namespace, extra: list[str]):
-        threads = ["--num-threads", str(a.num_threads)] if a.num_threads else []
         self.worker = LocalProcess(f"worker-{name}", [
             "-m", "worker", "--port", "0", "--dtype", a.dtype, "--kv-cache-mb", str(a.kv_cache_mb),
-            "--max-num-seqs", str(a.max_num_seqs), *threads, *extra], quiet=True)
+            "--max-num-seqs", str(a.max_num_seqs), "--num-threads", str(a.num_threads), *extra], quiet=True)
         self.router: LocalProcess | None = None
         self._name, self._extra = name, extra
 
@@ -64,22 +73,85 @@ class Stack:
         self.worker.stop()
 
 
-async def measure(a: argparse.Namespace, stacks: dict[str, Stack], stubs: dict, prompts: list[str]
-                  ) -> tuple[dict[str, list[Round]], dict[str, list[float]]]:
-    """Rounds per side and the CPU seconds the side's processes spent in each."""
-    for stub in stubs.values():   # warm-up, excluded
-        await run_grpc(stub, prompts[:2], 4)
-    rounds: dict[str, list[Round]] = {side: [] for side in stubs}
-    cpu: dict[str, list[float]] = {side: [] for side in stubs}
-    for r in range(a.rounds):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        for side in order:
-            before = stacks[side].cpu_s()
-            rounds[side].append(await run_grpc(stubs[side], prompts, a.output_len))
-            cpu[side].append(stacks[side].cpu_s() - before)
-        print(f"round {r}: " + ", ".join(f"tracing {side} {rounds[side][-1].output_tokens_per_s:.1f} tok/s"
-                                         for side in ("off", "on")), flush=True)
-    return rounds, cpu
+@dataclass
+class Window:
+    """One side's share of one round."""
+    num_tokens: int = 0
+    cpu_s: float = 0.0
+    outputs: dict[int, list[int]] = field(default_factory=dict)   # prompt index -> completed output
+
+
+async def closed_loop(stub, prompts: list[str], a: argparse.Namespace, window: Window, first: int) -> None:
+    """`a.concurrency` streams, each sending the next prompt when its request completes."""
+    stopping = pb.StoppingCriteria(max_tokens=a.output_len, ignore_eos=True)
+
+    async def stream(k: int) -> None:
+        i = first + k
+        while True:
+            index = i % len(prompts)
+            request = pb.GenerateRequest(prompt=prompts[index], sampling=pb.SamplingParams(temperature=0.0),
+                                         stopping=stopping)
+            ids: list[int] = []
+            async for msg in stub.Generate(request):
+                if msg.HasField("chunk"):
+                    ids += msg.chunk.token_ids
+                    window.num_tokens += len(msg.chunk.token_ids)
+            window.outputs[index] = ids
+            i += a.concurrency
+
+    await asyncio.gather(*(stream(k) for k in range(a.concurrency)))
+
+
+async def measure(a: argparse.Namespace, stacks: dict[str, Stack], stubs: dict) -> dict[str, list[Window]]:
+    prompts = make_prompts(a.num_prompts, a.seed)
+    windows: dict[str, list[Window]] = {side: [] for side in SIDES}
+    for r in range(-1, a.rounds):               # round -1 warms both stacks up and is not counted
+        current = {side: Window() for side in SIDES}
+        before = {side: stacks[side].cpu_s() for side in SIDES}
+        loops = [asyncio.create_task(closed_loop(stubs[side], prompts, a, current[side], r * a.concurrency))
+                 for side in SIDES]
+        await asyncio.sleep(a.window_s if r >= 0 else min(a.window_s, 10.0))
+        for task in loops:                      # cancels the open streams, as a client would
+            task.cancel()
+        for task in loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for side in SIDES:
+            current[side].cpu_s = stacks[side].cpu_s() - before[side]
+        await asyncio.sleep(1.0)                # cancelled sequences leave the engines
+        if r < 0:
+            continue
+        for side in SIDES:
+            windows[side].append(current[side])
+        print(f"round {r}: " + ", ".join(f"tracing {side} {current[side].num_tokens / a.window_s:.1f} tok/s"
+                                         for side in SIDES), flush=True)
+    return windows
+
+
+def report(a: argparse.Namespace, windows: dict[str, list[Window]], num_spans: int) -> None:
+    tokens = {side: sum(w.num_tokens for w in windows[side]) for side in SIDES}
+    cpu = {side: sum(w.cpu_s for w in windows[side]) for side in SIDES}
+    duration = a.window_s * a.rounds
+    print(f"\n{'tracing':<9}{'out tok/s':>11}{'CPU ms/token':>14}")
+    for side in SIDES:
+        print(f"{side:<9}{tokens[side] / duration:>11.1f}{1e3 * cpu[side] / max(1, tokens[side]):>14.2f}")
+    ratio = tokens["on"] / tokens["off"]
+    per_round = [on.num_tokens / off.num_tokens for off, on in zip(windows["off"], windows["on"])]
+    label = "A/A (neither traced)" if a.aa else "tracing on / off"
+    print(f"\nthroughput ratio {label}: {ratio:.3f} ({100 * (ratio - 1):+.1f}%; target within 3%); "
+          f"per round: median {statistics.median(per_round):.3f}, "
+          f"range {min(per_round):.3f}-{max(per_round):.3f}")
+    if cpu["off"] and cpu["on"]:
+        cpu_ratio = (cpu["on"] / tokens["on"]) / (cpu["off"] / tokens["off"])
+        print(f"CPU time per output token, on / off: {cpu_ratio:.3f}")
+    print(f"spans received from the traced stack: {num_spans}")
+    reference: dict[int, list[int]] = {}
+    for w in windows["off"]:
+        reference.update(w.outputs)
+    compared = [(i, ids) for w in windows["on"] for i, ids in w.outputs.items() if i in reference]
+    matches = sum(ids == reference[i] for i, ids in compared)
+    print(f"greedy outputs identical across the stacks: {matches}/{len(compared)}"
+          + ("" if matches == len(compared) else "  <- figures do not count (correctness guard)"))
 
 
 def observation_cost_us(n: int) -> dict[str, float]:
@@ -87,9 +159,11 @@ def observation_cost_us(n: int) -> dict[str, float]:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from prometheus_client import CollectorRegistry
 
     import router.observe
     import worker.observe
+    from common.request_metrics import RequestMetrics
     from router.metrics import RouterMetrics
     from router.relay import Chunk, Done
     from worker.types import FinishReason, RequestOutput
@@ -99,10 +173,7 @@ def observation_cost_us(n: int) -> dict[str, float]:
             return SpanExportResult.SUCCESS
 
     class WorkerSide:
-        def __init__(self):
-            from common.request_metrics import RequestMetrics
-            from prometheus_client import CollectorRegistry
-            self.requests = RequestMetrics(CollectorRegistry(), "worker")
+        requests = RequestMetrics(CollectorRegistry(), "worker")
 
     logging.getLogger("llm.requests").setLevel(logging.WARNING)   # the log line is not what is timed here
     provider = TracerProvider()
@@ -137,73 +208,48 @@ def observation_cost_us(n: int) -> dict[str, float]:
 
 
 async def main_async(a: argparse.Namespace) -> None:
-    prompts = make_prompts(a.num_requests, a.seed)
     print(f"git {git_revision()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
-          f"SmolLM2-135M {a.dtype} | {a.num_requests} concurrent requests, {a.output_len} output tokens, "
-          f"max_num_seqs {a.max_num_seqs}, {a.rounds} rounds per side, seed {a.seed}", flush=True)
+          f"SmolLM2-135M {a.dtype}, {a.num_threads} torch thread(s) per worker | {a.rounds} rounds of "
+          f"{a.window_s:g} s, {a.concurrency} streams per stack, {a.output_len} output tokens, "
+          f"max_num_seqs {a.max_num_seqs}, seed {a.seed}" + (" | A/A" if a.aa else ""), flush=True)
     sink = OtlpSink(keep=False)
-    stacks = {"off": Stack("off", a, []),
-              "on": Stack("on", a, ["--otlp-endpoint", sink.endpoint, "--trace-sample-ratio", "1"])}
+    traced = [] if a.aa else ["--otlp-endpoint", sink.endpoint, "--trace-sample-ratio", "1"]
+    stacks = {"off": Stack("off", a, []), "on": Stack("on", a, traced)}
     try:
-        targets = {side: stack.start_router() for side, stack in stacks.items()}
-        channels = {side: grpc.aio.insecure_channel(target) for side, target in targets.items()}
+        channels = {side: grpc.aio.insecure_channel(stack.start_router()) for side, stack in stacks.items()}
         try:
             stubs = {side: generation_pb2_grpc.GenerationStub(ch) for side, ch in channels.items()}
             for stub in stubs.values():
                 await wait_for_worker(stub)
-            rounds, cpu = await measure(a, stacks, stubs, prompts)
+            windows = await measure(a, stacks, stubs)
         finally:
             for ch in channels.values():
                 await ch.close()
     finally:
         for stack in stacks.values():
-            stack.stop()        # flushes the "on" stack's pending spans to the sink
+            stack.stop()        # flushes the traced stack's pending spans to the sink
         sink.stop()
-    report(a, rounds, cpu, sink.num_spans)
+    report(a, windows, sink.num_spans)
     costs = observation_cost_us(a.num_observations)
     print(f"\none request's observation (router + worker spans, metrics; 64 output tokens), "
           f"{a.num_observations} requests: tracing off {costs['off']:.0f} us, on {costs['on']:.0f} us")
 
 
-def report(a: argparse.Namespace, rounds: dict[str, list[Round]], cpu: dict[str, list[float]],
-           num_spans: int) -> None:
-    reference = rounds["off"][0].outputs
-    matches = sum(o == ref for side in rounds.values() for rnd in side
-                  for o, ref in zip(rnd.outputs, reference))
-    total = a.num_requests * 2 * a.rounds
-    off, on = summarize(rounds["off"]), summarize(rounds["on"])
-    print(f"\n{'tracing':<9}{'out tok/s':>11}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'wall s':>9}")
-    for name, s in (("off", off), ("on", on)):
-        print(f"{name:<9}{s['tok_s']:>11.1f}{s['ttft_p50'] * 1e3:>13.0f}{s['ttft_p90'] * 1e3:>13.0f}"
-              f"{s['wall_s']:>9.1f}")
-    ratio = on["tok_s"] / off["tok_s"]
-    per_round = [b.output_tokens_per_s / a_.output_tokens_per_s for a_, b in zip(rounds["off"], rounds["on"])]
-    print(f"\nthroughput ratio tracing on / off: {ratio:.3f} ({100 * (ratio - 1):+.1f}%; target within 3%); "
-          f"per round pair: median {statistics.median(per_round):.3f}, "
-          f"range {min(per_round):.3f}-{max(per_round):.3f}")
-    tokens = {side: sum(len(o) for rnd in rnds for o in rnd.outputs) for side, rnds in rounds.items()}
-    cpu_ms = {side: 1e3 * sum(cpu[side]) / tokens[side] for side in cpu}
-    if cpu_ms["off"]:
-        print(f"CPU time of router + worker per output token: off {cpu_ms['off']:.2f} ms, "
-              f"on {cpu_ms['on']:.2f} ms (on / off {cpu_ms['on'] / cpu_ms['off']:.3f})")
-    requests = a.num_requests * a.rounds + 2
-    print(f"spans received from the traced stack: {num_spans} ({num_spans / requests:.1f} per request)")
-    print(f"greedy outputs identical to the first untraced round: {matches}/{total}"
-          + ("" if matches == total else "  <- figures do not count (correctness guard)"))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tracing_overhead",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=4, help="per side")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--window-s", type=float, default=30.0, help="length of one round")
+    p.add_argument("--concurrency", type=int, default=8, help="streams per stack")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=float, default=256)
     p.add_argument("--num-threads", type=int, default=1,
                    help="torch threads per worker (1: no OpenMP spin-wait, steadier on a shared machine)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--aa", action="store_true", help="trace neither stack (the method's own bias and noise)")
     p.add_argument("--num-observations", type=int, default=2000, help="in-process observation timing")
     asyncio.run(main_async(p.parse_args()))
 

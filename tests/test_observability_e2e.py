@@ -53,8 +53,9 @@ def worker(logs, sink):
 def router(worker, logs, sink):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-        proc = procs.start_router(logs, [worker.address], "--otlp-endpoint", sink.endpoint, "--metrics-port", "0",
-                                  "--log-format", "json", "--max-tokens-in-flight", str(TOKEN_BUDGET))
+        proc = procs.start_router(logs, [worker.address], "--otlp-endpoint", sink.endpoint,
+                                  "--metrics-port", "0", "--log-format", "json",
+                                  "--max-tokens-in-flight", str(TOKEN_BUDGET))
     try:
         procs.ready(proc)
         procs.wait_for_workers(proc.address, 1)
@@ -96,16 +97,19 @@ def generate(stub, prompt_ids, max_tokens, request_id, metadata=()):
 
 def request_trace(sink, request_id):
     """All spans of the trace whose router span carries `request_id`, once both sides exported."""
+    last = {("llm-router", "route"), ("llm-worker", "llm.v1.Worker/Generate"), ("llm-worker", "decode")}
+
+    def root_of(spans):
+        return next((s for s in spans if s.service == "llm-router"
+                     and s.attributes.get("llm.request_id") == request_id), None)
+
     def complete(spans):
-        root = next((s for s in spans if s.attributes.get("llm.request_id") == request_id
-                     and s.service == "llm-router"), None)
-        if root is None:
-            return False
-        names = {(s.service, s.name) for s in spans if s.trace_id == root.trace_id}
-        return {("llm-router", "route"), ("llm-worker", "llm.v1.Worker/Generate"), ("llm-worker", "decode")} <= names
+        root = root_of(spans)
+        names = {(s.service, s.name) for s in spans if root is not None and s.trace_id == root.trace_id}
+        return root is not None and last <= names
 
     spans = sink.wait_for(complete, timeout_s=30)
-    root = next(s for s in spans if s.attributes.get("llm.request_id") == request_id and s.service == "llm-router")
+    root = root_of(spans)
     return root, [s for s in spans if s.trace_id == root.trace_id]
 
 
@@ -165,7 +169,8 @@ def test_one_trace_spans_router_and_worker(stub, sink):
 
 def test_client_traceparent_parents_the_router_span(stub, sink, router):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    generate(stub, list(range(2000, 2010)), 2, "trace-2", metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),))
+    traceparent = f"00-{trace_id}-{parent_id}-01"
+    generate(stub, list(range(2000, 2010)), 2, "trace-2", metadata=(("traceparent", traceparent),))
     root, spans = request_trace(sink, "trace-2")
     assert root.trace_id == trace_id
     assert root.parent_span_id == parent_id
@@ -190,7 +195,8 @@ def test_client_traceparent_parents_the_router_span(stub, sink, router):
 def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
     prompts = [list(range(3000 + 50 * i, 3000 + 50 * i + 8 + 5 * i)) for i in range(3)]
     max_tokens = 3
-    before = {side: scrape(address) for side, address in (("router", router_metrics), ("worker", worker_metrics))}
+    sides = (("router", router_metrics), ("worker", worker_metrics))
+    before = {side: scrape(address) for side, address in sides}
     for i, prompt in enumerate(prompts):
         generate(stub, prompt, max_tokens, f"metrics-{i}")
     with pytest.raises(grpc.RpcError) as refused:
@@ -205,7 +211,7 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
             "llm_inter_token_latency_seconds_count": (max_tokens - 1) * len(prompts),
             "llm_request_prompt_tokens_sum": sum(map(len, prompts)),
             "llm_request_generation_tokens_sum": max_tokens * len(prompts)}
-    for side, address in (("router", router_metrics), ("worker", worker_metrics)):
+    for side, address in sides:
         def delta(samples, name, **labels):
             return value(samples, name, **labels) - value(before[side], name, **labels)
 
@@ -220,7 +226,8 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
         assert value(after, "llm_num_requests_waiting") == 0
         if side == "router":
             assert delta(after, "llm_requests_total", status="resource_exhausted") == 1
-            assert delta(after, "llm_admission_rejections_total", tenant="default", reason="token_budget") == 1
+            refused = {"tenant": "default", "reason": "token_budget"}
+            assert delta(after, "llm_admission_rejections_total", **refused) == 1
             assert delta(after, "llm_admitted_requests_total", tenant="default") == len(prompts)
         else:
             assert delta(after, "llm_prefix_cache_queries_total") == sum(map(len, prompts))

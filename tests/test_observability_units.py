@@ -72,8 +72,9 @@ def test_config_from_flags_and_environment():
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
     assert telemetry.from_args(p.parse_args([]), environ={}) == telemetry.TelemetryConfig()
     assert telemetry.from_args(p.parse_args([]), environ=env).otlp_endpoint == "http://collector:4317"
-    flagged = telemetry.from_args(p.parse_args(["--otlp-endpoint", "http://x:1", "--trace-sample-ratio", "0.1",
-                                                "--metrics-port", "0", "--log-format", "json"]), environ=env)
+    flags = ["--otlp-endpoint", "http://x:1", "--trace-sample-ratio", "0.1", "--metrics-port", "0",
+             "--log-format", "json"]
+    flagged = telemetry.from_args(p.parse_args(flags), environ=env)
     assert (flagged.otlp_endpoint, flagged.sample_ratio, flagged.metrics_port, flagged.log_format) == \
         ("http://x:1", 0.1, 0, "json")
     assert flagged.tracing
@@ -129,8 +130,8 @@ def test_request_log_line_is_json_with_fields():
 
 def _output(tokens, finished=False, preemptions=0, queue_s=0.01, ttft_s=0.05, num_out=1):
     from worker.types import FinishReason, RequestOutput
-    return RequestOutput("w1", tokens, None, finished, FinishReason.LENGTH if finished else None, 5, num_out, 2,
-                         queue_s=queue_s, ttft_s=ttft_s, num_preemptions=preemptions)
+    return RequestOutput("w1", tokens, None, finished, FinishReason.LENGTH if finished else None, 5, num_out,
+                         2, queue_s=queue_s, ttft_s=ttft_s, num_preemptions=preemptions)
 
 
 def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
@@ -138,7 +139,8 @@ def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
     from worker.observe import RequestObservation
 
     now = [100.0]
-    monkeypatch.setattr(worker.observe, "time", SimpleNamespace(monotonic=lambda: now[0], time_ns=lambda: 10**18))
+    clock = SimpleNamespace(monotonic=lambda: now[0], time_ns=lambda: 10**18)
+    monkeypatch.setattr(worker.observe, "time", clock)
     registry = CollectorRegistry()
     metrics = SimpleNamespace(requests=RequestMetrics(registry, "worker"))
     obs = RequestObservation(metrics, worker_id="127.0.0.1:1", model="m", request_id="w1", tenant="t",
@@ -163,7 +165,8 @@ def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
     assert root.start_time == queue.start_time <= queue.end_time == prefill.start_time
     assert prefill.end_time == decode.start_time <= decode.end_time == root.end_time
     ms = 1_000_000
-    assert (queue.start_time, queue.end_time) == (10**18, 10**18 + 20 * ms)       # first token - (ttft - queue)
+    # queue ends at first token (60 ms) - engine prefill (ttft_s - queue_s = 40 ms)
+    assert (queue.start_time, queue.end_time) == (10**18, 10**18 + 20 * ms)
     assert (prefill.end_time, decode.end_time) == (10**18 + 60 * ms, 10**18 + 200 * ms)
     assert prefill.attributes["llm.prefill.num_tokens"] == 3                        # 5 prompt - 2 cached
 
