@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from common.ray_names import DEFAULT_NAME_PREFIX, DEFAULT_NAMESPACE, list_worker_names
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
+_CONNECT_ATTEMPTS = 4
 
 
 class RayRegistry(WorkerRegistry):
@@ -71,8 +73,19 @@ class RayRegistry(WorkerRegistry):
         self._ray = ray
         if ray.is_initialized():
             return
-        ray.init(address=self._ray_address, namespace=self._namespace, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        # Bounded retries: a Ray Client server can fail to start in time on a loaded head node.
+        for attempt in range(1, _CONNECT_ATTEMPTS + 1):
+            try:
+                ray.init(address=self._ray_address, namespace=self._namespace, log_to_driver=False,
+                         logging_level=logging.WARNING)
+                break
+            except (ConnectionError, RuntimeError) as exc:
+                if attempt == _CONNECT_ATTEMPTS:
+                    raise
+                log.warning("connecting to Ray at %s failed (attempt %d of %d: %s); retrying",
+                            self._ray_address, attempt, _CONNECT_ATTEMPTS, exc)
+                ray.shutdown()
+                time.sleep(2.0 * attempt)
         self._connected_here = True
         log.info("connected to Ray at %s (namespace %s)", self._ray_address, self._namespace)
 
