@@ -6,6 +6,8 @@ from the process's log (kept under pytest's tmp dir), then waits for grpc.health
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import pathlib
 import re
@@ -120,3 +122,15 @@ def wait_for_workers(router_address: str, num_workers: int, metadata=(), timeout
 def worker_load(address: str) -> worker_pb2.LoadReport:
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+
+
+@contextlib.contextmanager
+def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str):
+    """A router that is serving and sees every worker in `workers`; stopped on exit."""
+    proc = start_router(log_dir, workers, *extra)
+    try:
+        ready(proc)
+        wait_for_workers(proc.address, len(workers))
+        yield proc
+    finally:
+        proc.stop()

@@ -212,13 +212,8 @@ def test_high_priority_passes_a_full_worker_while_low_priority_waits_in_the_rout
 
 @pytest.fixture
 def two_worker_router(workers, logs):
-    proc = procs.start_router(logs, [w.address for w in workers])
-    try:
-        procs.ready(proc)
-        procs.wait_for_workers(proc.address, 2)
+    with procs.running_router(logs, [w.address for w in workers]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def cached_on(worker_address: str, prompt_ids: list[int]) -> int:

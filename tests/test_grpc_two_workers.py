@@ -37,13 +37,8 @@ def workers(logs):
 
 @pytest.fixture(scope="module")
 def router(workers, logs):
-    proc = procs.start_router(logs, [w.address for w in workers])
-    try:
-        procs.ready(proc)
-        procs.wait_for_workers(proc.address, 2)
+    with procs.running_router(logs, [w.address for w in workers]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ Acceptance 1 (one trace across both processes, worker spans children of the rout
 equals the request count), plus /targets service discovery, admission refusals by tenant and
 reason, and the JSON request log line carrying the trace id.
 """
+import contextlib
 import json
 import re
 import time
@@ -51,17 +52,13 @@ def worker(logs, sink):
 
 @pytest.fixture(scope="module")
 def router(worker, logs, sink):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-        proc = procs.start_router(logs, [worker.address], "--otlp-endpoint", sink.endpoint,
-                                  "--metrics-port", "0", "--log-format", "json",
-                                  "--max-tokens-in-flight", str(TOKEN_BUDGET))
-    try:
-        procs.ready(proc)
-        procs.wait_for_workers(proc.address, 1)
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:      # the router process inherits the setting
+            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+            proc = stack.enter_context(procs.running_router(
+                logs, [worker.address], "--otlp-endpoint", sink.endpoint, "--metrics-port", "0",
+                "--log-format", "json", "--max-tokens-in-flight", str(TOKEN_BUDGET)))
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
