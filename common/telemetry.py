@@ -133,6 +133,15 @@ def inject(ctx: Context) -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
+def genai_request_attributes(request_id: str, tenant: str, model: str, max_tokens: int,
+                             temperature: float, num_prompt_tokens: int) -> dict:
+    """GenAI semantic-convention attributes of one request, shared by router and worker spans."""
+    return {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
+            "gen_ai.usage.input_tokens": num_prompt_tokens, "llm.request_id": request_id,
+            "llm.tenant": tenant}
+
+
 def trace_id_of(span: trace.Span) -> str:
     """32 hex digits, or "" when the span belongs to no trace (tracing off, no client traceparent)."""
     sc = span.get_span_context()

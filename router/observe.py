@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.logs import log_request
 from common.request_metrics import TokenClock
-from common.telemetry import extract, inject, trace_id_of
+from common.telemetry import extract, genai_request_attributes, inject, trace_id_of
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.relay import Chunk, Done
@@ -96,10 +96,9 @@ class RequestObservation:
         self.request_id, self.tenant, self.num_prompt_tokens = request_id, tenant, num_prompt_tokens
         if self.span.is_recording():
             self.span.set_attributes({
-                "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
-                "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
-                "gen_ai.request.top_p": top_p, "gen_ai.usage.input_tokens": num_prompt_tokens,
-                "llm.request_id": request_id, "llm.tenant": tenant})
+                **genai_request_attributes(request_id, tenant, model, max_tokens, temperature,
+                                           num_prompt_tokens),
+                "gen_ai.request.top_p": top_p})
 
     def event(self, event: Chunk | Done) -> None:
         if isinstance(event, Done):

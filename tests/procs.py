@@ -134,3 +134,15 @@ def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str):
         yield proc
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def running_workers(log_dir: pathlib.Path, count: int, *extra: str):
+    """`count` serving workers started with the same arguments; all stopped on exit."""
+    started = [start_worker(log_dir, *extra) for _ in range(count)]
+    try:
+        ready(*started)
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()

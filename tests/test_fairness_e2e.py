@@ -49,13 +49,8 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(logs):
-    started = [procs.start_worker(logs, "--num-threads", "1") for _ in range(2)]
-    try:
-        procs.ready(*started)
+    with procs.running_workers(logs, 2, "--num-threads", "1") as started:
         yield started
-    finally:
-        for proc in started:
-            proc.stop()
 
 
 def p99(values: list[float]) -> float:

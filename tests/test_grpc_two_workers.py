@@ -25,14 +25,9 @@ def logs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workers(logs):
     # one torch thread each: two workers share this machine's cores without OpenMP spin contention
-    started = [procs.start_worker(logs, "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1")
-               for _ in range(2)]
-    try:
-        procs.ready(*started)
+    extra = ("--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1")
+    with procs.running_workers(logs, 2, *extra) as started:
         yield started
-    finally:
-        for proc in started:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.logs import log_request
 from common.request_metrics import TokenClock
-from common.telemetry import extract, trace_id_of
+from common.telemetry import extract, genai_request_attributes, trace_id_of
 from worker.metrics import WorkerMetrics
 from worker.types import FinishReason, RequestOutput
 
@@ -50,10 +50,9 @@ class RequestObservation:
                                       kind=SpanKind.SERVER, start_time=self._start_ns)
         if self.span.is_recording():
             self.span.set_attributes({
-                "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
-                "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
-                "gen_ai.usage.input_tokens": num_prompt_tokens, "llm.request_id": request_id,
-                "llm.tenant": tenant, "llm.worker.id": worker_id})
+                **genai_request_attributes(request_id, tenant, model, max_tokens, temperature,
+                                           num_prompt_tokens),
+                "llm.worker.id": worker_id})
 
     def _ns(self, t_s: float) -> int:
         return self._start_ns + round((t_s - self.start_s) * 1e9)
