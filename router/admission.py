@@ -124,6 +124,10 @@ class AdmissionController:
     def num_open(self, tenant: str) -> int:
         return self._open[tenant]
 
+    def open_requests(self) -> dict[str, int]:
+        """Admitted, not yet released requests per tenant (tenants with none are absent)."""
+        return dict(self._open)
+
     def set_token_budget(self, max_tokens_in_flight: int | None) -> None:
         """The cluster budget may follow the workers' reported KV capacity; None = unlimited."""
         self._budget = max_tokens_in_flight

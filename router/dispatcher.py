@@ -155,7 +155,7 @@ class Dispatcher:
         return None if worker is None else Placement(self, worker, item)
 
     def reserved_tokens(self, address: str, min_priority: int | None = None) -> int:
-        reserved = self._reserved.get(address, Counter())
+        reserved = dict(self._reserved.get(address, ()))  # one atomic copy: /metrics reads it from a thread
         return sum(n for p, n in reserved.items() if min_priority is None or p >= min_priority)
 
     @staticmethod

@@ -8,6 +8,13 @@ Contract
   worker) and `llm_num_requests_waiting` (admitted, in the fair queue), counters
   `llm_admission_rejections_total{tenant,reason}` and `llm_admitted_requests_total{tenant}`;
   `targets()` -> Prometheus HTTP service discovery JSON listing every known worker's metrics address.
+  `export_state` adds gauges read at scrape time from the router's own bookkeeping, which must
+  all be back to zero when no call is open (the cancellation-storm test checks this):
+  `llm_router_open_calls` (drain counter), `llm_router_queue_length`,
+  `llm_router_tokens_in_flight` (admission budget), `llm_router_tenant_open_requests{tenant}`,
+  and per worker `llm_router_worker_reserved_tokens`, `llm_router_worker_outstanding_tokens`,
+  `llm_router_worker_inflight`, `llm_router_worker_streams`, plus `llm_router_worker_healthy` and
+  `llm_router_worker_circuit_open` (1 while its circuit breaker keeps traffic away).
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.request_metrics import RequestMetrics
 from router.registry import WorkerRegistry
@@ -43,6 +50,43 @@ class AdmissionCollector:
         yield admitted
 
 
+class StateCollector:
+    """The router's in-memory bookkeeping as gauges (read on the event loop's data at scrape time)."""
+
+    def __init__(self, registry: WorkerRegistry, drain, admission, queue, dispatcher):
+        self._registry, self._drain, self._admission = registry, drain, admission
+        self._queue, self._dispatcher = queue, dispatcher
+
+    def collect(self):
+        yield GaugeMetricFamily("llm_router_open_calls", "Generate/ListModels calls in progress",
+                                value=self._drain.num_inflight)
+        yield GaugeMetricFamily("llm_router_queue_length", "Requests in the fair queue", value=len(self._queue))
+        yield GaugeMetricFamily("llm_router_tokens_in_flight", "prompt + max_tokens of admitted open requests",
+                                value=self._admission.tokens_in_flight)
+        per_tenant = GaugeMetricFamily("llm_router_tenant_open_requests", "Admitted open requests per tenant",
+                                       labels=["tenant"])
+        for tenant, n in sorted(self._admission.open_requests().items()):
+            per_tenant.add_metric([tenant], n)
+        yield per_tenant
+        families = {
+            "reserved_tokens": "KV tokens this router reserved on the worker (prompt + max_tokens)",
+            "outstanding_tokens": "Tokens of work this router expects from the worker",
+            "inflight": "This router's requests on the worker",
+            "streams": "Open Generate streams to the worker",
+            "healthy": "1 if the last health probe succeeded",
+            "circuit_open": "1 while the worker's circuit breaker keeps traffic away",
+        }
+        gauges = {k: GaugeMetricFamily(f"llm_router_worker_{k}", v, labels=["worker"]) for k, v in families.items()}
+        for h in self._registry.all():
+            values = {"reserved_tokens": self._dispatcher.reserved_tokens(h.address),
+                      "outstanding_tokens": h.outstanding_tokens, "inflight": h.num_inflight,
+                      "streams": len(h.streams), "healthy": int(h.healthy),
+                      "circuit_open": int(not h.breaker.allows())}
+            for k, v in values.items():
+                gauges[k].add_metric([h.address], v)
+        yield from gauges.values()
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -55,6 +99,9 @@ class RouterMetrics:
     def export_admission(self, rejections: Callable[[], Mapping[tuple[str, str], int]],
                          admitted: Callable[[], Mapping[str, int]]) -> None:
         self.registry.register(AdmissionCollector(rejections, admitted))
+
+    def export_state(self, registry: WorkerRegistry, drain, admission, queue, dispatcher) -> None:
+        self.registry.register(StateCollector(registry, drain, admission, queue, dispatcher))
 
 
 def targets(registry: WorkerRegistry) -> list[dict]:

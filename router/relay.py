@@ -11,7 +11,9 @@ Contract
   charged as tokens arrive (balancer lease and the tenant's fair-queue counter) and released when
   the attempt ends, however it ends.
 - failure modes: the worker fails before the first token -> it is taken out of rotation and the
-  request is retried on another worker (each worker at most once); no worker left or a failure
+  request is retried on another worker (each worker at most once); worker-side failures feed the
+  worker's circuit breaker and a final message resets it; a stream on a worker the registry
+  declares down (hung) is cancelled and handled like a broken stream; no worker left or a failure
   after tokens were sent -> `Unavailable` naming the worker; the deadline passes ->
   `DeadlineExceeded`. The worker call is cancelled whenever this generator stops early (client
   cancel, deadline, stop string), which aborts the sequence on the worker.
@@ -19,6 +21,7 @@ Contract
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +45,9 @@ RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# Failures that count against the worker's circuit breaker (not the request's own fault).
+WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                 grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
 FINISH_REASONS = {
     worker_pb2.WORKER_FINISH_REASON_STOP: "stop",
     worker_pb2.WORKER_FINISH_REASON_LENGTH: "length",
@@ -115,6 +121,8 @@ class Relay:
             except WorkerLost as lost:
                 if lost.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     self._registry.mark_failed(worker, str(lost))
+                if lost.code in WORKER_FAULTS:
+                    self._registry.call_failed(worker, str(lost))
                 if not lost.retryable:
                     raise Unavailable(str(lost)) from None
                 errors.append(str(lost))
@@ -134,6 +142,7 @@ class Relay:
         first_token_s = None
         num_out = 0
         call = worker.stub.Generate(wreq, timeout=timeout, metadata=metadata)  # metadata: trace context
+        stream = self._registry.track(worker, call)  # the registry cancels it if the worker goes down
         try:
             async for msg in call:
                 ids = list(msg.token_ids)
@@ -158,9 +167,15 @@ class Relay:
                         queue_ms=(dispatch_s - arrival_s) * 1e3 + msg.queue_ms,
                         ttft_ms=((first_token_s or now) - arrival_s) * 1e3,
                         total_ms=(now - arrival_s) * 1e3)
+                    self._registry.call_succeeded(worker)
                     return
             raise WorkerLost(f"worker {worker.address} closed the stream without finishing",
                              retryable=num_out == 0, code=grpc.StatusCode.UNAVAILABLE)
+        except asyncio.CancelledError:
+            if not stream.down_reason:
+                raise  # the client's cancellation (or the deadline), not the worker's
+            raise WorkerLost(f"{stream.down_reason} after {num_out} tokens", retryable=num_out == 0,
+                             code=grpc.StatusCode.UNAVAILABLE) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -174,4 +189,5 @@ class Relay:
             raise WorkerLost(f"worker {worker.address} failed before the first token "
                              f"({code.name}: {exc.details()})", retryable=True, code=code) from None
         finally:
+            self._registry.untrack(worker, stream)
             call.cancel()

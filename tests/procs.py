@@ -2,7 +2,8 @@
 
 Each process binds port 0 and prints its address ("... listening on HOST:PORT"); `ready` reads it
 from the process's log (kept under pytest's tmp dir), then waits for grpc.health.v1 SERVING.
-`stop` terminates, then kills.
+`stop` terminates, then kills. Helpers that call a server take `credentials` (common.tls) for one
+that serves TLS; None = plaintext.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,32 @@ LISTENING = re.compile(r"listening on (\S+)")
 # KV budget for tests: 68 blocks of 16 tokens with SmolLM2-135M float32 (1,088-token context).
 TEST_KV_CACHE_MB = 48
 START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (for processes that must come back on the same port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics_url(proc: "Proc") -> str:
+    """The /metrics URL a router or worker announced in its log ("metrics at http://...")."""
+    found = re.search(r"metrics at (http://\S+/metrics)", proc.log_path.read_text(errors="replace"))
+    if not found:
+        raise RuntimeError(f"{proc.name} announced no metrics endpoint:\n{proc.log_tail()}")
+    return found.group(1)
+
+
+def scrape(proc: "Proc") -> dict[tuple[str, tuple], float]:
+    """Every sample of the process's /metrics as {(name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url(proc), timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 class Proc:
@@ -70,13 +98,17 @@ class Proc:
         return self.popen.returncode
 
 
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    return grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+
+
 def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START_TIMEOUT_S,
-                want=health_pb2.HealthCheckResponse.SERVING) -> None:
+                want=health_pb2.HealthCheckResponse.SERVING, credentials=None) -> None:
     """Polls grpc.health.v1 Check until it reports `want`."""
     deadline = time.monotonic() + timeout_s
     last = ""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with open_channel(address, credentials) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.popen.poll() is not None:
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
@@ -92,7 +124,9 @@ def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START
 
 
 def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
-    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), *extra], log_dir)
+    # Test routers probe every 0.2 s, so a 0.5 s drain announcement is enough (and keeps stops quick).
+    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb),
+                           "--drain-announce-s", "0.5", *extra], log_dir)
 
 
 def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc:
@@ -100,17 +134,18 @@ def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc
                            "--health-poll-s", "0.2", *extra], log_dir)
 
 
-def ready(*procs: Proc) -> None:
+def ready(*procs: Proc, credentials=None) -> None:
     """Waits for each process to listen and report SERVING (in order)."""
     for proc in procs:
-        wait_health(proc.wait_listening(START_TIMEOUT_S), proc)
+        wait_health(proc.wait_listening(START_TIMEOUT_S), proc, credentials=credentials)
 
 
-def wait_for_workers(router_address: str, num_workers: int, metadata=(), timeout_s: float = 30.0) -> None:
+def wait_for_workers(router_address: str, num_workers: int, metadata=(), timeout_s: float = 30.0,
+                     credentials=None) -> None:
     """Waits until the router sees `num_workers` healthy workers (ListModels)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(router_address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    with open_channel(router_address, credentials) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < deadline:
             models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=2.0).models
             if models and models[0].num_workers == num_workers:
@@ -125,12 +160,12 @@ def worker_load(address: str) -> worker_pb2.LoadReport:
 
 
 @contextlib.contextmanager
-def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str):
+def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str, credentials=None):
     """A router that is serving and sees every worker in `workers`; stopped on exit."""
     proc = start_router(log_dir, workers, *extra)
     try:
-        ready(proc)
-        wait_for_workers(proc.address, len(workers))
+        ready(proc, credentials=credentials)
+        wait_for_workers(proc.address, len(workers), credentials=credentials)
         yield proc
     finally:
         proc.stop()

@@ -13,7 +13,6 @@ import collections
 import concurrent.futures as cf
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -42,15 +41,9 @@ def logs(tmp_path_factory):
     return tmp_path_factory.mktemp("logs")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sim():
-    with SimulatedCluster(NUM_NODES, GPUS_PER_NODE, cpus_per_node=1, client_port=free_port()) as cluster:
+    with SimulatedCluster(NUM_NODES, GPUS_PER_NODE, cpus_per_node=1, client_port=procs.free_port()) as cluster:
         yield cluster
 
 
