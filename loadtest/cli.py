@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "local[:WORKER ARGS] (start a worker + router here); twice = comparison. "
                         "Default: local")
     g.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target (one you run)")
+    g.add_argument("--tls-ca", default="", help="gRPC targets: connect over TLS, trusting this CA (PEM)")
     g.add_argument("--metrics-url", action="append", default=[], help="Prometheus URL per target, in order")
     g.add_argument("--local-workers", type=int, default=1, help="workers of a local server")
     g = p.add_argument_group("bounds")
@@ -146,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             prompt_format=a.prompt_format, max_concurrency=a.max_concurrency,
             request_timeout_s=a.request_timeout_s, drain_timeout_s=a.drain_timeout_s,
             slo_s=tuple(parse_slo(a.slo).items()), tokenizer=a.tokenizer, out_dir=out_dir, plots=a.plots,
-            progress=a.progress, local_num_workers=a.local_workers)
+            progress=a.progress, local_num_workers=a.local_workers, tls_ca=a.tls_ca)
     except (ValueError, OSError) as exc:
         p.error(str(exc))
 
@@ -178,7 +179,7 @@ async def execute(config: RunConfig, run_id: str):
     synthetic = SyntheticText(load_tokenizer(config.tokenizer)) if needs_words else None
     prompt_sets = {t.prompts: load_prompts(t.prompts) for t in config.tenants if t.prompts != "synthetic"}
     options = SendOptions(config.model, config.temperature, config.ignore_eos, config.prompt_format,
-                          config.request_timeout_s)
+                          config.request_timeout_s, config.tls_ca)
     clock, servers, clients, infos = Clock(), [], {}, {}
     targets = []
     try:

@@ -20,6 +20,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from common.net import is_loopback_host
+from common.tls import CLIENT_FLAGS, check_files
 from loadtest.lengths import LengthDist
 
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "closed")
@@ -139,6 +140,7 @@ class RunConfig:
     plots: bool = True
     progress: bool = True
     local_num_workers: int = 1
+    tls_ca: str = ""                  # gRPC targets: TLS, trusting this CA (PEM); "" = plaintext
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.targets) <= 2:
@@ -155,6 +157,10 @@ class RunConfig:
             raise ValueError("a sweep needs values")
         if self.prompt_format not in ("text", "tokens"):
             raise ValueError("prompt format must be text or tokens")
+        if self.tls_ca:
+            if any(t.local for t in self.targets):
+                raise ValueError("--tls-ca is for remote gRPC targets: a local target serves plaintext")
+            check_files(None, None, self.tls_ca, CLIENT_FLAGS)
 
     def tenants_at(self, value: float | None) -> tuple[TenantSpec, ...]:
         """The tenants at one sweep point: the swept value replaces every tenant's rate (open-loop

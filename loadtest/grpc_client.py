@@ -1,7 +1,7 @@
 """Client for our gRPC API (`llm.v1.Generation`): one grpc.aio channel, one stream per request.
 
 Contract
-- `GrpcClient(address, options)`; `await send(spec, record, request_id, api_key, priority)` runs
+- `GrpcClient(address, options)` (TLS when `options.tls_ca` names a CA file); `await send(spec, record, request_id, api_key, priority)` runs
   one `Generate` call and fills `record` (see `loadtest.record`): sent time just before the call,
   each `TokenChunk` with token ids as it arrives, the `Finished` message's usage, reason and queue
   time; failures become the gRPC status name. It never raises for a failed request.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.tls import channel_credentials
 from loadtest.record import RequestRecord
 from loadtest.workload import RequestSpec
 from protos.llm.v1 import generation_pb2 as pb
@@ -34,6 +35,7 @@ class SendOptions:
     ignore_eos: bool = True
     prompt_format: str = "text"          # text | tokens
     timeout_s: float = 300.0
+    tls_ca: str = ""                     # PEM CA to verify the server with; "" = plaintext
 
 
 class GrpcClient:
@@ -42,9 +44,13 @@ class GrpcClient:
     def __init__(self, address: str, options: SendOptions, clock_ns: Callable[[], int]):
         self._options = options
         self._clock_ns = clock_ns
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        if options.tls_ca:
+            self._channel = grpc.aio.secure_channel(address, channel_credentials(options.tls_ca),
+                                                    options=channel_options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=channel_options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def build_request(self, spec: RequestSpec, request_id: str, priority: int) -> pb.GenerateRequest:

@@ -8,7 +8,10 @@ from router.server import serve
 
 
 def main() -> int:
-    config = parse_args()
+    try:
+        config = parse_args()
+    except ValueError as exc:  # a bad flag value or unreadable TLS file: a usage error, not a traceback
+        raise SystemExit(f"python -m router: error: {exc}") from None
     setup_logging("router", config.telemetry.log_format)
     return asyncio.run(serve(config))
 

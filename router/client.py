@@ -11,6 +11,7 @@ import sys
 
 import grpc
 
+from common.tls import channel_credentials
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 
@@ -56,11 +57,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", action="store_true", help="print the mean logprob at the end")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=None, help="deadline for the whole call")
+    p.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for a router that requires one")
+    p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name the router's certificate carries, when it is not --target's host "
+                        "(e.g. through a port forward)")
     a = p.parse_args(argv)
+    try:
+        credentials = (channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
+                       if a.tls or a.tls_ca or a.tls_cert or a.tls_key or a.tls_server_name else None)
+    except ValueError as exc:
+        p.error(str(exc))
 
     metadata = [("authorization", f"Bearer {a.api_key}")] if a.api_key else []
     logprobs: list[float] = []
-    with grpc.insecure_channel(a.target) as channel:
+    options = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
+    with (grpc.secure_channel(a.target, credentials, options=options) if credentials
+          else grpc.insecure_channel(a.target)) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(build_request(a), metadata=metadata, timeout=a.timeout_s):

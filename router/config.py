@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from common import telemetry
 from common.net import is_loopback_host
+from common.tls import check_files, check_server_files
 from common.telemetry import TelemetryConfig
 from common.ray_names import DEFAULT_NAMESPACE
 
 DEFAULT_METRICS_PORT = 9464   # Prometheus /metrics and /targets; taken -> an ephemeral port
+WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,13 @@ class RouterConfig:
                                               # of KV capacity) exceeds the least loaded's by more
     no_worker_grace_s: float = 5.0            # queued requests wait this long for a worker to return
     telemetry: TelemetryConfig = TelemetryConfig()   # tracing, /metrics, log format
+    tls_cert: str | None = None               # PEM: TLS on the client port (with tls_key)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None          # PEM: clients must present a certificate it signed
+    worker_tls_ca: str | None = None          # PEM: TLS to workers, verified against this CA
+    worker_tls_cert: str | None = None        # PEM: the router's client certificate (mutual TLS)
+    worker_tls_key: str | None = None
+    worker_tls_server_name: str | None = None  # name expected in worker certificates; None = host
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -73,10 +82,26 @@ class RouterConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker address must be host:port, got {address!r}")
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        check_files(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)
+        if self.worker_tls_ca is None:
+            for flag, value in (("--worker-tls-cert", self.worker_tls_cert),
+                                ("--worker-tls-server-name", self.worker_tls_server_name)):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --worker-tls-ca (the CA that signed the workers' "
+                                     "certificates)")
 
     @property
     def binds_loopback(self) -> bool:
         return is_loopback_host(self.host)
+
+    def missing_for_public_bind(self) -> list[str]:
+        """What a non-loopback client port lacks: API keys and TLS, so that keys never travel in
+        clear text. Empty when the bind is loopback or --allow-insecure-public."""
+        if self.binds_loopback or self.allow_insecure_public:
+            return []
+        missing = [] if self.tenants_file else ["API keys (--tenants FILE)"]
+        return missing + ([] if self.tls_cert else ["TLS (--tls-cert FILE --tls-key FILE)"])
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -91,7 +116,18 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--model", default=None, help="GGUF file for the tokenizer (default: embedded model)")
     p.add_argument("--tenants", dest="tenants_file", default=None, help="tenants YAML file")
     p.add_argument("--allow-insecure-public", action="store_true",
-                   help="serve a non-loopback address without API keys")
+                   help="serve a non-loopback address without API keys and TLS")
+    g = p.add_argument_group("transport security (PEM files)")
+    g.add_argument("--tls-cert", default=None, help="TLS certificate chain of the client port")
+    g.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None,
+                   help="require client certificates signed by this CA (mutual TLS on the client port)")
+    g.add_argument("--worker-tls-ca", default=None, help="connect to workers over TLS, trusting this CA")
+    g.add_argument("--worker-tls-cert", default=None,
+                   help="the router's client certificate for workers that require one (mutual TLS)")
+    g.add_argument("--worker-tls-key", default=None, help="private key of --worker-tls-cert")
+    g.add_argument("--worker-tls-server-name", default=None,
+                   help="name the workers' certificates carry, when it is not their --workers host")
     p.add_argument("--drain-grace-s", type=float, default=30.0)
     p.add_argument("--health-poll-s", type=float, default=1.0)
     p.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
@@ -121,4 +157,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
         no_worker_grace_s=a.no_worker_grace_s,
         telemetry=telemetry.from_args(a),
+        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+        worker_tls_ca=a.worker_tls_ca, worker_tls_cert=a.worker_tls_cert, worker_tls_key=a.worker_tls_key,
+        worker_tls_server_name=a.worker_tls_server_name,
     )

@@ -43,9 +43,11 @@ class WorkerHandle:
 
 
 class WorkerRegistry(abc.ABC):
-    def __init__(self, poll_s: float = 1.0, channel_options: tuple = ()):
+    def __init__(self, poll_s: float = 1.0, channel_options: tuple = (),
+                 credentials: grpc.ChannelCredentials | None = None):
         self._poll_s = poll_s
         self._options = channel_options
+        self._credentials = credentials      # TLS to workers (common.tls); None = plaintext
         self._handles: dict[str, WorkerHandle] = {}
         self._task: asyncio.Task | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -97,7 +99,8 @@ class WorkerRegistry(abc.ABC):
         addresses = await self.discover()
         for address in addresses:
             if address not in self._handles:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
+                channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                           if self._credentials else grpc.aio.insecure_channel(address, options=self._options))
                 self._handles[address] = WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
         for address in set(self._handles) - set(addresses):
             await self._handles.pop(address).channel.close()

@@ -7,7 +7,7 @@ Contract
 - output: serves `llm.v1.Generation`, `grpc.health.v1.Health` (SERVING while at least one worker
   is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0.
 - state: the server and registry for the process lifetime.
-- failure modes: refuses to bind a non-loopback address without API keys (unless
+- failure modes: refuses to bind a non-loopback address without both API keys and TLS (unless
   --allow-insecure-public); on SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE,
   in-flight calls get `drain_grace_s` to finish, then the server stops.
 - proven by: tests/test_grpc_drain.py, tests/test_router_no_torch.py.
@@ -26,11 +26,12 @@ from common.metrics_http import start_metrics_server
 from common.model_files import default_model_path
 from common.net import bind_address
 from common.telemetry import setup_tracing
+from common.tls import channel_credentials, server_credentials
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2, generation_pb2_grpc
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import PrefixAffinity
-from router.config import DEFAULT_METRICS_PORT, RouterConfig
+from router.config import DEFAULT_METRICS_PORT, WORKER_TLS_FLAGS, RouterConfig
 from router.dispatcher import Dispatcher
 from router.drain import Drain
 from router.errors import ErrorInterceptor
@@ -56,12 +57,20 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 async def serve(config: RouterConfig) -> int:
     tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public)
-    if not config.binds_loopback and not tenants.current.require_key and not config.allow_insecure_public:
-        raise SystemExit(f"refusing to serve {config.host} without API keys: "
-                         "pass --tenants FILE or --allow-insecure-public")
+    missing = config.missing_for_public_bind()
+    if missing:
+        raise SystemExit(f"refusing to serve {config.host} without {' and '.join(missing)}: API keys "
+                         "would cross the network in clear text or not at all; pass them, or "
+                         "--allow-insecure-public on a private network")
     tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
     options = channel_options(config.max_message_bytes)
     registry_args = dict(poll_s=config.health_poll_s, channel_options=tuple(options))
+    if config.worker_tls_ca:   # TLS to workers; mutual when the router has a client certificate
+        registry_args["credentials"] = channel_credentials(
+            config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key, WORKER_TLS_FLAGS)
+        if config.worker_tls_server_name:
+            registry_args["channel_options"] += (
+                ("grpc.ssl_target_name_override", config.worker_tls_server_name),)
     if config.ray_address:     # Ray is imported only here: a static router never loads it
         from router.ray_registry import RayRegistry
         registry = RayRegistry(config.ray_address, config.ray_namespace, static=config.workers, **registry_args)
@@ -91,7 +100,11 @@ async def serve(config: RouterConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(bind_address(config.host, config.port))
+    if config.tls_cert:
+        port = server.add_secure_port(bind_address(config.host, config.port), server_credentials(
+            config.tls_cert, config.tls_key, config.tls_client_ca))
+    else:
+        port = server.add_insecure_port(bind_address(config.host, config.port))
     if port == 0:
         raise SystemExit(f"cannot bind {bind_address(config.host, config.port)}")
 

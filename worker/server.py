@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.metrics_http import start_metrics_server
 from common.net import bind_address
 from common.telemetry import TelemetryConfig, setup_tracing
+from common.tls import check_server_files, server_credentials
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
@@ -54,6 +55,12 @@ class WorkerServerConfig:
     drain_grace_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
     telemetry: TelemetryConfig = TelemetryConfig()
+    tls_cert: str | None = None            # PEM: serve TLS (with tls_key)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None       # PEM: require client certificates it signed (mutual TLS)
+
+    def __post_init__(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
@@ -143,7 +150,11 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = bind_address(config.host, config.port)
-    port = server.add_insecure_port(address)
+    if config.tls_cert:
+        port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
+                                                                  config.tls_client_ca))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         engine.shutdown()
         if metrics_server:
