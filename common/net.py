@@ -1,7 +1,8 @@
-"""Address helpers shared by router and worker (pure; no grpc)."""
+"""Address helpers shared by router, worker and launchers (pure; no grpc)."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback_host(host: str) -> bool:
@@ -16,3 +17,10 @@ def is_loopback_host(host: str) -> bool:
 def bind_address(host: str, port: int) -> str:
     """`host:port` as grpc expects it (IPv6 literals in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now (for a process that must be started on a known port)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -43,6 +43,11 @@ class RouterConfig:
     allow_insecure_public: bool = False
     drain_grace_s: float = 30.0               # SIGTERM: how long in-flight streams may finish
     health_poll_s: float = 1.0                # worker health/load probe period
+    health_timeout_s: float = 1.0             # each probe call's deadline (a hung worker fails it)
+    down_after_probes: int = 2                # failed probes in a row -> worker down, its streams cancelled
+    breaker_failures: int = 3                 # failed calls in a row -> circuit open (no traffic) ...
+    breaker_cooldown_s: float = 2.0           # ... for this long, doubling on each re-open ...
+    breaker_max_cooldown_s: float = 60.0      # ... up to this
     max_message_bytes: int = 16 * 1024 * 1024
     limits: Limits = Limits()
     tenants_poll_s: float = 2.0               # reload the tenants file when it changes; 0 = SIGHUP only
@@ -76,8 +81,14 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
         if not self.affinity_imbalance >= 0:
             raise ValueError(f"affinity_imbalance must be >= 0, got {self.affinity_imbalance}")
+        if not self.health_timeout_s > 0 or self.down_after_probes < 1 or self.breaker_failures < 1:
+            raise ValueError("health_timeout_s must be > 0; down_after_probes and breaker_failures >= 1")
+        if not 0 < self.breaker_cooldown_s <= self.breaker_max_cooldown_s:
+            raise ValueError("breaker cool-downs must satisfy 0 < breaker_cooldown_s <= breaker_max_cooldown_s")
         if not self.no_worker_grace_s >= 0:
             raise ValueError(f"no_worker_grace_s must be >= 0, got {self.no_worker_grace_s}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -129,9 +140,21 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     g.add_argument("--worker-tls-server-name", default=None,
                    help="name the workers' certificates carry, when it is not their --workers host")
     p.add_argument("--drain-grace-s", type=float, default=30.0)
-    p.add_argument("--health-poll-s", type=float, default=1.0)
+    p.add_argument("--health-poll-s", type=float, default=1.0, help="worker health/load probe period")
+    p.add_argument("--health-timeout-s", type=float, default=1.0, help="deadline of each worker probe call")
+    p.add_argument("--down-after-probes", type=int, default=2,
+                   help="failed probes in a row after which a worker is down and its open streams "
+                        "are cancelled (UNAVAILABLE, retried if no token was sent)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="failed calls in a row that open a worker's circuit (no traffic)")
+    p.add_argument("--breaker-cooldown-s", type=float, default=2.0,
+                   help="how long an open circuit stays open; doubles on each re-open")
+    p.add_argument("--breaker-max-cooldown-s", type=float, default=60.0)
     p.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
     p.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens_limit)
+    p.add_argument("--max-message-mb", type=float, default=RouterConfig.max_message_bytes / 2**20,
+                   help="largest gRPC message received or sent, MiB (a larger request gets "
+                        "RESOURCE_EXHAUSTED before it is parsed)")
     p.add_argument("--tenants-poll-s", type=float, default=2.0,
                    help="check the tenants file for changes this often (0: reload on SIGHUP only)")
     p.add_argument("--fair-queue", choices=("vtc", "fcfs"), default="vtc",
@@ -151,11 +174,14 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         host=a.host, port=a.port, workers=workers, model=a.model, tenants_file=a.tenants_file,
         allow_insecure_public=a.allow_insecure_public, drain_grace_s=a.drain_grace_s,
-        health_poll_s=a.health_poll_s, ray_address=a.ray_address, ray_namespace=a.ray_namespace,
+        health_poll_s=a.health_poll_s, health_timeout_s=a.health_timeout_s,
+        down_after_probes=a.down_after_probes, breaker_failures=a.breaker_failures,
+        breaker_cooldown_s=a.breaker_cooldown_s, breaker_max_cooldown_s=a.breaker_max_cooldown_s,
+        ray_address=a.ray_address, ray_namespace=a.ray_namespace,
         limits=Limits(default_max_tokens=a.default_max_tokens, max_tokens_limit=a.max_tokens_limit),
         tenants_poll_s=a.tenants_poll_s, fair_queue=a.fair_queue, max_queued=a.max_queued or None,
         max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
-        no_worker_grace_s=a.no_worker_grace_s,
+        no_worker_grace_s=a.no_worker_grace_s, max_message_bytes=int(a.max_message_mb * 2**20),
         telemetry=telemetry.from_args(a),
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
         worker_tls_ca=a.worker_tls_ca, worker_tls_cert=a.worker_tls_cert, worker_tls_key=a.worker_tls_key,

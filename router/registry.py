@@ -6,11 +6,18 @@ Contract
 - output: `healthy(model)` -> `WorkerHandle`s with a channel, stub, model info and load counters;
   `models()` -> served models as `ModelSpec`s.
 - state: one `WorkerHandle` per address; a probe task refreshes health (grpc.health.v1 Check),
-  info (once) and load (`Worker.GetLoad`) every `poll_s`. `mark_failed` takes a worker out of
-  rotation at once when a call to it fails; the next good probe brings it back.
-- failure modes: unreachable / NOT_SERVING workers are unhealthy; `on_change(any_healthy)` fires
-  when the router goes from no healthy worker to some or back (drives the router's health).
-- proven by: tests/test_grpc_two_workers.py, tests/test_grpc_worker_loss.py.
+  info (once) and load (`Worker.GetLoad`) every `poll_s`, each probe call bounded by
+  `probe_timeout_s`. `mark_failed` takes a worker out of rotation at once when its connection
+  fails; the next good probe brings it back. Each handle has a `CircuitBreaker` fed by call
+  outcomes (`call_failed` / `call_succeeded`): a worker that passes probes but fails calls is left
+  out for the breaker's cool-down. Open streams register on their handle (`track`).
+- failure modes: unreachable / NOT_SERVING / too-slow workers are unhealthy; a worker that fails
+  `down_after_probes` probes in a row (dead, or hung: alive but not answering) is declared down and
+  its open streams are cancelled with the reason, so no client waits on a hung worker past
+  about `down_after_probes * (poll_s + probe_timeout_s)`; `on_change(any_healthy)` fires when the
+  router goes from no healthy worker to some or back (drives the router's health).
+- proven by: tests/test_grpc_two_workers.py, tests/test_grpc_worker_loss.py,
+  tests/test_faults.py (hung worker, circuit breaking).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import worker_pb2, worker_pb2_grpc
+from router.circuit import CircuitBreaker
 from router.validation import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -40,12 +48,32 @@ class WorkerHandle:
     outstanding_tokens: int = 0        # router-side accounting, see balancer.Lease
     num_inflight: int = 0
     last_error: str = field(default="")
+    probe_failures: int = 0            # consecutive failed probes
+    draining: bool = False             # answered NOT_SERVING since its last good probe
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    streams: set = field(default_factory=set)   # open `TrackedStream`s on this worker
+
+
+class TrackedStream:
+    """An open worker call that the registry may cancel when its worker is declared down."""
+
+    def __init__(self, call: grpc.aio.Call):
+        self.call = call
+        self.down_reason = ""          # set when the registry cancelled it
+
+    def cancel_down(self, reason: str) -> None:
+        self.down_reason = reason
+        self.call.cancel()
 
 
 class WorkerRegistry(abc.ABC):
-    def __init__(self, poll_s: float = 1.0, channel_options: tuple = (),
+    def __init__(self, poll_s: float = 1.0, channel_options: tuple = (), probe_timeout_s: float = 1.0,
+                 down_after_probes: int = 2, breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
                  credentials: grpc.ChannelCredentials | None = None):
         self._poll_s = poll_s
+        self._probe_timeout_s = probe_timeout_s
+        self._down_after = down_after_probes
+        self._breaker_factory = breaker_factory
         self._options = channel_options
         self._credentials = credentials      # TLS to workers (common.tls); None = plaintext
         self._handles: dict[str, WorkerHandle] = {}
@@ -75,7 +103,8 @@ class WorkerRegistry(abc.ABC):
 
     def healthy(self, model: str | None = None) -> list[WorkerHandle]:
         return [h for h in self._handles.values()
-                if h.healthy and h.info is not None and (model is None or h.info.model == model)]
+                if h.healthy and h.info is not None and h.breaker.allows()
+                and (model is None or h.info.model == model)]
 
     def models(self) -> dict[str, ModelSpec]:
         specs: dict[str, ModelSpec] = {}
@@ -90,6 +119,27 @@ class WorkerRegistry(abc.ABC):
         handle.last_error = reason
         self._notify()
 
+    def call_failed(self, handle: WorkerHandle, reason: str) -> None:
+        """A call failed on the worker's side: feeds its circuit breaker."""
+        if handle.breaker.record_failure(reason):
+            log.warning("worker %s circuit open for %.1f s after %d failure(s): %s", handle.address,
+                        handle.breaker.cooldown_s, handle.breaker.consecutive_failures, reason)
+            self._notify()
+
+    def call_succeeded(self, handle: WorkerHandle) -> None:
+        if handle.breaker.state != "closed":
+            log.info("worker %s circuit closed", handle.address)
+        handle.breaker.record_success()
+
+    def track(self, handle: WorkerHandle, call: grpc.aio.Call) -> TrackedStream:
+        """Registers an open stream on `handle` (remove it with `untrack`)."""
+        stream = TrackedStream(call)
+        handle.streams.add(stream)
+        return stream
+
+    def untrack(self, handle: WorkerHandle, stream: TrackedStream) -> None:
+        handle.streams.discard(stream)
+
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
@@ -101,14 +151,15 @@ class WorkerRegistry(abc.ABC):
             if address not in self._handles:
                 channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
                            if self._credentials else grpc.aio.insecure_channel(address, options=self._options))
-                self._handles[address] = WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
+                self._handles[address] = WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel),
+                                                       breaker=self._breaker_factory())
         for address in set(self._handles) - set(addresses):
             await self._handles.pop(address).channel.close()
         await asyncio.gather(*(self._probe(h) for h in self._handles.values()))
         self._notify()
 
     async def _probe(self, h: WorkerHandle) -> None:
-        timeout = max(self._poll_s, 0.5)
+        timeout = self._probe_timeout_s
         try:
             health = health_pb2_grpc.HealthStub(h.channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
@@ -122,7 +173,21 @@ class WorkerRegistry(abc.ABC):
             if h.healthy:
                 log.warning("worker %s unhealthy: %s", h.address, reason)
             h.healthy, h.last_error = False, reason
+            # A NOT_SERVING answer is a draining worker: its open streams may finish, also after it
+            # stops accepting calls (probes then fail too). Only a worker that stops answering
+            # without having announced a drain (dead or hung) counts towards being declared down.
+            if isinstance(exc, ConnectionError):
+                h.draining = True
+            h.probe_failures = 0 if h.draining else h.probe_failures + 1
+            if h.probe_failures >= self._down_after and h.streams:
+                message = (f"worker {h.address} stopped answering ({h.probe_failures} health probes "
+                           f"failed, last: {reason})")
+                log.warning("%s; cancelling %d open stream(s)", message, len(h.streams))
+                for stream in list(h.streams):
+                    stream.cancel_down(message)
             return
+        h.probe_failures = 0
+        h.draining = False
         if not h.healthy:
             log.info("worker %s healthy (model %s)", h.address, h.info.model)
         h.healthy, h.last_error = True, ""

@@ -31,6 +31,7 @@ from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2, generation_pb2_grpc
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import PrefixAffinity
+from router.circuit import CircuitBreaker
 from router.config import DEFAULT_METRICS_PORT, WORKER_TLS_FLAGS, RouterConfig
 from router.dispatcher import Dispatcher
 from router.drain import Drain
@@ -64,7 +65,11 @@ async def serve(config: RouterConfig) -> int:
                          "--allow-insecure-public on a private network")
     tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
     options = channel_options(config.max_message_bytes)
-    registry_args = dict(poll_s=config.health_poll_s, channel_options=tuple(options))
+    registry_args = dict(
+        poll_s=config.health_poll_s, channel_options=tuple(options), probe_timeout_s=config.health_timeout_s,
+        down_after_probes=config.down_after_probes,
+        breaker_factory=lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
+                                               config.breaker_max_cooldown_s))
     if config.worker_tls_ca:   # TLS to workers; mutual when the router has a client certificate
         registry_args["credentials"] = channel_credentials(
             config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key, WORKER_TLS_FLAGS)
@@ -85,6 +90,7 @@ async def serve(config: RouterConfig) -> int:
     telemetry = config.telemetry
     metrics = RouterMetrics()
     metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)
+    metrics.export_state(registry, drain, admission, queue, dispatcher)
     try:
         metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
                                               DEFAULT_METRICS_PORT, metrics.registry,
@@ -121,8 +127,8 @@ async def serve(config: RouterConfig) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(on_workers)
     tracing = setup_tracing(telemetry, "llm-router", instance=bind_address(config.host, port))
+    await registry.start()  # first probe round before serving: a restarted router knows its workers at once
     await server.start()
-    await registry.start()
     dispatcher.start()
     watcher = asyncio.create_task(tenants.watch(config.tenants_poll_s)) if (
         config.tenants_file and config.tenants_poll_s > 0) else None

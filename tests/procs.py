@@ -13,7 +13,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.net import free_port  # noqa: F401 - re-exported for the tests
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -30,13 +30,6 @@ LISTENING = re.compile(r"listening on (\S+)")
 # KV budget for tests: 68 blocks of 16 tokens with SmolLM2-135M float32 (1,088-token context).
 TEST_KV_CACHE_MB = 48
 START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    """A port free right now on 127.0.0.1 (for processes that must come back on the same port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics_url(proc: "Proc") -> str:

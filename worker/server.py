@@ -8,8 +8,9 @@ Contract
 - state: the engine (its loop runs on its own thread; this side only awaits its outputs).
 - failure modes: bad sampling values or an engine-rejected prompt -> INVALID_ARGUMENT; a cancelled
   call (router cancel, deadline, lost connection) aborts the sequence in the engine, freeing its KV
-  blocks in the next step; SIGTERM -> health NOT_SERVING, in-flight streams get `drain_grace_s`,
-  then the engine shuts down.
+  blocks in the next step; SIGTERM -> health NOT_SERVING while new calls are still accepted for
+  `drain_announce_s` (routers see it and stop routing here), then new calls are refused and open
+  streams get `drain_grace_s` to finish, then the engine shuts down.
 - observability: each Generate is a span continuing the router's trace (`worker.observe`);
   Prometheus `/metrics` (`worker.metrics`) on --metrics-port, its address in `WorkerInfo`.
 - proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_worker_loss.py,
@@ -52,7 +53,9 @@ class WorkerServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0                          # 0 = ephemeral; the bound port is logged
-    drain_grace_s: float = 10.0
+    drain_grace_s: float = 10.0            # SIGTERM: in-flight streams get this long to finish
+    drain_announce_s: float = 2.0          # SIGTERM: NOT_SERVING but still accepting for this long,
+                                           # so routers (probing every ~1 s) stop routing here first
     max_message_bytes: int = 16 * 1024 * 1024
     telemetry: TelemetryConfig = TelemetryConfig()
     tls_cert: str | None = None            # PEM: serve TLS (with tls_key)
@@ -186,8 +189,12 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
                  telemetry.sample_ratio)
     await stop.wait()
 
-    log.info("draining (grace %.1f s)", config.drain_grace_s)
+    # Drain: health NOT_SERVING first while still accepting calls, so that routers stop routing
+    # here before the port refuses anything; then refuse new calls and let open streams finish.
+    log.info("draining: NOT_SERVING, accepting calls for %.1f s more, then grace %.1f s for %d open stream(s)",
+             config.drain_announce_s, config.drain_grace_s, engine.stats().num_running)
     await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(config.drain_announce_s)
     await server.stop(grace=config.drain_grace_s)
     engine.shutdown()
     tracing.shutdown()

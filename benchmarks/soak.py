@@ -1,0 +1,417 @@
+"""Reliability soaks against real worker and router processes on 127.0.0.1.
+
+    python -m benchmarks.soak overload       # 3x capacity for 60 s (make soak runs both)
+    python -m benchmarks.soak cancel-storm   # 1,000 streams cancelled at random points
+
+Contract
+- overload: measures unloaded TTFT (one request at a time), then capacity (completed requests/s
+  with `--clients` closed-loop clients that back off on refusals), then offers `--factor` x
+  capacity as a Poisson stream for `--duration-s`. Every call has a deadline; reported: refusal
+  latency (client send -> RESOURCE_EXHAUSTED) p50/p99, accepted TTFT p50/p99 against the unloaded
+  p99, router and worker RSS growth from the end of the warm-up (the first quarter of the overload
+  phase, at most 10 s) to the end, the count of calls that outlived their deadline (hung), and
+  whether the router's bookkeeping and the workers' KV pools return to idle afterwards.
+- cancel-storm: `--streams` calls, at most `--max-open` at a time, each cancelled at a random
+  point: at once (often before admission), after a random delay before any token (queued or
+  prefilling), or after k tokens (decoding); some finish first. Afterwards every worker must report
+  nothing running or waiting and every KV block free, and every router gauge of open work
+  (`llm_router_*`, `llm_num_requests_*`) must be 0; reported: the time that took.
+- output: a table on stdout and JSON in `--out` (default docs/reliability/<scenario>.json).
+  Seeded (`--seed`); the seed, arguments, git revision and date are in the JSON.
+- targets (issue #9) are checked and printed as PASS/MISS; the exit status is 0 either way
+  unless a correctness check failed (a hung call, a leak), which exits 1.
+- proven by: tests/test_soak.py (short runs in `make test`; full ones with --runslow / `make soak`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import pathlib
+import random
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.grpc_overhead import git_revision, percentile
+from common.net import free_port
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.local import LocalProcess
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORDS = ("river stone lantern harbor meadow signal copper orchard winter falcon canyon ember "
+         "violet atlas quartz thunder willow beacon marble cedar").split()
+IDLE_GAUGES = ("llm_router_open_calls", "llm_router_queue_length", "llm_router_tokens_in_flight",
+               "llm_router_tenant_open_requests", "llm_router_worker_reserved_tokens",
+               "llm_router_worker_outstanding_tokens", "llm_router_worker_inflight", "llm_router_worker_streams",
+               "llm_num_requests_running", "llm_num_requests_waiting")
+
+
+def prompt(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def rss_mib(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class Stack:
+    """Workers and a router as child processes (quiet); `stop()` drains and stops them."""
+
+    def __init__(self, num_workers: int = 1, worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()):
+        self.workers = [LocalProcess(f"worker{i}", ["-m", "worker", "--port", "0", "--drain-announce-s", "0.5",
+                                                    *worker_args], quiet=True) for i in range(num_workers)]
+        self.worker_addresses = [w.wait_listening() for w in self.workers]
+        metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.router = LocalProcess("router", [
+            "-m", "router", "--port", "0", "--workers", ",".join(self.worker_addresses), "--health-poll-s", "0.2",
+            "--metrics-port", str(metrics_port), *router_args], quiet=True)
+        self.address = self.router.wait_listening(120)
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    models = (await stub.ListModels(pb.ListModelsRequest(), timeout=2)).models
+                    if models and models[0].num_workers == len(self.workers):
+                        return
+                if time.monotonic() > deadline:
+                    raise TimeoutError("router did not see its workers")
+                await asyncio.sleep(0.1)
+
+    def pids(self) -> dict[str, int]:
+        return {"router": self.router.popen.pid, **{w.name: w.popen.pid for w in self.workers}}
+
+    def router_gauges(self) -> dict[str, float]:
+        """Sum over labels of each gauge that must be 0 when idle."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        sums = dict.fromkeys(IDLE_GAUGES, 0.0)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in sums:
+                    sums[s.name] += s.value
+        return sums
+
+    def worker_loads(self) -> list[worker_pb2.LoadReport]:
+        loads = []
+        for address in self.worker_addresses:
+            with grpc.insecure_channel(address) as channel:
+                loads.append(worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
+        return loads
+
+    async def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Polls until every worker is empty with all KV blocks free and every router gauge is 0."""
+        start = time.monotonic()
+        while True:
+            loads = await asyncio.to_thread(self.worker_loads)
+            gauges = await asyncio.to_thread(self.router_gauges)
+            busy = [f"{a}: {l.num_running} running, {l.num_waiting} waiting, {l.num_free_blocks}/"
+                    f"{l.num_total_blocks} blocks free" for a, l in zip(self.worker_addresses, loads)
+                    if l.num_running or l.num_waiting or l.num_free_blocks != l.num_total_blocks]
+            busy += [f"{k} = {v:g}" for k, v in gauges.items() if v]
+            waited = time.monotonic() - start
+            if not busy or waited > timeout_s:
+                return {"idle": not busy, "idle_after_s": round(waited, 3), "not_idle": busy,
+                        "kv_blocks": [f"{l.num_free_blocks}/{l.num_total_blocks}" for l in loads]}
+            await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        self.router.stop()
+        for w in self.workers:
+            w.stop()
+
+
+def generate_request(rng: random.Random, words: tuple[int, int], max_tokens: int) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(prompt=prompt(rng, rng.randint(*words)))
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = True
+    return req
+
+
+@dataclass
+class Outcome:
+    status: str = "OK"
+    sent_s: float = 0.0
+    end_s: float = 0.0
+    ttft_s: float | None = None
+    tokens: int = 0
+    phase: str = ""                # cancel storm: where the call was when the client cancelled it
+
+
+async def one_call(stub, req: pb.GenerateRequest, timeout_s: float) -> Outcome:
+    out = Outcome(sent_s=time.monotonic())
+    try:
+        async for msg in stub.Generate(req, timeout=timeout_s):
+            if msg.HasField("chunk") and msg.chunk.token_ids:
+                if out.ttft_s is None:
+                    out.ttft_s = time.monotonic() - out.sent_s
+                out.tokens += len(msg.chunk.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        out.status = exc.code().name
+    out.end_s = time.monotonic()
+    return out
+
+
+def quantiles_ms(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_ms": round(percentile(values, 0.5) * 1e3, 1),
+            "p99_ms": round(percentile(values, 0.99) * 1e3, 1), "max_ms": round(max(values) * 1e3, 1)}
+
+
+# ---------------------------------------------------------------- overload
+
+@dataclass
+class OverloadArgs:
+    duration_s: float = 60.0
+    factor: float = 3.0
+    capacity_s: float = 20.0
+    clients: int = 16
+    unloaded_requests: int = 20
+    max_tokens: int = 32
+    words: tuple[int, int] = (8, 24)
+    deadline_s: float = 60.0
+    seed: int = 0
+
+
+async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
+    rng = random.Random(a.seed)
+    await stack.wait_ready()
+    async with grpc.aio.insecure_channel(stack.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for _ in range(3):   # warm-up
+            await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
+        unloaded = [await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
+                    for _ in range(a.unloaded_requests)]
+        unloaded_ttft = [o.ttft_s for o in unloaded if o.ttft_s is not None]
+
+        # capacity: closed loop, clients back off briefly when refused
+        done: list[Outcome] = []
+        stop_at = time.monotonic() + a.capacity_s
+
+        async def closed_client() -> None:
+            while time.monotonic() < stop_at:
+                o = await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
+                done.append(o)
+                if o.status != "OK":
+                    await asyncio.sleep(0.05)
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(closed_client() for _ in range(a.clients)))
+        completed = [o for o in done if o.status == "OK"]
+        capacity = len(completed) / (time.monotonic() - t0)
+        capacity_tok = sum(o.tokens for o in completed) / (time.monotonic() - t0)
+
+        # overload: open-loop Poisson at factor x capacity
+        rate = a.factor * capacity
+        warmup_s = min(10.0, a.duration_s / 4)
+        rss: dict[str, list[float]] = {name: [] for name in stack.pids()}
+        tasks: list[asyncio.Task] = []
+        start = time.monotonic()
+        next_s = start
+        baseline: dict[str, float] = {}
+        last_sample = 0.0
+        while (now := time.monotonic()) < start + a.duration_s:
+            if now >= next_s:
+                tasks.append(asyncio.create_task(one_call(stub, generate_request(rng, a.words, a.max_tokens),
+                                                          a.deadline_s)))
+                next_s += rng.expovariate(rate)
+            if now - last_sample >= 1.0:
+                last_sample = now
+                for name, pid in stack.pids().items():
+                    rss[name].append(rss_mib(pid))
+                if not baseline and now - start >= warmup_s:
+                    baseline = {name: values[-1] for name, values in rss.items()}
+            await asyncio.sleep(max(0.0, min(next_s, last_sample + 1.0) - time.monotonic()))
+        finished, unfinished = await asyncio.wait(tasks, timeout=a.deadline_s + 10)
+        for t in unfinished:
+            t.cancel()
+        end_rss = {name: rss_mib(pid) for name, pid in stack.pids().items()}
+    outcomes = [t.result() for t in finished]
+    refused = [o for o in outcomes if o.status == "RESOURCE_EXHAUSTED"]
+    accepted = [o for o in outcomes if o.status == "OK"]
+    statuses: dict[str, int] = {}
+    for o in outcomes:
+        statuses[o.status] = statuses.get(o.status, 0) + 1
+    idle = await stack.wait_idle()
+    unloaded_p99 = percentile(unloaded_ttft, 0.99)
+    accepted_ttft = [o.ttft_s for o in accepted if o.ttft_s is not None]
+    growth = {name: round(100 * (end_rss[name] / baseline[name] - 1), 2) for name in end_rss}
+    result = {
+        "capacity_req_s": round(capacity, 3), "capacity_output_tok_s": round(capacity_tok, 1),
+        "offered_req_s": round(rate, 3), "sent": len(tasks), "statuses": statuses,
+        "hung": len(unfinished), "unloaded_ttft": quantiles_ms(unloaded_ttft),
+        "accepted_ttft": quantiles_ms(accepted_ttft),
+        "ttft_p99_ratio": round(percentile(accepted_ttft, 0.99) / unloaded_p99, 2) if accepted_ttft else None,
+        "refusal_latency": quantiles_ms([o.end_s - o.sent_s for o in refused]),
+        "rss_mib_after_warmup": {k: round(v, 1) for k, v in baseline.items()},
+        "rss_mib_end": {k: round(v, 1) for k, v in end_rss.items()}, "rss_growth_pct": growth,
+        **idle,
+    }
+    result["targets"] = {
+        "refusal_p99_under_50ms": bool(refused) and result["refusal_latency"]["p99_ms"] < 50,
+        "accepted_ttft_p99_within_2x_unloaded": result["ttft_p99_ratio"] is not None and result["ttft_p99_ratio"] <= 2,
+        "rss_growth_under_10pct": all(g < 10 for g in growth.values()),
+        "none_hung": not unfinished and set(statuses) <= {"OK", "RESOURCE_EXHAUSTED"},
+        "idle_afterwards": idle["idle"],
+    }
+    return result
+
+
+# ---------------------------------------------------------------- cancellation storm
+
+@dataclass
+class StormArgs:
+    streams: int = 1000
+    max_open: int = 128
+    max_tokens: tuple[int, int] = (16, 64)
+    words: tuple[int, int] = (4, 120)
+    deadline_s: float = 120.0
+    seed: int = 0
+
+
+async def storm_call(stub, req: pb.GenerateRequest, mode: str, rng: random.Random, timeout_s: float) -> Outcome:
+    out = Outcome(sent_s=time.monotonic())
+    call = stub.Generate(req, timeout=timeout_s)
+    delay = rng.uniform(0.0, 0.4)
+    after_k = rng.randint(1, 12)
+    try:
+        if mode == "at_once":
+            call.cancel()
+            out.phase = "cancelled before any response"
+        else:
+            async def consume() -> None:
+                async for msg in call:
+                    if msg.HasField("chunk") and msg.chunk.token_ids:
+                        out.tokens += len(msg.chunk.token_ids)
+                        if mode == "after_tokens" and out.tokens >= after_k:
+                            call.cancel()
+                            out.phase = "cancelled mid-stream"
+                            return
+                out.phase = "finished before its cancel point"
+
+            if mode == "after_delay":
+                try:
+                    await asyncio.wait_for(consume(), delay)
+                except TimeoutError:
+                    call.cancel()
+                    out.phase = "cancelled mid-stream" if out.tokens else "cancelled before any token"
+            else:
+                await consume()
+    except asyncio.CancelledError:
+        raise
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            out.status, out.phase = exc.code().name, f"ended {exc.code().name}"
+    out.end_s = time.monotonic()
+    return out
+
+
+async def run_storm(stack: Stack, a: StormArgs) -> dict:
+    rng = random.Random(a.seed)
+    await stack.wait_ready()
+    gate = asyncio.Semaphore(a.max_open)
+    async with grpc.aio.insecure_channel(stack.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def gated(i: int) -> Outcome:
+            async with gate:
+                r = random.Random(a.seed * 1_000_003 + i)
+                req = generate_request(r, a.words, r.randint(*a.max_tokens))
+                return await storm_call(stub, req, r.choice(("at_once", "after_delay", "after_tokens")), r,
+                                        a.deadline_s)
+
+        start = time.monotonic()
+        tasks = [asyncio.create_task(gated(i)) for i in range(a.streams)]
+        finished, unfinished = await asyncio.wait(tasks, timeout=a.deadline_s + 30)
+        for t in unfinished:
+            t.cancel()
+        storm_s = time.monotonic() - start
+        idle = await stack.wait_idle()
+        after = await one_call(stub, generate_request(rng, (8, 16), 8), 60)   # still serving?
+    phases: dict[str, int] = {}
+    for t in finished:
+        phases[t.result().phase] = phases.get(t.result().phase, 0) + 1
+    result = {"streams": a.streams, "storm_s": round(storm_s, 1), "phases": phases, "hung": len(unfinished),
+              **idle, "served_afterwards": after.status}
+    result["targets"] = {"none_hung": not unfinished, "idle_afterwards": idle["idle"],
+                         "serves_afterwards": after.status == "OK"}
+    return result
+
+
+# ---------------------------------------------------------------- command line
+
+WORKER_ARGS = ("--num-threads", "1")
+
+
+def write(result: dict, name: str, args, out_dir: pathlib.Path) -> pathlib.Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    meta = {"scenario": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git": git_revision(), "args": asdict(args)}
+    path.write_text(json.dumps({**meta, **result}, indent=2) + "\n")
+    return path
+
+
+def print_result(name: str, result: dict) -> None:
+    print(f"\n== {name}")
+    for k, v in result.items():
+        if k != "targets":
+            print(f"  {k}: {v}")
+    for k, ok in result["targets"].items():
+        print(f"  [{'PASS' if ok else 'MISS'}] {k}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.splitlines()[0])
+    p.add_argument("scenario", choices=("overload", "cancel-storm", "all"))
+    p.add_argument("--duration-s", type=float, default=60.0, help="overload phase length")
+    p.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity")
+    p.add_argument("--capacity-s", type=float, default=20.0)
+    p.add_argument("--max-queued", type=int, default=4, help="router queue cap in the overload run")
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "docs" / "reliability"))
+    a = p.parse_args(argv)
+    failed = False
+    if a.scenario in ("overload", "all"):
+        args = OverloadArgs(duration_s=a.duration_s, factor=a.factor, capacity_s=a.capacity_s, seed=a.seed)
+        stack = Stack(1, ("--kv-cache-mb", "64", *WORKER_ARGS), ("--max-queued", str(a.max_queued)))
+        try:
+            result = asyncio.run(run_overload(stack, args))
+        finally:
+            stack.stop()
+        result["router_max_queued"] = a.max_queued
+        print_result("overload", result)
+        print(f"  -> {write(result, 'overload', args, pathlib.Path(a.out))}")
+        failed |= not (result["targets"]["none_hung"] and result["targets"]["idle_afterwards"])
+    if a.scenario in ("cancel-storm", "all"):
+        args = StormArgs(streams=a.streams, seed=a.seed)
+        stack = Stack(a.workers, ("--kv-cache-mb", "48", *WORKER_ARGS))
+        try:
+            result = asyncio.run(run_storm(stack, args))
+        finally:
+            stack.stop()
+        print_result("cancel-storm", result)
+        print(f"  -> {write(result, 'cancel_storm', args, pathlib.Path(a.out))}")
+        failed |= not all(result["targets"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
