@@ -4,9 +4,11 @@ Contract
 - input: any exception raised by a servicer method of the router.
 - output: the call ends with the exception's gRPC status code and message; `Overloaded` also
   carries trailing metadata `retry-after-ms`. Anything unexpected becomes INTERNAL (logged), so a
-  handled case never surfaces as UNKNOWN.
+  handled case never surfaces as UNKNOWN. Request bytes that do not parse as the method's message
+  become INVALID_ARGUMENT `request: ...` (grpc itself would answer UNKNOWN).
 - state: none.
-- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_validation.py (end to end).
+- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_validation.py (end to end),
+  tests/test_fuzz_input.py (hostile requests and raw bytes end to end: never UNKNOWN or INTERNAL).
 """
 from __future__ import annotations
 
@@ -70,6 +72,31 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can answer for it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    if deserializer is None:
+        return None
+
+    def deserialize(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's bytes
+            return _Undecodable(exc)
+
+    return deserialize
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise ValidationError("request", f"not a valid protobuf message ({type(request.error).__name__})")
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code, message, trailing = status_of(exc)
     await context.abort(code, message, trailing_metadata=trailing)
@@ -87,6 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request, context):
                 try:
+                    _check_decoded(request)
                     return await inner(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -94,12 +122,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
                 try:
+                    _check_decoded(request)
                     async with aclosing(inner_stream(request, context)) as responses:
                         async for response in responses:
                             yield response
@@ -109,5 +138,5 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer)
         return handler

@@ -2,7 +2,10 @@
 
 Contract
 - input: the call's metadata (`authorization: Bearer <key>`) and peer address.
-- output: the `Tenant` the call belongs to, or `AuthError` (UNAUTHENTICATED).
+- output: the `Tenant` the call belongs to, or `AuthError` (UNAUTHENTICATED). The key alone names
+  the tenant: no other metadata (`x-tenant`, ...) or request field is read. A call must carry
+  exactly one `authorization` entry; two or more (a second key, a proxy's own header) are refused
+  rather than resolved to whichever comes first. Refusal messages never echo the presented key.
 - state: the tenants table, loaded once from a YAML file:
 
       tenants:
@@ -22,7 +25,9 @@ Contract
   the `Tenant` they authenticated as; a bad new file is logged and the old table kept.
 - failure modes: malformed file -> ValueError at start-up; keys are compared in constant time
   against every tenant, so timing does not reveal which digest prefix matched.
-- proven by: tests/test_router_tenants.py, tests/test_grpc_validation.py (missing / wrong key).
+- proven by: tests/test_router_tenants.py, tests/test_grpc_validation.py (missing / wrong key),
+  tests/test_tenant_isolation.py (spoofing through metadata and fields, keys absent from logs,
+  spans and metrics).
 """
 from __future__ import annotations
 
@@ -155,9 +160,12 @@ class Tenants:
             if not (self._allow_public or is_loopback_peer(peer)):
                 raise AuthError("no tenants configured: the default tenant is only served to loopback clients")
             return self._tenants[0]
-        header = next((v for k, v in metadata if k == "authorization"), None)
-        if header is None:
+        headers = [v for k, v in metadata if k == "authorization"]
+        if not headers:
             raise AuthError("missing API key: send metadata 'authorization: Bearer <key>'")
+        if len(headers) > 1:
+            raise AuthError(f"{len(headers)} authorization entries: send exactly one 'Bearer <key>'")
+        header = headers[0]
         if isinstance(header, bytes):
             header = header.decode(errors="replace")
         scheme, _, key = header.partition(" ")
