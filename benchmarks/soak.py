@@ -5,7 +5,8 @@
 
 Contract
 - overload: measures unloaded TTFT (one request at a time), then capacity (completed requests/s
-  with `--clients` closed-loop clients that back off on refusals), then offers `--factor` x
+  with as many closed-loop clients as the stack admits at once: the worker's batch size plus the
+  router's queue cap, so refusals do not load the CPU while it is measured), then offers `--factor` x
   capacity as a Poisson stream for `--duration-s`. Every call has a deadline; reported: refusal
   latency (client send -> RESOURCE_EXHAUSTED) p50/p99, accepted TTFT p50/p99 against the unloaded
   p99, router and worker RSS growth from the end of the warm-up (the first quarter of the overload
@@ -382,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=60.0, help="overload phase length")
     p.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity")
     p.add_argument("--capacity-s", type=float, default=20.0)
-    p.add_argument("--max-queued", type=int, default=4, help="router queue cap in the overload run")
+    p.add_argument("--router-queue", type=int, default=0,
+                   help="overload run: router queue cap (--max-queued); 0 = no queue (--no-queue)")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="overload run: the worker's batch size")
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
     p.add_argument("--seed", type=int, default=0)
@@ -390,13 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     failed = False
     if a.scenario in ("overload", "all"):
-        args = OverloadArgs(duration_s=a.duration_s, factor=a.factor, capacity_s=a.capacity_s, seed=a.seed)
-        stack = Stack(1, ("--kv-cache-mb", "64", *WORKER_ARGS), ("--max-queued", str(a.max_queued)))
+        args = OverloadArgs(duration_s=a.duration_s, factor=a.factor, capacity_s=a.capacity_s, seed=a.seed,
+                            clients=a.max_num_seqs + a.router_queue)
+        queueing = ("--max-queued", str(a.router_queue)) if a.router_queue else ("--no-queue",)
+        stack = Stack(1, ("--kv-cache-mb", "64", "--max-num-seqs", str(a.max_num_seqs), *WORKER_ARGS), queueing)
         try:
             result = asyncio.run(run_overload(stack, args))
         finally:
             stack.stop()
-        result["router_max_queued"] = a.max_queued
+        result["router"] = " ".join(queueing)
+        result["worker_max_num_seqs"] = a.max_num_seqs
         print_result("overload", result)
         print(f"  -> {write(result, 'overload', args, pathlib.Path(a.out))}")
         failed |= not (result["targets"]["none_hung"] and result["targets"]["idle_afterwards"])

@@ -12,6 +12,10 @@ Contract
     global_queue_full  the router already has max_queued_total requests waiting
     token_budget       prompt + max_tokens of all open requests would pass max_tokens_in_flight
     deadline           the estimated queue wait (FairQueue.estimated_wait_s) ends after deadline_s
+  `precheck(tenant, cost)` runs the three cap checks (concurrency, tenant_queue_full,
+  global_queue_full) before the router spends time tokenizing, so a full router sheds in
+  microseconds; `refuse(tenant, "no_capacity", ...)` counts a refusal decided by the caller (the
+  router's --no-queue mode: no worker can start the request now).
   A refused request takes nothing (no rate tokens, no budget). Retry-after for the capacity
   reasons = the time the measured dispatch rate (or the tenant's weighted share of it) needs for
   the work that must leave first; `default_retry_after_ms` before any rate was measured; always
@@ -37,7 +41,7 @@ from router.fair_queue import FairQueue, QueuedRequest
 from router.rate_limit import TokenBucket
 
 REASONS = ("rate_limited", "concurrency", "tenant_queue_full", "global_queue_full", "token_budget",
-           "deadline")
+           "deadline", "no_capacity")
 
 
 class AdmissionError(Exception):
@@ -164,15 +168,7 @@ class AdmissionController:
         if max(waits) > 0:
             raise AdmissionError("rate_limited", self._clamp_ms(max(waits)),
                                  f"tenant {name}: rate limit reached")
-        if tenant.max_concurrency is not None and self._open[name] >= tenant.max_concurrency:
-            raise AdmissionError("concurrency", self._share_ms(tenant, item.max_cost),
-                                 f"tenant {name}: {tenant.max_concurrency} requests already open")
-        if tenant.max_queued is not None and self._queue.num_queued(name) >= tenant.max_queued:
-            raise AdmissionError("tenant_queue_full", self._share_ms(tenant, item.max_cost),
-                                 f"tenant {name}: {tenant.max_queued} requests already queued")
-        if cfg.max_queued_total is not None and len(self._queue) >= cfg.max_queued_total:
-            raise AdmissionError("global_queue_full", self._work_ms(item.max_cost),
-                                 f"router queue full ({cfg.max_queued_total} requests)")
+        self._check_caps(tenant, item.max_cost)
         if self._budget is not None and self.tokens_in_flight + num_tokens > self._budget:
             excess = self.tokens_in_flight + num_tokens - self._budget
             if num_tokens > self._budget:
@@ -190,6 +186,31 @@ class AdmissionController:
                 raise AdmissionError("deadline", self._clamp_ms((wait_s or 0.0) - max(left_s, 0.0)),
                                      f"estimated queue wait ({estimate}) exceeds the time left "
                                      f"before the deadline ({max(left_s, 0.0) * 1e3:.0f} ms)")
+
+    def _check_caps(self, tenant: TenantPolicy, cost: float) -> None:
+        name, cfg = tenant.name, self._config
+        if tenant.max_concurrency is not None and self._open[name] >= tenant.max_concurrency:
+            raise AdmissionError("concurrency", self._share_ms(tenant, cost),
+                                 f"tenant {name}: {tenant.max_concurrency} requests already open")
+        if tenant.max_queued is not None and self._queue.num_queued(name) >= tenant.max_queued:
+            raise AdmissionError("tenant_queue_full", self._share_ms(tenant, cost),
+                                 f"tenant {name}: {tenant.max_queued} requests already queued")
+        if cfg.max_queued_total is not None and len(self._queue) >= cfg.max_queued_total:
+            raise AdmissionError("global_queue_full", self._work_ms(cost),
+                                 f"router queue full ({cfg.max_queued_total} requests)")
+
+    def precheck(self, tenant: TenantPolicy, cost: float) -> None:
+        """The checks that need no token count (`cost`: an estimate of the request's max_cost)."""
+        try:
+            self._check_caps(tenant, cost)
+        except AdmissionError as err:
+            self.refusals[(tenant.name, err.reason)] += 1
+            raise
+
+    def refuse(self, tenant: TenantPolicy, reason: str, cost: float, message: str) -> AdmissionError:
+        """Counts a refusal the caller decided; returns the error to raise (retry-after from `cost`)."""
+        self.refusals[(tenant.name, reason)] += 1
+        return AdmissionError(reason, self._work_ms(cost), message)
 
     def _release(self, ticket: Ticket, num_output_tokens: int | None) -> None:
         if ticket.released:

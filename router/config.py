@@ -53,6 +53,7 @@ class RouterConfig:
     tenants_poll_s: float = 2.0               # reload the tenants file when it changes; 0 = SIGHUP only
     fair_queue: str = "vtc"                   # vtc | fcfs (the baseline for comparisons)
     max_queued: int | None = 1024             # requests waiting in this router's queue; None = no cap
+    queue_requests: bool = True               # False: admit only requests a worker can start now
     max_tokens_in_flight: int | None = None   # prompt + max_tokens of open requests; None = no budget
     affinity_imbalance: float = 0.25          # prefix affinity yields when its worker's load (fraction
                                               # of KV capacity) exceeds the least loaded's by more
@@ -161,6 +162,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="queue order: weighted virtual token counter, or first come first served")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests waiting in this router's queue (0: no cap)")
+    p.add_argument("--no-queue", action="store_true",
+                   help="admit a request only if a worker can start it now and refuse the rest at once "
+                        "(RESOURCE_EXHAUSTED): keeps time to first token near the unloaded value under "
+                        "overload, at the cost of fair queueing")
     p.add_argument("--max-tokens-in-flight", type=int, default=0,
                    help="budget of prompt + max_tokens over open requests (0: none)")
     p.add_argument("--affinity-imbalance", type=float, default=0.25,
@@ -180,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         ray_address=a.ray_address, ray_namespace=a.ray_namespace,
         limits=Limits(default_max_tokens=a.default_max_tokens, max_tokens_limit=a.max_tokens_limit),
         tenants_poll_s=a.tenants_poll_s, fair_queue=a.fair_queue, max_queued=a.max_queued or None,
+        queue_requests=not a.no_queue,
         max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
         no_worker_grace_s=a.no_worker_grace_s, max_message_bytes=int(a.max_message_mb * 2**20),
         telemetry=telemetry.from_args(a),

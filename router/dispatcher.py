@@ -10,7 +10,8 @@ Contract
   `place_retry` gives a retry its next worker at once (retries skip the queue).
 - room rule: a request of priority p needing n = prompt + max_tokens tokens fits worker w when
       capacity(w) - reserved(w, priority >= p)  >=  min(n, capacity(w))
-  where `reserved` sums prompt + max_tokens of this router's open requests on w. Reservations of
+  and w has a free sequence slot (this router's requests on it < its reported max_num_seqs, so
+  requests wait in the router's queue, where admission sees them, not in the worker's), where `reserved` sums prompt + max_tokens of this router's open requests on w. Reservations of
   lower priority do not count: the worker's scheduler preempts its lowest-priority running
   sequences (by recompute) when a higher-priority one needs their KV blocks, so a high-priority
   request leaves the router at once for a worker busy with lower-priority work, while requests of
@@ -159,6 +160,16 @@ class Dispatcher:
         return sum(n for p, n in reserved.items() if min_priority is None or p >= min_priority)
 
     @staticmethod
+    def has_free_slot(worker: WorkerHandle) -> bool:
+        """Fewer of this router's requests on the worker than it runs at once (its max_num_seqs)."""
+        slots = worker.info.max_num_seqs if worker.info is not None else 0
+        return not slots or worker.num_inflight < slots
+
+    def can_start_now(self, model: str) -> bool:
+        """Some healthy worker of `model` has a free sequence slot (KV room is checked at placement)."""
+        return any(self.has_free_slot(w) and self.capacity_tokens(w) > 0 for w in self._registry.healthy(model))
+
+    @staticmethod
     def capacity_tokens(worker: WorkerHandle) -> int:
         if worker.load is None or worker.info is None:
             return 0
@@ -166,7 +177,7 @@ class Dispatcher:
 
     def _fits(self, worker: WorkerHandle, item: QueuedRequest) -> bool:
         capacity = self.capacity_tokens(worker)
-        if capacity <= 0:
+        if capacity <= 0 or not self.has_free_slot(worker):
             return False
         need = min(item.num_prompt_tokens + item.max_tokens, capacity)
         return capacity - self.reserved_tokens(worker.address, item.priority) >= need

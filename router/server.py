@@ -101,7 +101,7 @@ async def serve(config: RouterConfig) -> int:
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationService(registry, tokenizer, tenants, config.limits, drain, admission, dispatcher,
-                          metrics=metrics), server)
+                          metrics=metrics, queue_requests=config.queue_requests), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

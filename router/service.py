@@ -6,9 +6,10 @@ Contract
 - state: none of its own (drain counter, registry, tenants, admission and dispatcher are
   injected); `admission_rejections` is admission's Counter of refusals by (tenant, reason).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
-  Stage order: drain check -> auth -> validate -> tokenize -> fit to context -> admit (refusal:
-  RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a worker with
-  room -> relay. A request's priority 0 means the tenant's `default_priority`.
+  Stage order: drain check -> auth -> validate -> early shedding (admission caps; with
+  `queue_requests=False` also "no worker has a free slot") -> tokenize -> fit to context -> admit
+  (refusal: RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a
+  worker with room (with `queue_requests=False`: placed at once or refused, never queued) -> relay. A request's priority 0 means the tenant's `default_priority`.
 - observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
   hands the route span's trace context to the worker call, records metrics and the log line.
 - proven by: tests/test_grpc_e2e.py, tests/test_grpc_validation.py, tests/test_observability_e2e.py.
@@ -32,6 +33,7 @@ from router.config import Limits
 from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
 from router.errors import Overloaded, Unavailable, ValidationError
+from router.fair_queue import OUTPUT_COST
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.registry import WorkerRegistry
@@ -60,7 +62,7 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, tenants: TenantsFile,
                  limits: Limits, drain: Drain, admission: AdmissionController, dispatcher: Dispatcher,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, queue_requests: bool = True):
         self._registry = registry
         self._metrics = metrics
         self._tokenizer = tokenizer
@@ -70,6 +72,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._dispatcher = dispatcher
         self._relay = Relay(registry, tokenizer)
+        self._queue_requests = queue_requests   # False (--no-queue): admit only what a worker can start now
         self.admission_rejections: Counter[tuple[str, str]] = admission.refusals
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -96,6 +99,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise Unavailable("no healthy worker is connected to this router")
             req = validate(request, self._limits, models)
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+            self._shed_early(tenant, req)
             prompt_ids = await asyncio.to_thread(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
             obs.request(req.request_id, tenant.name, req.model.name, len(prompt_ids), max_tokens,
@@ -109,6 +113,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                                deadline_s=deadline_s, payload=pending)
             except AdmissionError as err:
                 raise Overloaded(err.message, err.retry_after_ms) from None
+            if not self._queue_requests:
+                self._dispatcher.dispatch_ready()
+                if not pending.future.done():   # no worker has room for it now: refuse, do not queue
+                    pending.discard()
+                    ticket.release()
+                    err = self._admission.refuse(tenant, "no_capacity", ticket.item.max_cost,
+                                                 "no worker has room for this request now (the router does "
+                                                 "not queue: --no-queue)")
+                    raise Overloaded(err.message, err.retry_after_ms)
             num_out = 0
             try:
                 obs.stage("queue")
@@ -140,6 +153,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return pb.ListModelsResponse(models=cards)
         finally:
             self._drain.exit()
+
+    def _shed_early(self, tenant, req: ValidRequest) -> None:
+        """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""
+        cost = OUTPUT_COST * (req.max_tokens or self._limits.default_max_tokens)
+        try:
+            self._admission.precheck(tenant, cost)
+            if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
+                raise self._admission.refuse(tenant, "no_capacity", cost, "every worker is busy (the router "
+                                             "does not queue: --no-queue)")
+        except AdmissionError as err:
+            raise Overloaded(err.message, err.retry_after_ms) from None
 
     def _tokenize(self, req: ValidRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -187,7 +187,7 @@ def test_refusal_takes_nothing_and_reasons_are_metric_labels():
     assert refused(ctl, acme, 100, 100).reason == "token_budget"
     ctl.admit(acme, 50, 50)  # the refused request did not spend the rate limit
     assert set(REASONS) == {"tenant_queue_full", "global_queue_full", "rate_limited", "token_budget",
-                            "deadline", "concurrency"}
+                            "deadline", "concurrency", "no_capacity"}
     assert all(r.isidentifier() and r.islower() for r in REASONS)
     queue.check_integrity()
 
@@ -198,3 +198,16 @@ def test_default_priority_comes_from_the_tenant():
     ticket = ctl.admit(urgent, 1, 1)
     assert ticket.item.priority == 5
     assert ctl.admit(urgent, 1, 1, priority=0).item.priority == 0
+
+
+def test_precheck_refuses_on_caps_before_tokenizing_and_counts_like_admit():
+    clock, queue, ctl = setup(AdmissionConfig(max_queued_total=1))
+    acme = TenantLimits("acme", max_concurrency=5)
+    ctl.precheck(acme, 10)                  # room: nothing raised, nothing taken
+    ctl.admit(acme, 5, 5)
+    with pytest.raises(AdmissionError) as err:
+        ctl.precheck(acme, 10)
+    assert err.value.reason == "global_queue_full" and err.value.retry_after_ms >= 1
+    assert ctl.refusals[("acme", "global_queue_full")] == 1 and ctl.num_open("acme") == 1
+    no_room = ctl.refuse(acme, "no_capacity", 10, "busy")
+    assert no_room.reason == "no_capacity" and ctl.refusals[("acme", "no_capacity")] == 1

@@ -1,7 +1,8 @@
 """The dispatcher between the fair queue and the workers, against fake workers (no processes).
 
 Room rule under test (router/dispatcher.py): a request of priority p needing n tokens fits a
-worker when capacity - reserved(priority >= p) >= min(n, capacity).
+worker when capacity - reserved(priority >= p) >= min(n, capacity) and it has a free sequence
+slot (this router's requests on it < its max_num_seqs).
 """
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ class FakeWorker:
     healthy: bool = True
     outstanding_tokens: int = 0
     num_inflight: int = 0
-    info: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(model="m", block_size=BLOCK_SIZE))
+    max_num_seqs: int = 0                     # 0: no slot limit
+    info: SimpleNamespace = field(init=False)
+
+    def __post_init__(self):
+        self.info = SimpleNamespace(model="m", block_size=BLOCK_SIZE, max_num_seqs=self.max_num_seqs)
 
     @property
     def load(self):
@@ -229,3 +234,17 @@ def test_run_loop_wakes_on_push_and_release():
             await dispatcher.stop()
 
     asyncio.run(main())
+
+
+def test_a_worker_with_every_sequence_slot_taken_has_no_room(loop):
+    w = FakeWorker("w0", max_num_seqs=2)  # KV room for 4 requests, slots for 2
+    queue, dispatcher, submit = setup(loop, w)
+    reqs = [submit(prompt=32, max_tokens=32) for _ in range(3)]
+    assert dispatcher.dispatch_ready() == 2 and len(queue) == 1
+    assert not dispatcher.can_start_now("m")
+    reqs[0][0].future.result().release()
+    assert dispatcher.can_start_now("m")
+    assert dispatcher.dispatch_ready() == 1 and reqs[2][0].future.done()
+    for p, t in reqs:
+        p.discard()
+        t.release()

@@ -40,7 +40,7 @@ class LLMEngine:
                                    self.runner.eos_token_ids)
         self.info = ModelInfo(name=self.runner.model_name, block_size=config.block_size,
                               max_model_len=max_model_len, vocab_size=mc.vocab_size,
-                              eos_token_ids=self.runner.eos_token_ids)
+                              eos_token_ids=self.runner.eos_token_ids, max_num_seqs=config.max_num_seqs)
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.step_s_total = 0.0

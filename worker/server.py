@@ -128,7 +128,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         i = self._engine.info
         return wpb.WorkerInfo(model=i.name, block_size=i.block_size, max_model_len=i.max_model_len,
                               vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
-                              metrics_address=self.metrics_address)
+                              metrics_address=self.metrics_address, max_num_seqs=i.max_num_seqs)
 
 
 async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,

@@ -83,3 +83,4 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_num_seqs: int = 0                 # sequences one step runs at most (0: unknown)
