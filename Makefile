@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all serve bench bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
+.PHONY: install protos test test-all soak serve bench bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
 
 install: $(STAMP)
 
@@ -63,3 +63,11 @@ loadtest: install protos
 FAIRNESS_ARGS ?=
 bench-fairness: install protos
 	$(PY) -m benchmarks.fairness $(FAIRNESS_ARGS)
+
+# Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
+# storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
+# writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions
+# (tests/test_soak.py); `make test-all` also runs the full ones as tests.
+SOAK_ARGS ?=
+soak: install protos
+	$(PY) -m benchmarks.soak all $(SOAK_ARGS)

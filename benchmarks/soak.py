@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-s", type=float, default=20.0)
     p.add_argument("--router-queue", type=int, default=0,
                    help="overload run: router queue cap (--max-queued); 0 = no queue (--no-queue)")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="overload run: the worker's batch size")
+    p.add_argument("--max-num-seqs", type=int, default=2, help="overload run: the worker's batch size")
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
     p.add_argument("--seed", type=int, default=0)

@@ -16,6 +16,7 @@ Contract:
   on varied text, decode round-trips, and the chat prompt equals transformers' rendering.
 """
 
+import functools
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -159,6 +160,15 @@ class Tokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation: the declared eos first, then other end tokens."""
         return self._eos_token_ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the input characters one token can cover (the longest vocabulary
+        entry; byte-level entries hold one character per byte), so a text of n characters has at
+        least n / this many tokens. None when a normalizer could shrink the text first."""
+        if self._backend.normalizer is not None:
+            return None
+        return max(len(t) for t in self._backend.get_vocab(with_added_tokens=True))
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

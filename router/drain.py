@@ -5,7 +5,7 @@ Contract
 - output: `enter()` raises `Unavailable` while draining; `drain` returns True when every in-flight
   call finished within the grace period, False when the grace period ran out.
 - state: the in-flight count and an idle event (one event loop, no locks).
-- proven by: tests/test_grpc_drain.py.
+- proven by: tests/test_grpc_e2e.py (SIGTERM drain).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Contract
   its open streams are cancelled with the reason, so no client waits on a hung worker past
   about `down_after_probes * (poll_s + probe_timeout_s)`; `on_change(any_healthy)` fires when the
   router goes from no healthy worker to some or back (drives the router's health).
-- proven by: tests/test_grpc_two_workers.py, tests/test_grpc_worker_loss.py,
+- proven by: tests/test_grpc_two_workers.py (spread, worker killed),
   tests/test_faults.py (hung worker, circuit breaking).
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ Contract
   after tokens were sent -> `Unavailable` naming the worker; the deadline passes ->
   `DeadlineExceeded`. The worker call is cancelled whenever this generator stops early (client
   cancel, deadline, stop string), which aborts the sequence on the worker.
-- proven by: tests/test_grpc_e2e.py (text == engine output), tests/test_grpc_worker_loss.py.
+- proven by: tests/test_grpc_e2e.py (text == engine output), tests/test_grpc_two_workers.py (worker killed).
 """
 from __future__ import annotations
 

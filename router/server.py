@@ -10,7 +10,7 @@ Contract
 - failure modes: refuses to bind a non-loopback address without both API keys and TLS (unless
   --allow-insecure-public); on SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE,
   in-flight calls get `drain_grace_s` to finish, then the server stops.
-- proven by: tests/test_grpc_drain.py, tests/test_router_no_torch.py.
+- proven by: tests/test_grpc_e2e.py (SIGTERM drain), tests/test_router_cli.py (never imports torch).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Contract
   worker with room (with `queue_requests=False`: placed at once or refused, never queued) -> relay. A request's priority 0 means the tenant's `default_priority`.
 - observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
   hands the route span's trace context to the worker call, records metrics and the log line.
-- proven by: tests/test_grpc_e2e.py, tests/test_grpc_validation.py, tests/test_observability_e2e.py.
+- proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table), tests/test_observability_e2e.py.
 """
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise Unavailable("no healthy worker is connected to this router")
             req = validate(request, self._limits, models)
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+            self._refuse_hopeless_text(req)
             self._shed_early(tenant, req)
             prompt_ids = await asyncio.to_thread(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
@@ -153,6 +154,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return pb.ListModelsResponse(models=cards)
         finally:
             self._drain.exit()
+
+    def _refuse_hopeless_text(self, req: ValidRequest) -> None:
+        """A text too long to fit the context whatever its tokens is refused without tokenizing it
+        (tokenizing 1M characters costs the router up to seconds of CPU)."""
+        per_token = self._tokenizer.max_chars_per_token
+        if per_token is None or req.prompt_token_ids is not None:
+            return
+        field, chars = (("chat.messages", sum(len(m["content"]) for m in req.chat)) if req.chat is not None
+                        else ("prompt", len(req.prompt)))
+        if chars > req.model.max_model_len * per_token:
+            raise ValidationError(field, f"{chars} characters cannot fit the model's {req.model.max_model_len}-token "
+                                  f"context (a token covers at most {per_token} characters)")
 
     def _shed_early(self, tenant, req: ValidRequest) -> None:
         """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""

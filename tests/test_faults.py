@@ -2,7 +2,7 @@
 worker that passes health checks but fails every call (circuit breaking), the router restarted
 while the workers keep running, and a rolling restart of every worker under load (worker drain).
 
-A worker killed mid-load is tests/test_grpc_worker_loss.py; a worker restarted by Ray is
+A worker killed mid-load is tests/test_grpc_two_workers.py; a worker restarted by Ray is
 tests/test_ray_cluster.py. Each test prints its figures for the README's reliability table
 (`pytest -s`).
 """

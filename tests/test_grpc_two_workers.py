@@ -1,6 +1,7 @@
 """Two workers behind one router: requests spread (acceptance 2); killing a worker while requests
 are queued or running (acceptance 4): queued ones complete on the other worker, streaming ones
-end with UNAVAILABLE, nothing hangs."""
+end with UNAVAILABLE, nothing hangs. The router fills only free sequence slots (each worker
+reports max_num_seqs), so requests beyond them wait in the router's queue, not the workers'."""
 import concurrent.futures as cf
 import signal
 import threading
@@ -13,7 +14,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
 
-# Two running sequences per worker, so that further requests queue inside the worker.
+# Two running sequences per worker, so that further requests queue in the router.
 MAX_NUM_SEQS = 2
 
 
@@ -71,9 +72,8 @@ def test_concurrent_requests_spread_across_both_workers(stub, workers):
     assert sum(seen.values()) >= 3, seen
 
 
-def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers):
-    """6 requests: 2 running on each worker, the rest queued in them; then a worker with a queued
-    request is killed."""
+def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers, router):
+    """6 requests: 2 running on each worker, 2 queued in the router; then a worker is killed."""
     num_requests = 3 * len(workers)
     first_token = [threading.Event() for _ in range(num_requests)]
     outcomes: list = [None] * num_requests
@@ -94,15 +94,16 @@ def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while True:  # wait until 4 requests stream (2 per worker) and 2 wait in the workers' queues
+    while True:  # wait until 4 requests stream (2 per worker) and 2 wait in the router's queue
         streaming = sum(e.is_set() for e in first_token)
         loads = [procs.worker_load(w.address) for w in workers]
+        queued = procs.scrape(router)[("llm_router_queue_length", ())]
         if (streaming == 2 * MAX_NUM_SEQS and all(l.num_running == MAX_NUM_SEQS for l in loads)
-                and sum(l.num_waiting for l in loads) == 2):
+                and sum(l.num_waiting for l in loads) == 0 and queued == 2):
             break
-        assert time.monotonic() < deadline, (streaming, loads)
+        assert time.monotonic() < deadline, (streaming, loads, queued)
         time.sleep(0.02)
-    victim = next(w for w, l in zip(workers, loads) if l.num_waiting >= 1)  # it has queued requests
+    victim = workers[0]
     victim.signal(signal.SIGKILL)
     for t in threads:
         t.join(timeout=240)
@@ -115,7 +116,7 @@ def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers):
     for code, tokens, details in failed:
         assert code == grpc.StatusCode.UNAVAILABLE
         assert tokens > 0 and "lost mid-stream" in details and victim.address in details
-    # everything else, including the request queued on the victim, completed on the survivor
+    # everything else, including the requests queued in the router, completed on the survivor
     assert len(done) == num_requests - MAX_NUM_SEQS
     assert all(tokens == completion == 40 for _, tokens, completion in done)
     # the router keeps serving with the survivor alone

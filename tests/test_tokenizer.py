@@ -150,3 +150,16 @@ def test_import_does_not_load_torch() -> None:
     )
     root = pathlib.Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_max_chars_per_token_bounds_the_token_count_from_below(tokenizer: Tokenizer) -> None:
+    """The router refuses texts longer than context x max_chars_per_token without tokenizing
+    them; that is only sound if no text has fewer than len(text) / max_chars_per_token tokens."""
+    per_token = tokenizer.max_chars_per_token
+    assert per_token is not None and per_token > 1
+    vocab = tokenizer._backend.get_vocab(with_added_tokens=True)
+    longest = sorted(vocab, key=len, reverse=True)[:20]          # the worst case: the longest entries
+    texts = [tokenizer.decode([vocab[t]]) * 50 for t in longest]
+    texts += ["x" * 5000, " " * 5000, "\n" * 5000, "é" * 3000, "日本語" * 1000, "<|im_start|>" * 300]
+    for text in texts:
+        assert len(tokenizer.encode(text)) >= len(text) / per_token, text[:40]
