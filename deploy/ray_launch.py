@@ -60,6 +60,8 @@ class LaunchConfig:
     max_restarts: int = -1                 # -1: restart a dead worker process without limit
     detached: bool = False                 # outlive the launching driver (cluster mode)
     ready_timeout_s: float = 600.0         # placement + model load
+    tls: tuple[str, str, str] | None = None  # (cert, key, client CA) PEM paths valid on every node:
+                                             # workers serve mutual TLS (routers: --worker-tls-*)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -95,7 +97,7 @@ class WorkerActor:
     """One worker: the gRPC server on its own thread and event loop (Ray owns the main thread)."""
 
     def __init__(self, engine: EngineConfig, host: str = "127.0.0.1", drain_grace_s: float = 10.0,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, tls: tuple[str, str, str] | None = None):
         from worker.server import WorkerServerConfig
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
@@ -103,8 +105,10 @@ class WorkerActor:
             import ray
 
             host = ray.util.get_node_ip_address()
+        cert, key, client_ca = tls or (None, None, None)
         self._config = WorkerServerConfig(engine=resolve_device(engine), host=host, port=0,
-                                          drain_grace_s=drain_grace_s)
+                                          drain_grace_s=drain_grace_s, tls_cert=cert, tls_key=key,
+                                          tls_client_ca=client_ca)
         self._port: int | None = None
         self._error: BaseException | None = None
         self._stopping = False
@@ -211,7 +215,7 @@ def launch_workers(config: LaunchConfig) -> Workers:
                 num_cpus=config.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=index),
-            ).remote(config.engine, config.host, config.drain_grace_s, config.ready_timeout_s)
+            ).remote(config.engine, config.host, config.drain_grace_s, config.ready_timeout_s, config.tls)
         log.info("launched %d worker(s) (%s each, %s)", len(missing), bundle, config.placement_strategy)
     addresses = ray.get([h.address.remote() for h in handles.values()], timeout=config.ready_timeout_s)
     return Workers(handles, dict(zip(names, addresses)))
@@ -248,7 +252,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Launc
     p.add_argument("--stop", action="store_true", help="stop the workers of --namespace instead")
     p.add_argument("--host", default=NODE_IP, help=f"bind address; {NODE_IP} = the actor's node IP")
     p.add_argument("--allow-insecure-public", action="store_true",
-                   help="bind a non-loopback address (the worker API has no authentication)")
+                   help="bind a non-loopback address without mutual TLS (a private network only)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate of the workers (path on every node)")
+    p.add_argument("--tls-key", default=None, help="its PEM private key (path on every node)")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA that signs the routers' client certificates (mutual TLS)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
                    help="one GPU per worker: auto = when the cluster has GPUs")
@@ -263,9 +271,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Launc
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     a = p.parse_args(argv)
     public = a.host == NODE_IP or not is_loopback_host(a.host)
-    if public and not a.allow_insecure_public:
-        p.error("workers on node IPs are reachable from the network and unauthenticated: "
-                "pass --allow-insecure-public on a private network (or --host 127.0.0.1)")
+    tls = (a.tls_cert, a.tls_key, a.tls_client_ca)
+    if any(tls) and not all(tls):
+        p.error("mutual TLS needs all of --tls-cert, --tls-key and --tls-client-ca")
+    if public and not all(tls) and not a.allow_insecure_public:
+        p.error("workers on node IPs are reachable from the network: give them mutual TLS "
+                "(--tls-cert, --tls-key, --tls-client-ca) or pass --allow-insecure-public on a private "
+                "network (or --host 127.0.0.1)")
     overrides = {k: v for k, v in {
         "kv_cache_bytes": None if a.kv_cache_mb is None else int(a.kv_cache_mb * 2**20),
         "max_num_seqs": a.max_num_seqs, "num_threads": a.num_threads}.items() if v is not None}
@@ -273,7 +285,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Launc
     config = LaunchConfig(
         num_workers=a.num_workers, engine=engine, host=a.host, namespace=a.namespace,
         use_gpus={"auto": None, "yes": True, "no": False}[a.gpus], cpus_per_worker=a.cpus_per_worker,
-        placement_strategy=a.placement_strategy, max_restarts=a.max_restarts, detached=True)
+        placement_strategy=a.placement_strategy, max_restarts=a.max_restarts, detached=True,
+        tls=tls if all(tls) else None)
     return a, config
 
 

@@ -123,6 +123,8 @@ class Tenants:
             raise ValueError("tenant names must be unique")
         if require_key:
             for t in self._tenants:
+                if not isinstance(t.key_sha256, str):   # YAML reads an unquoted all-digit digest as a number
+                    raise ValueError(f"tenant {t.name}: key_sha256 must be a string (quote it in YAML)")
                 if len(t.key_sha256) != 64 or any(c not in "0123456789abcdef" for c in t.key_sha256):
                     raise ValueError(f"tenant {t.name}: key_sha256 must be 64 lowercase hex digits")
 

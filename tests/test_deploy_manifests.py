@@ -154,3 +154,14 @@ def test_ray_up_config(ray_up):
     gcs_port = re.search(r"ray start --head --port=(\d+)", head_cmd).group(1)
     assert f"--address=$RAY_HEAD_IP:{gcs_port}" in worker_cmd
     assert "--num-cpus=0" in head_cmd and "--ray-client-server-port=" in head_cmd
+
+
+def test_ray_launch_on_node_ips_needs_mutual_tls_or_the_explicit_flag(tmp_path):
+    with pytest.raises(SystemExit):
+        ray_launch.parse_args(["--num-workers", "1"])                       # node IPs, no TLS
+    with pytest.raises(SystemExit):
+        ray_launch.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem"])  # no client CA
+    _, config = ray_launch.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"])
+    assert config.tls == ("c.pem", "k.pem", "ca.pem")
+    _, plain = ray_launch.parse_args(["--allow-insecure-public"])
+    assert plain.tls is None

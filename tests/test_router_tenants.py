@@ -71,6 +71,7 @@ def test_default_tenant_only_on_loopback():
     "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    weight: 0\n",
     "tenants:\n  - {name: a, key_sha256: " + "a" * 64 + "}\n  - {name: a, key_sha256: " + "b" * 64 + "}\n",
     "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    rate_tokens_per_s: 5\n",  # renamed: per_min
+    "tenants:\n  - name: a\n    key_sha256: " + "1" * 64 + "\n",  # unquoted digits: YAML reads a number
 ])
 def test_malformed_files_are_rejected(text):
     with pytest.raises(ValueError):
