@@ -26,6 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 METADATA_KEYS = ("traceparent", "tracestate")
+MAX_HEADER_CHARS = 512
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -121,8 +122,10 @@ def setup_tracing(config: TelemetryConfig, service_name: str, instance: str = ""
 
 
 def extract(metadata: Iterable[tuple[str, str]] | None) -> Context:
-    """The remote parent from incoming gRPC metadata (an empty Context when there is none)."""
-    carrier = {k: v for k, v in metadata or () if k in METADATA_KEYS}
+    """The remote parent from incoming gRPC metadata (an empty Context when there is none).
+    Values over 512 characters (the W3C limit) are dropped quietly: OpenTelemetry would log a
+    warning for each, which a client could use to flood the logs."""
+    carrier = {k: v for k, v in metadata or () if k in METADATA_KEYS and len(v) <= MAX_HEADER_CHARS}
     return _PROPAGATOR.extract(carrier) if carrier else Context()
 
 

@@ -245,3 +245,13 @@ def test_dashboard_reads_only_exported_metrics():
     dashboard = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "llm-serve.json"
     used = set(re.findall(r"\bllm_[a-z0-9_]+", dashboard.read_text()))
     assert used and used <= exported, used - exported
+
+
+def test_oversized_trace_headers_are_dropped_without_a_log_line(caplog):
+    valid = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace.get_current_span(telemetry.extract([("traceparent", valid)])).get_span_context().is_valid
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            ctx = telemetry.extract([("traceparent", valid + "x" * 600), ("tracestate", "k=v," * 300)])
+    assert not trace.get_current_span(ctx).get_span_context().is_valid
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
