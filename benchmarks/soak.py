@@ -14,7 +14,9 @@ Contract
   whether the router's bookkeeping and the workers' KV pools return to idle afterwards.
 - cancel-storm: `--streams` calls, at most `--max-open` at a time, each cancelled at a random
   point: at once (often before admission), after a random delay before any token (queued or
-  prefilling), or after k tokens (decoding); some finish first. Afterwards every worker must report
+  prefilling), or after k tokens (decoding); some finish first. The router's queue length and
+  open worker streams are sampled every 0.25 s (peaks reported: the storm did catch requests
+  queued in the router and streaming from workers). Afterwards every worker must report
   nothing running or waiting and every KV block free, and every router gauge of open work
   (`llm_router_*`, `llm_num_requests_*`) must be 0; reported: the time that took.
 - output: a table on stdout and JSON in `--out` (default docs/reliability/<scenario>.json).
@@ -336,9 +338,20 @@ async def run_storm(stack: Stack, a: StormArgs) -> dict:
                 return await storm_call(stub, req, r.choice(("at_once", "after_delay", "after_tokens")), r,
                                         a.deadline_s)
 
+        peak = {"llm_router_queue_length": 0.0, "llm_router_worker_streams": 0.0, "llm_router_open_calls": 0.0}
+
+        async def sample() -> None:   # shows the storm caught requests queued and streaming
+            while True:
+                gauges = await asyncio.to_thread(stack.router_gauges)
+                for k in peak:
+                    peak[k] = max(peak[k], gauges[k])
+                await asyncio.sleep(0.25)
+
         start = time.monotonic()
+        sampler = asyncio.create_task(sample())
         tasks = [asyncio.create_task(gated(i)) for i in range(a.streams)]
         finished, unfinished = await asyncio.wait(tasks, timeout=a.deadline_s + 30)
+        sampler.cancel()
         for t in unfinished:
             t.cancel()
         storm_s = time.monotonic() - start
@@ -347,7 +360,8 @@ async def run_storm(stack: Stack, a: StormArgs) -> dict:
     phases: dict[str, int] = {}
     for t in finished:
         phases[t.result().phase] = phases.get(t.result().phase, 0) + 1
-    result = {"streams": a.streams, "storm_s": round(storm_s, 1), "phases": phases, "hung": len(unfinished),
+    result = {"streams": a.streams, "storm_s": round(storm_s, 1), "phases": phases,
+              "peak_router": {k.removeprefix("llm_router_"): int(v) for k, v in peak.items()}, "hung": len(unfinished),
               **idle, "served_afterwards": after.status}
     result["targets"] = {"none_hung": not unfinished, "idle_afterwards": idle["idle"],
                          "serves_afterwards": after.status == "OK"}

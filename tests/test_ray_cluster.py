@@ -126,29 +126,33 @@ class Streams:
         assert not any(t.is_alive() for t in self._threads), "a request hung"
 
 
-def wait_all_busy(addrs: list[str], streams: Streams, num_streaming: int, timeout_s: float = 60.0):
-    """Until `num_streaming` requests stream and every worker runs one and queues one."""
+def wait_all_busy(addrs: list[str], streams: Streams, num_streaming: int, router: procs.Proc,
+                  num_queued: int, timeout_s: float = 60.0):
+    """Until `num_streaming` requests stream, every worker runs one (its only slot) and the
+    router's queue holds `num_queued` (the router fills only free sequence slots)."""
     deadline = time.monotonic() + timeout_s
     while True:
         loads = [procs.worker_load(a) for a in addrs]
         streaming = sum(e.is_set() for e in streams.first_token)
-        if streaming == num_streaming and all(l.num_running == 1 and l.num_waiting == 1 for l in loads):
+        queued = procs.scrape(router)[("llm_router_queue_length", ())]
+        if (streaming == num_streaming and queued == num_queued
+                and all(l.num_running == 1 and l.num_waiting == 0 for l in loads)):
             return
-        assert time.monotonic() < deadline, (streaming, loads, streams.outcomes)
+        assert time.monotonic() < deadline, (streaming, queued, loads, streams.outcomes)
         time.sleep(0.02)
 
 
-def test_four_workers_placed_two_per_node_discovered_and_all_serve(sim, workers, stub):
+def test_four_workers_placed_two_per_node_discovered_and_all_serve(sim, workers, stub, router):
     nodes = collections.Counter(ray.get([h.node_id.remote() for h in workers.handles.values()]))
     assert sorted(nodes.values()) == [2, 2], nodes
     head = ray.get_runtime_context().get_node_id()   # this driver is attached to the head
     assert head not in nodes
     assert ray.available_resources().get("GPU", 0) == 0    # each worker holds one (fake) GPU
 
-    # 2 requests per worker: the balancer gives each idle worker one, then one more each (queued).
+    # 2 requests per worker: the balancer gives each idle worker one; the rest wait in the router.
     addrs = list(addresses(workers).values())
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(addrs, streams, num_streaming=NUM_WORKERS)   # every worker serves a request
+    wait_all_busy(addrs, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)   # every worker serves one
     streams.join(120)
     assert streams.outcomes == [("ok", 200, 200)] * (2 * NUM_WORKERS)
 
@@ -159,14 +163,14 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
     victim = workers.handles[victim_name]
     old_pid = ray.get(victim.pid.remote())
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(list(before.values()), streams, num_streaming=NUM_WORKERS)
+    wait_all_busy(list(before.values()), streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)
 
     os.kill(old_pid, signal.SIGKILL)
     killed_s = time.monotonic()
     streams.join(120)
     failed = [o for o in streams.outcomes if o[0] != "ok"]
-    # the request streaming on the victim: UNAVAILABLE naming it; the one queued there (no token
-    # sent yet) was retried on another worker and completed like all the others
+    # the request streaming on the victim: UNAVAILABLE naming it; the ones queued in the router
+    # went to the surviving workers and completed like all the others
     assert len(failed) == 1, streams.outcomes
     code, tokens, details = failed[0]
     assert code == grpc.StatusCode.UNAVAILABLE
@@ -192,7 +196,7 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
 
     # and it takes requests again
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(list(addresses(workers).values()), streams, num_streaming=NUM_WORKERS)
+    wait_all_busy(list(addresses(workers).values()), streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)
     streams.join(120)
     assert streams.outcomes == [("ok", 200, 200)] * (2 * NUM_WORKERS)
 

@@ -45,6 +45,7 @@ def check_storm(result: dict) -> None:
     assert result["hung"] == 0
     assert result["idle"], result["not_idle"]      # every KV block free, every router gauge 0
     assert result["served_afterwards"] == "OK"
+    assert result["peak_router"]["queue_length"] > 0 and result["peak_router"]["worker_streams"] > 0
     phases = result["phases"]
     for phase in ("cancelled before any response", "cancelled before any token", "cancelled mid-stream"):
         assert phases.get(phase, 0) > 0, phases
