@@ -6,7 +6,9 @@ Contract
 - output: a `CollectorRegistry` with the per-request families of `common.request_metrics` (fed by
   `router.observe`, on the router's clock), gauges `llm_num_requests_running` (streaming from a
   worker) and `llm_num_requests_waiting` (admitted, in the fair queue), counters
-  `llm_admission_rejections_total{tenant,reason}` and `llm_admitted_requests_total{tenant}`;
+  `llm_admission_rejections_total{tenant,reason}` and `llm_admitted_requests_total{tenant}` (with
+  --no-queue, a request admitted and then refused for lack of KV room on every worker counts in
+  both, as admitted and as `no_capacity`);
   `targets()` -> Prometheus HTTP service discovery JSON listing every known worker's metrics address.
   `export_state` adds gauges read at scrape time from the router's own bookkeeping, which must
   all be back to zero when no call is open (the cancellation-storm test checks this):
