@@ -47,7 +47,7 @@ def wait_workers(target: str, num_workers: int, timeout_s: float = 120.0) -> Non
                 if models and models[0].num_workers == num_workers:
                     return
             except grpc.RpcError:
-                pass
+                pass   # not serving yet: poll again until the deadline
             time.sleep(0.2)
     raise TimeoutError(f"router did not see {num_workers} workers")
 

@@ -30,7 +30,7 @@ MAX_ERROR_BODY_BYTES = 4096
 
 
 class ProtocolError(Exception):
-    pass
+    """The server's HTTP/SSE stream broke the protocol (bad status line, chunk size, event)."""
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -51,8 +51,8 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> As
         while True:
             size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:
-                while (await reader.readline()).strip():  # trailers
-                    pass
+                while (await reader.readline()).strip():
+                    pass   # skip trailer lines up to the blank one
                 return
             data = await reader.readexactly(size)
             await reader.readexactly(2)

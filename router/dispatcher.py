@@ -123,7 +123,7 @@ class Dispatcher:
                 try:
                     await asyncio.wait_for(self.queue.wait_for_change(), self._recheck_s)
                 except TimeoutError:
-                    pass
+                    pass   # the periodic recheck: capacity may have appeared without a queue event
             else:
                 await self.queue.wait_for_change()
 

@@ -40,6 +40,29 @@ def metrics_url(proc: "Proc") -> str:
     return found.group(1)
 
 
+def metrics_address(proc: "Proc") -> str:
+    """host:port of the /metrics endpoint a process announced."""
+    return metrics_url(proc).removeprefix("http://").removesuffix("/metrics")
+
+
+def worker_metrics_address(address: str) -> str:
+    """host:port of a worker's /metrics, as it reports it in WorkerInfo."""
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5).metrics_address
+
+
+def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_pb2.LoadReport, float]:
+    """Polls until the worker reports nothing running or waiting and every KV block free; returns
+    that load report and the seconds it took."""
+    start = time.monotonic()
+    while True:
+        load = worker_load(address)
+        if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks:
+            return load, time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"worker {address} still holds work: {load}"
+        time.sleep(0.05)
+
+
 def scrape(proc: "Proc") -> dict[tuple[str, tuple], float]:
     """Every sample of the process's /metrics as {(name, sorted labels): value}."""
     import urllib.request
@@ -153,12 +176,18 @@ def worker_load(address: str) -> worker_pb2.LoadReport:
 
 
 @contextlib.contextmanager
-def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str, credentials=None):
-    """A router that is serving and sees every worker in `workers`; stopped on exit."""
+def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str, credentials=None,
+                   tenants: str | None = None, metadata=()):
+    """A router that is serving and sees every worker in `workers`; stopped on exit. `tenants`:
+    a tenants YAML text (written to a file in `log_dir`); `metadata`: the API key to ask with."""
+    if tenants is not None:
+        path = pathlib.Path(tempfile.mkstemp(prefix="tenants-", suffix=".yaml", dir=log_dir)[1])
+        path.write_text(tenants)
+        extra = ("--tenants", str(path), *extra)
     proc = start_router(log_dir, workers, *extra)
     try:
         ready(proc, credentials=credentials)
-        wait_for_workers(proc.address, len(workers), credentials=credentials)
+        wait_for_workers(proc.address, len(workers), metadata=metadata, credentials=credentials)
         yield proc
     finally:
         proc.stop()

@@ -33,7 +33,7 @@ def setup(config: AdmissionConfig = AdmissionConfig(), measured: bool = False):
             queue.push(QueuedRequest("warmup", 1.0, 100, 0))
         clock.now_s += 1.0
         while queue.pop_next(lambda _: True):
-            pass
+            pass   # drain the warm-up requests
         assert queue.dispatch_rate() == pytest.approx(1000.0)
     return clock, queue, ctl
 

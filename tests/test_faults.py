@@ -76,17 +76,6 @@ def call(address: str, req: pb.GenerateRequest, **kwargs) -> Stream:
     return stream.result()
 
 
-def wait_all_blocks_free(address: str, timeout_s: float = 15.0) -> float:
-    """Seconds until the worker reports nothing running or waiting and every KV block free."""
-    start = time.monotonic()
-    while True:
-        load = procs.worker_load(address)
-        if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks:
-            return time.monotonic() - start
-        assert time.monotonic() - start < timeout_s, f"worker {address} still holds work: {load}"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     return tmp_path_factory.mktemp("faults")
@@ -140,7 +129,7 @@ def test_hung_worker_streams_end_unavailable_and_traffic_moves_to_the_other(work
         resumed_at = time.monotonic()
         procs.wait_for_workers(router.address, 2)
         back_s = time.monotonic() - resumed_at
-        freed_s = wait_all_blocks_free(a.address)
+        _, freed_s = procs.wait_all_blocks_free(a.address, timeout_s=15.0)
         print(f"\nhung worker: {len(lost)} stream(s) on it ended UNAVAILABLE {detect_s:.2f} s after it hung "
               f"({lost[0].details!r}); 3 new requests served by the other worker in {served_s:.2f} s; "
               f"back in rotation {back_s:.2f} s after resuming; its KV blocks all free after "
@@ -184,7 +173,7 @@ def test_router_restart_while_workers_keep_running(workers, logs):
         client_s = stream.ended_at - killed_at
     finally:
         first.stop()
-    freed_s = max(wait_all_blocks_free(a) for a in addresses)   # the workers saw the connection go
+    freed_s = max(procs.wait_all_blocks_free(a, timeout_s=15.0)[1] for a in addresses)   # the workers saw the connection go
     second = procs.start_router(logs, addresses, *ROUTER_ARGS, "--port", str(port))
     try:
         started_at = time.monotonic()

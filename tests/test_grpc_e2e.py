@@ -48,15 +48,10 @@ def worker(worker_started):
 
 @pytest.fixture(scope="module")
 def router(worker, logs):
-    tenants = logs / "tenants.yaml"
-    tenants.write_text(f"tenants:\n  - name: tests\n    key_sha256: {hash_key(API_KEY)}\n")
-    proc = procs.start_router(logs, [worker.address], "--tenants", str(tenants), "--max-tokens-limit", "512")
-    try:
-        procs.ready(proc)
-        procs.wait_for_workers(proc.address, 1, metadata=AUTH)
+    tenants = f"tenants:\n  - name: tests\n    key_sha256: {hash_key(API_KEY)}\n"
+    with procs.running_router(logs, [worker.address], "--max-tokens-limit", "512", tenants=tenants,
+                              metadata=AUTH) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ class FakeCompletions(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
-        pass
+        pass   # keep test output free of request lines
 
     def _send_json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()

@@ -8,7 +8,6 @@ reason, and the JSON request log line carrying the trace id.
 """
 import contextlib
 import json
-import re
 import time
 import urllib.request
 
@@ -18,12 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
-from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
 
 SERVER, CLIENT = 2, 3            # opentelemetry.proto.trace.v1.Span.SpanKind
 TOKEN_BUDGET = 600               # --max-tokens-in-flight: a request asking for more is refused
-METRICS_AT = re.compile(r"metrics at http://(\S+?)/metrics")
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +67,14 @@ def stub(router):
 
 @pytest.fixture(scope="module")
 def router_metrics(router):
-    return METRICS_AT.search(router.log_tail(100_000)).group(1)
+    return procs.metrics_address(router)
 
 
 @pytest.fixture(scope="module")
 def worker_metrics(worker):
-    with grpc.insecure_channel(worker.address) as channel:
-        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
-    assert info.metrics_address
-    return info.metrics_address
+    address = procs.worker_metrics_address(worker.address)
+    assert address
+    return address
 
 
 def generate(stub, prompt_ids, max_tokens, request_id, metadata=()):

@@ -15,7 +15,7 @@ from tests.procs import REPO
 
 
 class RayError(Exception):
-    pass
+    """Stands in for ray.exceptions.RayError in the fake Ray module."""
 
 
 class Ref:

@@ -13,7 +13,8 @@ import asyncio
 
 import pytest
 
-from benchmarks.soak import WORKER_ARGS, OverloadArgs, Stack, StormArgs, run_overload, run_storm
+from benchmarks.soak import WORKER_ARGS, OverloadArgs, StormArgs, run_overload, run_storm
+from benchmarks.soak_stack import Stack
 
 
 @pytest.fixture
