@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all soak serve bench bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
+.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
 
 install: $(STAMP)
 
@@ -30,13 +30,16 @@ test-all: install protos
 	$(PY) -m pytest -q --runslow $(PYTEST_ARGS)
 
 bench: install protos
-	$(PY) -m benchmarks.engine_vs_hf
+	$(PY) -m benchmarks.engine_vs_hf $(ARGS)
 
 # Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
 # the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything.
 WORKERS ?=
 serve: install protos
 	$(PY) -m deploy.local $(if $(WORKERS),--workers $(WORKERS))
+
+bench-attention: install
+	$(PY) -m benchmarks.cpu_attention $(ARGS)
 
 bench-grpc: install protos
 	$(PY) -m benchmarks.grpc_overhead

@@ -156,7 +156,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both sides; bf16 was slower than fp32 below batch 64 on this CPU (measured)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads, both sides")
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads, both sides (default 1: the sides run one after the other, "
+                        "and one thread keeps the comparison steady on a shared machine; 0 = torch's default)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-mib", type=int, default=2048)

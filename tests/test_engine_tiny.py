@@ -52,14 +52,16 @@ def test_safetensors_model_matches_transformers(tmp_path, kind):
     assert err <= 1e-4, err
 
 
-def test_triton_backend_matches_torch_backend(tmp_path):
+def test_backends_give_the_same_tokens(tmp_path):
+    """Triton (interpreted) and the CPU torch path against the float32 reference, whole engine."""
     path, _ = save_tiny(tmp_path, "llama3")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 7)]
     outputs = {}
-    for backend in ("torch", "triton"):
+    for backend in ("reference", "torch", "triton"):
         engine = LLMEngine(EngineConfig(model=str(path), kv_cache_bytes=2**20, attention_backend=backend,
                                         max_num_batched_tokens=16))
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(PROMPTS, params)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert outputs["triton"] == outputs["torch"]
+    assert outputs["triton"] == outputs["reference"]
+    assert outputs["torch"] == outputs["reference"]

@@ -7,8 +7,10 @@ Contract: `AttentionMetadata` is built once per step by the model runner and sha
 - `query_start_loc [num_seqs + 1] int32`: offsets of each sequence's new tokens in the flat batch.
 - `max_query_len`, `max_seq_len`: host-side ints, so kernels need no device sync.
 A backend offers `store_kv` and `paged_attention` with the signatures of worker/kernels/reference.py.
-"torch" is the plain-torch reference (CPU and anywhere); "triton" runs the Triton kernels (CUDA, or
-CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py and the engine-vs-HF tests.
+"torch" is plain torch (worker/kernels/torch_attention.py: the CPU default, runs anywhere);
+"reference" is the slow float32 oracle of worker/kernels/reference.py; "triton" runs the Triton
+kernels (CUDA, or CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py,
+tests/test_torch_attention.py and the engine-vs-HF tests.
 """
 from __future__ import annotations
 
@@ -55,13 +57,16 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
+        from worker.kernels import reference, torch_attention
+        return AttentionBackend("torch", reference.store_kv, torch_attention.paged_attention, False,
+                                torch_attention.plan_attention)
+    if name == "reference":
         from worker.kernels import reference
-        return AttentionBackend("torch", reference.store_kv, reference.paged_attention, False,
-                                reference.plan_attention)
+        return AttentionBackend("reference", reference.store_kv, reference.paged_attention, False)
     if name == "triton":
         from worker.kernels import triton_attention, triton_store_kv
         return AttentionBackend("triton", triton_store_kv.store_kv,
                                 triton_attention.paged_attention, True)
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch, reference or triton)")
 
 

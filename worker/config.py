@@ -56,7 +56,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512     # token budget per step (chunked prefill)
     max_model_len: int | None = None      # None = model's context
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"       # auto | torch | triton
+    attention_backend: str = "auto"       # auto | torch | reference | triton
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads; None = torch default
     enforce_eager: bool = False           # CUDA: never replay decode steps from CUDA graphs
@@ -69,8 +69,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto|torch|triton, "
+        if self.attention_backend not in ("auto", "torch", "reference", "triton"):
+            raise ValueError(f"attention_backend must be auto|torch|reference|triton, "
                              f"got {self.attention_backend!r}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be > 0")

@@ -14,12 +14,12 @@ Contract (shared with worker/kernels/triton_*.py):
   head h // (num_heads // num_kv_heads). Returns `[num_tokens, num_heads, head_dim]`, q's dtype;
   softmax is computed in float32.
 - Fails how: shape or dtype mismatch raises ValueError before any work.
-- Proven by: tests/test_kernels.py (Triton vs this) and tests/test_engine_hf.py (engine logits vs
-  transformers).
+- This is the slow, obviously-right oracle (one sequence at a time, float32). The CPU backend runs
+  the faster plain-torch path of worker/kernels/torch_attention.py, tested against this.
+- Proven by: tests/test_kernels.py (Triton vs this), tests/test_torch_attention.py (CPU fast path
+  vs this) and tests/test_engine_hf.py (engine logits vs transformers).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,64 +59,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-@dataclass
-class GroupPlan:
-    """Index tensors for one padded group of sequences; shared by every layer of a step."""
-    slots: torch.Tensor       # (S, L) int64: cache slot of each context position
-    rows: torch.Tensor        # (S, Q) int64: q row of each padded query (padding -> a valid row)
-    valid: torch.Tensor       # (S, Q) bool: real queries
-    mask: torch.Tensor        # (S, 1, Q, L) bool: which keys each query sees
-
-
-def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int) -> list[GroupPlan]:
-    """Split the batch into decodes (one new token) and prefill chunks and pad each group apart:
-    padding a decode to a 512-token chunk would cost 512x its work."""
-    starts = query_start_loc.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    device = block_tables.device
-    plans = []
-    for idx in ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1]):
-        if not idx:
-            continue
-        sel = torch.tensor(idx, device=device)
-        lens_ctx = seq_lens[sel].long()
-        max_len = int(lens_ctx.max())
-        k_idx = torch.arange(max_len, device=device)
-        tables = block_tables[sel].long()
-        slots = tables[:, k_idx // block_size] * block_size + k_idx % block_size        # (S, L)
-        q_start = torch.tensor([starts[i] for i in idx], device=device)
-        q_len = torch.tensor([q_lens[i] for i in idx], device=device)
-        j = torch.arange(max(q_lens[i] for i in idx), device=device)
-        valid = j[None, :] < q_len[:, None]                                             # (S, Q)
-        rows = torch.where(valid, q_start[:, None] + j[None, :], q_start[:, None])
-        # Query j of a sequence sits at position seq_len - q_len + j and sees keys up to it.
-        pos = (lens_ctx - q_len)[:, None] + j[None, :]                                  # (S, Q)
-        mask = k_idx[None, None, :] <= pos[:, :, None]                                  # (S, Q, L)
-        mask |= ~valid[:, :, None] & (k_idx == 0)                     # padding rows: no NaN
-        plans.append(GroupPlan(slots, rows, valid, mask[:, None]))
-    return plans
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float,
-                    plan: list[GroupPlan] | None = None) -> torch.Tensor:
-    """`plan` (from plan_attention) may be passed to reuse the index work across layers."""
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """The oracle: gather each sequence's blocks into contiguous K/V, attend in float32."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    # float32 stays float32; bf16/fp16 go to SDPA as they are (its CPU kernel accumulates in fp32).
-    for g in plan:
-        keys = flat_k[g.slots].transpose(1, 2)                                          # (S, Hkv, L, D)
-        values = flat_v[g.slots].transpose(1, 2)
-        queries = q[g.rows].transpose(1, 2)                                             # (S, H, Q, D)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=True)                             # (S, H, Q, D)
-        out[g.rows[g.valid]] = o.transpose(1, 2)[g.valid]
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]                                     # (L, Hkv, D)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        out[starts[i]:starts[i + 1]] = contiguous_attention(q[starts[i]:starts[i + 1]], k, v, scale)
     return out
 
 

@@ -93,7 +93,8 @@ def load_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 data = _unpermute(data, cfg.num_kv_heads)
         else:
             continue
-        weights[name] = torch.from_numpy(np.ascontiguousarray(data))
+        # Writable: torch warns on read-only arrays (unquantized tensors are views of the mmap).
+        weights[name] = torch.from_numpy(np.require(data, requirements=["C", "W"]))
     return weights
 
 
