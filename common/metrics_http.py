@@ -2,17 +2,22 @@
 `/targets` for Prometheus HTTP service discovery).
 
 Contract
-- input: host, port (0 = ephemeral), a `CollectorRegistry`, optional `{path: () -> JSON value}`.
-- output: `MetricsServer` serving on its own daemon threads; `.address` is the bound `host:port`.
-  Every path other than the JSON routes serves the registry in the Prometheus text format.
+- input: host, port (0 = ephemeral), a `CollectorRegistry`, optional `{path: () -> JSON value}`,
+  optional `ssl.SSLContext` (HTTPS; with a client CA in it, scrapers need a certificate).
+- output: `MetricsServer` serving on its own daemon threads; `.address` is the bound `host:port`,
+  `.url` the `/metrics` URL. Every path other than the JSON routes serves the registry in the
+  Prometheus text format.
 - state: the listening socket and its thread; `close()` stops them.
 - failure modes: OSError when the port cannot be bound (the caller decides whether to fall back).
+  A client that fails the TLS handshake (plain HTTP, untrusted or missing certificate) is dropped
+  and logged at debug level; serving goes on.
 """
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
@@ -28,6 +33,10 @@ log = logging.getLogger(__name__)
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def handle_error(self, request, client_address):
+        """Handshake failures surface here, in the handler thread; one debug line, no traceback."""
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds would flood the log
@@ -36,7 +45,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 class MetricsServer:
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 json_routes: dict[str, Callable[[], object]] | None = None):
+                 json_routes: dict[str, Callable[[], object]] | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
         metrics_app = make_wsgi_app(registry)
         routes = dict(json_routes or {})
 
@@ -52,6 +62,12 @@ class MetricsServer:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
         self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        self.scheme = "http"
+        if ssl_context is not None:
+            # The handshake runs on the first read, in the request's thread, not in accept().
+            self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True,
+                                                          do_handshake_on_connect=False)
+            self.scheme = "https"
         self.host = host
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
@@ -61,13 +77,18 @@ class MetricsServer:
     def address(self) -> str:
         return bind_address(self.host, self.port)
 
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address}/metrics"
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
 
 
 def start_metrics_server(host: str, port: int | None, default_port: int, registry: CollectorRegistry,
-                         json_routes: dict[str, Callable[[], object]] | None = None) -> MetricsServer | None:
+                         json_routes: dict[str, Callable[[], object]] | None = None,
+                         ssl_context: ssl.SSLContext | None = None) -> MetricsServer | None:
     """`port` None = `default_port`, falling back to an ephemeral port when that one is taken
     (several routers on one machine); an explicit port that cannot be bound is an error; -1 = off."""
     if port == -1:
@@ -75,7 +96,7 @@ def start_metrics_server(host: str, port: int | None, default_port: int, registr
     disable_created_metrics()  # process-wide: `_created` series double the output and no panel reads them
     if port is None and default_port:
         try:
-            return MetricsServer(host, default_port, registry, json_routes)
+            return MetricsServer(host, default_port, registry, json_routes, ssl_context)
         except OSError as exc:
             log.warning("metrics port %d unavailable (%s): using an ephemeral port", default_port, exc)
-    return MetricsServer(host, port or 0, registry, json_routes)
+    return MetricsServer(host, port or 0, registry, json_routes, ssl_context)

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from common.tls import METRICS_FLAGS, check_server_files, server_ssl_context
 
 METADATA_KEYS = ("traceparent", "tracestate")
 MAX_HEADER_CHARS = 512
@@ -37,6 +40,9 @@ class TelemetryConfig:
     sample_ratio: float = 1.0            # of new traces; a sampled/unsampled parent is followed
     metrics_host: str | None = None      # None = the process's --host
     metrics_port: int | None = None      # None = the component default; 0 = ephemeral; -1 = no /metrics
+    metrics_tls_cert: str | None = None  # PEM files: /metrics over HTTPS (None = plain HTTP)
+    metrics_tls_key: str | None = None
+    metrics_tls_client_ca: str | None = None   # scrapers must present a certificate signed by it
     log_format: str = "text"             # text | json
 
     def __post_init__(self) -> None:
@@ -46,6 +52,13 @@ class TelemetryConfig:
             raise ValueError(f"metrics port must be in [-1, 65535], got {self.metrics_port}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log format must be text or json, got {self.log_format!r}")
+        check_server_files(self.metrics_tls_cert, self.metrics_tls_key, self.metrics_tls_client_ca,
+                           METRICS_FLAGS)
+
+    def metrics_ssl_context(self) -> ssl.SSLContext | None:
+        if self.metrics_tls_cert is None:
+            return None
+        return server_ssl_context(self.metrics_tls_cert, self.metrics_tls_key, self.metrics_tls_client_ca)
 
     @property
     def tracing(self) -> bool:
@@ -64,6 +77,10 @@ def add_args(p: argparse.ArgumentParser, default_metrics_port: int) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help=f"Prometheus /metrics port (default {default_metrics_port or 'ephemeral'}; "
                         "0 = ephemeral; -1 = off)")
+    g.add_argument("--metrics-tls-cert", default=None, help="PEM certificate chain: serve /metrics over HTTPS")
+    g.add_argument("--metrics-tls-key", default=None, help="PEM private key for --metrics-tls-cert")
+    g.add_argument("--metrics-tls-client-ca", default=None,
+                   help="PEM CA bundle: scrapers must present a client certificate it signed")
     g.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per log line (request lines carry the trace id)")
 
@@ -71,7 +88,9 @@ def add_args(p: argparse.ArgumentParser, default_metrics_port: int) -> None:
 def from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> TelemetryConfig:
     return TelemetryConfig(otlp_endpoint=a.otlp_endpoint or env_endpoint(environ), console=a.trace_console,
                            sample_ratio=a.trace_sample_ratio, metrics_host=a.metrics_host,
-                           metrics_port=a.metrics_port, log_format=a.log_format)
+                           metrics_port=a.metrics_port, metrics_tls_cert=a.metrics_tls_cert,
+                           metrics_tls_key=a.metrics_tls_key, metrics_tls_client_ca=a.metrics_tls_client_ca,
+                           log_format=a.log_format)
 
 
 def env_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -4,7 +4,9 @@ Contract
 - input: paths of PEM files (certificate chain, private key, CA bundle) and the command-line flags
   they came from (always in the order cert, key, CA), so that every error names flag and path.
 - output: `server_credentials(cert, key, client_ca)` -> `grpc.ServerCredentials` (with a client CA
-  the server requires client certificates signed by it: mutual TLS); `channel_credentials(ca,
+  the server requires client certificates signed by it: mutual TLS); `server_ssl_context(cert,
+  key, client_ca)` -> the same as an `ssl.SSLContext`, for the Prometheus /metrics endpoints
+  (TLS 1.2+); `channel_credentials(ca,
   cert, key)` -> `grpc.ChannelCredentials` (ca None = the system's trusted CAs; cert + key = the
   client certificate for mutual TLS). `check_files` / `check_server_files` are what config
   dataclasses call in `__post_init__`.
@@ -17,11 +19,13 @@ Contract
 from __future__ import annotations
 
 import pathlib
+import ssl
 
 import grpc
 
 SERVER_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
 CLIENT_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
+METRICS_FLAGS = ("--metrics-tls-cert", "--metrics-tls-key", "--metrics-tls-client-ca")
 
 
 def read_pem(path: str, flag: str) -> bytes:
@@ -64,6 +68,27 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None,
         [(read_pem(key, key_flag), read_pem(cert, cert_flag))],
         root_certificates=read_pem(client_ca, ca_flag) if client_ca else None,
         require_client_auth=client_ca is not None)
+
+
+def server_ssl_context(cert: str, key: str, client_ca: str | None = None,
+                       flags: tuple[str, str, str] = METRICS_FLAGS) -> ssl.SSLContext:
+    """An HTTPS server context; with a client CA, clients must present a certificate it signed."""
+    cert_flag, key_flag, ca_flag = flags
+    check_server_files(cert, key, client_ca, flags)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{cert_flag} {cert} / {key_flag} {key}: not a matching certificate and "
+                         f"private key ({exc.reason or exc})") from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except ssl.SSLError as exc:
+            raise ValueError(f"{ca_flag} {client_ca}: no usable CA certificate ({exc.reason or exc})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None,

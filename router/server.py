@@ -94,7 +94,8 @@ async def serve(config: RouterConfig) -> int:
     try:
         metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
                                               DEFAULT_METRICS_PORT, metrics.registry,
-                                              {"/targets": lambda: targets(registry)})
+                                              {"/targets": lambda: targets(registry)},
+                                              telemetry.metrics_ssl_context())
     except OSError as exc:
         raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
 
@@ -143,8 +144,8 @@ async def serve(config: RouterConfig) -> int:
     log.info("workers: %s%s", ", ".join(config.workers) or "none",
              f"; Ray actors in namespace {config.ray_namespace!r}" if config.ray_address else "")
     if metrics_server:
-        log.info("metrics at http://%s/metrics, worker targets at http://%s/targets",
-                 metrics_server.address, metrics_server.address)
+        log.info("metrics at %s, worker targets at %s/targets", metrics_server.url,
+                 metrics_server.url.removesuffix("/metrics"))
     if tracing.enabled:
         log.info("tracing to %s (sample ratio %g)", telemetry.otlp_endpoint or "console",
                  telemetry.sample_ratio)

@@ -33,8 +33,8 @@ START_TIMEOUT_S = 180.0
 
 
 def metrics_url(proc: "Proc") -> str:
-    """The /metrics URL a router or worker announced in its log ("metrics at http://...")."""
-    found = re.search(r"metrics at (http://\S+/metrics)", proc.log_path.read_text(errors="replace"))
+    """The /metrics URL a router or worker announced in its log ("metrics at http(s)://...")."""
+    found = re.search(r"metrics at (https?://\S+/metrics)", proc.log_path.read_text(errors="replace"))
     if not found:
         raise RuntimeError(f"{proc.name} announced no metrics endpoint:\n{proc.log_tail()}")
     return found.group(1)
@@ -42,7 +42,7 @@ def metrics_url(proc: "Proc") -> str:
 
 def metrics_address(proc: "Proc") -> str:
     """host:port of the /metrics endpoint a process announced."""
-    return metrics_url(proc).removeprefix("http://").removesuffix("/metrics")
+    return metrics_url(proc).split("://", 1)[1].removesuffix("/metrics")
 
 
 def worker_metrics_address(address: str) -> str:
@@ -63,13 +63,14 @@ def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_
         time.sleep(0.05)
 
 
-def scrape(proc: "Proc") -> dict[tuple[str, tuple], float]:
-    """Every sample of the process's /metrics as {(name, sorted labels): value}."""
+def scrape(proc: "Proc", context=None) -> dict[tuple[str, tuple], float]:
+    """Every sample of the process's /metrics as {(name, sorted labels): value}; `context`: an
+    `ssl.SSLContext` for an HTTPS endpoint."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(metrics_url(proc), timeout=5).read().decode()
+    text = urllib.request.urlopen(metrics_url(proc), timeout=5, context=context).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -6,8 +6,11 @@ import asyncio
 import datetime
 import ipaddress
 import pathlib
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from common.telemetry import TelemetryConfig
 from common.tls import channel_credentials
 from loadtest.grpc_client import GrpcClient, SendOptions
 from protos.llm.v1 import generation_pb2 as pb
@@ -40,6 +44,13 @@ class Pki:
     server_key: str
     client_cert: str         # for the router (to workers) and for clients (to a router)
     client_key: str
+
+    def https(self, with_cert: bool = True, ca: str | None = None) -> ssl.SSLContext:
+        """A client context for HTTPS scrapes of /metrics."""
+        context = ssl.create_default_context(cafile=ca or self.ca)
+        if with_cert:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
 
     def client(self, with_cert: bool = True, ca: str | None = None) -> grpc.ChannelCredentials:
         if not with_cert:
@@ -111,9 +122,11 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(pki, logs):
-    """A worker that accepts only clients with a certificate signed by the test CA."""
+    """A worker that accepts only clients (and /metrics scrapers) with a certificate signed by the
+    test CA."""
     proc = procs.start_worker(logs, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
-                              "--tls-client-ca", pki.ca)
+                              "--tls-client-ca", pki.ca, "--metrics-tls-cert", pki.server_cert,
+                              "--metrics-tls-key", pki.server_key, "--metrics-tls-client-ca", pki.ca)
     try:
         procs.ready(proc, credentials=pki.client())
         yield proc
@@ -128,8 +141,9 @@ def _router_tls_args(pki: Pki) -> list[str]:
 
 @pytest.fixture(scope="module")
 def router(pki, worker, logs):
-    """TLS on the client port (no client certificates), mutual TLS to the worker."""
-    with procs.running_router(logs, [worker.address], *_router_tls_args(pki),
+    """TLS on the client port and /metrics (no client certificates), mutual TLS to the worker."""
+    with procs.running_router(logs, [worker.address], *_router_tls_args(pki), "--metrics-tls-cert",
+                              pki.server_cert, "--metrics-tls-key", pki.server_key,
                               credentials=pki.client(with_cert=False)) as proc:
         yield proc
 
@@ -185,6 +199,25 @@ def test_worker_refuses_client_without_certificate(worker, pki):
         with pytest.raises(grpc.RpcError) as failure:
             worker_pb2_grpc.WorkerStub(channel).GetLoad(request, timeout=GRPC_TIMEOUT_S)
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_metrics_over_https(router, worker, pki):
+    """/metrics speaks only HTTPS when given a certificate; the worker's also wants a client one."""
+    assert procs.metrics_url(router).startswith("https://")
+    assert procs.scrape(router, pki.https(with_cert=False))[("llm_router_open_calls", ())] == 0
+    worker_samples = procs.scrape(worker, pki.https())
+    assert worker_samples[("llm_kv_cache_free_blocks", ())] == worker_samples[("llm_kv_cache_total_blocks", ())]
+    plain = procs.metrics_url(router).replace("https://", "http://")
+    refusals = [
+        lambda: urllib.request.urlopen(plain, timeout=5),                          # clear text
+        lambda: procs.scrape(router, pki.https(with_cert=False, ca=pki.other_ca)),  # untrusted server
+        lambda: procs.scrape(worker, pki.https(with_cert=False)),                   # no client cert
+    ]
+    for attempt in refusals:
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            attempt()
+    # Refused scrapers do not stop the endpoints.
+    assert procs.scrape(worker, pki.https())
 
 
 def test_router_with_client_ca_requires_client_certificate(pki, worker, logs):
@@ -263,3 +296,16 @@ def test_bad_tls_files_are_rejected_naming_flag_and_path(pki, tmp_path):
         assert message in str(failure.value), (kwargs, str(failure.value))
     with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert"):
         WorkerServerConfig(engine=EngineConfig(), tls_client_ca=pki.ca)
+    metrics_cases = [
+        (dict(metrics_tls_cert=pki.server_cert), "--metrics-tls-cert needs --metrics-tls-key"),
+        (dict(metrics_tls_client_ca=pki.ca), "--metrics-tls-client-ca needs --metrics-tls-cert"),
+        (dict(metrics_tls_cert=pki.server_cert, metrics_tls_key=str(not_pem)),
+         f"--metrics-tls-key {not_pem}: not a PEM file"),
+    ]
+    for kwargs, message in metrics_cases:
+        with pytest.raises(ValueError) as failure:
+            TelemetryConfig(**kwargs)
+        assert message in str(failure.value), (kwargs, str(failure.value))
+    mismatched = TelemetryConfig(metrics_tls_cert=pki.server_cert, metrics_tls_key=pki.client_key)
+    with pytest.raises(ValueError, match="not a matching certificate and private key"):
+        mismatched.metrics_ssl_context()

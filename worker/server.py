@@ -141,7 +141,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     metrics = WorkerMetrics(engine)
     try:
         metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
-                                              0, metrics.registry)
+                                              0, metrics.registry, ssl_context=telemetry.metrics_ssl_context())
     except OSError as exc:
         engine.shutdown()
         raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
@@ -183,7 +183,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     log.info("model %s, block size %d, max model len %d, %d KV blocks", info.name, info.block_size,
              info.max_model_len, engine.stats().num_total_blocks)
     if metrics_server:
-        log.info("metrics at http://%s/metrics", metrics_server.address)
+        log.info("metrics at %s", metrics_server.url)
     if tracing.enabled:
         log.info("tracing to %s (sample ratio %g)", telemetry.otlp_endpoint or "console",
                  telemetry.sample_ratio)
