@@ -105,10 +105,15 @@ class WorkerActor:
             import ray
 
             host = ray.util.get_node_ip_address()
+        from common.telemetry import TelemetryConfig
+
         cert, key, client_ca = tls or (None, None, None)
+        # With TLS, /metrics is HTTPS with the same certificate (scrapers trust the CA; no client
+        # certificate needed there, so Prometheus needs only `scheme: https` and the CA).
         self._config = WorkerServerConfig(engine=resolve_device(engine), host=host, port=0,
                                           drain_grace_s=drain_grace_s, tls_cert=cert, tls_key=key,
-                                          tls_client_ca=client_ca)
+                                          tls_client_ca=client_ca,
+                                          telemetry=TelemetryConfig(metrics_tls_cert=cert, metrics_tls_key=key))
         self._port: int | None = None
         self._error: BaseException | None = None
         self._stopping = False

@@ -220,6 +220,26 @@ def test_metrics_over_https(router, worker, pki):
     assert procs.scrape(worker, pki.https())
 
 
+def test_ray_launched_worker_serves_metrics_over_https_with_its_certificate(pki):
+    """deploy.ray_launch's actor class, run in process without Ray: given TLS files, its gRPC port
+    wants mutual TLS and its /metrics speaks HTTPS with the same certificate."""
+    from deploy.ray_launch import WorkerActor
+
+    actor = WorkerActor(EngineConfig(kv_cache_bytes=procs.TEST_KV_CACHE_MB * 2**20, num_threads=1),
+                        tls=(pki.server_cert, pki.server_key, pki.ca))
+    try:
+        with procs.open_channel(actor.address(), pki.client()) as channel:
+            info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(),
+                                                               timeout=GRPC_TIMEOUT_S)
+        url = f"https://{info.metrics_address}/metrics"
+        body = urllib.request.urlopen(url, timeout=5, context=pki.https(with_cert=False)).read()
+        assert b"llm_kv_cache_total_blocks" in body
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url.replace("https://", "http://"), timeout=5)
+    finally:
+        actor.stop()
+
+
 def test_router_with_client_ca_requires_client_certificate(pki, worker, logs):
     # The worker certificate names 127.0.0.1 and localhost: the override is checked against it.
     with procs.running_router(logs, [worker.address], *_router_tls_args(pki), "--tls-client-ca", pki.ca,
