@@ -81,6 +81,6 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     t, length = q.shape[0], k.shape[0]
     mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1).to(q.dtype)
+        q.transpose(0, 1).float()[None], k.transpose(0, 1).float()[None], v.transpose(0, 1).float()[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)                                   # (1, H, T, D)
+    return out[0].transpose(0, 1).to(q.dtype)
