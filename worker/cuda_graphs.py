@@ -107,7 +107,7 @@ class CudaGraphRunner:
 
     @staticmethod
     def supported(device: torch.device, backend: AttentionBackend) -> bool:
-        # The torch reference backend plans its indices on the host (.tolist()): not capturable.
+        # The torch and reference backends read lengths on the host (.tolist()): not capturable.
         return device.type == "cuda" and backend.name == "triton"
 
     def forward_static(self, batch_size: int) -> torch.Tensor:
