@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=("auto", "torch", "reference", "triton"), default="auto",
+                   help="auto: triton on CUDA, torch on CPU; reference: the slow float32 oracle")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: fraction of the free memory after loading weights for the KV pool (0.85)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt blocks")
     telemetry.add_args(p, default_metrics_port=0)
     a = p.parse_args(argv)
     missing = [flag for flag, value in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key),
@@ -48,9 +54,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
         "kv_cache_bytes": None if a.kv_cache_mb is None else int(a.kv_cache_mb * 2**20),
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": a.max_model_len, "num_threads": a.num_threads,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
     }.items() if v is not None}
     engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-                          seed=a.seed, **overrides)
+                          seed=a.seed, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+                          enable_prefix_caching=not a.no_prefix_caching, **overrides)
     return WorkerServerConfig(engine=engine, host=a.host, port=a.port, drain_grace_s=a.drain_grace_s,
                               drain_announce_s=a.drain_announce_s,
                               telemetry=telemetry.from_args(a), tls_cert=a.tls_cert, tls_key=a.tls_key,

@@ -72,5 +72,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|reference|triton, "
                              f"got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be > 0")
