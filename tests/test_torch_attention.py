@@ -97,6 +97,10 @@ def test_rejects_bad_arguments():
         torch_attention.paged_attention(**dict(batch, q=batch["q"].half()))
     with pytest.raises(ValueError, match="batch mismatch"):
         torch_attention.paged_attention(**dict(batch, seq_lens=batch["seq_lens"][:-1]))
+    too_long = batch["seq_lens"].clone()
+    too_long[0] = batch["block_tables"].shape[1] * batch["k_cache"].shape[1] + 1
+    with pytest.raises(ValueError, match="needs more than the"):
+        torch_attention.paged_attention(**dict(batch, seq_lens=too_long))
 
 
 def test_benchmark_command_runs():

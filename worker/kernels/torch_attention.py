@@ -38,8 +38,12 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int) -> list[SeqPlan]:
     starts = query_start_loc.tolist()
     tables = block_tables.long()
+    lens = seq_lens.tolist()
+    if lens and max(lens) > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {max(lens)} tokens needs more than the {tables.shape[1]} "
+                         f"blocks of {block_size} its block table row holds")
     plans = []
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    for i, seq_len in enumerate(lens):
         q_start, q_len = starts[i], starts[i + 1] - starts[i]
         if q_len == 0:
             continue
