@@ -71,7 +71,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = k_cache.index_select(0, p.blocks).flatten(0, 1)[:p.seq_len]                 # (L, Hkv, D)
         v = v_cache.index_select(0, p.blocks).flatten(0, 1)[:p.seq_len]
         if p.q_len == 1:
-            qg = q[p.q_start].view(num_kv_heads, group, head_dim).float()               # (Hkv, G, D)
+            qg = q[p.q_start].reshape(num_kv_heads, group, head_dim).float()            # (Hkv, G, D)
             scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(scale)               # (Hkv, G, L)
             probs = scores.softmax(dim=-1)
             out[p.q_start] = torch.bmm(probs, v.float().transpose(0, 1)).view(-1, head_dim)
