@@ -9,7 +9,8 @@ attention with a mask for every sequence. Here a decode row (one new token, most
 step) is two small matmuls over the sequence's K/V, gathered a whole 16-token block at a time
 (`index_select` of contiguous blocks, not a per-token gather into a padded batch, which cost 4x the
 model's matmuls at 64 sequences); prefill chunks use SDPA (`is_causal` when there is no cached
-prefix). Softmax is in float32 for every dtype.
+prefix). Softmax is in float32 for every dtype (decode rows upcast; SDPA's CPU flash kernel
+accumulates in float32).
 Proven by tests/test_torch_attention.py (against the reference on ragged, mid-block, GQA 1/3/8,
 permuted-block batches in fp32/bf16/fp16) and by the engine-vs-transformers tests, which run this
 backend. Speed: `make bench-attention` (this vs the reference, side by side).
