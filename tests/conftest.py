@@ -26,6 +26,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory, request):
+    """A log directory per test module, for the processes its fixtures start (tests/procs.py)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
 @pytest.fixture(scope="session")
 def runner():
     """The embedded SmolLM2 in float32 with a 256 MiB KV pool, shared by the engine tests."""

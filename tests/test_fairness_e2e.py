@@ -43,11 +43,6 @@ PREFIX_LEN = 160               # system prompt tokens: 10 full KV blocks
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def workers(logs):
     with procs.running_workers(logs, 2, "--num-threads", "1") as started:
         yield started

@@ -77,11 +77,6 @@ def call(address: str, req: pb.GenerateRequest, **kwargs) -> Stream:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults")
-
-
-@pytest.fixture(scope="module")
 def workers(logs):
     """Two workers on fixed ports (so a restarted one comes back at the same address); a test may
     replace the processes in the dict."""

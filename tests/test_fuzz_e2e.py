@@ -50,11 +50,6 @@ ALLOWED = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "D
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def worker(logs):
     with procs.running_workers(logs, 1, "--num-threads", "1") as started:
         yield started[0]

@@ -26,11 +26,6 @@ FRANCE = [pb.ChatMessage(role="user", content="What is the capital of France?")]
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def worker_started(logs):
     """Started but maybe still loading, so the reference engine below loads at the same time."""
     proc = procs.start_worker(logs)

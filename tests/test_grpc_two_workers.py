@@ -19,11 +19,6 @@ MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def workers(logs):
     # one torch thread each: two workers share this machine's cores without OpenMP spin contention
     extra = ("--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1")

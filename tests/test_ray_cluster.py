@@ -37,11 +37,6 @@ REDISCOVERY_S = 5.0   # restarted worker serving -> the router routes to it agai
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def sim():
     with SimulatedCluster(NUM_NODES, GPUS_PER_NODE, cpus_per_node=1, client_port=procs.free_port()) as cluster:
         yield cluster

@@ -72,11 +72,6 @@ def sink():
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def worker(logs, sink):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")   # export within 50 ms

@@ -116,11 +116,6 @@ def pki(tmp_path_factory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="module")
 def worker(pki, logs):
     """A worker that accepts only clients (and /metrics scrapers) with a certificate signed by the
     test CA."""
