@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu loadtest bench-fairness clean
+.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu check-triton loadtest bench-fairness clean
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ bench-tracing: install protos
 # The GPU machine has torch, triton and transformers but no venv: the system python, no install.
 bench-gpu:
 	$(PYTHON) -m benchmarks.gpu_bench $(ARGS)
+
+# Compile every Triton kernel specialization for sm_80 and sm_90 without a GPU (the wheel's own
+# LLVM and ptxas) and report registers, spills, shared memory and tensor-core use (~3 min).
+check-triton: install
+	@mkdir -p results
+	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) -m worker.kernels.compile_check \
+		--json results/triton_compile.json $(ARGS) | tee results/triton_compile.md
 
 clean:
 	rm -rf $(VENV) protos/llm/v1/*_pb2*.py* .pytest_cache .hypothesis

@@ -166,6 +166,10 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
+# Under TRITON_INTERPRET=1 (set before triton's import) @triton.jit gives interpreter objects.
+INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       num_sms: int) -> int:
     """Split the keys only for an all-decode batch that leaves SMs idle and has long contexts."""
@@ -253,13 +257,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                            _num_sms(q.device))
 
     group = num_heads // num_kv_heads
-    # Rows of a tile are (token, head-in-group) pairs: at least 16 (the smallest tl.dot), up to 64
-    # for prefill chunks, and never fewer than one token's worth of heads.
-    block_m = max(16, triton.next_power_of_2(group),
-                  min(64, triton.next_power_of_2(max_query_len * group)))
-    block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    upcast = q.device.type != "cuda"  # the interpreter cannot tl.dot bf16: compute in fp32 there
+    fp32 = q.dtype == torch.float32
+    # Rows of a tile are (token, head-in-group) pairs: at least 16 (the smallest tl.dot), up to 64
+    # for prefill chunks (32 for fp32 at head_dim > 64), never fewer than one token's worth of
+    # heads. fp32 tiles take 8 warps: with 4 they spill registers on sm_80/sm_90 (up to 8.5 KB
+    # per thread at head_dim 128); `make check-triton` reports registers and spills per case.
+    max_block_m = 32 if fp32 and head_dim_pad > 64 else 64
+    block_m = max(16, triton.next_power_of_2(group),
+                  min(max_block_m, triton.next_power_of_2(max_query_len * group)))
+    block_q = block_m // group
+    num_warps = 8 if fp32 else 4
+    upcast = INTERPRETED  # the interpreter cannot tl.dot bf16: compute in fp32 there
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim,
                                dtype=torch.float32, device=q.device)
@@ -281,7 +290,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=TILE_N, BLOCK_SIZE=k_cache.shape[1],
         SPLIT_KV=num_splits > 1,
         # fp32 must not drop to tf32 (fp32 promises 1e-5); 16-bit inputs take the default.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast,
+        DOT_PRECISION="ieee" if fp32 else None, UPCAST=upcast,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         splits_pad = triton.next_power_of_2(num_splits)

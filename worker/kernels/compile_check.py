@@ -1,0 +1,282 @@
+"""Compile the Triton kernels for a named NVIDIA GPU on a machine without one (`make check-triton`).
+
+The interpreter (`TRITON_INTERPRET=1`, what tests/test_kernels.py runs on CPU) checks what the
+kernels compute but never lowers them: an op the GPU compiler rejects, a tile that spills
+registers, a `tl.dot` that misses the tensor cores or an fp32 dot that silently drops to tf32 all
+pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`,
+`rotary_embedding`) on small CPU tensors with `JITFunction.run` replaced: instead of launching, it
+specializes the call exactly as Triton's JIT does on a GPU (argument types, constexprs, 16-byte
+divisibility of pointers and ints) and compiles it with the Triton wheel's own LLVM and `ptxas`
+for the requested target (default sm_80 and sm_90: A100, H100/H200). Nothing runs on a device.
+
+Contract:
+- Input: targets (`sm_80`, `sm_90`, ...), a case list (`CASES`: model head layouts x dtypes x
+  decode / split-KV decode / prefill; `--quick` keeps SmolLM2 in bf16 and head_dim-128 MHA in
+  fp32).
+- Output: one `CompiledLaunch` per distinct specialization: registers per thread, spilled bytes
+  (local + stack), dynamic shared memory, warps, the tensor-core instruction the PTX uses
+  (`wgmma`, `mma`, or none), whether an fp32 dot used tf32, compile seconds. `main` prints a
+  table and can write JSON.
+- State: patches `triton.runtime.jit.JITFunction.run` only inside `capture_launches`; Triton's
+  on-disk cache is used as usual (point TRITON_CACHE_DIR elsewhere to force fresh compiles).
+- Fails how: RuntimeError if the kernels were imported under TRITON_INTERPRET=1 (they are then
+  interpreter objects that cannot be compiled); a kernel the compiler rejects raises its error.
+- Proven by: tests/test_triton_compile.py (runs `--quick` in a subprocess without the interpreter
+  and asserts: every kernel compiles, none spills, 16-bit attention uses tensor cores, fp32
+  attention does not use tf32).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.compiler import compile as triton_compile
+from triton.runtime import jit as triton_jit
+
+from worker.kernels import triton_attention, triton_norm, triton_store_kv
+
+# name: (num_heads, num_kv_heads, head_dim, hidden_size); GQA ratios 3, 4, 4 and 1.
+MODELS = {
+    "smollm2-135m": (9, 3, 64, 576),
+    "llama-3.2-1b": (32, 8, 64, 2048),
+    "llama-3-8b": (32, 8, 128, 4096),
+    "mha-d128": (16, 16, 128, 2048),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("decode", "split", "prefill")
+BLOCK_SIZE = 16
+# Largest dynamic shared memory one block may use (bytes), per compute capability.
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64}
+
+
+@dataclasses.dataclass
+class CompiledLaunch:
+    target: str
+    kernel: str
+    case: str
+    constexprs: dict
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    num_warps: int
+    tensor_cores: str        # "wgmma", "mma" or "none"
+    tf32: bool               # an mma on tf32 operands appears in the PTX
+    compile_s: float
+
+    def resident_warps(self, capability: int) -> int:
+        """Warps one SM can hold, limited by registers, shared memory and the hardware cap."""
+        by_regs = REGISTERS_PER_SM // (max(self.registers, 1) * 32)
+        blocks = by_regs // self.num_warps
+        if self.shared_bytes:
+            blocks = min(blocks, SHARED_LIMIT.get(capability, 99 * 1024) // self.shared_bytes)
+        return min(blocks * self.num_warps, MAX_WARPS_PER_SM.get(capability, 48))
+
+
+def parse_target(name: str) -> GPUTarget:
+    match = re.fullmatch(r"sm_?(\d+)", name)
+    if not match:
+        raise ValueError(f"target must look like sm_90, got {name!r}")
+    return GPUTarget("cuda", int(match.group(1)), 32)
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the cubin's one kernel, read by the wheel's cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                              check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def _tensor_core_use(ptx: str) -> tuple[str, bool]:
+    kind = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) \
+        else "none"
+    tf32 = bool(re.search(r"mma[.\w]*\.tf32", ptx))
+    return kind, tf32
+
+
+@contextlib.contextmanager
+def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunch], seen: set):
+    """Within the block, `kernel[grid](...)` compiles for `target` instead of launching.
+
+    `case[0]` labels the launches; a specialization already in `seen` is not compiled again.
+    """
+    kernels = (triton_attention._paged_attention_kernel, triton_store_kv._store_kv_kernel)
+    if not all(isinstance(k, triton_jit.JITFunction) for k in kernels):
+        raise RuntimeError("the Triton kernels were imported under TRITON_INTERPRET=1; run this "
+                           "in a process without it")
+    backend = make_backend(target)
+    original = triton_jit.JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        # The binder and _pack_args are what JITFunction.run uses to specialize a launch.
+        kwargs["debug"] = kwargs.get("debug", self.debug) or triton.knobs.runtime.debug
+        binder = triton_jit.create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
+                                                                specialization, options)
+        key = (target.arch, self.__name__, repr(signature), repr(constexprs), repr(attrs))
+        if key in seen:
+            return None
+        seen.add(key)
+        start = time.perf_counter()
+        compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+        elapsed = time.perf_counter() - start
+        usage = _resource_usage(compiled.asm["cubin"])
+        cores, tf32 = _tensor_core_use(compiled.asm["ptx"])
+        names = [p.name for p in self.params]
+        named = {names[path[0]]: value for path, value in constexprs.items()
+                 if names[path[0]].isupper()}
+        pointer_types = sorted({t for t in signature.values() if t.startswith("*")})
+        named["dtypes"] = ",".join(pointer_types)
+        out.append(CompiledLaunch(
+            target=f"sm_{target.arch}", kernel=self.__name__.lstrip("_"), case=case[0],
+            constexprs=named, registers=usage.get("REG", 0),
+            spill_bytes=usage.get("LOCAL", 0) + usage.get("STACK", 0),
+            shared_bytes=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+            tensor_cores=cores, tf32=tf32, compile_s=elapsed))
+        return None
+
+    triton_jit.JITFunction.run = compile_instead
+    try:
+        yield
+    finally:
+        triton_jit.JITFunction.run = original
+
+
+def _attention_batch(model: str, dtype: torch.dtype, mode: str) -> tuple[dict, dict]:
+    """Small CPU tensors shaped like `model`'s layer, and the launcher's keyword arguments."""
+    num_heads, num_kv_heads, head_dim, _ = MODELS[model]
+    # Decode: 8 sequences of one new token; prefill: a 512-token chunk after 100 cached tokens
+    # next to two decodes (a mixed batch, as the scheduler builds).
+    query_lens = [1] * 8 if mode != "prefill" else [512, 1, 1]
+    seq_lens = [300 + 7 * i for i in range(len(query_lens))] if mode != "prefill" \
+        else [612, 40, 900]
+    blocks_per_seq = -(-max(seq_lens) // BLOCK_SIZE)
+    num_seqs = len(query_lens)
+    num_tokens = sum(query_lens)
+    # q as the model produces it: a view of the fused qkv projection (row stride > H * D).
+    qkv = torch.zeros(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    cache = torch.zeros(num_seqs * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    batch = dict(q=q, k_cache=cache, v_cache=cache.clone(),
+                 block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32)
+                 .view(num_seqs, blocks_per_seq),
+                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                 scale=head_dim ** -0.5)
+    extra = dict(max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                 num_splits=8 if mode == "split" else 1)
+    return batch, extra
+
+
+def _launch_all(model: str, dtype_name: str, modes, case: list[str]) -> None:
+    """Call every launcher the worker uses for `model` in `dtype_name` (compiled, not run)."""
+    dtype = DTYPES[dtype_name]
+    num_heads, num_kv_heads, head_dim, hidden = MODELS[model]
+    for mode in modes:
+        case[0] = f"{model} {dtype_name} {mode}"
+        batch, extra = _attention_batch(model, dtype, mode)
+        triton_attention.paged_attention(**batch, **extra)
+    case[0] = f"{model} {dtype_name} store_kv"
+    tokens = 4
+    kv = torch.zeros(tokens, 2, num_kv_heads, head_dim, dtype=dtype)   # k and v from one tensor
+    cache = torch.zeros(8, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
+    triton_store_kv.store_kv(kv[:, 0], kv[:, 1], cache, cache.clone(),
+                             torch.arange(tokens, dtype=torch.int64))
+    case[0] = f"{model} {dtype_name} rms_norm"
+    x = torch.zeros(tokens, hidden, dtype=dtype)
+    weight = torch.ones(hidden, dtype=dtype)
+    triton_norm.rms_norm(x, weight, 1e-5)
+    triton_norm.rms_norm(x, weight, 1e-5, residual=x.clone())
+    case[0] = f"{model} {dtype_name} rope"
+    cos = torch.zeros(64, head_dim // 2, dtype=torch.float32)
+    triton_norm.rotary_embedding(torch.arange(tokens), torch.zeros(tokens, num_heads, head_dim,
+                                 dtype=dtype), torch.zeros(tokens, num_kv_heads, head_dim,
+                                 dtype=dtype), cos, cos.clone())
+
+
+def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[CompiledLaunch]:
+    """Compile every distinct specialization of the case list for each target."""
+    plan = [("smollm2-135m", "bf16"), ("mha-d128", "fp32")] if quick \
+        else [(m, d) for m in MODELS for d in DTYPES]
+    results: list[CompiledLaunch] = []
+    seen: set = set()
+    steps = [(t, m, d) for t in targets for m, d in plan]
+    for i, (target_name, model, dtype_name) in enumerate(steps):
+        if progress:
+            progress(f"[{i + 1}/{len(steps)}] {target_name} {model} {dtype_name}")
+        case = [""]
+        with capture_launches(parse_target(target_name), case, results, seen):
+            _launch_all(model, dtype_name, MODES, case)
+    return results
+
+
+def format_table(results: list[CompiledLaunch]) -> str:
+    lines = ["| target | kernel | case | specialization | regs | spill B | shared KiB | warps "
+             "| resident warps/SM | tensor cores | compile s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in results:
+        spec = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
+                        if k in ("GROUP", "BLOCK_M", "HEAD_DIM", "SPLIT_KV", "BLOCK_C", "HAS_RESIDUAL",
+                                 "dtypes"))
+        cores = r.tensor_cores + (" (tf32!)" if r.tf32 else "")
+        cap = int(r.target.removeprefix("sm_"))
+        lines.append(f"| {r.target} | {r.kernel} | {r.case} | {spec} | {r.registers} | "
+                     f"{r.spill_bytes} | {r.shared_bytes / 1024:.1f} | {r.num_warps} | "
+                     f"{r.resident_warps(cap)} | {cores} | {r.compile_s:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", nargs="+", default=["sm_80", "sm_90"])
+    parser.add_argument("--quick", action="store_true",
+                        help="two head layouts: SmolLM2 in bf16, head_dim 128 MHA in fp32")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    for name in args.targets:
+        parse_target(name)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: unset it, the kernels must be compiled, "
+                     "not interpreted")
+    start = time.perf_counter()
+    results = compile_all(args.targets, args.quick,
+                          progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(results))
+    spills = [r for r in results if r.spill_bytes]
+    no_cores = [r for r in results if r.kernel == "paged_attention_kernel"
+                and "fp32" not in r.constexprs["dtypes"] and r.tensor_cores == "none"]
+    tf32 = [r for r in results if r.tf32]
+    print(f"\n{len(results)} specializations compiled for {', '.join(args.targets)} in "
+          f"{time.perf_counter() - start:.1f} s (triton {triton.__version__}); "
+          f"register spills: {len(spills)}; 16-bit attention without tensor cores: "
+          f"{len(no_cores)}; fp32 dots on tf32: {len(tf32)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "targets": args.targets,
+                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    return 1 if spills or no_cores or tf32 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
