@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu check-triton loadtest bench-fairness clean
+.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu gpu-session check-triton loadtest bench-fairness clean
 
 install: $(STAMP)
 
@@ -51,6 +51,10 @@ bench-tracing: install protos
 # The GPU machine has torch, triton and transformers but no venv: the system python, no install.
 bench-gpu:
 	$(PYTHON) -m benchmarks.gpu_bench $(ARGS)
+
+# Everything one GPU lease should run, in one command: the CUDA tests, then bench-gpu (<= 9 min).
+gpu-session:
+	sh benchmarks/gpu_session.sh
 
 # Compile every Triton kernel specialization for sm_80 and sm_90 without a GPU (the wheel's own
 # LLVM and ptxas) and report registers, spills, shared memory and tensor-core use (~3 min).

@@ -76,3 +76,14 @@ print(len(out), hf is None, why)
     assert num_tokens == "3"
     if hf_missing == "True":
         assert why.startswith("transformers unavailable"), why
+
+
+def test_gpu_session_tests_need_no_server_packages():
+    """`make gpu-session` runs these test modules on the GPU machine, which lacks the server-side
+    packages (gRPC health/reflection, OpenTelemetry, Ray, gguf, cryptography)."""
+    code = ("import tests.test_kernels, tests.test_cuda_graphs, tests.test_torch_attention\n"
+            "print('imported')")
+    proc = run_python(code, blocked=("gguf", "opentelemetry", "ray", "grpc_health",
+                                     "grpc_reflection", "cryptography"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("imported")
