@@ -24,8 +24,7 @@ KERNELS = {"paged_attention_kernel", "merge_splits_kernel", "store_kv_kernel", "
 def compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_compile")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp / "cache"), "TRITON_DEFAULT_FP_FUSION": "1",
-            "PYTHONPATH": ROOT}
+    env |= {"TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-m", "worker.kernels.compile_check", "--quick",
                            "--targets", "sm_80", "sm_90", "--json", str(tmp / "out.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -47,6 +46,8 @@ def test_every_kernel_compiles_for_each_target(compiled):
         splits = {r["constexprs"]["SPLIT_KV"] for r in compiled
                   if r["target"] == target and r["kernel"] == "paged_attention_kernel"}
         assert splits == {True, False}
+    # CPU tensors, compiled (not interpreted): the launcher must pick the GPU variant.
+    assert not any(r["constexprs"].get("UPCAST") for r in compiled)
 
 
 def test_no_register_spills_and_shared_memory_fits(compiled):
@@ -72,6 +73,13 @@ def test_fp32_head_dim_128_prefill_takes_the_spill_free_tile(compiled):
         r = attention(compiled, target, "mha-d128 fp32 prefill")
         assert r["constexprs"]["BLOCK_M"] == 32 and r["num_warps"] == 8, r
         assert attention(compiled, target, "smollm2-135m bf16 prefill")["constexprs"]["BLOCK_M"] == 64
+
+
+def test_ptxas_log_parsing():
+    log = ("ptxas info    : Function properties for k\n    8 bytes stack frame, 24 bytes spill "
+           "stores, 16 bytes spill loads\nptxas info    : Used 255 registers")
+    assert compile_check._spill_bytes(log) == 40
+    assert compile_check._spill_bytes(log.replace("24", "0").replace("16", "0")) == 0
 
 
 def test_tensor_core_detection():

@@ -10,15 +10,17 @@ divisibility of pointers and ints) and compiles it with the Triton wheel's own L
 for the requested target (default sm_80 and sm_90: A100, H100/H200). Nothing runs on a device.
 
 Contract:
-- Input: targets (`sm_80`, `sm_90`, ...), a case list (`CASES`: model head layouts x dtypes x
+- Input: targets (`sm_80`, `sm_90`, ...), the cases (`MODELS` head layouts x `DTYPES` x `MODES`:
   decode / split-KV decode / prefill; `--quick` keeps SmolLM2 in bf16 and head_dim-128 MHA in
   fp32).
 - Output: one `CompiledLaunch` per distinct specialization: registers per thread, spilled bytes
-  (local + stack), dynamic shared memory, warps, the tensor-core instruction the PTX uses
-  (`wgmma`, `mma`, or none), whether an fp32 dot used tf32, compile seconds. `main` prints a
+  (ptxas -v: spill stores + loads), stack frame, dynamic shared memory, warps, the tensor-core
+  instruction the PTX uses (`wgmma`, `mma`, or none), whether an fp32 dot used tf32, compile
+  seconds. `main` prints a
   table and can write JSON.
-- State: patches `triton.runtime.jit.JITFunction.run` only inside `capture_launches`; Triton's
-  on-disk cache is used as usual (point TRITON_CACHE_DIR elsewhere to force fresh compiles).
+- State: inside `capture_launches` only: `triton.runtime.jit.JITFunction.run` is patched and
+  Triton's cache is a fresh temporary directory (a cached kernel would come back without the
+  ptxas log that reports spills).
 - Fails how: RuntimeError if the kernels were imported under TRITON_INTERPRET=1 (they are then
   interpreter objects that cannot be compiled); a kernel the compiler rejects raises its error.
 - Proven by: tests/test_triton_compile.py (runs `--quick` in a subprocess without the interpreter
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -70,7 +73,8 @@ class CompiledLaunch:
     case: str
     constexprs: dict
     registers: int
-    spill_bytes: int
+    spill_bytes: int         # ptxas -v: spill stores + spill loads
+    stack_bytes: int         # per-thread stack frame (spills, or locals ptxas keeps there)
     shared_bytes: int
     num_warps: int
     tensor_cores: str        # "wgmma", "mma" or "none"
@@ -101,6 +105,11 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
         text = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
                               check=True, capture_output=True, text=True).stdout
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def _spill_bytes(ptxas_log: str) -> int:
+    """Spill stores + loads from ptxas -v ("N bytes spill stores, M bytes spill loads")."""
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
 
 
 def _tensor_core_use(ptx: str) -> tuple[str, bool]:
@@ -135,9 +144,15 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
             return None
         seen.add(key)
         start = time.perf_counter()
-        compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
+        log = io.StringIO()
+        # Triton runs ptxas -v and prints its log (registers, stack, spills) only with this knob.
+        with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            triton.knobs.nvidia.dump_ptxas_log = True
+            compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
         elapsed = time.perf_counter() - start
+        if "bytes spill" not in log.getvalue():
+            raise RuntimeError(f"no ptxas -v log for {self.__name__}: {log.getvalue()[:200]!r}")
         usage = _resource_usage(compiled.asm["cubin"])
         cores, tf32 = _tensor_core_use(compiled.asm["ptx"])
         names = [p.name for p in self.params]
@@ -148,16 +163,20 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
         out.append(CompiledLaunch(
             target=f"sm_{target.arch}", kernel=self.__name__.lstrip("_"), case=case[0],
             constexprs=named, registers=usage.get("REG", 0),
-            spill_bytes=usage.get("LOCAL", 0) + usage.get("STACK", 0),
+            spill_bytes=_spill_bytes(log.getvalue()), stack_bytes=usage.get("STACK", 0),
             shared_bytes=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
             tensor_cores=cores, tf32=tf32, compile_s=elapsed))
         return None
 
-    triton_jit.JITFunction.run = compile_instead
-    try:
-        yield
-    finally:
-        triton_jit.JITFunction.run = original
+    # A fresh cache: a cached kernel comes back without the ptxas log that reports spills.
+    with tempfile.TemporaryDirectory(prefix="triton-compile-check-") as cache_dir, \
+            triton.knobs.cache.scope():
+        triton.knobs.cache.dir = cache_dir
+        triton_jit.JITFunction.run = compile_instead
+        try:
+            yield
+        finally:
+            triton_jit.JITFunction.run = original
 
 
 def _attention_batch(model: str, dtype: torch.dtype, mode: str) -> tuple[dict, dict]:
@@ -232,9 +251,9 @@ def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[
 
 
 def format_table(results: list[CompiledLaunch]) -> str:
-    lines = ["| target | kernel | case | specialization | regs | spill B | shared KiB | warps "
-             "| resident warps/SM | tensor cores | compile s |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| target | kernel | case | specialization | regs | spill B | stack B | shared KiB "
+             "| warps | resident warps/SM | tensor cores | compile s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         spec = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
                         if k in ("GROUP", "BLOCK_M", "HEAD_DIM", "SPLIT_KV", "BLOCK_C", "HAS_RESIDUAL",
@@ -242,7 +261,7 @@ def format_table(results: list[CompiledLaunch]) -> str:
         cores = r.tensor_cores + (" (tf32!)" if r.tf32 else "")
         cap = int(r.target.removeprefix("sm_"))
         lines.append(f"| {r.target} | {r.kernel} | {r.case} | {spec} | {r.registers} | "
-                     f"{r.spill_bytes} | {r.shared_bytes / 1024:.1f} | {r.num_warps} | "
+                     f"{r.spill_bytes} | {r.stack_bytes} | {r.shared_bytes / 1024:.1f} | {r.num_warps} | "
                      f"{r.resident_warps(cap)} | {cores} | {r.compile_s:.2f} |")
     return "\n".join(lines)
 

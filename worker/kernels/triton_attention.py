@@ -260,10 +260,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     fp32 = q.dtype == torch.float32
     # Rows of a tile are (token, head-in-group) pairs: at least 16 (the smallest tl.dot), up to 64
-    # for prefill chunks (32 for fp32 at head_dim > 64), never fewer than one token's worth of
-    # heads. fp32 tiles take 8 warps: with 4 they spill registers on sm_80/sm_90 (up to 8.5 KB
+    # for prefill chunks (32 in fp32), never fewer than one token's worth of heads. fp32 tiles
+    # take 8 warps: 64-row fp32 tiles with 4 warps spilled registers on sm_80/sm_90 (up to 8.5 KB
     # per thread at head_dim 128); `make check-triton` reports registers and spills per case.
-    max_block_m = 32 if fp32 and head_dim_pad > 64 else 64
+    max_block_m = 32 if fp32 else 64
     block_m = max(16, triton.next_power_of_2(group),
                   min(max_block_m, triton.next_power_of_2(max_query_len * group)))
     block_q = block_m // group
