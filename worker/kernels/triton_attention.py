@@ -13,7 +13,9 @@ Contract (same as `worker.kernels.reference.paged_attention`):
 - State: none (split-KV scratch buffers are allocated per call).
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch.
 - Proven by: tests/test_kernels.py::test_paged_attention_* (relative error vs the reference:
-  fp32 < 1e-5, fp16/bf16 < 1e-2).
+  fp32 < 1e-5, fp16/bf16 < 1e-2), interpreted on CPU or on CUDA; compiled for sm_80/sm_90
+  without spills, with tensor cores for fp16/bf16 and no tf32 for fp32, by
+  tests/test_triton_compile.py (`make check-triton` for every layout and dtype).
 
 Design. Grid `(num_seqs, query tiles, num_kv_heads * num_splits)`. A program owns one kv head and
 `BLOCK_Q` query tokens of one sequence, and processes all `group` query heads that share the kv

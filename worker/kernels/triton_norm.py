@@ -12,7 +12,7 @@ Contract (the plain-torch twins are `RMSNorm` and `RotaryEmbedding` in worker/mo
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch. Positions
   past the cos/sin tables are not checked (that would need a device sync).
 - Proven by: tests/test_kernels.py::test_rms_norm and ::test_rotary_embedding (vs the torch
-  formulas of worker/model/llama.py).
+  formulas of worker/model/llama.py); compiled for sm_80/sm_90 by tests/test_triton_compile.py.
 """
 from __future__ import annotations
 

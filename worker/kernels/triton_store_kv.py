@@ -11,7 +11,7 @@ Contract (same as `worker.kernels.reference.store_kv`):
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch. Slots past
   the end of the cache are not checked (that would need a device sync): callers own slot validity.
 - Proven by: tests/test_kernels.py::test_store_kv (bit-exact vs the reference, skipped slots
-  untouched).
+  untouched); compiled for sm_80/sm_90 by tests/test_triton_compile.py.
 """
 from __future__ import annotations
 
