@@ -9,6 +9,8 @@ Protocol (one GPU, no download: a randomly initialised Llama-3.2-1B-shaped model
    (target >= 70% at long contexts). Each kernel is recorded in a CUDA graph and timed with
    `triton.testing.do_bench` (median, L2 flushed before every replay), so launch overhead is
    excluded on both sides. The paged output is checked against SDPA's (max relative error).
+2b. Fused RMSNorm and RoPE kernels vs the model's torch code (benchmarks/gpu_fused.py), at 1 to
+   4,096 tokens: whether they pay off, as the issue asks.
 3. Engine vs transformers: the same random weights in our engine (CUDA graphs, then eager) and in
    `LlamaForCausalLM.generate` (greedy, static batch). Each batch size runs every side twice: one
    output token (t_1, mostly prefill) and N tokens (t_N); decode tok/s = B * (N - 1) / (t_N - t_1),
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_fused import fused_markdown, fused_section
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
@@ -50,9 +53,9 @@ TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position=512, name="random-tiny")
 FULL = dict(model=LLAMA_1B, dtype=torch.bfloat16, copy_bytes=2**30, attn_batch_sizes=[1, 4, 16, 64, 256],
             contexts=[512, 2048, 8192, 32768], engine_batch_sizes=[1, 16, 64, 256], prompt_len=128,
-            output_len=128, max_num_batched_tokens=8192, max_model_len=2048)
+            fused_tokens=[1, 16, 64, 256, 4096], output_len=128, max_num_batched_tokens=8192, max_model_len=2048)
 SMOKE = dict(model=TINY, dtype=torch.float32, copy_bytes=2**23, attn_batch_sizes=[1, 2],
-             contexts=[32, 80], engine_batch_sizes=[1, 2], prompt_len=8, output_len=4,
+             contexts=[32, 80], engine_batch_sizes=[1, 2], prompt_len=8, output_len=4, fused_tokens=[1, 8],
              max_num_batched_tokens=64, max_model_len=64)
 BLOCK_SIZE = 16
 LONG_CONTEXT = 8192
@@ -319,6 +322,7 @@ def markdown(res: dict) -> str:
                   f"{s['long_context_copy_fraction_min']:.0%}-{s['long_context_copy_fraction_max']:.0%} "
                   f"of copy bandwidth; target >= {TARGET_COPY_FRACTION:.0%} met in "
                   f"{s['long_context_target_met']}/{s['long_context_cases']} cases."]
+    lines += fused_markdown(res)
     if "engine" in res:
         e = res["engine_setup"]
         errors = [f"{k}: {v}" for k, v in e.items() if k.endswith("_error")]
@@ -384,6 +388,7 @@ def main() -> None:
           flush=True)
     deadline = t0 + args.time_budget_s
     attention_section(res, sizes, device, deadline, save)
+    fused_section(res, sizes, device, deadline, save, time_ms)
     if not args.skip_engine:
         engine_section(res, sizes, device, deadline, save)
     save()

@@ -1,5 +1,6 @@
 """`make bench-gpu` stays runnable: its --smoke mode (tiny sizes, CPU with Triton interpreted)
-runs end to end and writes the tables, and it needs nothing that the GPU machine lacks.
+runs end to end (copy, paged attention, fused norm/RoPE, engine vs transformers) and writes the
+tables, and it needs nothing that the GPU machine lacks.
 
 The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2 or safetensors;
 each test runs the script in a subprocess where those imports fail.
@@ -43,6 +44,13 @@ def test_smoke_run_writes_tables(tmp_path):
         assert row["kv_bytes"] == 2 * row["batch_size"] * row["context_len"] * 2 * 16 * 4
         assert row["max_rel_err_vs_sdpa"] < 1e-4        # paged kernel == SDPA on the same K/V
     assert "| batch | context | K/V MiB | paged us | paged GB/s | % of copy |" in table
+
+    # Fused RMSNorm(+residual) and RoPE kernels timed against the model's torch code, same results.
+    assert [r["tokens"] for r in res["fused"]] == [1, 8]
+    for row in res["fused"]:
+        assert min(row[f"{op}_{side}_us"] for op in ("norm", "rope") for side in ("torch", "fused")) > 0
+        assert row["max_rel_err"] < 1e-5, row
+    assert "| tokens | norm torch | norm fused | speedup |" in table
 
     engine_sides = ["graphs", "eager"] if torch.cuda.is_available() else ["eager"]
     assert [r["batch_size"] for r in res["engine"]] == [1, 2]
