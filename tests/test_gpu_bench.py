@@ -87,11 +87,12 @@ print(len(out), hf is None, why)
 
 
 def test_gpu_session_tests_need_no_server_packages():
-    """`make gpu-session` runs these test modules on the GPU machine, which lacks the server-side
-    packages (gRPC health/reflection, OpenTelemetry, Ray, gguf, cryptography)."""
-    code = ("import tests.test_kernels, tests.test_cuda_graphs, tests.test_torch_attention\n"
+    """`make gpu-session` runs these test modules (and tests/conftest.py) on the GPU machine,
+    which lacks the server-side packages (gRPC health/reflection, OpenTelemetry, Ray, gguf)."""
+    code = ("import tests.conftest, tests.test_kernels, tests.test_cuda_graphs\n"
             "print('imported')")
-    proc = run_python(code, blocked=("gguf", "opentelemetry", "ray", "grpc_health",
-                                     "grpc_reflection", "cryptography"), timeout=120)
+    proc = run_python(code, blocked=("gguf", "opentelemetry", "ray", "grpc_health", "grpc_reflection",
+                                     "cryptography", "tokenizers", "jinja2", "safetensors"),
+                      timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("imported")

@@ -5,7 +5,6 @@ that end mid-block, GQA 1/3/8, blocks scattered over a shuffled pool, q a stride
 buffers are checked for NaN (every row must be written) and a plan built once must serve every
 call of a step, as the layers share it.
 """
-import pathlib
 import subprocess
 import sys
 
@@ -13,11 +12,9 @@ import pytest
 import torch
 
 from tests.attention_batches import BATCHES, GQA, TOLERANCE, make_batch, rel_error
+from tests.procs import REPO
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.kernels import reference, torch_attention
-
-# Not tests.procs.REPO: that module needs grpc health checking, which the GPU machine lacks.
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # A serving-like decode batch: many sequences, long and short, plus one prefill chunk after a
 # cached prefix and one fresh prompt.

@@ -47,10 +47,13 @@ def test_every_kernel_compiles_for_each_target(compiled):
                   if r["target"] == target and r["kernel"] == "paged_attention_kernel"}
         assert splits == {True, False}
     # CPU tensors, compiled (not interpreted): the launcher must pick the GPU variant.
-    assert not any(r["constexprs"].get("UPCAST") for r in compiled)
+    attention_rows = [r for r in compiled if r["kernel"] == "paged_attention_kernel"]
+    assert attention_rows and all(r["constexprs"]["UPCAST"] is False for r in attention_rows)
 
 
 def test_no_register_spills_and_shared_memory_fits(compiled):
+    # Pinned to the venv's triton (requirements-dev.txt); triton 3.6 spills 4 B in two sm_80 fp32
+    # decode kernels (docs/kernels.md).
     for r in compiled:
         assert r["spill_bytes"] == 0, r
         cap = int(r["target"].removeprefix("sm_"))
@@ -90,6 +93,8 @@ def test_tensor_core_detection():
     assert compile_check._tensor_core_use("fma.rn.f32 %f1, %f2, %f3, %f4;") == ("none", False)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="this process compiles its kernels (CUDA present): nothing to refuse")
 def test_refuses_interpreted_kernels_and_bad_targets():
     # This process imported the kernels under TRITON_INTERPRET=1 (tests/conftest.py).
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -83,8 +83,8 @@ class CompiledLaunch:
 
     def resident_warps(self, capability: int) -> int:
         """Warps one SM can hold, limited by registers, shared memory and the hardware cap."""
-        by_regs = REGISTERS_PER_SM // (max(self.registers, 1) * 32)
-        blocks = by_regs // self.num_warps
+        regs = -(-max(self.registers, 1) // 8) * 8        # allocated per warp in units of 256
+        blocks = REGISTERS_PER_SM // (regs * 32 * self.num_warps)
         if self.shared_bytes:
             blocks = min(blocks, SHARED_LIMIT.get(capability, 99 * 1024) // self.shared_bytes)
         return min(blocks * self.num_warps, MAX_WARPS_PER_SM.get(capability, 48))
@@ -139,7 +139,8 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
                                                                 specialization, options)
-        key = (target.arch, self.__name__, repr(signature), repr(constexprs), repr(attrs))
+        key = (target.arch, self.__name__, repr(signature), repr(constexprs), repr(attrs),
+               repr(options))
         if key in seen:
             return None
         seen.add(key)
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="two head layouts: SmolLM2 in bf16, head_dim 128 MHA in fp32")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--markdown", help="also write the table and summary to this file")
     args = parser.parse_args(argv)
     for name in args.targets:
         parse_target(name)
@@ -281,15 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = compile_all(args.targets, args.quick,
                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(results))
     spills = [r for r in results if r.spill_bytes]
+    # Case labels are "model dtype mode"; 16-bit split-KV kernels also take fp32 scratch pointers.
     no_cores = [r for r in results if r.kernel == "paged_attention_kernel"
-                and "fp32" not in r.constexprs["dtypes"] and r.tensor_cores == "none"]
+                and r.case.split()[1] != "fp32" and r.tensor_cores == "none"]
     tf32 = [r for r in results if r.tf32]
-    print(f"\n{len(results)} specializations compiled for {', '.join(args.targets)} in "
-          f"{time.perf_counter() - start:.1f} s (triton {triton.__version__}); "
-          f"register spills: {len(spills)}; 16-bit attention without tensor cores: "
-          f"{len(no_cores)}; fp32 dots on tf32: {len(tf32)}")
+    report = (f"{format_table(results)}\n\n{len(results)} specializations compiled for "
+              f"{', '.join(args.targets)} in {time.perf_counter() - start:.1f} s (triton "
+              f"{triton.__version__}); register spills: {len(spills)}; 16-bit attention without "
+              f"tensor cores: {len(no_cores)}; fp32 dots on tf32: {len(tf32)}")
+    print(report)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "targets": args.targets,
