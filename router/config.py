@@ -58,6 +58,9 @@ class RouterConfig:
     affinity_imbalance: float = 0.25          # prefix affinity yields when its worker's load (fraction
                                               # of KV capacity) exceeds the least loaded's by more
     no_worker_grace_s: float = 5.0            # queued requests wait this long for a worker to return
+    router_replicas: int = 1                  # routers sharing the workers and tenants: each enforces
+                                              # 1/R of the tenant limits, the token budget and each
+                                              # worker's KV room and sequence slots
     telemetry: TelemetryConfig = TelemetryConfig()   # tracing, /metrics, log format
     tls_cert: str | None = None               # PEM: TLS on the client port (with tls_key)
     tls_key: str | None = None
@@ -76,6 +79,8 @@ class RouterConfig:
             raise ValueError("tenants_poll_s must be >= 0")
         if self.fair_queue not in ("vtc", "fcfs"):
             raise ValueError(f"fair_queue must be vtc or fcfs, got {self.fair_queue!r}")
+        if not isinstance(self.router_replicas, int) or self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be an integer >= 1, got {self.router_replicas!r}")
         for name in ("max_queued", "max_tokens_in_flight"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -173,6 +178,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                         "load, as a fraction of its KV capacity, is higher by more than this")
     p.add_argument("--no-worker-grace-s", type=float, default=5.0,
                    help="requests queued for a model with no healthy worker fail (UNAVAILABLE) after this")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="how many routers share these workers and tenants behind one balancer that "
+                        "spreads requests evenly: this one enforces 1/N of each tenant's rates and "
+                        "caps (caps rounded up), of --max-tokens-in-flight and of each worker's KV "
+                        "room and sequence slots")
     telemetry.add_args(p, default_metrics_port=DEFAULT_METRICS_PORT)
     a = p.parse_args(argv)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
@@ -188,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         queue_requests=not a.no_queue,
         max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
         no_worker_grace_s=a.no_worker_grace_s, max_message_bytes=int(a.max_message_mb * 2**20),
+        router_replicas=a.router_replicas,
         telemetry=telemetry.from_args(a),
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
         worker_tls_ca=a.worker_tls_ca, worker_tls_cert=a.worker_tls_cert, worker_tls_key=a.worker_tls_key,

@@ -10,6 +10,8 @@ Contract
   `place_retry` gives a retry its next worker at once (retries skip the queue).
 - room rule: a request of priority p needing n = prompt + max_tokens tokens fits worker w when
       capacity(w) - reserved(w, priority >= p)  >=  min(n, capacity(w))
+  where capacity(w) is this router's share of w's KV tokens (1/`replicas` of its blocks when
+  several routers share the workers; sequence slots likewise, rounded up)
   and w has a free sequence slot (this router's requests on it < its reported max_num_seqs, so
   requests wait in the router's queue, where admission sees them, not in the worker's), where `reserved` sums prompt + max_tokens of this router's open requests on w. Reservations of
   lower priority do not count: the worker's scheduler preempts its lowest-priority running
@@ -95,8 +97,9 @@ class Placement:
 class Dispatcher:
     def __init__(self, queue: FairQueue, registry: WorkerRegistry, affinity: PrefixAffinity | None = None,
                  imbalance_threshold: float = 0.25, recheck_s: float = 1.0, no_worker_grace_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, replicas: int = 1):
         self.queue = queue
+        self._replicas = replicas     # routers sharing the workers: this one uses 1/replicas of each
         self._registry = registry
         self._affinity = affinity or PrefixAffinity()
         self._imbalance = imbalance_threshold
@@ -159,21 +162,21 @@ class Dispatcher:
         reserved = dict(self._reserved.get(address, ()))  # one atomic copy: /metrics reads it from a thread
         return sum(n for p, n in reserved.items() if min_priority is None or p >= min_priority)
 
-    @staticmethod
-    def has_free_slot(worker: WorkerHandle) -> bool:
-        """Fewer of this router's requests on the worker than it runs at once (its max_num_seqs)."""
+    def has_free_slot(self, worker: WorkerHandle) -> bool:
+        """Fewer of this router's requests on the worker than its share of the sequences the worker
+        runs at once (max_num_seqs / replicas, rounded up)."""
         slots = worker.info.max_num_seqs if worker.info is not None else 0
-        return not slots or worker.num_inflight < slots
+        return not slots or worker.num_inflight < -(-slots // self._replicas)
 
     def can_start_now(self, model: str) -> bool:
         """Some healthy worker of `model` has a free sequence slot (KV room is checked at placement)."""
         return any(self.has_free_slot(w) and self.capacity_tokens(w) > 0 for w in self._registry.healthy(model))
 
-    @staticmethod
-    def capacity_tokens(worker: WorkerHandle) -> int:
-        if worker.load is None or worker.info is None:
+    def capacity_tokens(self, worker: WorkerHandle) -> int:
+        """This router's share of the worker's KV capacity, in tokens (whole blocks)."""
+        if worker.load is None or worker.info is None or worker.load.num_total_blocks <= 0:
             return 0
-        return worker.load.num_total_blocks * worker.info.block_size
+        return max(1, worker.load.num_total_blocks // self._replicas) * worker.info.block_size
 
     def _fits(self, worker: WorkerHandle, item: QueuedRequest) -> bool:
         capacity = self.capacity_tokens(worker)

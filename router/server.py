@@ -57,7 +57,9 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def serve(config: RouterConfig) -> int:
-    tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public)
+    replicas = config.router_replicas   # each of R routers enforces 1/R of the shared limits
+    tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public,
+                          replicas=replicas)
     missing = config.missing_for_public_bind()
     if missing:
         raise SystemExit(f"refusing to serve {config.host} without {' and '.join(missing)}: API keys "
@@ -83,10 +85,12 @@ async def serve(config: RouterConfig) -> int:
         registry = StaticRegistry(config.workers, **registry_args)
     drain = Drain()
     queue = FairQueue(mode=config.fair_queue)
+    budget = config.max_tokens_in_flight and -(-config.max_tokens_in_flight // replicas)
     admission = AdmissionController(queue, AdmissionConfig(max_queued_total=config.max_queued,
-                                                           max_tokens_in_flight=config.max_tokens_in_flight))
+                                                           max_tokens_in_flight=budget))
     dispatcher = Dispatcher(queue, registry, PrefixAffinity(), config.affinity_imbalance,
-                            recheck_s=config.health_poll_s, no_worker_grace_s=config.no_worker_grace_s)
+                            recheck_s=config.health_poll_s, no_worker_grace_s=config.no_worker_grace_s,
+                            replicas=replicas)
     telemetry = config.telemetry
     metrics = RouterMetrics()
     metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)

@@ -19,6 +19,9 @@ Contract
           rate_tokens_per_min: 60000  # optional: prompt + max_tokens per minute (burst: a minute's)
           default_priority: 0       # used when a request's priority is 0 (unset)
 
+  With `--router-replicas R` the table holds each tenant's share for one of R routers
+  (`Tenant.share`: rates divided by R, caps divided and rounded up).
+
   Without a file there is one `default` tenant with no key, allowed only from loopback peers
   (or from anywhere with --allow-insecure-public). `TenantsFile` reloads the file on SIGHUP or
   when its modification time changes, by swapping the immutable `Tenants`: calls in flight keep
@@ -32,6 +35,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -83,6 +87,26 @@ class Tenant:
             raise ValueError(f"tenant {self.name}: default_priority must be an integer, "
                              f"got {self.default_priority!r}")
 
+    def share(self, replicas: int) -> Tenant:
+        """The limits one of `replicas` routers enforces when requests are spread evenly over them:
+        rates and an explicit burst divided (a burst not below one request), caps divided and
+        rounded up (never 0, so the routers together may allow up to replicas - 1 more). Weight
+        and priority are shares already and stay."""
+        if replicas == 1:
+            return self
+
+        def cap(value: int | None) -> int | None:
+            return None if value is None else -(-value // replicas)
+
+        def rate(value: float | None) -> float | None:
+            return None if value is None else value / replicas
+
+        return dataclasses.replace(
+            self, max_concurrency=cap(self.max_concurrency), max_queued=cap(self.max_queued),
+            rate_requests_per_s=rate(self.rate_requests_per_s),
+            burst_requests=None if self.burst_requests is None else max(1.0, self.burst_requests / replicas),
+            rate_tokens_per_min=rate(self.rate_tokens_per_min))
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -114,8 +138,10 @@ def is_loopback_peer(peer: str) -> bool:
 
 
 class Tenants:
-    def __init__(self, tenants: Iterable[Tenant], require_key: bool, allow_public: bool = False):
-        self._tenants = tuple(tenants)
+    def __init__(self, tenants: Iterable[Tenant], require_key: bool, allow_public: bool = False,
+                 replicas: int = 1):
+        # Stored as this router's share (Tenant.share): authenticate() returns what it enforces.
+        self._tenants = tuple(t.share(replicas) for t in tenants)
         self.require_key = require_key
         self._allow_public = allow_public
         names = [t.name for t in self._tenants]
@@ -133,7 +159,7 @@ class Tenants:
         return cls([Tenant(DEFAULT_TENANT)], require_key=False, allow_public=allow_public)
 
     @classmethod
-    def from_yaml(cls, text: str) -> "Tenants":
+    def from_yaml(cls, text: str, replicas: int = 1) -> "Tenants":
         doc = yaml.safe_load(text) or {}
         entries = doc.get("tenants") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or not entries:
@@ -144,14 +170,14 @@ class Tenants:
             if not isinstance(entry, dict) or set(entry) - known:
                 raise ValueError(f"tenants file: bad entry {entry!r}; allowed keys: {sorted(known)}")
             tenants.append(Tenant(**{k: entry[k] for k in entry}))
-        return cls(tenants, require_key=True)
+        return cls(tenants, require_key=True, replicas=replicas)
 
     @classmethod
-    def load(cls, path: str | None, allow_public: bool = False) -> "Tenants":
+    def load(cls, path: str | None, allow_public: bool = False, replicas: int = 1) -> "Tenants":
         if path is None:
-            return cls.default(allow_public)
+            return cls.default(allow_public)   # no limits to share
         with open(path, encoding="utf-8") as f:
-            return cls.from_yaml(f.read())
+            return cls.from_yaml(f.read(), replicas)
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -191,11 +217,12 @@ class TenantsFile:
     logged and the previous table kept, so a typo never locks every tenant out.
     """
 
-    def __init__(self, path: str | None, allow_public: bool = False):
+    def __init__(self, path: str | None, allow_public: bool = False, replicas: int = 1):
         self.path = path
         self._allow_public = allow_public
+        self._replicas = replicas
         self._stamp = self._stat()
-        self.current = Tenants.load(path, allow_public)  # a bad file at start-up is fatal
+        self.current = Tenants.load(path, allow_public, replicas)  # a bad file at start-up is fatal
         self.num_reloads = 0
 
     def reload(self) -> bool:
@@ -203,7 +230,7 @@ class TenantsFile:
             return False
         self._stamp = self._stat()  # taken before reading: a later write changes it again
         try:
-            tenants = Tenants.load(self.path, self._allow_public)
+            tenants = Tenants.load(self.path, self._allow_public, self._replicas)
         except (OSError, ValueError, yaml.YAMLError) as exc:
             log.error("tenants file %s not reloaded, keeping the previous %d tenant(s): %s",
                       self.path, len(self.current.tenants), exc)

@@ -135,6 +135,8 @@ def test_command_lines_parse_with_the_real_parsers(k8s):
     router = containers(one(k8s, "Deployment")["spec"]["template"])[0]["command"]
     config = router_config.parse_args(module_args(router, "router"))
     assert config.ray_address.startswith("ray://") and config.tenants_file
+    # Each router enforces 1/N of the shared limits: N must be the Deployment's replica count.
+    assert config.router_replicas == one(k8s, "Deployment")["spec"]["replicas"]
     launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
     args, _ = ray_launch.parse_args(module_args(launcher, "deploy.ray_launch"))
     assert not args.stop

@@ -54,10 +54,10 @@ def loop():
     loop.close()
 
 
-def setup(loop, *workers, threshold=0.25, grace_s=0.0, clock=None):
+def setup(loop, *workers, threshold=0.25, grace_s=0.0, clock=None, replicas=1):
     queue = FairQueue()
     dispatcher = Dispatcher(queue, FakeRegistry(*workers), PrefixAffinity(), threshold, no_worker_grace_s=grace_s,
-                            clock=clock or (lambda: 0.0))
+                            clock=clock or (lambda: 0.0), replicas=replicas)
     admission = AdmissionController(queue)
 
     def submit(tenant="a", prompt=32, max_tokens=32, priority=0, hashes=(), model="m"):
@@ -245,6 +245,23 @@ def test_a_worker_with_every_sequence_slot_taken_has_no_room(loop):
     reqs[0][0].future.result().release()
     assert dispatcher.can_start_now("m")
     assert dispatcher.dispatch_ready() == 1 and reqs[2][0].future.done()
+    for p, t in reqs:
+        p.discard()
+        t.release()
+
+
+def test_one_of_several_routers_uses_its_share_of_each_worker(loop):
+    # Two routers share the worker: each may reserve half its KV room and half its sequence slots.
+    w = FakeWorker("w0", num_blocks=16, max_num_seqs=3)  # 256 tokens, 3 slots -> 128 tokens, 2 slots
+    queue, dispatcher, submit = setup(loop, w, replicas=2)
+    assert dispatcher.capacity_tokens(w) == 128
+    reqs = [submit(prompt=32, max_tokens=32) for _ in range(3)]   # 64 tokens each
+    assert dispatcher.dispatch_ready() == 2 and len(queue) == 1   # 128 tokens and 2 slots: full
+    assert dispatcher.reserved_tokens("w0") == 128
+    reqs[0][0].future.result().release()
+    assert dispatcher.dispatch_ready() == 1
+    # A worker smaller than the share still takes work (one block), rather than none ever.
+    assert dispatcher.capacity_tokens(FakeWorker("w1", num_blocks=1)) == BLOCK_SIZE
     for p, t in reqs:
         p.discard()
         t.release()

@@ -46,11 +46,13 @@ def test_parse_fairness_args():
     assert (config.affinity_imbalance, config.tenants_poll_s, config.no_worker_grace_s) == (0.5, 0.0, 2.0)
     defaults = parse_args(["--max-queued", "0"])
     assert (defaults.fair_queue, defaults.max_queued, defaults.max_tokens_in_flight) == ("vtc", None, None)
+    assert defaults.router_replicas == 1 and parse_args(["--router-replicas", "3"]).router_replicas == 3
 
 
 @pytest.mark.parametrize("kwargs", [{"fair_queue": "lifo"}, {"max_queued": 0}, {"max_tokens_in_flight": -5},
                                     {"affinity_imbalance": -0.1}, {"tenants_poll_s": -1},
-                                    {"no_worker_grace_s": -1}])
+                                    {"no_worker_grace_s": -1}, {"router_replicas": 0},
+                                    {"router_replicas": 1.5}])
 def test_bad_fairness_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
         RouterConfig(**kwargs)

@@ -43,6 +43,28 @@ def test_keys_map_to_tenants_and_limits_are_kept():
         None, None, None, 0)
 
 
+def test_each_of_several_routers_enforces_its_share_of_the_limits(tmp_path):
+    acme = Tenants.from_yaml(YAML).authenticate(bearer("acme-secret"), REMOTE)
+    assert acme.share(1) is acme
+    half = acme.share(2)
+    assert (half.max_concurrency, half.max_queued) == (2, 4)                  # caps divided, rounded up
+    assert (half.rate_requests_per_s, half.burst_requests, half.rate_tokens_per_min) == (1.25, 2.5, 30000)
+    assert (half.weight, half.default_priority, half.key_sha256) == (2.0, 3, acme.key_sha256)
+    third = acme.share(3)
+    assert (third.max_concurrency, third.max_queued, third.burst_requests) == (2, 3, 5 / 3)
+    tiny = Tenant("t", max_concurrency=1, rate_requests_per_s=1.0, burst_requests=1).share(4)
+    assert (tiny.max_concurrency, tiny.burst_requests, tiny.rate_requests_per_s) == (1, 1.0, 0.25)
+    assert Tenant("u").share(5) == Tenant("u")                                # no limits: nothing to share
+    # The table (and a reload of it) hands out the shared limits; authentication is unchanged.
+    path = tmp_path / "tenants.yaml"
+    path.write_text(YAML)
+    source = TenantsFile(str(path), replicas=2)
+    assert source.current.authenticate(bearer("acme-secret"), REMOTE) == half
+    path.write_text(YAML.replace("max_concurrency: 4", "max_concurrency: 6"))
+    assert source.reload()
+    assert source.current.authenticate(bearer("acme-secret"), REMOTE).max_concurrency == 3
+
+
 @pytest.mark.parametrize("metadata, message", [
     ([], "missing API key"),
     ([("authorization", "Basic abc")], "malformed"),

@@ -6,7 +6,8 @@ JSON and exporting spans over OTLP to a receiver in this process.
    cold time to first token, not the warm one (medians over distinct prompts; numbers printed).
 2. Connections: a tenant with max_concurrency 2 firing 16 requests over 16 separate channels gets
    2 admitted and 14 RESOURCE_EXHAUSTED (reason concurrency, counted on /metrics), and the worker
-   never runs more than 2 of them at once.
+   never runs more than 2 of them at once. A router started as one of two (`--router-replicas 2`)
+   admits 2 of 8 when the file says 4.
 3. Spoofing: with A's key, metadata naming B (`x-tenant`, `tenant`, `baggage`) and request fields
    naming B change nothing: the request is admitted and logged as A and finds none of B's cached
    blocks. Two `authorization` entries (A's and another, in either order) are UNAUTHENTICATED, the
@@ -186,6 +187,28 @@ def test_no_cache_hit_across_tenants(stub):
     assert cross > 2 * warm, (warm, cross)
 
 
+async def fire_at_once(address: str, tenant: str, num: int) -> list[str]:
+    """`num` requests of `tenant` over `num` channels, all connected first; each one's status."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(num)]
+    try:
+        await asyncio.gather(*(c.channel_ready() for c in channels))
+
+        async def one(i, channel):
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            try:
+                req = request(prompt(100 + i)[:32], max_tokens=48)
+                async for _ in stub.Generate(req, metadata=auth(tenant), timeout=120):
+                    pass   # only the final status matters
+                return "OK"
+            except grpc.aio.AioRpcError as exc:
+                assert tenant in exc.details(), exc.details()
+                return exc.code().name
+
+        return await asyncio.gather(*(one(i, c) for i, c in enumerate(channels)))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+
+
 def test_many_connections_do_not_bypass_max_concurrency(router, worker, router_metrics):
     num = 16
     before = scrape_text(router_metrics)
@@ -200,30 +223,10 @@ def test_many_connections_do_not_bypass_max_concurrency(router, worker, router_m
                 peak["running"] = max(peak["running"], load.num_running + load.num_waiting)
                 done.wait(0.01)
 
-    async def main():
-        channels = [grpc.aio.insecure_channel(router.address) for _ in range(num)]
-        try:
-            await asyncio.gather(*(c.channel_ready() for c in channels))   # 16 connections, all open
-
-            async def one(i, channel):
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                try:
-                    req = request(prompt(100 + i)[:32], max_tokens=48)
-                    async for _ in stub.Generate(req, metadata=auth("limited"), timeout=120):
-                        pass   # only the final status matters
-                    return "OK"
-                except grpc.aio.AioRpcError as exc:
-                    assert "limited" in exc.details(), exc.details()
-                    return exc.code().name
-
-            return await asyncio.gather(*(one(i, c) for i, c in enumerate(channels)))
-        finally:
-            await asyncio.gather(*(c.close() for c in channels))
-
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        outcomes = asyncio.run(main())
+        outcomes = asyncio.run(fire_at_once(router.address, "limited", num))
     finally:
         done.set()
         watcher.join()
@@ -240,6 +243,15 @@ def test_many_connections_do_not_bypass_max_concurrency(router, worker, router_m
     assert outcomes.count("OK") == 2 and admitted == 2
     assert outcomes.count("RESOURCE_EXHAUSTED") == refused == num - 2
     assert peak["running"] <= 2
+
+
+def test_one_of_two_routers_enforces_half_of_the_limit(worker, logs):
+    # --router-replicas 2: the file's max_concurrency 4 is 2 on this router (docs/fairness.md 6).
+    tenants = TENANTS.replace("max_concurrency: 2", "max_concurrency: 4")
+    with procs.running_router(logs, [worker.address], "--router-replicas", "2", "--metrics-port",
+                              "0", tenants=tenants, metadata=auth("alice")) as half_router:
+        outcomes = asyncio.run(fire_at_once(half_router.address, "limited", 8))
+    assert outcomes.count("OK") == 2 and outcomes.count("RESOURCE_EXHAUSTED") == 6, outcomes
 
 
 def test_metadata_and_fields_cannot_spoof_another_tenant(stub, router, router_metrics):
