@@ -1,7 +1,7 @@
 """`make bench-gpu`: paged decode attention vs memory bandwidth, engine decode vs transformers.
 
 Protocol (one GPU, no download: a randomly initialised Llama-3.2-1B-shaped model in bf16):
-1. Copy bandwidth: a 1 GiB device-to-device `copy_`, counted as bytes read + bytes written.
+1. Copy bandwidth: a 4 GiB float32 device-to-device `copy_`, counted as bytes read + bytes written.
 2. Decode attention at batch sizes 1-256 and contexts 512-32k (the model's 32 query / 8 kv heads,
    head_dim 64): our Triton paged kernel over randomly permuted 16-token blocks, and
    `F.scaled_dot_product_attention` on the same K/V laid out contiguously. Bandwidth = bytes of K
@@ -51,7 +51,7 @@ LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=81
                        rope_theta=500000.0, name="random-llama-3.2-1b-shape")
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position=512, name="random-tiny")
-FULL = dict(model=LLAMA_1B, dtype=torch.bfloat16, copy_bytes=2**30, attn_batch_sizes=[1, 4, 16, 64, 256],
+FULL = dict(model=LLAMA_1B, dtype=torch.bfloat16, copy_bytes=2**32, attn_batch_sizes=[1, 4, 16, 64, 256],
             contexts=[512, 2048, 8192, 32768], engine_batch_sizes=[1, 16, 64, 256], prompt_len=128,
             fused_tokens=[1, 16, 64, 256, 4096], output_len=128, max_num_batched_tokens=8192, max_model_len=2048)
 SMOKE = dict(model=TINY, dtype=torch.float32, copy_bytes=2**23, attn_batch_sizes=[1, 2],
@@ -86,7 +86,7 @@ def time_ms(fn, device: torch.device) -> tuple[float, str]:
 
 
 def copy_bandwidth(num_bytes: int, device: torch.device) -> dict:
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    src = torch.randn(num_bytes // 4, device=device)          # float32: vectorized like K/V reads
     dst = torch.empty_like(src)
     ms, how = time_ms(lambda: dst.copy_(src), device)
     return {"bytes": num_bytes, "ms": ms, "gbps": 2 * num_bytes / ms / 1e6, "timed_by": how}

@@ -76,7 +76,9 @@ def test_build_decode_inputs_pads_rows():
     assert inputs.block_tables.dtype == torch.int32
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="runs on CPU tensors, which Triton only takes interpreted; on "
+    "CUDA the replay test below checks the Triton path"))])
 def test_static_forward_matches_eager(backend):
     """Every decode step through the static buffers (what a graph records) equals eager.
 

@@ -132,9 +132,12 @@ def test_paged_attention_host_lengths_and_odd_shapes():
 def test_choose_num_splits():
     choose = triton_attention.choose_num_splits
     assert choose(num_seqs=4, num_kv_heads=2, max_query_len=8, max_seq_len=8192, num_sms=132) == 1
-    assert choose(num_seqs=256, num_kv_heads=8, max_query_len=1, max_seq_len=8192, num_sms=132) == 1
+    # Enough (sequence, kv head) programs to fill 132 SMs: no split.
+    assert choose(num_seqs=512, num_kv_heads=8, max_query_len=1, max_seq_len=8192, num_sms=132) == 1
     assert choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=100, num_sms=132) == 1
-    assert choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=2048, num_sms=132) == 8
+    # 8 programs on 132 SMs: split as far as the minimum split length allows.
+    assert choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=2048, num_sms=132) \
+        == 2048 // triton_attention.MIN_SPLIT_LEN
     assert choose(num_seqs=1, num_kv_heads=1, max_query_len=1, max_seq_len=10**6, num_sms=132) \
         == triton_attention.MAX_SPLITS
 

@@ -39,10 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_N = 32                 # keys per inner-loop step
+# Tuned on an H200 (benchmarks/gpu_tune.py, 2026-11-30): a decode batch is split until it launches
+# about 16 programs per SM (2 left small batches latency-bound: 1.1 TB/s at batch 1, 32k context,
+# vs 1.9 TB/s now), and decode walks keys 64 at a time. Prefill tiles keep 32 keys: 64 spills
+# registers at head_dim 128 on sm_80 (`make check-triton`).
+TILE_N = 32                 # keys per inner-loop step (prefill and mixed batches)
+DECODE_TILE_N = 64          # keys per inner-loop step when every sequence computes one token
 MAX_SPLITS = 64
-MIN_SPLIT_LEN = 256         # a split shorter than this costs more to merge than it saves
-PROGRAMS_PER_SM = 2         # split until a decode batch launches about this many programs per SM
+MIN_SPLIT_LEN = 128         # a split shorter than this costs more to merge than it saves
+PROGRAMS_PER_SM = 16        # split until a decode batch launches about this many programs per SM
 MERGE_TILE_ELEMS = 4096     # fp32 partials one merge program holds (heads x splits x head_dim)
 
 
@@ -289,7 +294,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=TILE_N, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=DECODE_TILE_N if max_query_len == 1 else TILE_N,
+        BLOCK_SIZE=k_cache.shape[1],
         SPLIT_KV=num_splits > 1,
         # fp32 must not drop to tf32 (fp32 promises 1e-5); 16-bit inputs take the default.
         DOT_PRECISION="ieee" if fp32 else None, UPCAST=upcast,
