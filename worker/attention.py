@@ -6,7 +6,11 @@ Contract: `AttentionMetadata` is built once per step by the model runner and sha
 - `seq_lens [num_seqs] int32`: tokens in context after this step (cached + new).
 - `query_start_loc [num_seqs + 1] int32`: offsets of each sequence's new tokens in the flat batch.
 - `max_query_len`, `max_seq_len`: host-side ints, so kernels need no device sync.
-A backend offers `store_kv` and `paged_attention` with the signatures of worker/kernels/reference.py.
+A backend offers `store_kv` and `paged_attention` with the signatures of worker/kernels/reference.py,
+and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None)` and
+`rotary_embedding(positions, q, k, cos, sin)` (worker/kernels/triton_norm.py) that the model then
+uses instead of its torch RMSNorm, residual add and RoPE ("triton" only: 3-10x faster per call on
+an H200, docs/kernels.md).
 "torch" is plain torch (worker/kernels/torch_attention.py: the CPU default, runs anywhere);
 "reference" is the slow float32 oracle of worker/kernels/reference.py; "triton" runs the Triton
 kernels (CUDA, or CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py,
@@ -31,8 +35,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None):
+    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None,
+                 fused=None):
         self.name = name
+        self.fused = fused
         self._store_kv = store_kv
         self._paged_attention = paged_attention
         self._takes_max_lens = takes_max_lens
@@ -64,9 +70,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from worker.kernels import reference
         return AttentionBackend("reference", reference.store_kv, reference.paged_attention, False)
     if name == "triton":
-        from worker.kernels import triton_attention, triton_store_kv
+        from worker.kernels import triton_attention, triton_norm, triton_store_kv
         return AttentionBackend("triton", triton_store_kv.store_kv,
-                                triton_attention.paged_attention, True)
+                                triton_attention.paged_attention, True, fused=triton_norm)
     raise ValueError(f"unknown attention backend {name!r} (expected auto, torch, reference or triton)")
 
 

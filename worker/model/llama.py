@@ -88,12 +88,16 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope_in, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """`rope_in`: the step's (cos, sin) tables, or its positions when the backend fuses RoPE."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope.apply(rope_cs, q.view(-1, self.num_heads, self.head_dim))     # (T, H, D)
-        k = self.rope.apply(rope_cs, k.view(-1, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
+        q = q.view(-1, self.num_heads, self.head_dim)                           # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
+        if backend.fused is not None:
+            q, k = backend.fused.rotary_embedding(rope_in, q, k, self.rope.cos, self.rope.sin)
+        else:
+            q, k = self.rope.apply(rope_in, q), self.rope.apply(rope_in, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))                        # (T, C)
@@ -118,9 +122,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope_cs, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cs, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope_in, kv_cache, meta, backend):
+        """Returns (x, residual). The torch path adds the residual itself (residual stays None);
+        with fused kernels the sum is carried to the next norm, which adds it (one kernel)."""
+        fused = backend.fused
+        if fused is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope_in, kv_cache, meta, backend)
+            return x + self.mlp(self.post_attention_layernorm(x)), None
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            h, residual = fused.rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            h, residual = fused.rms_norm(x, norm1.weight, norm1.eps, residual)  # norm(x + residual)
+        h = self.self_attn(h, rope_in, kv_cache, meta, backend)
+        h, residual = fused.rms_norm(h, norm2.weight, norm2.eps, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,10 +153,14 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                        # (T, C)
-        rope_cs = self.layers[0].self_attn.rope.tables(positions)
+        rope = self.layers[0].self_attn.rope
+        rope_in = positions if backend.fused is not None else rope.tables(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope_cs, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope_in, kv_cache, meta, backend)
+        if residual is None:
+            return self.norm(x)
+        return backend.fused.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def reset_rope(self) -> None:
         self.layers[0].self_attn.rope.reset()
