@@ -21,7 +21,8 @@ Design. Grid `(num_seqs, query tiles, num_kv_heads * num_splits)`. A program own
 `BLOCK_Q` query tokens of one sequence, and processes all `group` query heads that share the kv
 head together: its `BLOCK_M = BLOCK_Q * group` rows (row m = token m // group, head m % group)
 form one tile, so each K/V tile is loaded once per group rather than once per query head. It
-walks the keys in `TILE_N`-token tiles, looking up each key's physical block in the block table,
+walks the keys in tiles (`DECODE_TILE_N` keys for an all-decode batch, `TILE_N` otherwise),
+looking up each key's physical block in the block table,
 and stops at the last key its last query token can see. Split-KV (flash decoding): with
 `num_splits > 1` each program only covers its share of every sequence's keys and writes a
 normalized partial output plus its log-sum-exp; `_merge_splits_kernel` combines them. The
