@@ -34,13 +34,14 @@ def logs(tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def runner():
-    """The embedded SmolLM2 in float32 with a 256 MiB KV pool, shared by the engine tests."""
+    """The embedded SmolLM2 in float32 (the exact reference path) with a 256 MiB KV pool, shared by the engine tests."""
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
     # One intra-op thread: on these shared 2-vCPU machines OpenMP barriers under CPU steal made
     # two threads 1-5x slower than one (measured), and test processes run side by side.
-    return ModelRunner(EngineConfig(kv_cache_bytes=256 * 2**20, attention_backend="torch", num_threads=1))
+    return ModelRunner(EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20, attention_backend="torch",
+                                    num_threads=1))
 
 
 @pytest.fixture

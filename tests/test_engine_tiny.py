@@ -40,7 +40,7 @@ def save_tiny(tmp_path, kind: str):
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
 def test_safetensors_model_matches_transformers(tmp_path, kind):
     path, hf = save_tiny(tmp_path, kind)
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_bytes=2**20, max_num_batched_tokens=8))
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_bytes=2**20, max_num_batched_tokens=8))
     captured = {}
     engine.runner.logits_observer = lambda ids, logits: captured.setdefault(ids[0], []).append(logits[0])
     prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]              # 75 tokens: past the 64 original ctx
@@ -58,7 +58,7 @@ def test_backends_give_the_same_tokens(tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 7)]
     outputs = {}
     for backend in ("reference", "torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=str(path), kv_cache_bytes=2**20, attention_backend=backend,
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_bytes=2**20, attention_backend=backend,
                                         max_num_batched_tokens=16))
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(PROMPTS, params)

@@ -46,8 +46,16 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it."""
+        """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it. A KV cache
+        of another dtype than the activations (--kv-cache-dtype) gets q cast to it, and the output
+        cast back."""
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.dtype != k_cache.dtype:
+            return self.forward_q(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
+        return self.forward_q(q, k_cache, v_cache, meta, scale)
+
+    def forward_q(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
         extra = (dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
                  if self._takes_max_lens else {})
         if self._prepare is not None:

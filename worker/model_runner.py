@@ -16,14 +16,15 @@ Contract:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-
+import os
 from collections.abc import Callable
 
 import torch
 
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.config import EngineConfig
+from worker.config import EngineConfig, default_num_threads, resolve_device, resolve_dtype
 from worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
@@ -32,22 +33,57 @@ from worker.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 
+def resolved_config(config: EngineConfig) -> EngineConfig:
+    """`auto` device, dtype and thread count made concrete: the one place they are decided."""
+    device = resolve_device(config.device)
+    return dataclasses.replace(config, device=device, dtype=resolve_dtype(config.dtype, device),
+                               num_threads=config.num_threads or default_num_threads())
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory; a cgroup limit, where
+    one is set and lower, wins."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read().strip())
+            avail = min(avail, max(int(limit) - used, 0))
+    except OSError:
+        pass
+    return avail
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         # Imported here: the loaders pull in gguf, which a runner built from_model() never needs.
         from worker.model.loader import load_model
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, torch.device(config.device))
+        config = resolved_config(config)
+        torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.dtype, torch.device(config.device),
+                            quantization=config.quantization)
         self._setup(config, loaded.model, loaded.name, loaded.eos_token_ids, loaded.load_s)
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: LlamaModel, eos_token_ids: tuple[int, ...] = (),
                    name: str = "in-memory") -> ModelRunner:
         """A runner over an already built model (on config.device), e.g. random weights."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        config = resolved_config(dataclasses.replace(config, dtype=dtype))
+        torch.set_num_threads(config.num_threads)
         runner = cls.__new__(cls)
         runner._setup(config, model, name, tuple(eos_token_ids), 0.0)
         return runner
@@ -61,10 +97,12 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
-        cfg, dtype = self.model_config, self.model.embed_tokens.weight.dtype
+        cfg, dtype = self.model_config, self.kv_cache_dtype
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
+        # torch.empty: pages are committed as blocks are first written, so RSS follows the tokens
+        # held, not the pool's size (kernels never read a slot before it is written).
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=self.device),
+                           torch.empty(shape, dtype=dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self.seed_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -84,9 +122,14 @@ class ModelRunner:
                 self.cuda_graphs.capture()
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        name = self.config.kv_cache_dtype
+        return getattr(torch, self.config.dtype if name == "auto" else name)
+
+    @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        elt = self.model.embed_tokens.weight.element_size()
+        elt = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elt
 
     def _num_kv_blocks(self) -> int:
@@ -94,6 +137,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.gpu_memory_utilization)
+        elif budget is None:
+            budget = int(available_memory_bytes() * self.config.kv_cache_memory_fraction)
         num_blocks = budget // self.kv_bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes is smaller than one block "

@@ -142,7 +142,7 @@ def load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 
 
 def load_model(path: str | Path | None, dtype: str = "float32",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str = "none") -> LoadedModel:
     start = time.perf_counter()
     path = Path(path) if path else default_model_path()
     if path.is_dir():
