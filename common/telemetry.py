@@ -1,8 +1,10 @@
 """Tracing setup and W3C trace-context propagation over gRPC metadata (router and worker share it).
 
 Contract
-- input: `TelemetryConfig`, built from the command line by `add_args` / `from_args`;
-  `env_endpoint` is the one place that reads `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`.
+- input: `TelemetryConfig`, built from flags and `LLM_*` variables by common.config_cli (its field
+  metadata; `add_args` / `from_args` for a parser of its own); `env_endpoint` is the one place that
+  reads `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` (the endpoint when no flag or LLM_OTLP_ENDPOINT is
+  given); `standard_env` picks the OTEL_* variables launchers pass on to the processes they start.
 - output: `setup_tracing(config, service_name)` installs an SDK tracer provider (parent-based ratio
   sampler, batch span processor, OTLP/gRPC and/or console exporter) when an exporter is configured
   and returns a `Tracing` handle whose `shutdown()` flushes it; with no exporter nothing is installed
@@ -20,12 +22,13 @@ import argparse
 import os
 import ssl
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from common.config_cli import Flags, option
 from common.tls import METRICS_FLAGS, check_server_files, server_ssl_context
 
 METADATA_KEYS = ("traceparent", "tracestate")
@@ -35,15 +38,29 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    otlp_endpoint: str | None = None     # OTLP/gRPC collector, e.g. http://127.0.0.1:4317; None = no export
-    console: bool = False                # also print finished spans to stdout
-    sample_ratio: float = 1.0            # of new traces; a sampled/unsampled parent is followed
-    metrics_host: str | None = None      # None = the process's --host
-    metrics_port: int | None = None      # None = the component default; 0 = ephemeral; -1 = no /metrics
-    metrics_tls_cert: str | None = None  # PEM files: /metrics over HTTPS (None = plain HTTP)
-    metrics_tls_key: str | None = None
-    metrics_tls_client_ca: str | None = None   # scrapers must present a certificate signed by it
-    log_format: str = "text"             # text | json
+    """Tracing, /metrics and log settings of one process (router or worker); the field metadata
+    makes the flags and `LLM_*` variables (common.config_cli)."""
+    otlp_endpoint: str | None = field(default=None, metadata=option(
+        "export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; unset = no tracing)",
+        env_fallback=lambda environ: env_endpoint(environ), metavar="URL"))
+    console: bool = field(default=False, metadata=option(
+        "print finished spans to stdout", flag="trace-console"))
+    sample_ratio: float = field(default=1.0, metadata=option(
+        "fraction of new traces recorded (a client's sampled flag is followed)", flag="trace-sample-ratio"))
+    metrics_host: str | None = field(default=None, metadata=option(
+        "Prometheus /metrics host (default: the server's --host)"))
+    metrics_port: int | None = field(default=None, metadata=option(
+        "Prometheus /metrics port (default: 9464 on the router, ephemeral on workers; taken default "
+        "-> ephemeral; 0 = ephemeral; -1 = off)"))
+    metrics_tls_cert: str | None = field(default=None, metadata=option(
+        "PEM certificate chain: serve /metrics over HTTPS", metavar="FILE"))
+    metrics_tls_key: str | None = field(default=None, metadata=option(
+        "PEM private key for --metrics-tls-cert", metavar="FILE"))
+    metrics_tls_client_ca: str | None = field(default=None, metadata=option(
+        "PEM CA bundle: scrapers must present a client certificate it signed", metavar="FILE"))
+    log_format: str = field(default="text", metadata=option(
+        "json: one JSON object per log line (request lines carry the trace id)", choices=("text", "json")))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_ratio <= 1.0:
@@ -65,32 +82,22 @@ class TelemetryConfig:
         return bool(self.otlp_endpoint) or self.console
 
 
-def add_args(p: argparse.ArgumentParser, default_metrics_port: int) -> None:
-    g = p.add_argument_group("observability")
-    g.add_argument("--otlp-endpoint", default=None,
-                   help="export traces over OTLP/gRPC to this collector (default: "
-                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset = no tracing)")
-    g.add_argument("--trace-console", action="store_true", help="print finished spans to stdout")
-    g.add_argument("--trace-sample-ratio", type=float, default=1.0,
-                   help="fraction of new traces recorded (a client's sampled flag is followed)")
-    g.add_argument("--metrics-host", default=None, help="Prometheus /metrics host (default: --host)")
-    g.add_argument("--metrics-port", type=int, default=None,
-                   help=f"Prometheus /metrics port (default {default_metrics_port or 'ephemeral'}; "
-                        "0 = ephemeral; -1 = off)")
-    g.add_argument("--metrics-tls-cert", default=None, help="PEM certificate chain: serve /metrics over HTTPS")
-    g.add_argument("--metrics-tls-key", default=None, help="PEM private key for --metrics-tls-cert")
-    g.add_argument("--metrics-tls-client-ca", default=None,
-                   help="PEM CA bundle: scrapers must present a client certificate it signed")
-    g.add_argument("--log-format", choices=("text", "json"), default="text",
-                   help="json: one JSON object per log line (request lines carry the trace id)")
+def add_args(p: argparse.ArgumentParser, default_metrics_port: int | None = None) -> Flags:
+    """The observability flags (`TelemetryConfig`'s options) on `p`; `default_metrics_port` is the
+    component's (the router's 9464; None on workers: ephemeral), shown in the help only."""
+    del default_metrics_port   # the component default is applied where /metrics starts
+    return Flags(p, TelemetryConfig, title="observability")
 
 
 def from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> TelemetryConfig:
-    return TelemetryConfig(otlp_endpoint=a.otlp_endpoint or env_endpoint(environ), console=a.trace_console,
-                           sample_ratio=a.trace_sample_ratio, metrics_host=a.metrics_host,
-                           metrics_port=a.metrics_port, metrics_tls_cert=a.metrics_tls_cert,
-                           metrics_tls_key=a.metrics_tls_key, metrics_tls_client_ca=a.metrics_tls_client_ca,
-                           log_format=a.log_format)
+    """`TelemetryConfig` from flags added by `add_args`, then `LLM_*` variables, then the OTEL ones."""
+    return Flags(argparse.ArgumentParser(add_help=False), TelemetryConfig).build(a, environ)
+
+
+def standard_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The OpenTelemetry SDK's own variables (OTEL_*: endpoint, headers, batch delays, resource
+    attributes...) that a launcher hands on to the processes it starts."""
+    return {k: v for k, v in environ.items() if k.startswith("OTEL_")}
 
 
 def env_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -1,33 +1,63 @@
 """`make serve`: Ray in this process, N worker actors, and the router on 127.0.0.1:50051.
 
 Contract
-- input: command line (`--workers N`, default: one per GPU, otherwise one per two CPU cores, at
-  least one; `--port`, `--model`, `--kv-cache-mb`).
+- input: command line and `LLM_*` variables (common.config_cli): `--num-workers N` (`--workers`;
+  default one per GPU, otherwise one per two CPU cores, at least one), every router flag but
+  --workers/--ray-address/--model (`python -m router`'s, e.g. --port, --tenants), every engine
+  flag (`python -m worker`'s, e.g. --model, --dtype, --kv-cache-mb, --max-model-len,
+  --attention-backend, --enforce-eager, --no-prefix-caching), and the workers' own server
+  settings as --worker-drain-grace-s, --worker-drain-announce-s, --worker-max-message-mb. The
+  observability flags (and OTEL_* variables) apply to the router and the workers alike, except
+  --metrics-*: workers serve /metrics on ephemeral loopback ports, which the router's /targets lists.
+  `--model` is the workers' model and the router's tokenizer. Workers bind 127.0.0.1 (no TLS).
 - output: starts a local Ray instance in-process (no dashboard, no other services), launches the
   workers with deploy/ray_launch.py, then serves the router in this process with Ray discovery
   (the same code path as `python -m router --ray-address ...` on a cluster). Prints how to try it
   and the Ray address another router can join with. Ctrl-C / SIGTERM: the router drains, the
   workers drain and stop, Ray shuts down; exit status 0.
 - state: the Ray instance and the worker actors, for the life of the process.
-- failure modes: a worker that cannot start -> the error is printed, everything is torn down,
-  exit status 1. A signal during start-up tears down what was started.
-- proven by: tests/test_ray_serve.py.
+- failure modes: a bad flag or variable -> usage error (exit 2) before Ray starts; a worker that
+  cannot start -> the error is printed, everything is torn down, exit status 1. A signal during
+  start-up tears down what was started.
+- proven by: tests/test_ray_serve.py, tests/test_serve_config.py (spans from router and workers).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 
-from common.ray_names import DEFAULT_NAMESPACE
+from common.config_cli import Flags, new_parser, option, parse_or_exit
+from common.logs import setup_logging
 from deploy.ray_launch import LaunchConfig, launch_workers, ray_process_env, stop_workers
 from router.config import RouterConfig
 from worker.config import EngineConfig
+from worker.server_config import WorkerServerConfig
 
 log = logging.getLogger(__name__)
+# Telemetry settings the workers share with the router (not its /metrics address or certificate).
+SHARED_TELEMETRY = ("otlp_endpoint", "console", "sample_ratio", "log_format")
+WORKER_SERVER_FLAGS = ("drain_grace_s", "drain_announce_s", "max_message_bytes")   # as --worker-*
+
+
+@dataclass(frozen=True)
+class Stack:
+    num_workers: int | None = field(default=None, metadata=option(
+        "worker actors (default: one per GPU, else one per two CPU cores)", aliases=("workers",)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `make serve` starts, from the command line and the environment."""
+    num_workers: int | None
+    router: RouterConfig          # ray_address is set once Ray runs
+    engine: EngineConfig
+    worker_options: dict          # further WorkerServerConfig fields (LaunchConfig.server_options)
 
 
 def default_num_workers(num_gpus: int, num_cpus: int) -> int:
@@ -36,16 +66,29 @@ def default_num_workers(num_gpus: int, num_cpus: int) -> int:
     return num_gpus if num_gpus else max(1, num_cpus // 2)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m deploy.local",
-                                description="local Ray + worker actors + router, one command")
-    p.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
-    p.add_argument("--workers", type=int, default=None, help="default: one per GPU, else cores // 2")
-    p.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-mb", type=float, default=256, help="KV budget per CPU worker, MiB")
-    p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
-    return p.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> Plan:
+    p = new_parser("python -m deploy.local", "local Ray + worker actors + router, one command")
+    stack = Flags(p, Stack, title="stack")
+    router = Flags(p, RouterConfig, exclude=("workers", "ray_address", "model"),
+                   aliases={"ray_namespace": ("--namespace",)}, title="router")
+    engine = Flags(p, EngineConfig, title="engine (every worker)")
+    server = Flags(p, WorkerServerConfig, prefix="worker-",
+                   exclude=[f.name for f in dataclasses.fields(WorkerServerConfig)
+                            if f.name not in WORKER_SERVER_FLAGS],
+                   title="worker server (every worker)")
+
+    def build(ns: argparse.Namespace) -> Plan:
+        engine_config = engine.build(ns)
+        router_config = router.build(ns, model=engine_config.model)
+        options = server.values(ns)
+        telemetry = {name: getattr(router_config.telemetry, name) for name in SHARED_TELEMETRY}
+        options["telemetry"] = {k: v for k, v in telemetry.items()
+                                if v != getattr(type(router_config.telemetry)(), k)}
+        LaunchConfig(engine=engine_config, drain_grace_s=options.get("drain_grace_s", LaunchConfig.drain_grace_s),
+                     server_options={k: v for k, v in options.items() if k != "drain_grace_s"}).check()
+        return Plan(stack.build(ns).num_workers, router_config, engine_config, options)
+
+    return parse_or_exit(p, argv, build)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,36 +96,37 @@ def main(argv: list[str] | None = None) -> int:
 
     from router.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
-    a = parse_args(argv)
+    plan = parse_args(argv)
+    setup_logging("serve", plan.router.telemetry.log_format)
+    namespace = plan.router.ray_namespace
     # Until the router's drain handler is installed, SIGTERM unwinds like Ctrl-C (see finally).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     num_cpus = os.cpu_count() or 1
     ray_process_env()
     try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=a.namespace,
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  logging_level=logging.WARNING)
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
-        num_workers = a.workers or default_num_workers(num_gpus, num_cpus)
-        threads = None if num_gpus else max(1, num_cpus // num_workers)
-        engine = EngineConfig(model=a.model, dtype=a.dtype, device="auto",
-                              kv_cache_bytes=int(a.kv_cache_mb * 2**20), num_threads=threads)
+        num_workers = plan.num_workers or default_num_workers(num_gpus, num_cpus)
+        options = dict(plan.worker_options)
+        drain_grace_s = options.pop("drain_grace_s", LaunchConfig.drain_grace_s)
         print(f"starting {num_workers} worker(s) on {'GPU' if num_gpus else 'CPU'} ...", flush=True)
+        # Each worker's torch threads = the CPUs it reserves (Ray sets OMP_NUM_THREADS from them).
         workers = launch_workers(LaunchConfig(
-            num_workers=num_workers, engine=engine, namespace=a.namespace,
-            cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers))
+            num_workers=num_workers, engine=plan.engine, namespace=namespace, drain_grace_s=drain_grace_s,
+            cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers, server_options=options))
         ray_address = ray.get_runtime_context().gcs_address
-        target = f"127.0.0.1:{a.port}" if a.port else "<the router address printed below>"
+        port = plan.router.port
+        target = f"{plan.router.host}:{port}" if port else "<the router address printed below>"
         client = f".venv/bin/python -m router.client --target {target}"
         print(f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
               f"  {client} --chat 'What is the capital of France?'\n"
               f"  {client} 'Once upon a time' --max-tokens 64\n"
               f"A second router over the same workers:\n"
               f"  .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
-              f"--ray-namespace {a.namespace}\n"
+              f"--ray-namespace {namespace}\n"
               "Ctrl-C stops everything.\n", flush=True)
-        config = RouterConfig(port=a.port, model=a.model, ray_address=ray_address, ray_namespace=a.namespace)
-        status = asyncio.run(serve(config))
+        status = asyncio.run(serve(dataclasses.replace(plan.router, ray_address=ray_address)))
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     except KeyboardInterrupt:
         status = 0
@@ -91,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     finally:
         if ray.is_initialized():
-            stopped = stop_workers(a.namespace)
+            stopped = stop_workers(namespace)
             ray.shutdown()
             print(f"stopped: router, workers {', '.join(stopped) or 'none'}, Ray", flush=True)
     return status

@@ -2,18 +2,26 @@
 
 Contract
 - input: a `LaunchConfig` (how many workers, what each reserves, placement, restart policy, the
-  engine each serves); Ray already connected (`ray.init`, local or `address=...`).
+  engine each serves and the rest of its worker-server settings); Ray already connected
+  (`ray.init`, local or `address=...`). From the command line (`python -m deploy.ray_launch`)
+  every `python -m worker` flag is accepted (EngineConfig and WorkerServerConfig metadata through
+  common.config_cli, `LLM_*` variables too) except --port: actors serve on ephemeral ports.
 - output: `launch_workers` starts the missing named actors `<prefix><i>` in `namespace` and
   returns their handles and `"host:port"` addresses once every one serves (non-detached actors
   die with their last handle, so the caller keeps the result). Each actor is `WorkerActor`: the plain
-  worker gRPC server (`worker.server.serve`) on a thread of the actor's process; `address()`
-  answers where it serves. `stop_workers` kills them and frees their placement groups.
+  worker gRPC server (`worker.server.serve`) on a thread of the actor's process, its
+  `WorkerServerConfig` built there (TLS paths need only exist on the nodes); `address()` answers
+  where it serves. `stop_workers` kills them and frees their placement groups.
+- telemetry: the launching process's OTEL_* variables reach every actor (Ray `runtime_env`), and
+  the endpoint they name is also set explicitly in the actors' TelemetryConfig (as are
+  --otlp-endpoint, --trace-* and --log-format when given).
 - resources: one GPU per worker when the cluster has GPUs (`num_gpus=1`; the engine then runs on
   the GPU Ray assigned), otherwise `cpus_per_worker` CPUs; one placement-group bundle per worker,
   strategy SPREAD by default so workers spread across nodes. A worker on several GPUs (tensor
   parallel) is out of scope: the engine runs one device.
 - state: in Ray only (named actors, one placement group per launch call); none here.
-- failure modes: a worker process that dies is restarted by Ray (`max_restarts`, default
+- failure modes: a non-loopback host (node-ip) without mutual TLS or --allow-insecure-public ->
+  ValueError (common.public_bind), before anything starts. A worker process that dies is restarted by Ray (`max_restarts`, default
   unlimited) in the same bundle; it reloads the model and serves on a new port, which routers
   learn from `address()`. A failing constructor (bad model path, cannot bind) is final: Ray does
   not restart failed constructors. Bundles that cannot be placed within `ready_timeout_s` ->
@@ -27,18 +35,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import pathlib
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from common.net import bind_address, is_loopback_host
+from common.config_cli import Flags, construct, new_parser, option, parse_or_exit
+from common.logs import setup_logging
+from common.net import bind_address
+from common.public_bind import refusal, worker_missing
 from common.ray_names import DEFAULT_NAME_PREFIX, DEFAULT_NAMESPACE, list_worker_names, worker_name
+from common.telemetry import standard_env
 from worker.config import EngineConfig
+from worker.server_config import WorkerServerConfig
 
 log = logging.getLogger(__name__)
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -46,22 +60,37 @@ STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 NODE_IP = "node-ip"       # `host` value: bind and advertise the IP of the node the actor runs on
 
 
+_GPUS = {"auto": None, "yes": True, "no": False}
+_FILE_FIELDS = ("tls_cert", "tls_key", "tls_client_ca")
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
-    num_workers: int
-    engine: EngineConfig = EngineConfig(device="auto")
+    """What to launch. `engine`, `host`, `drain_grace_s` and `tls` are the worker settings code
+    sets most; `server_options` holds any other `WorkerServerConfig` field by name (nested
+    `telemetry` as a dict or a TelemetryConfig). The field metadata makes the placement flags."""
+    num_workers: int = field(default=1, metadata=option("worker actors to run"))
+    engine: EngineConfig = EngineConfig()
     host: str = "127.0.0.1"                # or NODE_IP (cluster mode)
-    drain_grace_s: float = 10.0
-    namespace: str = DEFAULT_NAMESPACE
-    name_prefix: str = DEFAULT_NAME_PREFIX
-    use_gpus: bool | None = None           # None: one GPU per worker iff the cluster has GPUs
-    cpus_per_worker: float = 1.0           # CPUs reserved per worker; fractions allowed
-    placement_strategy: str = "SPREAD"
-    max_restarts: int = -1                 # -1: restart a dead worker process without limit
+    drain_grace_s: float = WorkerServerConfig.drain_grace_s
+    namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
+        "Ray namespace the worker actors are named in", flag="ray-namespace", aliases=("namespace",)))
+    name_prefix: str = field(default=DEFAULT_NAME_PREFIX, metadata=option(
+        "worker actor names: <prefix><index> (routers list <prefix>*)"))
+    use_gpus: bool | None = field(default=None, metadata=option(
+        "one GPU per worker: auto = when the cluster has GPUs", flag="gpus", choices=tuple(_GPUS),
+        parse=_GPUS.__getitem__, format=lambda v: next(k for k, g in _GPUS.items() if g is v)))
+    cpus_per_worker: float = field(default=1.0, metadata=option("CPUs each worker reserves (fractions allowed)"))
+    placement_strategy: str = field(default="SPREAD", metadata=option(
+        "placement group strategy of the workers' bundles", choices=STRATEGIES))
+    max_restarts: int = field(default=-1, metadata=option("restarts of a dead worker process; -1 = unlimited"))
     detached: bool = False                 # outlive the launching driver (cluster mode)
-    ready_timeout_s: float = 600.0         # placement + model load
-    tls: tuple[str, str, str] | None = None  # (cert, key, client CA) PEM paths valid on every node:
-                                             # workers serve mutual TLS (routers: --worker-tls-*)
+    ready_timeout_s: float = field(default=600.0, metadata=option(
+        "placement + model load deadline of each launch"))
+    tls: tuple[str, str, str | None] | None = None   # (cert, key, client CA) PEM paths valid on every
+                                                     # node: workers serve (mutual) TLS
+    server_options: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)   # extra variables for the actor processes
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -73,6 +102,38 @@ class LaunchConfig:
             raise ValueError("cpus_per_worker must be >= 0")
         if self.use_gpus is False and self.cpus_per_worker == 0:
             raise ValueError("a CPU worker must reserve some CPU (cpus_per_worker > 0)")
+        reserved = {"engine", "host", "port", "drain_grace_s", *_FILE_FIELDS} & set(self.server_options)
+        if reserved:
+            raise ValueError(f"server_options cannot set {sorted(reserved)} (LaunchConfig fields; port is 0)")
+        cert, key, client_ca = self.tls or (None, None, None)
+        if (cert is None) != (key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        problem = refusal(self.host, worker_missing(self.host, bool(self.server_options.get("allow_insecure_public")),
+                                                    cert, key, client_ca), "worker")
+        if problem:
+            raise ValueError(problem)
+
+    def worker_values(self, host: str) -> dict:
+        """The `WorkerServerConfig` fields of each worker (`construct` builds it, on the node)."""
+        cert, key, client_ca = self.tls or (None, None, None)
+        values = {**self.server_options, "engine": self.engine, "host": host, "port": 0,
+                  "drain_grace_s": self.drain_grace_s, "tls_cert": cert, "tls_key": key,
+                  "tls_client_ca": client_ca}
+        telemetry = values.get("telemetry", {})
+        if cert and isinstance(telemetry, Mapping) and "metrics_tls_cert" not in telemetry:
+            # With TLS, /metrics is HTTPS with the same certificate (scrapers trust the CA; no client
+            # certificate needed there, so Prometheus needs only `scheme: https` and the CA).
+            values["telemetry"] = {**telemetry, "metrics_tls_cert": cert, "metrics_tls_key": key}
+        return values
+
+    def check(self) -> None:
+        """Builds one worker's config here with the file paths left out (they need to exist only
+        on the nodes), so that a bad value fails before anything is placed."""
+        values = {k: v for k, v in self.worker_values("127.0.0.1").items() if k not in _FILE_FIELDS}
+        telemetry = values.get("telemetry", {})
+        if isinstance(telemetry, Mapping):
+            values["telemetry"] = {k: v for k, v in telemetry.items() if not k.startswith("metrics_tls_")}
+        construct(WorkerServerConfig, values)
 
 
 def ray_process_env() -> None:
@@ -84,36 +145,21 @@ def ray_process_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def resolve_device(engine: EngineConfig) -> EngineConfig:
-    """`device="auto"`: the GPU Ray assigned to this process when there is one, else the CPU."""
-    if engine.device != "auto":
-        return engine
-    import torch
-
-    return dataclasses.replace(engine, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
 class WorkerActor:
-    """One worker: the gRPC server on its own thread and event loop (Ray owns the main thread)."""
+    """One worker: the gRPC server on its own thread and event loop (Ray owns the main thread).
+    `server_options`: further `WorkerServerConfig` fields (see `LaunchConfig`)."""
 
-    def __init__(self, engine: EngineConfig, host: str = "127.0.0.1", drain_grace_s: float = 10.0,
-                 ready_timeout_s: float = 600.0, tls: tuple[str, str, str] | None = None):
-        from worker.server import WorkerServerConfig
-
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    def __init__(self, engine: EngineConfig, host: str = "127.0.0.1",
+                 drain_grace_s: float = WorkerServerConfig.drain_grace_s, ready_timeout_s: float = 600.0,
+                 tls: tuple[str, str, str | None] | None = None, server_options: Mapping[str, Any] | None = None):
+        launch = LaunchConfig(engine=engine, host=host, drain_grace_s=drain_grace_s, tls=tls,
+                              server_options=dict(server_options or {}))
         if host == NODE_IP:
             import ray
 
             host = ray.util.get_node_ip_address()
-        from common.telemetry import TelemetryConfig
-
-        cert, key, client_ca = tls or (None, None, None)
-        # With TLS, /metrics is HTTPS with the same certificate (scrapers trust the CA; no client
-        # certificate needed there, so Prometheus needs only `scheme: https` and the CA).
-        self._config = WorkerServerConfig(engine=resolve_device(engine), host=host, port=0,
-                                          drain_grace_s=drain_grace_s, tls_cert=cert, tls_key=key,
-                                          tls_client_ca=client_ca,
-                                          telemetry=TelemetryConfig(metrics_tls_cert=cert, metrics_tls_key=key))
+        self._config: WorkerServerConfig = construct(WorkerServerConfig, launch.worker_values(host))
+        setup_logging("worker", self._config.telemetry.log_format)
         self._port: int | None = None
         self._error: BaseException | None = None
         self._stopping = False
@@ -190,8 +236,15 @@ class Workers:
     addresses: dict[str, str]
 
 
+def actor_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables every actor process gets: this process's OTEL_* (the SDK's own settings:
+    endpoint, headers, batch delays...), then `config.env`."""
+    return {**standard_env(environ), **config.env}
+
+
 def launch_workers(config: LaunchConfig) -> Workers:
     """Starts the workers of `config` that are not already running and waits until all serve."""
+    config.check()
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -213,6 +266,7 @@ def launch_workers(config: LaunchConfig) -> Workers:
             raise TimeoutError(f"cannot place {len(missing)} x {bundle} ({config.placement_strategy}) "
                                f"within {config.ready_timeout_s} s; cluster has {ray.cluster_resources()}")
         actor_cls = ray.remote(WorkerActor)
+        env = actor_env(config)
         for index, name in enumerate(missing):
             handles[name] = actor_cls.options(
                 name=name, namespace=config.namespace, lifetime=lifetime,
@@ -220,7 +274,9 @@ def launch_workers(config: LaunchConfig) -> Workers:
                 num_cpus=config.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=index),
-            ).remote(config.engine, config.host, config.drain_grace_s, config.ready_timeout_s, config.tls)
+                **({"runtime_env": {"env_vars": env}} if env else {}),
+            ).remote(config.engine, config.host, config.drain_grace_s, config.ready_timeout_s, config.tls,
+                     dict(config.server_options))
         log.info("launched %d worker(s) (%s each, %s)", len(missing), bundle, config.placement_strategy)
     addresses = ray.get([h.address.remote() for h in handles.values()], timeout=config.ready_timeout_s)
     return Workers(handles, dict(zip(names, addresses)))
@@ -248,61 +304,52 @@ def stop_workers(namespace: str = DEFAULT_NAMESPACE, name_prefix: str = DEFAULT_
     return names
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, LaunchConfig]:
-    p = argparse.ArgumentParser(prog="python -m deploy.ray_launch",
-                                description="start (or --stop) Ray worker actors in a cluster")
-    p.add_argument("--ray-address", default="auto", help="Ray cluster (auto, HOST:PORT or ray://HOST:10001)")
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
-    p.add_argument("--stop", action="store_true", help="stop the workers of --namespace instead")
-    p.add_argument("--host", default=NODE_IP, help=f"bind address; {NODE_IP} = the actor's node IP")
-    p.add_argument("--allow-insecure-public", action="store_true",
-                   help="bind a non-loopback address without mutual TLS (a private network only)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate of the workers (path on every node)")
-    p.add_argument("--tls-key", default=None, help="its PEM private key (path on every node)")
-    p.add_argument("--tls-client-ca", default=None,
-                   help="PEM CA that signs the routers' client certificates (mutual TLS)")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    p.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
-                   help="one GPU per worker: auto = when the cluster has GPUs")
-    p.add_argument("--placement-strategy", choices=STRATEGIES, default="SPREAD")
-    p.add_argument("--max-restarts", type=int, default=-1, help="-1 = unlimited")
-    p.add_argument("--model", default=None,
-                   help="GGUF file or HF dir on every node (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    p.add_argument("--kv-cache-mb", type=float, default=None, help="KV budget on CPU, MiB")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
-    a = p.parse_args(argv)
-    public = a.host == NODE_IP or not is_loopback_host(a.host)
-    tls = (a.tls_cert, a.tls_key, a.tls_client_ca)
-    if any(tls) and not all(tls):
-        p.error("mutual TLS needs all of --tls-cert, --tls-key and --tls-client-ca")
-    if public and not all(tls) and not a.allow_insecure_public:
-        p.error("workers on node IPs are reachable from the network: give them mutual TLS "
-                "(--tls-cert, --tls-key, --tls-client-ca) or pass --allow-insecure-public on a private "
-                "network (or --host 127.0.0.1)")
-    overrides = {k: v for k, v in {
-        "kv_cache_bytes": None if a.kv_cache_mb is None else int(a.kv_cache_mb * 2**20),
-        "max_num_seqs": a.max_num_seqs, "num_threads": a.num_threads}.items() if v is not None}
-    engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, **overrides)
-    config = LaunchConfig(
-        num_workers=a.num_workers, engine=engine, host=a.host, namespace=a.namespace,
-        use_gpus={"auto": None, "yes": True, "no": False}[a.gpus], cpus_per_worker=a.cpus_per_worker,
-        placement_strategy=a.placement_strategy, max_restarts=a.max_restarts, detached=True,
-        tls=tls if all(tls) else None)
-    return a, config
+@dataclass(frozen=True)
+class Command:
+    """What `python -m deploy.ray_launch` does besides the launch settings."""
+    ray_address: str = field(default="auto", metadata=option(
+        "Ray cluster: auto, HOST:PORT (GCS) or ray://HOST:10001 (Ray Client)", metavar="ADDRESS"))
+    stop: bool = field(default=False, metadata=option(
+        "stop the workers of --ray-namespace instead of starting them", negative=()))
+
+
+def parser() -> tuple[argparse.ArgumentParser, Flags, Flags, Flags, Flags]:
+    """The launcher's flags: the command, placement, and every worker flag but --port."""
+    p = new_parser("python -m deploy.ray_launch", "start (or --stop) Ray worker actors in a cluster")
+    command = Flags(p, Command, title="cluster")
+    launch = Flags(p, LaunchConfig, title="placement")
+    engine = Flags(p, EngineConfig, title="engine")
+    server = Flags(p, WorkerServerConfig, exclude=("engine", "port"), defaults={"host": NODE_IP},
+                   title=f"worker server (--host {NODE_IP}: the IP of the node each actor runs on)")
+    return p, command, launch, engine, server
+
+
+def launch_config(ns: argparse.Namespace, launch: Flags, engine: Flags, server: Flags, **fixed) -> LaunchConfig:
+    """A LaunchConfig from the launcher flags (shared with deploy/local.py)."""
+    values = server.values(ns)
+    tls = tuple(values.pop(name, None) for name in _FILE_FIELDS)
+    host = values.pop("host", LaunchConfig.host)
+    drain_grace_s = values.pop("drain_grace_s", LaunchConfig.drain_grace_s)
+    config = launch.build(ns, engine=engine.build(ns), host=host, drain_grace_s=drain_grace_s,
+                          tls=tls if any(tls) else None, server_options=values, **fixed)
+    config.check()
+    return config
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Command, LaunchConfig]:
+    p, command, launch, engine, server = parser()
+    return parse_or_exit(p, argv, lambda ns: (command.build(ns),
+                                              launch_config(ns, launch, engine, server, detached=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Cluster mode: start detached workers (they outlive this command), print where they serve."""
     import ray
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
-    a, config = parse_args(argv)
-    ray.init(address=a.ray_address, namespace=config.namespace, log_to_driver=False)
-    if a.stop:
+    command, config = parse_args(argv)
+    setup_logging("launch", config.server_options.get("telemetry", {}).get("log_format", "text"))
+    ray.init(address=command.ray_address, namespace=config.namespace, log_to_driver=False)
+    if command.stop:
         print(f"stopped: {', '.join(stop_workers(config.namespace, config.name_prefix)) or 'none'}")
         return 0
     for name, address in launch_workers(config).addresses.items():

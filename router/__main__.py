@@ -1,18 +1,20 @@
-"""`python -m router --workers host:port,...` (see `python -m router --help`)."""
+"""`python -m router --workers host:port,... | --ray-address ADDR` serves the router (see --help).
+
+Contract: the flags and their `LLM_*` variables come from `RouterConfig`'s field metadata
+(router.config.parse_args); a bad value is a usage error (exit 2); SIGTERM drains, exit 0.
+"""
 import asyncio
 import sys
 
 from common.logs import setup_logging
 from router.config import parse_args
-from router.server import serve
 
 
-def main() -> int:
-    try:
-        config = parse_args()
-    except ValueError as exc:  # a bad flag value or unreadable TLS file: a usage error, not a traceback
-        raise SystemExit(f"python -m router: error: {exc}") from None
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
     setup_logging("router", config.telemetry.log_format)
+    from router.server import serve   # grpc and the tokenizer load only once the flags are good
+
     return asyncio.run(serve(config))
 
 

@@ -1,11 +1,18 @@
-"""Router configuration: one frozen dataclass, built from the command line in one place."""
+"""Router configuration: one frozen dataclass, checked at construction.
+
+Contract: `RouterConfig` (with `Limits` and `TelemetryConfig` nested) holds every router setting;
+its field metadata makes the flags of `python -m router` and the launchers and the `LLM_*`
+variables (common.config_cli); `parse_args(argv)` is flags > variables > defaults, with a bad
+value a usage error (exit 2). The non-loopback rule is common.public_bind's.
+"""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common import telemetry
+from common.config_cli import MIB, Flags, comma_list, new_parser, option, parse_or_exit, section
 from common.net import is_loopback_host
+from common.public_bind import refusal, router_missing
 from common.tls import check_files, check_server_files
 from common.telemetry import TelemetryConfig
 from common.ray_names import DEFAULT_NAMESPACE
@@ -17,58 +24,100 @@ WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
 @dataclass(frozen=True)
 class Limits:
     """Request limits the validator enforces (model-independent ones; the context comes from workers)."""
-    default_max_tokens: int = 256       # used when stopping.max_tokens is unset
-    max_tokens_limit: int = 4096        # largest max_tokens a client may ask for
-    max_stop_strings: int = 8
-    max_stop_string_len: int = 64       # characters
-    max_stop_token_ids: int = 64
-    max_chat_messages: int = 256
-    max_prompt_chars: int = 1_000_000   # refuse before tokenizing absurd inputs
-    max_request_id_len: int = 128
+    default_max_tokens: int = field(default=256, metadata=option(
+        "max_tokens of a request that leaves it unset (fitted to the context)"))
+    max_tokens_limit: int = field(default=4096, metadata=option("largest max_tokens a client may ask for"))
+    max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
+    max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
+    max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
+    max_chat_messages: int = field(default=256, metadata=option("messages per chat request at most"))
+    max_prompt_chars: int = field(default=1_000_000, metadata=option(
+        "prompt characters at most (refused before tokenizing)"))
+    max_request_id_len: int = field(default=128, metadata=option("request id characters at most"))
 
     def __post_init__(self) -> None:
-        assert 1 <= self.default_max_tokens <= self.max_tokens_limit
-        assert self.max_stop_strings >= 0 and self.max_stop_string_len >= 1
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens must be in [1, max_tokens_limit = {self.max_tokens_limit}], "
+                             f"got {self.default_max_tokens}")
+        if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
+            raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    workers: tuple[str, ...] = ()             # static registry: host:port of each worker
-    ray_address: str | None = None            # also discover worker actors in this Ray cluster
-    ray_namespace: str = DEFAULT_NAMESPACE    # the Ray namespace the worker actors are named in
-    model: str | None = None                  # tokenizer source (GGUF path); None = embedded model
-    tenants_file: str | None = None
-    allow_insecure_public: bool = False
-    drain_grace_s: float = 30.0               # SIGTERM: how long in-flight streams may finish
-    health_poll_s: float = 1.0                # worker health/load probe period
-    health_timeout_s: float = 1.0             # each probe call's deadline (a hung worker fails it)
-    down_after_probes: int = 2                # failed probes in a row -> worker down, its streams cancelled
-    breaker_failures: int = 3                 # failed calls in a row -> circuit open (no traffic) ...
-    breaker_cooldown_s: float = 2.0           # ... for this long, doubling on each re-open ...
-    breaker_max_cooldown_s: float = 60.0      # ... up to this
-    max_message_bytes: int = 16 * 1024 * 1024
-    limits: Limits = Limits()
-    tenants_poll_s: float = 2.0               # reload the tenants file when it changes; 0 = SIGHUP only
-    fair_queue: str = "vtc"                   # vtc | fcfs (the baseline for comparisons)
-    max_queued: int | None = 1024             # requests waiting in this router's queue; None = no cap
-    queue_requests: bool = True               # False: admit only requests a worker can start now
-    max_tokens_in_flight: int | None = None   # prompt + max_tokens of open requests; None = no budget
-    affinity_imbalance: float = 0.25          # prefix affinity yields when its worker's load (fraction
-                                              # of KV capacity) exceeds the least loaded's by more
-    no_worker_grace_s: float = 5.0            # queued requests wait this long for a worker to return
-    router_replicas: int = 1                  # routers sharing the workers and tenants: each enforces
-                                              # 1/R of the tenant limits, the token budget and each
-                                              # worker's KV room and sequence slots
-    telemetry: TelemetryConfig = TelemetryConfig()   # tracing, /metrics, log format
-    tls_cert: str | None = None               # PEM: TLS on the client port (with tls_key)
-    tls_key: str | None = None
-    tls_client_ca: str | None = None          # PEM: clients must present a certificate it signed
-    worker_tls_ca: str | None = None          # PEM: TLS to workers, verified against this CA
-    worker_tls_cert: str | None = None        # PEM: the router's client certificate (mutual TLS)
-    worker_tls_key: str | None = None
-    worker_tls_server_name: str | None = None  # name expected in worker certificates; None = host
+    """Router settings; the field metadata makes the flags of `python -m router` and of the
+    launchers, and the `LLM_*` variables (common.config_cli). Defaults live only here."""
+    host: str = field(default="127.0.0.1", metadata=option(
+        "client port address; a non-loopback one needs --tenants and --tls-cert/--tls-key, or "
+        "--allow-insecure-public"))
+    port: int = field(default=50051, metadata=option("client port; 0 = ephemeral (printed at start-up)"))
+    workers: tuple[str, ...] = field(default=(), metadata=option(
+        "static workers: comma-separated host:port list", parse=comma_list, format=",".join,
+        metavar="HOST:PORT,..."))
+    ray_address: str | None = field(default=None, metadata=option(
+        "also discover worker actors in this Ray cluster: HOST:PORT (GCS), auto, or ray://HOST:10001 "
+        "(Ray Client, from outside the cluster)", metavar="ADDRESS"))
+    ray_namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
+        "Ray namespace the worker actors are named in"))
+    model: str | None = field(default=None, metadata=option(
+        "GGUF file for the tokenizer (default: the embedded model)", metavar="PATH"))
+    tenants_file: str | None = field(default=None, metadata=option(
+        "tenants YAML file (API keys, weights, limits; docs/serving.md)", flag="tenants", metavar="FILE"))
+    allow_insecure_public: bool = field(default=False, metadata=option(
+        "serve a non-loopback address without API keys and TLS", negative=()))
+    drain_grace_s: float = field(default=30.0, metadata=option(
+        "SIGTERM: how long in-flight streams may finish"))
+    health_poll_s: float = field(default=1.0, metadata=option("worker health/load probe period"))
+    health_timeout_s: float = field(default=1.0, metadata=option(
+        "deadline of each worker probe call (a hung worker fails it)"))
+    down_after_probes: int = field(default=2, metadata=option(
+        "failed probes in a row after which a worker is down and its open streams are cancelled "
+        "(UNAVAILABLE, retried if no token was sent)"))
+    breaker_failures: int = field(default=3, metadata=option(
+        "failed calls in a row that open a worker's circuit (no traffic)"))
+    breaker_cooldown_s: float = field(default=2.0, metadata=option(
+        "how long an open circuit stays open; doubles on each re-open"))
+    breaker_max_cooldown_s: float = field(default=60.0, metadata=option("longest circuit cool-down"))
+    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=option(
+        "largest gRPC message received or sent (a larger request gets RESOURCE_EXHAUSTED before it "
+        "is parsed)", flag="max-message-mb", unit=MIB))
+    limits: Limits = field(default=Limits(), metadata=section("request limits"))
+    tenants_poll_s: float = field(default=2.0, metadata=option(
+        "check the tenants file for changes this often (0: reload on SIGHUP only)"))
+    fair_queue: str = field(default="vtc", metadata=option(
+        "queue order: weighted virtual token counter, or first come first served (the baseline)",
+        choices=("vtc", "fcfs")))
+    max_queued: int | None = field(default=1024, metadata=option(
+        "requests waiting in this router's queue (0: no cap)", none_value=0))
+    queue_requests: bool = field(default=True, metadata=option(
+        "queue requests no worker can start now; --no-queue admits only those a worker can start "
+        "and refuses the rest at once (RESOURCE_EXHAUSTED): time to first token stays near the "
+        "unloaded value under overload, at the cost of fair queueing", flag="queue", negative=("no-queue",)))
+    max_tokens_in_flight: int | None = field(default=None, metadata=option(
+        "budget of prompt + max_tokens over open requests (0: none)", none_value=0))
+    affinity_imbalance: float = field(default=0.25, metadata=option(
+        "prefix affinity yields to the least loaded worker when the preferred one's load, as a "
+        "fraction of its KV capacity, is higher by more than this"))
+    no_worker_grace_s: float = field(default=5.0, metadata=option(
+        "requests queued for a model with no healthy worker fail (UNAVAILABLE) after this"))
+    router_replicas: int = field(default=1, metadata=option(
+        "how many routers share these workers and tenants behind one balancer that spreads requests "
+        "evenly: this one enforces 1/N of each tenant's rates and caps (caps rounded up), of "
+        "--max-tokens-in-flight and of each worker's KV room and sequence slots"))
+    telemetry: TelemetryConfig = field(default=TelemetryConfig(), metadata=section("observability"))
+    tls_cert: str | None = field(default=None, metadata=option(
+        "PEM: TLS certificate chain of the client port", metavar="FILE"))
+    tls_key: str | None = field(default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE"))
+    tls_client_ca: str | None = field(default=None, metadata=option(
+        "PEM: require client certificates signed by this CA (mutual TLS on the client port)", metavar="FILE"))
+    worker_tls_ca: str | None = field(default=None, metadata=option(
+        "PEM: connect to workers over TLS, trusting this CA", metavar="FILE"))
+    worker_tls_cert: str | None = field(default=None, metadata=option(
+        "PEM: the router's client certificate for workers that require one (mutual TLS)", metavar="FILE"))
+    worker_tls_key: str | None = field(default=None, metadata=option(
+        "PEM: private key of --worker-tls-cert", metavar="FILE"))
+    worker_tls_server_name: str | None = field(default=None, metadata=option(
+        "name the workers' certificates carry, when it is not the host dialled", metavar="NAME"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -115,92 +164,18 @@ class RouterConfig:
     def missing_for_public_bind(self) -> list[str]:
         """What a non-loopback client port lacks: API keys and TLS, so that keys never travel in
         clear text. Empty when the bind is loopback or --allow-insecure-public."""
-        if self.binds_loopback or self.allow_insecure_public:
-            return []
-        missing = [] if self.tenants_file else ["API keys (--tenants FILE)"]
-        return missing + ([] if self.tls_cert else ["TLS (--tls-cert FILE --tls-key FILE)"])
+        return router_missing(self.host, self.allow_insecure_public, self.tenants_file, self.tls_cert)
+
+    def public_bind_refusal(self) -> str | None:
+        """The error `serve` stops with when `missing_for_public_bind()` is not empty."""
+        return refusal(self.host, self.missing_for_public_bind(), "router")
+
+
+def parser() -> tuple[argparse.ArgumentParser, Flags]:
+    p = new_parser("python -m router", "LLM router (gRPC)")
+    return p, Flags(p, RouterConfig, title="router")
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
-    p = argparse.ArgumentParser(prog="python -m router", description="LLM router (gRPC)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--workers", default="", help="comma-separated host:port list of workers")
-    p.add_argument("--ray-address", default=None,
-                   help="discover worker actors in this Ray cluster: HOST:PORT (GCS), auto, or "
-                        "ray://HOST:10001 (Ray Client, from outside the cluster)")
-    p.add_argument("--ray-namespace", default=DEFAULT_NAMESPACE, help="Ray namespace of the workers")
-    p.add_argument("--model", default=None, help="GGUF file for the tokenizer (default: embedded model)")
-    p.add_argument("--tenants", dest="tenants_file", default=None, help="tenants YAML file")
-    p.add_argument("--allow-insecure-public", action="store_true",
-                   help="serve a non-loopback address without API keys and TLS")
-    g = p.add_argument_group("transport security (PEM files)")
-    g.add_argument("--tls-cert", default=None, help="TLS certificate chain of the client port")
-    g.add_argument("--tls-key", default=None, help="private key of --tls-cert")
-    g.add_argument("--tls-client-ca", default=None,
-                   help="require client certificates signed by this CA (mutual TLS on the client port)")
-    g.add_argument("--worker-tls-ca", default=None, help="connect to workers over TLS, trusting this CA")
-    g.add_argument("--worker-tls-cert", default=None,
-                   help="the router's client certificate for workers that require one (mutual TLS)")
-    g.add_argument("--worker-tls-key", default=None, help="private key of --worker-tls-cert")
-    g.add_argument("--worker-tls-server-name", default=None,
-                   help="name the workers' certificates carry, when it is not their --workers host")
-    p.add_argument("--drain-grace-s", type=float, default=30.0)
-    p.add_argument("--health-poll-s", type=float, default=1.0, help="worker health/load probe period")
-    p.add_argument("--health-timeout-s", type=float, default=1.0, help="deadline of each worker probe call")
-    p.add_argument("--down-after-probes", type=int, default=2,
-                   help="failed probes in a row after which a worker is down and its open streams "
-                        "are cancelled (UNAVAILABLE, retried if no token was sent)")
-    p.add_argument("--breaker-failures", type=int, default=3,
-                   help="failed calls in a row that open a worker's circuit (no traffic)")
-    p.add_argument("--breaker-cooldown-s", type=float, default=2.0,
-                   help="how long an open circuit stays open; doubles on each re-open")
-    p.add_argument("--breaker-max-cooldown-s", type=float, default=60.0)
-    p.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
-    p.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens_limit)
-    p.add_argument("--max-message-mb", type=float, default=RouterConfig.max_message_bytes / 2**20,
-                   help="largest gRPC message received or sent, MiB (a larger request gets "
-                        "RESOURCE_EXHAUSTED before it is parsed)")
-    p.add_argument("--tenants-poll-s", type=float, default=2.0,
-                   help="check the tenants file for changes this often (0: reload on SIGHUP only)")
-    p.add_argument("--fair-queue", choices=("vtc", "fcfs"), default="vtc",
-                   help="queue order: weighted virtual token counter, or first come first served")
-    p.add_argument("--max-queued", type=int, default=1024,
-                   help="requests waiting in this router's queue (0: no cap)")
-    p.add_argument("--no-queue", action="store_true",
-                   help="admit a request only if a worker can start it now and refuse the rest at once "
-                        "(RESOURCE_EXHAUSTED): keeps time to first token near the unloaded value under "
-                        "overload, at the cost of fair queueing")
-    p.add_argument("--max-tokens-in-flight", type=int, default=0,
-                   help="budget of prompt + max_tokens over open requests (0: none)")
-    p.add_argument("--affinity-imbalance", type=float, default=0.25,
-                   help="prefix affinity yields to the least loaded worker when the preferred one's "
-                        "load, as a fraction of its KV capacity, is higher by more than this")
-    p.add_argument("--no-worker-grace-s", type=float, default=5.0,
-                   help="requests queued for a model with no healthy worker fail (UNAVAILABLE) after this")
-    p.add_argument("--router-replicas", type=int, default=1,
-                   help="how many routers share these workers and tenants behind one balancer that "
-                        "spreads requests evenly: this one enforces 1/N of each tenant's rates and "
-                        "caps (caps rounded up), of --max-tokens-in-flight and of each worker's KV "
-                        "room and sequence slots")
-    telemetry.add_args(p, default_metrics_port=DEFAULT_METRICS_PORT)
-    a = p.parse_args(argv)
-    workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-    return RouterConfig(
-        host=a.host, port=a.port, workers=workers, model=a.model, tenants_file=a.tenants_file,
-        allow_insecure_public=a.allow_insecure_public, drain_grace_s=a.drain_grace_s,
-        health_poll_s=a.health_poll_s, health_timeout_s=a.health_timeout_s,
-        down_after_probes=a.down_after_probes, breaker_failures=a.breaker_failures,
-        breaker_cooldown_s=a.breaker_cooldown_s, breaker_max_cooldown_s=a.breaker_max_cooldown_s,
-        ray_address=a.ray_address, ray_namespace=a.ray_namespace,
-        limits=Limits(default_max_tokens=a.default_max_tokens, max_tokens_limit=a.max_tokens_limit),
-        tenants_poll_s=a.tenants_poll_s, fair_queue=a.fair_queue, max_queued=a.max_queued or None,
-        queue_requests=not a.no_queue,
-        max_tokens_in_flight=a.max_tokens_in_flight or None, affinity_imbalance=a.affinity_imbalance,
-        no_worker_grace_s=a.no_worker_grace_s, max_message_bytes=int(a.max_message_mb * 2**20),
-        router_replicas=a.router_replicas,
-        telemetry=telemetry.from_args(a),
-        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-        worker_tls_ca=a.worker_tls_ca, worker_tls_cert=a.worker_tls_cert, worker_tls_key=a.worker_tls_key,
-        worker_tls_server_name=a.worker_tls_server_name,
-    )
+    p, flags = parser()
+    return parse_or_exit(p, argv, flags.build)

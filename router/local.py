@@ -5,19 +5,22 @@ Contract
 - `LocalProcess(name, args)` starts `python <args>` in its own session (so a terminal Ctrl-C reaches
   only the launcher, which then stops children in order), forwards its output with a name prefix,
   and `wait_listening()` returns the address from its "... listening on HOST:PORT" line.
-- `main()` (`python -m router.local`): N workers on ephemeral ports, then the router on
-  127.0.0.1:50051; prints how to try it; on Ctrl-C / SIGTERM stops the router (drain) then the
-  workers, and exits 0.
+- `main()` (`python -m router.local`): N workers on ephemeral loopback ports, then the router
+  (127.0.0.1:50051 unless --host/--port); prints how to try it; on Ctrl-C / SIGTERM stops the
+  router (drain) then the workers, and exits 0. It takes every router flag but --workers and every
+  engine flag (common.config_cli; --model is the workers' model and the router's tokenizer) and
+  passes each on to the processes it concerns: the observability flags but --metrics-* go to the
+  workers too. Children inherit the environment, so `LLM_*` variables reach them unchanged.
 - failure modes: a child that exits before listening -> RuntimeError with its exit status.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 
 LISTENING = re.compile(r"listening on (\S+)")
 
@@ -64,25 +67,49 @@ class LocalProcess:
         return self.popen.returncode
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router.local", description="worker(s) + router on loopback")
-    p.add_argument("--port", type=int, default=50051, help="router port")
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2)")
-    p.add_argument("--kv-cache-mb", type=float, default=256)
-    a = p.parse_args(argv)
+@dataclass(frozen=True)
+class Plan:
+    num_workers: int
+    worker_args: list[str]        # after `python`; the router's come once the workers listen
+    router_args: list[str]        # after `python` and before `--workers ADDRESSES`
 
+
+def plan(argv: list[str] | None = None) -> Plan:
+    """The children's command lines from this command line (a bad value: usage error, exit 2)."""
+    from common.config_cli import Flags, new_parser, option, parse_or_exit
+    from router.config import RouterConfig
+    from worker.config import EngineConfig   # imported here: `import router.local` stays worker-free
+
+    @dataclass(frozen=True)
+    class Stack:
+        num_workers: int = field(default=1, metadata=option("worker processes"))
+
+    p = new_parser("python -m router.local", "worker(s) + router on loopback, as plain processes")
+    stack = Flags(p, Stack, title="stack")
+    router_flags = Flags(p, RouterConfig, exclude=("workers", "model"), title="router")
+    engine_flags = Flags(p, EngineConfig, title="engine (every worker)")
+    # Both configs are built here so that a bad value is a usage error before anything starts.
+    ns, num_workers, _, engine = parse_or_exit(p, argv, lambda ns: (
+        ns, stack.build(ns).num_workers, router_flags.build(ns), engine_flags.build(ns)))
+    telemetry = router_flags.argv(ns, only=lambda path: path[0] == "telemetry"
+                                  and not path[-1].startswith("metrics_"))
+    # Loopback, ephemeral gRPC and /metrics ports whatever LLM_HOST/LLM_PORT/LLM_METRICS_PORT say.
+    worker = ["-m", "worker", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+              *engine_flags.argv(ns), *telemetry]
+    router = ["-m", "router", *(["--model", engine.model] if engine.model else []), *router_flags.argv(ns)]
+    return Plan(num_workers, worker, router)
+
+
+def main(argv: list[str] | None = None) -> int:
+    commands = plan(argv)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    model = ["--model", a.model] if a.model else []
-    workers = [LocalProcess(f"worker{i}", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(a.kv_cache_mb),
-                                           *model]) for i in range(a.num_workers)]
+    workers = [LocalProcess(f"worker{i}", commands.worker_args) for i in range(commands.num_workers)]
     router = None
     try:
         addresses = [w.wait_listening() for w in workers]
-        router = LocalProcess("router", ["-m", "router", "--port", str(a.port), "--workers", ",".join(addresses),
-                                         *model])
+        router = LocalProcess("router", [*commands.router_args, "--workers", ",".join(addresses)])
         target = router.wait_listening(60)
         print(f"\nReady: router on {target}, workers on {', '.join(addresses)}. Try:\n"
               f"  .venv/bin/python -m router.client --target {target} --chat 'What is the capital of France?'\n"

@@ -60,11 +60,9 @@ async def serve(config: RouterConfig) -> int:
     replicas = config.router_replicas   # each of R routers enforces 1/R of the shared limits
     tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public,
                           replicas=replicas)
-    missing = config.missing_for_public_bind()
-    if missing:
-        raise SystemExit(f"refusing to serve {config.host} without {' and '.join(missing)}: API keys "
-                         "would cross the network in clear text or not at all; pass them, or "
-                         "--allow-insecure-public on a private network")
+    problem = config.public_bind_refusal()   # the common.public_bind rule
+    if problem:
+        raise SystemExit(problem)
     tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
     options = channel_options(config.max_message_bytes)
     registry_args = dict(

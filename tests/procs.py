@@ -142,7 +142,9 @@ def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START
 
 def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
     # Test routers probe every 0.2 s, so a 0.5 s drain announcement is enough (and keeps stops quick).
-    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb),
+    # float32 pinned (the worker's default is auto = bfloat16): TEST_KV_CACHE_MB's block count and
+    # context above, and the tests' exact greedy outputs, are float32's.
+    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), "--dtype", "float32",
                            "--drain-announce-s", "0.5", *extra], log_dir)
 
 

@@ -1,9 +1,12 @@
 """deploy/: the `ray up` config, the KubeRay manifests and the Dockerfile parse and agree with each
 other and with the code (issue 5): one image, one Ray version, ports, Service selectors, the head
-Service name and Ray Client port, namespaces, GPU resource names and counts, and command lines
-that the real argument parsers accept."""
+Service name and Ray Client port, namespaces, GPU resource names and counts, command lines that
+the real argument parsers accept, and the shared ConfigMap: every LLM_* variable in it is a flag of
+a process that reads it, its values parse, and the OTEL_* telemetry reaches the router and,
+through the launcher, the worker actors."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -49,6 +52,20 @@ def containers(pod_template: dict) -> list[dict]:
     return pod_template["spec"]["containers"]
 
 
+def cmdline(container: dict) -> list[str]:
+    """What the container runs: command, then args."""
+    return [*container["command"], *container.get("args", [])]
+
+
+def env_of(k8s, container: dict) -> dict[str, str]:
+    """The container's environment: its envFrom ConfigMaps, then its env entries."""
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(k8s[("ConfigMap", source["configMapRef"]["name"])]["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    return env
+
+
 def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
@@ -59,7 +76,7 @@ def module_args(command: list[str], module: str) -> list[str]:
 
 
 def test_manifests_hold_the_expected_objects(k8s):
-    assert {k for k, _ in k8s} == {"RayCluster", "Deployment", "Service", "Job"}
+    assert {k for k, _ in k8s} == {"RayCluster", "Deployment", "Service", "Job", "ConfigMap"}
     assert one(k8s, "RayCluster")["apiVersion"] == "ray.io/v1"
 
 
@@ -88,10 +105,10 @@ def test_routers_and_launcher_find_the_head_through_ray_client(k8s):
     head = containers(cluster["spec"]["headGroupSpec"]["template"])[0]
     client_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "client")
     expected = f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"   # KubeRay's naming
-    router = containers(one(k8s, "Deployment")["spec"]["template"])[0]["command"]
-    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
+    router = cmdline(containers(one(k8s, "Deployment")["spec"]["template"])[0])
+    launcher = cmdline(containers(one(k8s, "Job")["spec"]["template"])[0])
     assert flag(router, "--ray-address") == flag(launcher, "--ray-address") == expected
-    assert flag(router, "--ray-namespace") == flag(launcher, "--namespace")
+    assert flag(router, "--ray-namespace") == flag(launcher, "--ray-namespace")
 
 
 def test_router_ports_probes_and_service_agree(k8s):
@@ -102,20 +119,20 @@ def test_router_ports_probes_and_service_agree(k8s):
     assert service["spec"]["selector"].items() <= labels.items()
     [router] = containers(template)
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
-    assert ports["grpc"] == int(flag(router["command"], "--port"))
-    assert ports["metrics"] == int(flag(router["command"], "--metrics-port"))
+    assert ports["grpc"] == int(flag(cmdline(router), "--port"))
+    assert ports["metrics"] == int(flag(cmdline(router), "--metrics-port"))
     assert router["readinessProbe"]["grpc"]["port"] == ports["grpc"]
     assert router["livenessProbe"]["tcpSocket"]["port"] == ports["grpc"]
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in ports and port["port"] == ports[port["targetPort"]]
     mount = router["volumeMounts"][0]
-    assert flag(router["command"], "--tenants").startswith(mount["mountPath"] + "/")
+    assert flag(cmdline(router), "--tenants").startswith(mount["mountPath"] + "/")
     assert template["spec"]["volumes"][0]["name"] == mount["name"]
     drain_s = router_config.RouterConfig.drain_grace_s
     assert template["spec"]["terminationGracePeriodSeconds"] > drain_s
 
 
-def test_gpu_workers_and_launcher_agree(k8s):
+def test_gpu_workers_and_launcher_agree(k8s, monkeypatch):
     cluster = one(k8s, "RayCluster")["spec"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"   # no worker on the head
     [group] = cluster["workerGroupSpecs"]
@@ -124,22 +141,66 @@ def test_gpu_workers_and_launcher_agree(k8s):
     gpus = int(resources["limits"][GPU])
     assert gpus >= 1 and resources["requests"][GPU] == resources["limits"][GPU]
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
-    _, launch = ray_launch.parse_args(module_args(launcher, "deploy.ray_launch"))
+    job = containers(one(k8s, "Job")["spec"]["template"])[0]
+    _, launch = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
+                               module_args(cmdline(job), "deploy.ray_launch"))
     assert launch.num_workers == group["replicas"] * gpus          # one worker per GPU
     assert launch.cpus_per_worker * gpus <= float(resources["limits"]["cpu"])
     assert launch.detached and launch.use_gpus is None and launch.engine.device == "auto"
 
 
-def test_command_lines_parse_with_the_real_parsers(k8s):
-    router = containers(one(k8s, "Deployment")["spec"]["template"])[0]["command"]
-    config = router_config.parse_args(module_args(router, "router"))
+def parse_with_env(monkeypatch, env: dict[str, str], parse, argv: list[str]):
+    """`parse(argv)` in the container's environment (and none of this process's LLM_*/OTEL_*)."""
+    with monkeypatch.context() as m:
+        for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
+            m.delenv(name)
+        for name, value in env.items():
+            m.setenv(name, value)
+        return parse(argv)
+
+
+def test_command_lines_parse_with_the_real_parsers(k8s, monkeypatch):
+    deployment = containers(one(k8s, "Deployment")["spec"]["template"])[0]
+    config = parse_with_env(monkeypatch, env_of(k8s, deployment), router_config.parse_args,
+                            module_args(cmdline(deployment), "router"))
     assert config.ray_address.startswith("ray://") and config.tenants_file
     # Each router enforces 1/N of the shared limits: N must be the Deployment's replica count.
     assert config.router_replicas == one(k8s, "Deployment")["spec"]["replicas"]
-    launcher = containers(one(k8s, "Job")["spec"]["template"])[0]["command"]
-    args, _ = ray_launch.parse_args(module_args(launcher, "deploy.ray_launch"))
-    assert not args.stop
+    job = containers(one(k8s, "Job")["spec"]["template"])[0]
+    command, _ = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
+                                module_args(cmdline(job), "deploy.ray_launch"))
+    assert not command.stop
+
+
+def test_shared_config_reaches_router_launcher_and_actors(k8s, monkeypatch):
+    """Every LLM_* variable of the ConfigMap is a flag of the router or the launcher, all parse,
+    and the router, the launcher's actor settings and the actors' environment get the same
+    OTLP endpoint and log format."""
+    [configmap] = [d for (kind, _), d in k8s.items() if kind == "ConfigMap"]
+    data = configmap["data"]
+    deployment = containers(one(k8s, "Deployment")["spec"]["template"])[0]
+    job = containers(one(k8s, "Job")["spec"]["template"])[0]
+    for container in (deployment, job):
+        assert {"configMapRef": {"name": configmap["metadata"]["name"]}} in container["envFrom"]
+    known = set(router_config.parser()[1].env_names())
+    for flags in ray_launch.parser()[1:]:
+        known |= set(flags.env_names())
+    assert {n for n in data if n.startswith("LLM_")} <= known, sorted(set(data) - known)
+    assert all(isinstance(v, str) for v in data.values()), "ConfigMap values must be strings"
+
+    router = parse_with_env(monkeypatch, env_of(k8s, deployment), router_config.parse_args,
+                            module_args(cmdline(deployment), "router"))
+    _, launch = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
+                               module_args(cmdline(job), "deploy.ray_launch"))
+    endpoint = data["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert router.telemetry.otlp_endpoint == endpoint
+    assert router.telemetry.log_format == data["LLM_LOG_FORMAT"]
+    worker = launch.worker_values("10.0.0.1")
+    assert worker["telemetry"]["otlp_endpoint"] == endpoint
+    assert worker["telemetry"]["log_format"] == data["LLM_LOG_FORMAT"]
+    assert launch.engine.dtype == data["LLM_DTYPE"]
+    assert launch.engine.gpu_memory_utilization == float(data["LLM_GPU_MEMORY_UTILIZATION"])
+    assert ray_launch.actor_env(launch, env_of(k8s, job))["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
 
 
 def test_ray_up_config(ray_up):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from common.config_cli import MIB, option
+
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -77,27 +79,49 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None              # GGUF file or HF dir; None = embedded SmolLM2
-    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 (resolve_dtype)
-    device: str = "auto"                  # auto | cpu | cuda[:N] (resolve_device)
-    block_size: int = 16
-    kv_cache_bytes: int | None = None     # CPU budget for K+V of all layers; None = the fraction below
-    kv_cache_memory_fraction: float = 0.25  # CPU: share of available RAM (after weights) for the KV pool
-    kv_cache_dtype: str = "auto"          # auto (= dtype) | float32 | bfloat16 | float16
-    # auto: GGUF Q4_0/Q4_1 (and Q8_0) tensors run quantized when dtype is bfloat16, dense
-    # checkpoints stay dense; none: dequantize everything to dtype; int8/int4: quantize dense
-    # weights at load (weight-only, per-channel int8 or group-32 int4).
-    quantization: str = "auto"
-    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory after weights
-    num_kv_blocks: int | None = None      # use only this many blocks of the pool (tests, tuning)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512     # token budget per step (chunked prefill)
-    max_model_len: int | None = None      # None = model's context
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"       # ATTENTION_BACKENDS
-    seed: int = 0
-    num_threads: int | None = None        # torch intra-op threads; None = torch default
-    enforce_eager: bool = False           # never replay CUDA graphs (GPU) or compiled decode (CPU)
+    """Serving knobs. Field metadata (`common.config_cli.option`) makes each a flag of every entry
+    point and launcher, and an `LLM_*` variable; defaults and checks live only here."""
+    model: str | None = field(default=None, metadata=option(
+        "GGUF file or HF directory (default: the embedded SmolLM2)", metavar="PATH"))
+    dtype: str = field(default="auto", metadata=option(
+        "weights and activations: auto = bfloat16 on every device; float32 is the exact reference path",
+        choices=("auto",) + DTYPES))
+    device: str = field(default="auto", metadata=option(
+        "auto | cpu | cuda[:N]: auto = cuda when torch sees a GPU, else cpu"))
+    block_size: int = field(default=16, metadata=option("tokens per KV-cache block (a power of two)"))
+    kv_cache_bytes: int | None = field(default=None, metadata=option(
+        "KV-cache budget on CPU (default: --kv-cache-memory-fraction of the available RAM)",
+        flag="kv-cache-mb", unit=MIB))
+    kv_cache_memory_fraction: float = field(default=0.25, metadata=option(
+        "CPU: share of the RAM available after loading the weights that the KV pool takes, when "
+        "--kv-cache-mb is unset"))
+    kv_cache_dtype: str = field(default="auto", metadata=option(
+        "KV-cache element type: auto = --dtype", choices=KV_CACHE_DTYPES))
+    quantization: str = field(default="auto", metadata=option(
+        "auto: quantized GGUF tensors (Q4_0/Q4_1/Q8_0) run quantized with bfloat16, dense weights stay "
+        "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load",
+        choices=QUANTIZATIONS))
+    gpu_memory_utilization: float = field(default=0.85, metadata=option(
+        "CUDA: fraction of the memory free after loading the weights that the KV pool takes"))
+    num_kv_blocks: int | None = field(default=None, metadata=option(
+        "use only this many blocks of the KV pool (tests, tuning; default: all)"))
+    max_num_seqs: int = field(default=64, metadata=option("sequences scheduled together at most"))
+    max_num_batched_tokens: int = field(default=512, metadata=option(
+        "tokens per engine step (chunked-prefill budget)"))
+    max_model_len: int | None = field(default=None, metadata=option(
+        "longest prompt + output in tokens (default: the model's context)"))
+    enable_prefix_caching: bool = field(default=True, metadata=option(
+        "reuse cached KV blocks of shared prompt prefixes",
+        aliases=("prefix-caching",), negative=("no-prefix-caching", "no-enable-prefix-caching")))
+    attention_backend: str = field(default="auto", metadata=option(
+        "auto: triton on CUDA; on CPU the compiled cpu op when it builds, else torch; reference: the "
+        "slow float32 oracle the others are tested against", choices=ATTENTION_BACKENDS))
+    seed: int = field(default=0, metadata=option("sampling seed of the engine"))
+    num_threads: int | None = field(default=None, metadata=option(
+        "torch intra-op threads (default: the cores this process is given: OMP_NUM_THREADS, else the "
+        "CPU affinity mask)"))
+    enforce_eager: bool = field(default=False, metadata=option(
+        "never replay CUDA graphs (GPU) or compiled decode (CPU)"))
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

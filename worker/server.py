@@ -22,7 +22,6 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,13 +29,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.metrics_http import start_metrics_server
 from common.net import bind_address
 from common.telemetry import TelemetryConfig, setup_tracing
-from common.tls import check_server_files, server_credentials
+from common.tls import server_credentials
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
-from worker.config import EngineConfig
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
+from worker.server_config import WorkerServerConfig  # noqa: F401 - the config serve() takes
 from worker.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,24 +45,6 @@ FINISH_REASONS = {
     FinishReason.LENGTH: wpb.WORKER_FINISH_REASON_LENGTH,
     FinishReason.ABORT: wpb.WORKER_FINISH_REASON_ABORT,
 }
-
-
-@dataclass(frozen=True)
-class WorkerServerConfig:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0                          # 0 = ephemeral; the bound port is logged
-    drain_grace_s: float = 10.0            # SIGTERM: in-flight streams get this long to finish
-    drain_announce_s: float = 2.0          # SIGTERM: NOT_SERVING but still accepting for this long,
-                                           # so routers (probing every ~1 s) stop routing here first
-    max_message_bytes: int = 16 * 1024 * 1024
-    telemetry: TelemetryConfig = TelemetryConfig()
-    tls_cert: str | None = None            # PEM: serve TLS (with tls_key)
-    tls_key: str | None = None
-    tls_client_ca: str | None = None       # PEM: require client certificates it signed (mutual TLS)
-
-    def __post_init__(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:

@@ -1,0 +1,56 @@
+"""Worker server settings: one frozen dataclass around the engine's, checked at construction.
+
+Contract
+- `WorkerServerConfig` holds what `worker.server.serve` needs besides the engine: bind address,
+  TLS files, drain timings, message size, telemetry. Its field metadata (common.config_cli) makes
+  the flags of `python -m worker` and of the launchers (deploy/local.py, deploy/ray_launch.py),
+  each also settable as an `LLM_*` variable; the defaults live only here and in EngineConfig.
+- failure modes (ValueError): unreadable or unpaired TLS files (common.tls); a non-loopback host
+  without mutual TLS, unless `allow_insecure_public` (common.public_bind, the one copy of the rule).
+- Imports neither torch nor grpc, so that launchers can build the flags without loading the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.config_cli import MIB, option, section
+from common.public_bind import refusal, worker_missing
+from common.telemetry import TelemetryConfig
+from common.tls import check_server_files
+from worker.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerServerConfig:
+    engine: EngineConfig = field(metadata=section("engine"))
+    host: str = field(default="127.0.0.1", metadata=option(
+        "bind address; a non-loopback one needs mutual TLS (--tls-*) or --allow-insecure-public"))
+    port: int = field(default=0, metadata=option("gRPC port; 0 = ephemeral (printed at start-up)"))
+    drain_grace_s: float = field(default=10.0, metadata=option(
+        "SIGTERM: how long open streams may finish"))
+    drain_announce_s: float = field(default=2.0, metadata=option(
+        "SIGTERM: report NOT_SERVING but keep accepting calls this long first, so that routers stop "
+        "routing here (set above the routers' --health-poll-s)"))
+    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=option(
+        "largest gRPC message received or sent", flag="max-message-mb", unit=MIB))
+    telemetry: TelemetryConfig = field(default=TelemetryConfig(), metadata=section("observability"))
+    tls_cert: str | None = field(default=None, metadata=option(
+        "PEM: TLS certificate chain of this worker", metavar="FILE"))
+    tls_key: str | None = field(default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE"))
+    tls_client_ca: str | None = field(default=None, metadata=option(
+        "PEM: require client (router) certificates signed by this CA: mutual TLS", metavar="FILE"))
+    allow_insecure_public: bool = field(default=False, metadata=option(
+        "bind a non-loopback address without mutual TLS (a private network only)", negative=()))
+
+    def __post_init__(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_grace_s < 0 or self.drain_announce_s < 0:
+            raise ValueError("drain_grace_s and drain_announce_s must be >= 0")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        problem = refusal(self.host, worker_missing(self.host, self.allow_insecure_public, self.tls_cert,
+                                                    self.tls_key, self.tls_client_ca), "worker")
+        if problem:
+            raise ValueError(problem)
