@@ -45,7 +45,8 @@ def alive(pid: int) -> bool:
 
 
 def test_serve_streams_a_generation_and_stops_cleanly(tmp_path):
-    proc = procs.Proc("serve", ["-m", "deploy.local", "--port", "0", "--workers", "1",
+    # float32: the greedy answer checked below is float32's (make serve's default dtype is auto = bfloat16)
+    proc = procs.Proc("serve", ["-m", "deploy.local", "--port", "0", "--workers", "1", "--dtype", "float32",
                                 "--kv-cache-mb", str(procs.TEST_KV_CACHE_MB)], tmp_path)
     try:
         address = wait_router(proc, procs.START_TIMEOUT_S)
