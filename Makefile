@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu gpu-session check-triton loadtest bench-fairness clean
 
 install: $(STAMP)
+	@$(PY) -m worker.kernels.cpu_build || echo "warning: the cpu attention op did not build; CPU serving falls back to the torch backend"
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

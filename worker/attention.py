@@ -11,13 +11,16 @@ and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None
 `rotary_embedding(positions, q, k, cos, sin)` (worker/kernels/triton_norm.py) that the model then
 uses instead of its torch RMSNorm, residual add and RoPE ("triton" only: 3-10x faster per call on
 an H200, docs/kernels.md).
-"torch" is plain torch (worker/kernels/torch_attention.py: the CPU default, runs anywhere);
+"cpu" is a batched C++ op (worker/kernels/cpu_attention.py, built on first use: the CPU default
+when it builds, else "auto" falls back to "torch" with one warning naming why);
+"torch" is plain torch (worker/kernels/torch_attention.py: runs anywhere);
 "reference" is the slow float32 oracle of worker/kernels/reference.py; "triton" runs the Triton
 kernels (CUDA, or CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py,
-tests/test_torch_attention.py and the engine-vs-HF tests.
+tests/test_torch_attention.py, tests/test_cpu_attention.py and the engine-vs-HF tests.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +72,11 @@ class AttentionBackend:
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else _auto_cpu_backend()
+    if name == "cpu":
+        from worker.kernels import cpu_attention, reference
+        cpu_attention.load()                 # RuntimeError naming why, if it cannot build
+        return AttentionBackend("cpu", reference.store_kv, cpu_attention.paged_attention, False)
     if name == "torch":
         from worker.kernels import reference, torch_attention
         return AttentionBackend("torch", reference.store_kv, torch_attention.paged_attention, False,
@@ -81,6 +88,16 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from worker.kernels import triton_attention, triton_norm, triton_store_kv
         return AttentionBackend("triton", triton_store_kv.store_kv,
                                 triton_attention.paged_attention, True, fused=triton_norm)
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch, reference or triton)")
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, cpu, torch, reference or triton)")
+
+
+def _auto_cpu_backend() -> str:
+    """"cpu" (the C++ op of worker/kernels/cpu_attention.py) when it builds, else "torch"."""
+    from worker.kernels import cpu_attention
+    if cpu_attention.available():
+        return "cpu"
+    logging.getLogger(__name__).warning("attention backend auto: using torch, %s",
+                                        cpu_attention.unavailable_reason())
+    return "torch"
 
 

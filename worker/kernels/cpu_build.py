@@ -1,0 +1,30 @@
+"""`python -m worker.kernels.cpu_build`: build (or find cached) the "cpu" attention op ahead of use.
+
+Contract: compiles worker/kernels/cpu_attention.cpp exactly as the backend would on first use
+(worker/kernels/cpu_attention.py: same flags, same cache directory, `$LLM_CPU_EXT_DIR` or
+~/.cache/llm-serve/torch_extensions), loads it, and prints one line: the library path, the seconds
+the build (or the cache check) took, and the SIMD path compiled in. Exit status 0 when the op
+loads, 1 with the reason on stderr when it does not. `make install` runs it and only warns on
+failure: the "auto" backend then serves with "torch".
+Proven by tests/test_cpu_attention.py (runs this module and checks its line).
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from worker.kernels import cpu_attention
+
+    try:
+        path = cpu_attention.load()
+    except RuntimeError as exc:
+        print(f"cpu attention op: not built: {exc}", file=sys.stderr)
+        return 1
+    print(f"cpu attention op: {path} ({cpu_attention._state['build_s']:.1f}s, "
+          f"{cpu_attention.build_info()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
