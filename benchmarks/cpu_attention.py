@@ -6,9 +6,10 @@ blocks), one torch thread (`--threads`), a decode step of B sequences whose cont
 drawn log-uniformly from 16-768 tokens (seed 0) over blocks scattered through a shuffled pool, in
 float32 and bfloat16 (q, K and V all of that dtype). Each path is first checked against the
 reference (rel. error <= 1e-5 fp32, 1e-2 bf16), then the three paths run in turn, 3 warm-up and
-`--repeats` timed rounds, so that noise from other processes on the machine falls on all of them;
-the median time per layer call is printed. The plan of the torch path is built once (as the model
-runner does, once per step for all layers) and not timed.
+`--repeats` timed rounds, so that noise from other processes on the machine falls on all of them.
+Printed: the best (minimum) time per layer call of each path, the least disturbed run on a shared
+machine (`--stat median` prints medians instead). The plan of the torch path is built once (as the
+model runner does, once per step for all layers) and not timed.
 Columns, per dtype: reference ms, torch ms, how many times faster the cpu op is than torch
 ("cpu x"), cpu ms, and the K/V bytes the step reads divided by the cpu op's time (GB/s). The K/V
 of one layer stays in the last-level cache between calls at the smaller batches, so GB/s can
@@ -51,8 +52,9 @@ def decode_batch(num_seqs: int, seed: int, dtype: torch.dtype = torch.float32) -
                 query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32), scale=HEAD_DIM ** -0.5)
 
 
-def median_ms(fns: dict, repeats: int) -> dict:
-    """Median ms per call of each fn, timed in turn (round-robin) so they share the noise."""
+def time_ms(fns: dict, repeats: int, stat=min) -> dict:
+    """`stat` (min or median) of the ms per call of each fn, timed in turn (round-robin) so
+    they share the noise."""
     for _ in range(3):
         for fn in fns.values():
             fn()
@@ -62,7 +64,7 @@ def median_ms(fns: dict, repeats: int) -> dict:
             start = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: stat(t) for name, t in times.items()}
 
 
 def read_bandwidth_gbs() -> float:
@@ -101,17 +103,19 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stat", choices=["min", "median"], default="min")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cpu_attention.load()
     print(f"{cpu_model()}, {args.threads} thread(s), cpu op {cpu_attention.build_info()}, "
-          f"DRAM read {read_bandwidth_gbs():.1f} GB/s (1 thread, 256 MiB sum)", file=sys.stderr)
+          f"DRAM read {read_bandwidth_gbs():.1f} GB/s (1 thread, 256 MiB sum), {args.stat} of "
+          f"{args.repeats} rounds", file=sys.stderr, flush=True)
     header = f"{'batch':>5} {'tokens':>7}"
     for name in args.dtypes:
         tag = "fp32" if name == "float32" else "bf16"
         header += (f"  {tag + ' ref ms':>12} {'torch ms':>9} {'cpu x':>6} {'cpu ms':>7} "
                    f"{'cpu GB/s':>8}")
-    print(header)
+    print(header, flush=True)
     for num_seqs in args.batch_sizes:
         row = ""
         tokens = 0
@@ -125,9 +129,10 @@ def main() -> None:
             what = f"batch {num_seqs} {name}"
             check("torch", torch_attention.paged_attention(**batch, plan=plan), expected, tol, what)
             check("cpu", cpu_attention.paged_attention(**batch), expected, tol, what)
-            ms = median_ms({"reference": lambda: reference.paged_attention(**batch),
+            ms = time_ms({"reference": lambda: reference.paged_attention(**batch),
                             "torch": lambda: torch_attention.paged_attention(**batch, plan=plan),
-                            "cpu": lambda: cpu_attention.paged_attention(**batch)}, args.repeats)
+                            "cpu": lambda: cpu_attention.paged_attention(**batch)}, args.repeats,
+                         min if args.stat == "min" else statistics.median)
             kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * batch["k_cache"].element_size()
             row += (f"  {ms['reference']:12.2f} {ms['torch']:9.2f} {ms['torch'] / ms['cpu']:5.1f}x "
                     f"{ms['cpu']:7.3f} {kv_bytes / ms['cpu'] / 1e6:8.1f}")

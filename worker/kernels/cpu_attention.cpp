@@ -256,9 +256,12 @@ inline void attend_tile(const float* qv, const T* const* kp, const T* const* vp,
 // first n[q] keys (n[q] <= 0: none; causal prefill rows differ). Every K and V row is loaded once
 // for the QB queries, dot products are reduced four at a time, and the QB x NV accumulators stay in
 // registers through the weighted sum of V. head_dim = NV * W.
+// `pk`/`pv`: rows of the next tile to prefetch, one K and one V row per key of this tile's dot
+// products (spread out, so the requests keep the memory system busy without flooding it).
 template <typename T, int NV, int QB>
 inline void attend_group(const float* qv, const T* const* kp, const T* const* vp, const int* n,
-                         float* s, float* m, float* l, float* acc) {
+                         float* s, float* m, float* l, float* acc, const T* const* pk,
+                         const T* const* pv, int npf) {
   constexpr int D = NV * W;
   int nmax = 0;
   for (int q = 0; q < QB; ++q) nmax = std::max(nmax, n[q]);
@@ -268,6 +271,12 @@ inline void attend_group(const float* qv, const T* const* kp, const T* const* vp
     for (int q = 0; q < QB; ++q)
       for (int c = 0; c < NV; ++c) qr[q][c] = vload(qv + q * D + c * W);
     for (int j = 0; j < nmax; ++j) {
+      if (j < npf) {
+        for (int o = 0; o < int(D * sizeof(T)); o += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(pk[j]) + o);
+          __builtin_prefetch(reinterpret_cast<const char*>(pv[j]) + o);
+        }
+      }
       const T* kr = kp[j];
       vec a[4];
       for (int q = 0; q < QB; ++q) a[q] = vmul(qr[q][0], vload(kr));
@@ -393,34 +402,38 @@ void run_item(const Problem<T>& pb, const Item& it, const Item* next, Scratch& s
     // The blocks are scattered, so no hardware prefetcher can guess the next tile (this item's,
     // or the next item's first one): ask for it now.
     const int j1 = j0 + nk;
+    int npf = 0;                                  // rows of the next tile to prefetch
     if (j1 < kend) {
-      const int nn = std::min(pb.tile, kend - j1);
-      tile_rows(pb, it, j1, nn, kp_next, vp_next);
-      prefetch_rows(kp_next, vp_next, nn, D * int(sizeof(T)));
+      npf = std::min(pb.tile, kend - j1);
+      tile_rows(pb, it, j1, npf, kp_next, vp_next);
     } else if (next != nullptr) {
       const int next_end = item_end(pb, *next);
       if (next->kbeg < next_end) {
-        const int nn = std::min(pb.tile, next_end - next->kbeg);
-        tile_rows(pb, *next, next->kbeg, nn, kp_next, vp_next);
-        prefetch_rows(kp_next, vp_next, nn, D * int(sizeof(T)));
+        npf = std::min(pb.tile, next_end - next->kbeg);
+        tile_rows(pb, *next, next->kbeg, npf, kp_next, vp_next);
       }
     }
+    // The first query group's dot products interleave the requests (at most one per key of this
+    // tile; the rest go out at once). The generic path asks for them all at once.
+    const int spread = NV > 0 ? std::min(npf, nk) : 0;
+    if (npf > spread) prefetch_rows(kp_next + spread, vp_next + spread, npf - spread, D * int(sizeof(T)));
     if constexpr (NV > 0) {
       constexpr int QB = group_size<NV>();
       for (int q0 = 0; q0 < nq; q0 += QB) {
+        const int pf = q0 == 0 ? spread : 0;
         int n[QB];
         const int nb = std::min(QB, nq - q0);
         for (int q = 0; q < nb; ++q) n[q] = std::min(nk, sc.lim[q0 + q] - j0);
         float* qv = sc.qf.data() + size_t(q0) * D;
         float* acc = sc.acc.data() + size_t(q0) * D;
         if (nb == 4) {
-          if constexpr (QB >= 4) attend_group<T, NV, 4>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc);
+          if constexpr (QB >= 4) attend_group<T, NV, 4>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
         } else if (nb == 3) {
-          if constexpr (QB >= 3) attend_group<T, NV, 3>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc);
+          if constexpr (QB >= 3) attend_group<T, NV, 3>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
         } else if (nb == 2) {
-          if constexpr (QB >= 2) attend_group<T, NV, 2>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc);
+          if constexpr (QB >= 2) attend_group<T, NV, 2>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
         } else {
-          attend_group<T, NV, 1>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc);
+          attend_group<T, NV, 1>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
         }
       }
     } else {
