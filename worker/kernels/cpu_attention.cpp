@@ -38,6 +38,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <set>
 #include <mutex>
@@ -203,11 +205,13 @@ struct Problem {
 
 struct Scratch {
   std::vector<float> qf, acc, m, l;
+  std::vector<uint16_t> qraw;     // bfloat16 queries as stored, for the bf16 dot-product path
   std::vector<int32_t> lim;
   std::vector<const void*> kp, vp;
   alignas(64) float s[4 * kMaxTile];
   Scratch(int max_nq, int D) : qf(size_t(max_nq) * D), acc(size_t(max_nq) * D), m(max_nq),
-                               l(max_nq), lim(max_nq), kp(2 * kMaxTile), vp(2 * kMaxTile) {}
+                               l(max_nq), qraw(size_t(max_nq) * D), lim(max_nq), kp(2 * kMaxTile),
+                               vp(2 * kMaxTile) {}
 };
 
 // s[0, n) <- 2^(s - mx), padded to whole vectors with zeros; returns their sum.
@@ -261,11 +265,39 @@ inline void attend_tile(const float* qv, const T* const* kp, const T* const* vp,
 template <typename T, int NV, int QB>
 inline void attend_group(const float* qv, const T* const* kp, const T* const* vp, const int* n,
                          float* s, float* m, float* l, float* acc, const T* const* pk,
-                         const T* const* pv, int npf) {
+                         const T* const* pv, int npf, const uint16_t* qraw, float qscale) {
   constexpr int D = NV * W;
   int nmax = 0;
   for (int q = 0; q < QB; ++q) nmax = std::max(nmax, n[q]);
   if (nmax <= 0) return;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, BFloat16> && NV % 2 == 0) {
+    // bfloat16 q.K with vdpbf16ps: products of bf16 pairs are exact in fp32 and accumulate in
+    // fp32, so this is the float path's arithmetic without converting K; the scale comes after.
+    __m512bh qr[QB][NV / 2];
+    for (int q = 0; q < QB; ++q)
+      for (int c = 0; c < NV / 2; ++c) qr[q][c] = (__m512bh)_mm512_loadu_si512(qraw + q * D + c * 32);
+    const __m128 sc4 = _mm_set1_ps(qscale);
+    for (int j = 0; j < nmax; ++j) {
+      if (j < npf) {
+        for (int o = 0; o < int(D * sizeof(T)); o += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(pk[j]) + o);
+          __builtin_prefetch(reinterpret_cast<const char*>(pv[j]) + o);
+        }
+      }
+      const T* kr = kp[j];
+      vec a[4];
+      for (int q = 0; q < 4; ++q) a[q] = vset1(0.0f);
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512bh kc = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+        for (int q = 0; q < QB; ++q) a[q] = _mm512_dpbf16_ps(a[q], qr[q][c], kc);
+      }
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(vsum4(a[0], a[1], a[2], a[3]), sc4));
+      for (int q = 0; q < QB; ++q) s[q * kMaxTile + j] = r[q];
+    }
+  } else
+#endif
   {
     vec qr[QB][NV];
     for (int q = 0; q < QB; ++q)
@@ -385,6 +417,8 @@ void run_item(const Problem<T>& pb, const Item& it, const Item* next, Scratch& s
       const T* src = pb.q + t * pb.q_st + (it.kvh * G + g) * pb.q_sh;
       float* dst = sc.qf.data() + size_t(qi) * D;
       for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * pb.qscale;
+      if constexpr (std::is_same_v<T, BFloat16>)
+        std::memcpy(sc.qraw.data() + size_t(qi) * D, src, size_t(D) * sizeof(T));
       std::fill_n(sc.acc.data() + size_t(qi) * D, D, 0.0f);
       sc.m[qi] = kNegInf;
       sc.l[qi] = 0.0f;
@@ -426,14 +460,15 @@ void run_item(const Problem<T>& pb, const Item& it, const Item* next, Scratch& s
         for (int q = 0; q < nb; ++q) n[q] = std::min(nk, sc.lim[q0 + q] - j0);
         float* qv = sc.qf.data() + size_t(q0) * D;
         float* acc = sc.acc.data() + size_t(q0) * D;
+        const uint16_t* qr = sc.qraw.data() + size_t(q0) * D;
         if (nb == 4) {
-          if constexpr (QB >= 4) attend_group<T, NV, 4>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
+          if constexpr (QB >= 4) attend_group<T, NV, 4>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf, qr, pb.qscale);
         } else if (nb == 3) {
-          if constexpr (QB >= 3) attend_group<T, NV, 3>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
+          if constexpr (QB >= 3) attend_group<T, NV, 3>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf, qr, pb.qscale);
         } else if (nb == 2) {
-          if constexpr (QB >= 2) attend_group<T, NV, 2>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
+          if constexpr (QB >= 2) attend_group<T, NV, 2>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf, qr, pb.qscale);
         } else {
-          attend_group<T, NV, 1>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf);
+          attend_group<T, NV, 1>(qv, kp, vp, n, sc.s, &sc.m[q0], &sc.l[q0], acc, kp_next, vp_next, pf, qr, pb.qscale);
         }
       }
     } else {
