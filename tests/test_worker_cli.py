@@ -1,4 +1,5 @@
 """`python -m worker` flags reach the engine config; bad values are usage errors, not tracebacks."""
+import os
 import subprocess
 import sys
 
@@ -6,6 +7,13 @@ import pytest
 
 from tests.procs import REPO
 from worker.__main__ import parse_args
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """The parsers read LLM_*/OTEL_* variables: none from the environment the tests run in."""
+    for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
+        monkeypatch.delenv(name)
 
 
 def test_engine_flags():
@@ -33,3 +41,26 @@ def test_bad_value_exits_with_a_message():
     assert out.returncode != 0
     assert "gpu_memory_utilization must be in (0, 1], got 1.5" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_defaults_are_engine_configs_and_variables_apply(monkeypatch):
+    """The worker's defaults are EngineConfig's (device and dtype auto, resolved in the model
+    runner; `--device auto` once crashed); an LLM_* variable sets a flag; the flag wins."""
+    from worker.config import EngineConfig
+
+    assert parse_args([]).engine == EngineConfig()
+    assert parse_args(["--device", "auto", "--dtype", "auto"]).engine == EngineConfig()
+    monkeypatch.setenv("LLM_KV_CACHE_MB", "32")
+    monkeypatch.setenv("LLM_ENFORCE_EAGER", "yes")
+    engine = parse_args([]).engine
+    assert engine.kv_cache_bytes == 32 * 2**20 and engine.enforce_eager
+    assert parse_args(["--kv-cache-mb", "8", "--no-enforce-eager"]).engine.kv_cache_bytes == 8 * 2**20
+    assert not parse_args(["--no-enforce-eager"]).engine.enforce_eager
+
+
+def test_bad_variable_exits_naming_it():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_")}
+    out = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**env, "LLM_ATTENTION_BACKEND": "cuda"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "LLM_ATTENTION_BACKEND='cuda': must be one of auto, cpu, torch, reference, triton" in out.stderr

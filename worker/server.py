@@ -1,4 +1,5 @@
-"""Worker gRPC service: `llm.v1.Worker` around an `AsyncEngine`, plus grpc.health.v1.
+"""Worker gRPC service: `llm.v1.Worker` around an `AsyncEngine`, in the shared server skeleton
+(common/grpc_server.py: TLS, grpc.health.v1, reflection, /metrics, tracing, signals).
 
 Contract
 - input: `WorkerRequest` (token ids + fully resolved sampling) from a router.
@@ -20,22 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.metrics_http import start_metrics_server
-from common.net import bind_address
-from common.telemetry import TelemetryConfig, setup_tracing
-from common.tls import server_credentials
+from common.grpc_server import GrpcServer, message_options
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
-from worker.server_config import WorkerServerConfig  # noqa: F401 - the config serve() takes
+from worker.server_config import WorkerServerConfig
 from worker.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,68 +114,39 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
     `on_listening(port)` runs once the server is SERVING."""
     engine = AsyncEngine.from_config(config.engine)
-    telemetry = config.telemetry
     metrics = WorkerMetrics(engine)
     try:
-        metrics_server = start_metrics_server(telemetry.metrics_host or config.host, telemetry.metrics_port,
-                                              0, metrics.registry, ssl_context=telemetry.metrics_ssl_context())
-    except OSError as exc:
+        base = GrpcServer(component="worker", service_names=(SERVICE_NAME,), host=config.host, port=config.port,
+                          telemetry=config.telemetry, metrics_registry=metrics.registry,
+                          tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
+                          options=message_options(config.max_message_bytes))
+        service = WorkerService(engine, metrics)
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, base.server)
+        port = base.bind()
+    except SystemExit:
         engine.shutdown()
-        raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
-    options = [("grpc.max_send_message_length", config.max_message_bytes),
-               ("grpc.max_receive_message_length", config.max_message_bytes)]
-    server = grpc.aio.server(options=options)
-    service = WorkerService(engine, metrics)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = bind_address(config.host, config.port)
-    if config.tls_cert:
-        port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
-                                                                  config.tls_client_ca))
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        engine.shutdown()
-        if metrics_server:
-            metrics_server.close()
-        raise SystemExit(f"cannot bind {address}")
-    service.worker_id = bind_address(config.host, port)
-    service.metrics_address = metrics_server.address if metrics_server else ""
-    tracing = setup_tracing(telemetry, "llm-worker", instance=service.worker_id)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-    info = engine.info
-    # The "listening" line is machine-read by launchers that pass --port 0.
-    print(f"worker listening on {bind_address(config.host, port)}", flush=True)
+        raise
+    service.worker_id = base.address
+    service.metrics_address = base.metrics.address if base.metrics else ""
+    await base.start()
+    await base.set_serving(True)
+    stop = base.stop_event(stop)
+    base.announce()
     if on_listening is not None:
         on_listening(port)
+    info = engine.info
     log.info("model %s, block size %d, max model len %d, %d KV blocks", info.name, info.block_size,
              info.max_model_len, engine.stats().num_total_blocks)
-    if metrics_server:
-        log.info("metrics at %s", metrics_server.url)
-    if tracing.enabled:
-        log.info("tracing to %s (sample ratio %g)", telemetry.otlp_endpoint or "console",
-                 telemetry.sample_ratio)
     await stop.wait()
 
     # Drain: health NOT_SERVING first while still accepting calls, so that routers stop routing
     # here before the port refuses anything; then refuse new calls and let open streams finish.
     log.info("draining: NOT_SERVING, accepting calls for %.1f s more, then grace %.1f s for %d open stream(s)",
              config.drain_announce_s, config.drain_grace_s, engine.stats().num_running)
-    await health_servicer.enter_graceful_shutdown()
+    await base.not_serving()
     await asyncio.sleep(config.drain_announce_s)
-    await server.stop(grace=config.drain_grace_s)
+    await base.stop(config.drain_grace_s)
     engine.shutdown()
-    tracing.shutdown()
-    if metrics_server:
-        metrics_server.close()
+    base.close()
     log.info("worker stopped")
     return 0
