@@ -3,21 +3,78 @@
 # the Triton kernel and CUDA-graph tests on CUDA, then the `make bench-gpu` script
 # (benchmarks/gpu_bench.py) in what time is left.
 # Uses only what that machine has (python3 with torch, triton, transformers, pytest, pytest-xdist).
-# Writes to $OUT (else results/): gpu_info.txt, gpu_tests.log, gpu_tests.xml, gpu_bench.{json,md}.
-# GPU_SESSION_S (default 540) bounds the whole script: the tests get at most half, the benchmark
-# skips cases that would start past it and is killed 30 s after it (its files are rewritten after
-# every case, so what it measured stays), which keeps a 600 s command limit.
+# Also `make bench-host` (benchmarks/host_overhead.py) on that machine's CPU, the host of a GPU engine.
+# Writes to $OUT (else results/): gpu_info.txt, gpu_tests.log, gpu_tests.xml, host_overhead.{json,log},
+# gpu_bench.{json,md} (7 files: a device call brings back at most 8).
+# GPU_SESSION_S (default 480) bounds the whole script: the tests get at most half (they took ~30 s
+# on an H200), bench-host at most 60 s, the benchmark skips cases that would start past the budget
+# and is killed 20 s after it (its files are rewritten after every case, so what it measured
+# stays): at most ~8.5 min in all.
+# Benchmark sections on an H200 (estimates; the first run of the new ones will tell): bandwidth
+# ~10 s, attention ~25 s, fused kernels ~5 s, real checkpoint ~30 s, engine + transformers eager
+# ~90 s, transformers static cache + torch.compile ~150 s (compiles included; it is not started
+# with under 150 s left), roofline 0 s (computed from the engine's timings).
+#
+# The real-checkpoint check (graphs vs eager on SmolLM2) needs the embedded GGUF (94 MiB) and the
+# `gguf` package, which the GPU machine lacks, and one device call carries at most 64 MiB. So:
+#   here, once:   sh benchmarks/gpu_session.sh prepare
+#                 (splits the GGUF into results/gpu_payload/a and results/gpu_payload/b, ~48 MiB
+#                 each; b also holds the gguf package and the file's sha256)
+#   device call 1: carry ["results/gpu_payload/a"], command `ls -l results/gpu_payload/a` (returns
+#                 at once; the part stays on the warm machine, results/ being git-ignored)
+#   device call 2: at once (the machine stays warm ~30 s), carry ["results/gpu_payload/b"],
+#                 command `make gpu-session`
+# This script then joins the parts in /tmp, checks the sha256, and gives the benchmark
+# SMOLLM2_GGUF and the gguf package on PYTHONPATH. Without both parts the check is skipped and the
+# benchmark's tables say why; everything else runs the same.
 set -u
+payload=results/gpu_payload
+
+if [ "${1:-}" = prepare ]; then
+    py=${PY:-.venv/bin/python}
+    src=$($py -c "from common.model_files import default_model_path; print(default_model_path())") || exit 1
+    pkg=$($py -c "import gguf, os; print(os.path.dirname(gguf.__file__))") || exit 1
+    rm -rf "$payload"
+    mkdir -p "$payload/a" "$payload/b/site"
+    split -b 48M "$src" "$payload/part." || exit 1
+    mv "$payload/part.aa" "$payload/a/" && mv "$payload/part.ab" "$payload/b/" || exit 1
+    [ ! -e "$payload/part.ac" ] || { echo "unexpected third part: the GGUF is over 96 MiB"; exit 1; }
+    cp -r "$pkg" "$payload/b/site/gguf" && rm -rf "$payload/b/site/gguf/__pycache__"
+    basename "$src" > "$payload/b/NAME"
+    $py -c "import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())" \
+        "$src" > "$payload/b/SHA256"
+    du -sh "$payload/a" "$payload/b"
+    exit 0
+fi
+
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 start=$(date +%s)
-budget=${GPU_SESSION_S:-540}
+budget=${GPU_SESSION_S:-480}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     > "$OUT/gpu_info.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       'cuda', torch.cuda.is_available())" >> "$OUT/gpu_info.txt" 2>&1
 cat "$OUT/gpu_info.txt"
+
+# The checkpoint payload, if both device calls brought their part (see the top of this file).
+bench_path=""
+if [ -f "$payload/a/part.aa" ] && [ -f "$payload/b/part.ab" ] && [ -f "$payload/b/NAME" ]; then
+    mkdir -p /tmp/gpu_payload
+    gguf_file=/tmp/gpu_payload/$(cat "$payload/b/NAME")
+    cat "$payload/a/part.aa" "$payload/b/part.ab" > "$gguf_file"
+    if python3 -c "import hashlib, sys; sys.exit(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest()
+                   != open(sys.argv[2]).read().strip())" "$gguf_file" "$payload/b/SHA256"; then
+        echo "checkpoint payload: $gguf_file (sha256 ok)"
+        bench_path="$PWD/$payload/b/site"
+    else
+        echo "checkpoint payload: sha256 mismatch, real-checkpoint check skipped"
+    fi
+else
+    echo "checkpoint payload: not here (part a: $(ls "$payload/a" 2>/dev/null || echo none), part b:" \
+         "$(ls "$payload/b" 2>/dev/null | tr '\n' ' ' || echo none)); real-checkpoint check skipped"
+fi
 
 # Triton compiles dominate the tests: spread them over 4 processes when pytest-xdist is there.
 parallel=""
@@ -30,9 +87,20 @@ tests_rc=$?
 echo "GPU tests: exit $tests_rc after $(( $(date +%s) - start )) s"
 tail -n 15 "$OUT/gpu_tests.log"
 
+# Host time per engine step on this machine's CPU, the host a GPU engine runs on (~20 s).
+timeout 60 python3 -m benchmarks.host_overhead --out "$OUT/host_overhead.json" \
+    > "$OUT/host_overhead.log" 2>&1
+echo "bench-host: exit $?; $(tail -n 1 "$OUT/host_overhead.log")"
+
 left=$(( budget - ($(date +%s) - start) ))
-timeout -k 10 $((left + 30)) python3 -m benchmarks.gpu_bench --out-dir "$OUT" \
-    --time-budget-s "$left"
+if [ -n "$bench_path" ]; then
+    SMOLLM2_GGUF=$gguf_file PYTHONPATH="$bench_path${PYTHONPATH:+:$PYTHONPATH}" \
+        PYTHONUNBUFFERED=1 timeout -k 10 $((left + 20)) python3 -m benchmarks.gpu_bench \
+        --out-dir "$OUT" --time-budget-s "$left"
+else
+    PYTHONUNBUFFERED=1 timeout -k 10 $((left + 20)) python3 -m benchmarks.gpu_bench \
+        --out-dir "$OUT" --time-budget-s "$left"
+fi
 bench_rc=$?
 echo "gpu session: tests exit $tests_rc, benchmark exit $bench_rc, $(( $(date +%s) - start )) s"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,6 +1,8 @@
 """`make bench-gpu` stays runnable: its --smoke mode (tiny sizes, CPU with Triton interpreted)
-runs end to end (copy, paged attention, fused norm/RoPE, engine vs transformers) and writes the
-tables, and it needs nothing that the GPU machine lacks.
+runs end to end (read-only and copy bandwidth, paged attention, fused norm/RoPE, engine vs
+transformers eager and static-cache + torch.compile, HBM roofline) and writes the tables, and it
+needs nothing that the GPU machine lacks. The real-checkpoint check (graphs vs eager on SmolLM2)
+runs at tiny size in-process, and is skipped with a reason where the GGUF cannot be loaded.
 
 The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2 or safetensors;
 each test runs the script in a subprocess where those imports fail.
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,15 +38,23 @@ def test_smoke_run_writes_tables(tmp_path):
     table = (tmp_path / "gpu_bench_smoke.md").read_text()
     assert table in proc.stdout
     assert res["smoke"] and res["model"]["name"] == "random-tiny"
+    assert not res.get("section_errors"), res["section_errors"]
     assert res["copy"]["gbps"] > 0
+    # Read-only bandwidth: torch's sum and the Triton read kernel, both checked against float64.
+    read = res["read"]
+    for kernel in ("torch_sum", "triton_read"):
+        assert read[kernel]["gbps"] > 0 and read[kernel]["rel_err"] < 1e-5, read
+    assert read["gbps"] == max(read["torch_sum"]["gbps"], read["triton_read"]["gbps"])
 
     assert [(r["batch_size"], r["context_len"]) for r in res["attention"]] == \
         [(1, 32), (1, 80), (2, 32), (2, 80)]
     for row in res["attention"]:
         assert row["paged_us"] > 0 and row["sdpa_us"] > 0 and 0 < row["copy_fraction"]
+        assert row["read_fraction"] == row["paged_gbps"] / read["gbps"]
         assert row["kv_bytes"] == 2 * row["batch_size"] * row["context_len"] * 2 * 16 * 4
         assert row["max_rel_err_vs_sdpa"] < 1e-4        # paged kernel == SDPA on the same K/V
-    assert "| batch | context | K/V MiB | paged us | paged GB/s | % of copy |" in table
+    assert "| batch | context | K/V MiB | paged us | paged GB/s | % of read BW | % of copy |" in table
+    assert "Read-only bandwidth: **" in table
 
     # Fused RMSNorm(+residual) and RoPE kernels timed against the model's torch code, same results.
     assert [r["tokens"] for r in res["fused"]] == [1, 8]
@@ -52,15 +63,56 @@ def test_smoke_run_writes_tables(tmp_path):
         assert row["max_rel_err"] < 1e-5, row
     assert "| tokens | norm torch | norm fused | speedup |" in table
 
+    # gguf is blocked here (as on the GPU machine without the carried payload): skipped, with why.
+    assert "gguf" in res["checkpoint"]["skipped"], res["checkpoint"]
+    assert "Real checkpoint (graphs vs eager): no checkpoint here" in table
+
     engine_sides = ["graphs", "eager"] if torch.cuda.is_available() else ["eager"]
     assert [r["batch_size"] for r in res["engine"]] == [1, 2]
     for row in res["engine"]:
-        for side in engine_sides + ["hf"]:
+        for side in engine_sides + ["hf", "hf_compiled"]:
             assert row[side]["e2e_tok_s"] > 0 and row[side]["t_n_s"] > 0, (side, row)
-        # float32, same random weights: greedy tokens equal transformers' own generate.
-        assert row["agreement_vs_hf"]["identical"] == row["agreement_vs_hf"]["requests"] == row["batch_size"]
-    assert not [k for k in res["engine_setup"] if k.endswith("_error")], res["engine_setup"]
-    assert "| batch | graphs decode | eager decode | HF decode |" in table
+        # float32, same random weights: greedy tokens equal transformers' own generate, eager and
+        # static cache + compiled forward alike.
+        for key in ("agreement_vs_hf", "agreement_vs_hf_compiled", "hf_compiled_vs_hf"):
+            assert row[key]["identical"] == row[key]["requests"] == row["batch_size"], (key, row)
+    setup = res["engine_setup"]
+    assert not [k for k in setup if k.endswith("_error")], setup
+    assert setup["hf_compiled_dynamo_graphs"] >= 1, setup    # generate really ran a compiled forward
+    assert setup["hf_compiled_warmup_s"] > 0
+    assert "| batch | graphs decode | eager decode | HF decode | HF compiled decode |" in table
+
+    # Roofline: weights (tied embedding once) + K/V at the mean decode context, per batch size.
+    cfg = res["model"]
+    weights = 4 * (cfg["vocab_size"] * cfg["hidden_size"] + cfg["hidden_size"] + cfg["num_layers"] * (
+        2 * cfg["hidden_size"] + cfg["hidden_size"] * (cfg["num_heads"] + 2 * cfg["num_kv_heads"]) * cfg["head_dim"]
+        + cfg["num_heads"] * cfg["head_dim"] * cfg["hidden_size"] + 3 * cfg["hidden_size"] * cfg["intermediate_size"]))
+    kv_per_token = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    roof = res["roofline"]
+    assert roof["read_gbps"] == read["gbps"] and roof["mean_context"] == 8 + 4 / 2
+    for row in roof["rows"]:
+        assert row["weight_bytes"] == weights
+        assert row["kv_bytes"] == row["batch_size"] * roof["mean_context"] * kv_per_token
+        for side in ("graphs", "eager"):
+            if side in row:
+                assert row[side]["roofline_fraction"] == pytest.approx(
+                    row["bytes_per_step"] / (row[side]["step_ms"] / 1e3) / 1e9 / read["gbps"])
+    assert "**Engine decode vs the HBM roofline**" in table
+
+
+def test_checkpoint_check_graphs_vs_eager_runs(tmp_path):
+    """The real-checkpoint section at tiny size on CPU (both sides eager there): loads SmolLM2,
+    tokenizes text prompts, runs both engines and compares their greedy tokens."""
+    from benchmarks import gpu_bench
+
+    res: dict = {}
+    gpu_bench.checkpoint_section(res, gpu_bench.SMOKE, torch.device("cpu"), float("inf"), lambda: None)
+    c = res["checkpoint"]
+    assert "skipped" not in c, c
+    assert c["prompts"].startswith("text") and c["requests"] == 2 and c["max_tokens"] == [2, 3]
+    assert c["identical"] == 2 and c["output_tokens"] == 5 and c["first_divergence"] == [None, None]
+    assert not c["graphs_uses_cuda_graphs"]
+    assert "**2/2 token-identical**" in "\n".join(gpu_bench.checkpoint_markdown(res))
 
 
 def test_engine_side_needs_no_optional_packages():

@@ -1,0 +1,58 @@
+"""`make bench-host` (benchmarks/host_overhead.py) runs at tiny size: the real scheduler, block manager,
+input preparation and sampler around a no-math model stub, every measured step a decode of B
+sequences; its last line has the promised format with positive numbers; its docs section is added
+to docs/benchmarks.md or replaces its own earlier version, leaving other sections alone.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.host_overhead import LAST_LINE, SECTION, slope_us, write_docs_section
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_run_last_line_and_json(tmp_path):
+    out = tmp_path / "host.json"
+    docs = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--batch-sizes", "1", "16", "32",
+                           "--context", "16", "48", "--steps", "10", "--breakdown-steps", "5", "--warmup", "2",
+                           "--out", str(out), "--write-docs", str(docs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = LAST_LINE.match(last)
+    assert m, last
+    batch, step_ms, per_seq_us = int(m[1]), float(m[2]), float(m[3])
+    assert batch == 32 and step_ms > 0 and per_seq_us > 0, last
+    res = json.loads(out.read_text())
+    assert [(r["temperature"] > 0, r["batch_size"]) for r in res["rows"]] == \
+        [(False, 1), (False, 16), (False, 32), (True, 1), (True, 16), (True, 32)]
+    for r in res["rows"]:
+        assert r["step_ms"] > 0 and r["prepare_ms"] > 0 and r["graph_inputs_ms"] > 0
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n") and SECTION in text and "Command: `make bench-host" in text
+
+
+def test_docs_section_replaces_only_its_own(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Serving vs llama.cpp\n\nother engineer's table\n")
+    write_docs_section(docs, f"{SECTION}\n\nfirst run\n")
+    write_docs_section(docs, f"{SECTION}\n\nsecond run\n")
+    text = docs.read_text()
+    assert text.count(SECTION) == 1 and "second run" in text and "first run" not in text
+    assert "## Serving vs llama.cpp\n\nother engineer's table\n" in text
+    # A section after ours survives a replacement too.
+    docs.write_text(text + "\n## Perplexity\n\nppl table\n")
+    write_docs_section(docs, f"{SECTION}\n\nthird run\n")
+    text = docs.read_text()
+    assert "third run" in text and "second run" not in text and text.endswith("## Perplexity\n\nppl table\n")
+    assert text.index("## Serving vs llama.cpp") < text.index(SECTION) < text.index("## Perplexity")
+
+
+def test_slope_is_least_squares():
+    rows = [{"batch_size": b, "step_ms": 0.1 + 0.002 * b} for b in (1, 64, 256)]
+    assert abs(slope_us(rows) - 2.0) < 1e-9
