@@ -33,6 +33,13 @@ test-all: install protos
 bench: install protos
 	$(PY) -m benchmarks.engine_vs_hf $(ARGS)
 
+# Host time per engine step with a model stub that does no math: scheduler, block manager, input
+# preparation, sampler and bookkeeping at batch 1/64/256 (~1-2 min). ARGS=--write-docs also writes
+# its section of docs/benchmarks.md.
+.PHONY: bench-host
+bench-host: install
+	$(PY) -m benchmarks.host_overhead $(ARGS)
+
 # Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
 # the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything.
 WORKERS ?=
@@ -53,8 +60,8 @@ bench-tracing: install protos
 bench-gpu:
 	$(PYTHON) -m benchmarks.gpu_bench $(ARGS)
 
-# Everything one GPU lease should run, in one command: the CUDA tests, then bench-gpu (about
-# 9 min, cut off at 9.5).
+# Everything one GPU lease should run, in one command: the CUDA tests, bench-host, then bench-gpu
+# (at most ~8.5 min; benchmarks/gpu_session.sh says how to bring the checkpoint for its check).
 gpu-session:
 	sh benchmarks/gpu_session.sh
 
