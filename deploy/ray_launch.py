@@ -26,7 +26,9 @@ Contract
   learn from `address()`. A failing constructor (bad model path, cannot bind) is final: Ray does
   not restart failed constructors. Bundles that cannot be placed within `ready_timeout_s` ->
   TimeoutError naming the bundle, the strategy and the cluster's resources.
-- proven by: tests/test_ray_cluster.py (placement 2 per node on fake GPUs, restart, discovery).
+- proven by: tests/test_ray_cluster.py (placement 2 per node on fake GPUs, restart, discovery),
+  tests/test_config_cli.py (every worker flag and variable reaches the actors' config),
+  tests/test_serve_telemetry.py (actors export spans from the launcher's OTEL_* environment).
 
 Only the actor process imports torch; the launching driver (and a router in the same process, as
 in `make serve`) does not.
