@@ -15,9 +15,9 @@
 //   at::parallel_for (torch's own OpenMP pool). When there are too few items for the threads
 //   (small decode batches), long decode rows are split over key ranges and the partial
 //   (max, sum, acc) triples are merged afterwards. Prefill chunks of at least
-//   `sdpa_min_query_len` rows (0: never) go to torch's SDPA flash kernel instead, one sequence at a
-//   time, as worker/kernels/torch_attention.py does: for long chunks its GEMM-based kernel is
-//   faster than this row-at-a-time one (measured: docs/kernels.md).
+//   `sdpa_min_query_len` rows (0: never, the default: this kernel measured faster at every chunk
+//   length tried, docs/kernels.md) go to torch's SDPA flash kernel instead, one sequence at a
+//   time, as worker/kernels/torch_attention.py does.
 // SIMD: AVX-512F, else AVX2 + FMA + F16C, else scalar, chosen at compile time (the build is
 //   -march=native and cached per CPU-flag set by worker/kernels/cpu_attention.py).
 // Fails how: bad shapes, dtypes, strides or metadata (a sequence longer than its block-table row,
@@ -81,7 +81,7 @@ inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline float vhmax(vec a) { return _mm512_reduce_max_ps(a); }
 constexpr int kRegs = 32;
-// The sums of a0..a3, one per lane of the result: 6 shuffles and 4 adds for four dot products.
+// The sums of a0..a3, one per lane of the result: 9 shuffles and 5 adds for four dot products.
 inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
   vec s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
                           _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));

@@ -6,9 +6,11 @@ sequence's new tokens are its last query_len positions, causal among themselves 
 cached prefix, GQA, q/K/V float32, bfloat16 or float16, returns q's dtype, softmax and
 accumulation in float32). It runs `torch.ops.llm_cpu.paged_attention` (worker/kernels/
 cpu_attention.cpp): the whole batch, all heads, one call, K/V read in place from the paged cache.
-Prefill chunks of `SDPA_MIN_QUERY_LEN` rows or more go to torch's SDPA inside the op (faster there,
-measured in docs/kernels.md). The op has a fake (meta) implementation, so torch.compile traces a
-model that calls it without a graph break.
+Prefill chunks run through the same kernel: measured against torch's SDPA flash kernel (which the
+op can call for chunks of `sdpa_min_query_len` rows or more), it was 1.6-7x faster at every chunk
+length tried, 16-1,024 new tokens with and without a cached prefix (docs/kernels.md), so the
+default `SDPA_MIN_QUERY_LEN = 0` never calls SDPA. The op has a fake (meta) implementation, so
+torch.compile traces a model that calls it without a graph break.
 
 Build: `load()` compiles the .cpp with torch.utils.cpp_extension.load (ninja, -O3 -march=native,
 -fopenmp against the OpenMP runtime torch itself loaded, so there is one thread pool) into
@@ -51,9 +53,9 @@ from worker.kernels.reference import check_attention_args
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# Prefill chunks with at least this many new tokens run through SDPA inside the op; shorter ones
-# (and every decode row) through the paged kernel. Measured: docs/kernels.md, "CPU".
-SDPA_MIN_QUERY_LEN = 64
+# Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
+# paged kernel was faster at every length measured, docs/kernels.md "CPU").
+SDPA_MIN_QUERY_LEN = 0
 
 _lock = threading.Lock()
 _state: dict = {}          # "path" and "build_s" once loaded, or "error" once a load failed
