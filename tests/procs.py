@@ -143,9 +143,12 @@ def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START
 def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
     # Test routers probe every 0.2 s, so a 0.5 s drain announcement is enough (and keeps stops quick).
     # float32 pinned (the worker's default is auto = bfloat16): TEST_KV_CACHE_MB's block count and
-    # context above, and the tests' exact greedy outputs, are float32's.
-    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb), "--dtype", "float32",
-                           "--drain-announce-s", "0.5", *extra], log_dir)
+    # context above, and the tests' exact greedy outputs, are float32's. --enforce-eager: these
+    # tests are about the servers, and compiling the CPU step would add seconds to every start
+    # (the compiled step is tested in process: tests/test_cpu_compile.py).
+    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb),
+                           "--dtype", "float32", "--enforce-eager", "--drain-announce-s", "0.5", *extra],
+                log_dir)
 
 
 def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc:

@@ -71,7 +71,8 @@ def engine(worker_started):
     """The reference: the same engine config in this process, no gRPC in between."""
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    engine = AsyncEngine.from_config(EngineConfig(kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20)))
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32",
+                                                  kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20)))
     yield engine
     engine.shutdown()
 

@@ -25,6 +25,7 @@ import torch
 
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import EngineConfig, default_num_threads, resolve_device, resolve_dtype
+from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
@@ -120,6 +121,13 @@ class ModelRunner:
                                                -(-max_model_len // self.block_size), self.block_size)
             with torch.inference_mode():
                 self.cuda_graphs.capture()
+        # CPU: every step runs one inductor-compiled forward (worker/cpu_compile.py).
+        self.cpu_compiled: CompiledCpuForward | None = None
+        if not config.enforce_eager and CompiledCpuForward.supported(self.device):
+            self.cpu_compiled = CompiledCpuForward(self.model, self.kv_caches, self.backend,
+                                                   self.block_size)
+            if not self.cpu_compiled.warmup():
+                self.cpu_compiled = None
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -192,8 +200,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        if torch.get_num_threads() != self.config.num_threads:
+            # Another runner in this process (tests) changed torch's global pool; the compiled
+            # step also guards on it.
+            torch.set_num_threads(self.config.num_threads)
         if self.cuda_graphs is not None and self.cuda_graphs.batch_size_for(plan) is not None:
             hidden, logits_rows = self.cuda_graphs.run(plan)                               # (S, C)
+        elif self.cpu_compiled is not None:
+            input_ids, positions, meta, logits_rows = self.prepare(plan)
+            hidden = self.cpu_compiled(input_ids, positions, meta)                         # (T, C)
         else:
             input_ids, positions, meta, logits_rows = self.prepare(plan)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
