@@ -226,9 +226,14 @@ def main() -> None:
     results = {}
     for side in ("engine", "hf"):
         cmd = [sys.executable, "-m", "benchmarks.engine_vs_hf", "--side", side] + sys.argv[1:]
-        print(f"running {side} ...", flush=True)
+        load_before = os.getloadavg()[0]
+        print(f"running {side} (load average {load_before:.1f}) ...", flush=True)
         results[side] = json.loads(subprocess.check_output(cmd))
         r = results[side]
+        # Both sides share the machine with whatever else runs: a ratio is only as good as the
+        # load was equal, so each side's 1-minute load average (start, end) is kept with it.
+        r["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        print(f"  ({side} done, load average {r['load_average'][1]:.1f})", flush=True)
         if side == "engine":
             print(f"  engine {n_out / r['elapsed_s']:8.1f} output tok/s  {r['elapsed_s']:7.1f} s  "
                   f"peak RSS {r['peak_rss_mib']:.0f} MiB  {r['steps']} steps, {r['preemptions']} preemptions",
