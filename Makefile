@@ -56,6 +56,18 @@ bench-grpc: install protos
 bench-tracing: install protos
 	$(PY) -m benchmarks.tracing_overhead $(ARGS)
 
+# Our router + worker vs llama.cpp's llama-server (built once into ~/.cache/llm-serve/, from the
+# llama-cpp-python 0.3.36 sdist), in turn, same GGUF, threads and seeded load; concurrency 1/8/32
+# (~12 min idle, longer when the cores are shared; ARGS=--quick ~4 min). Writes docs/benchmarks.md
+# and results/bench_serve/.
+# eval: perplexity, float32 / bf16 / quantized vs llama-perplexity, bundled text (docs/benchmarks.md).
+.PHONY: bench-serve eval
+bench-serve: install protos
+	$(PY) -m benchmarks.bench_serve $(ARGS)
+
+eval: install protos
+	$(PY) -m benchmarks.eval_ppl $(ARGS)
+
 # The GPU machine has torch, triton and transformers but no venv: the system python, no install.
 bench-gpu:
 	$(PYTHON) -m benchmarks.gpu_bench $(ARGS)
