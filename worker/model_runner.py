@@ -82,8 +82,10 @@ class ModelRunner:
     def from_model(cls, config: EngineConfig, model: LlamaModel, eos_token_ids: tuple[int, ...] = (),
                    name: str = "in-memory") -> ModelRunner:
         """A runner over an already built model (on config.device), e.g. random weights."""
-        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-        config = resolved_config(dataclasses.replace(config, dtype=dtype))
+        weight = model.embed_tokens.weight
+        dtype = str(weight.dtype).removeprefix("torch.")
+        device = str(weight.device) if config.device == "auto" else config.device
+        config = resolved_config(dataclasses.replace(config, dtype=dtype, device=device))
         torch.set_num_threads(config.num_threads)
         runner = cls.__new__(cls)
         runner._setup(config, model, name, tuple(eos_token_ids), 0.0)
