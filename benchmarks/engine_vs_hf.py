@@ -60,13 +60,19 @@ def encode_workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
 
 
 def run_engine(prompts, outputs, dtype: str, args) -> dict:
+    import torch
+
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.types import SamplingParams
 
+    # num_threads explicitly: the runner sets torch's thread count from its config (default: every
+    # core it is given), which would override the --num-threads both sides are meant to share.
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_bytes=args.kv_cache_mib * 2**20,
                                     max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    num_threads=args.num_threads or None))
+    assert args.num_threads == 0 or torch.get_num_threads() == args.num_threads, torch.get_num_threads()
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.generate([prompts[0][:32]], warm)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -182,6 +188,9 @@ def side_main(args) -> None:
     fn = run_engine if args.side == "engine" else run_hf
     res = fn(prompts, outputs, args.dtype, args)
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import torch
+
+    res["torch_threads"] = torch.get_num_threads()          # as the run left it: the same both sides
     json.dump(res, sys.stdout)
 
 
@@ -236,11 +245,13 @@ def main() -> None:
         print(f"  ({side} done, load average {r['load_average'][1]:.1f})", flush=True)
         if side == "engine":
             print(f"  engine {n_out / r['elapsed_s']:8.1f} output tok/s  {r['elapsed_s']:7.1f} s  "
-                  f"peak RSS {r['peak_rss_mib']:.0f} MiB  {r['steps']} steps, {r['preemptions']} preemptions",
+                  f"peak RSS {r['peak_rss_mib']:.0f} MiB  {r['steps']} steps, {r['preemptions']} preemptions, "
+                  f"{r.get('torch_threads')} torch threads",
                   flush=True)
             continue
         print(f"  transformers: batch size {r['batch_size']} (calibration tok/s, length-sorted: "
-              f"{r['calibration_tok_s']}), peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+              f"{r['calibration_tok_s']}), peak RSS {r['peak_rss_mib']:.0f} MiB, {r.get('torch_threads')} torch "
+              "threads", flush=True)
         for name, run in r["runs"].items():
             print(f"  transformers {ORDER_LABELS[name]:34s} {run['requested_tokens'] / run['elapsed_s']:8.1f} "
                   f"requested tok/s  {run['generated_tokens'] / run['elapsed_s']:8.1f} generated tok/s "
