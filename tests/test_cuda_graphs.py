@@ -118,7 +118,8 @@ def test_static_forward_matches_eager(backend):
                         old, new = old.flatten(0, 1), new.flatten(0, 1)
                         keep = torch.ones(old.shape[0], dtype=torch.bool)
                         keep[written] = False
-                        assert torch.equal(old[keep], new[keep])
+                        # The pool is torch.empty: unwritten slots may hold NaN bit patterns.
+                        torch.testing.assert_close(old[keep], new[keep], rtol=0, atol=0, equal_nan=True)
                         torch.testing.assert_close(new[written], old[written], rtol=1e-5, atol=1e-5)
                 sizes_seen.append((n, size))
             engine.scheduler.update(plan, runner.run(plan))
