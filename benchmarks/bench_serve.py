@@ -618,6 +618,16 @@ def report_markdown(run: dict, points: list[Point]) -> str:
              "every other process on the machine used during each side's measurement (/proc/stat less "
              "the side's servers and the load tester): this machine is shared with other jobs.", ""]
     lines += markdown_table(HEADER, table_rows(points))
+    others = [c for p in points for c in (other_cores(p.sides.get("ours", {})),
+                                          other_cores(p.sides.get("llama.cpp", {}))) if c is not None]
+    if others and max(others) > 0.5:
+        lines += ["", f"**Caveat: the machine was shared** (other processes used {min(others):.1f}-"
+                  f"{max(others):.1f} of its {m['cores']} cores during the measurements). llama.cpp's "
+                  "threads meet at a spinning barrier after every op, so with threads = cores and other work "
+                  "on those cores a thread that is descheduled holds up the one spinning for it for a whole "
+                  "time slice; it slows down far more than our stack does. These figures say how each "
+                  "behaves on a busy machine, not how fast either is: rerun on an idle machine, or compare "
+                  "with `ARGS=\"--threads 1\"`."]
     lines += ["", f"Peak RSS: our worker {_mib(mem.get('worker'))}, our router {_mib(mem.get('router'))}, "
               f"llama-server {_mib(mem.get('llama-server'))} (VmHWM / sampled VmRSS, max over points; "
               "llama-server's includes its memory-mapped GGUF). Our KV pool: "
@@ -708,6 +718,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S,
                    help="per request, and for the last requests of a point to finish")
     p.add_argument("--no-docs", dest="docs", action="store_false", help="do not rewrite docs/benchmarks.md")
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="only rewrite the docs section from a saved results/bench_serve/*.json")
     a = p.parse_args(argv)
     if a.concurrencies is None:
         a.concurrencies = ",".join(map(str, QUICK_CONCURRENCIES if a.quick else CONCURRENCIES))
@@ -739,9 +751,32 @@ def llama_ctx(parallel: int, max_input: int, output_len: int, slack: int = 16) -
     return parallel * (max_input + output_len + slack)
 
 
+def points_from_json(run: dict) -> list[Point]:
+    return [Point(p["concurrency"], p["seed"], p["order"], p["sides"], p["problems"], p["commands"])
+            for p in run["points"]]
+
+
+def render(path: pathlib.Path, log) -> int:
+    """Rewrites the docs section from a saved run (after a change to the report's wording)."""
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+        points = points_from_json(run)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log(f"bench-serve: cannot read {path}: {exc}")
+        return 1
+    if run.get("failure") or any(p.problems for p in points):
+        log(f"bench-serve: {path} is from a failed run; docs left as they were")
+        return 1
+    write_section(DOCS, SECTION, report_markdown(run, points))
+    log(f"wrote section '{SECTION}' of {DOCS} from {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if a.render:
+        return render(pathlib.Path(a.render), log)
     from benchmarks.llamacpp import VERSION, BuildError, ensure_built
     from common.model_files import default_model_path, read_gguf_metadata
 

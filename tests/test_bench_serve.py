@@ -134,6 +134,35 @@ def test_report_table_shows_both_sides_and_ratios():
     assert p.ratios() == {"output_tok_s": 0.25, "tpot_p50": 3.0}
 
 
+def test_saved_run_renders_the_same_section_with_the_busy_machine_caveat(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+
+    p = bs.Point(1, 0, ["ours", "llama.cpp"])
+    p.sides = {"ours": {"output_tok_s": 50.0, "tpot_p50_ms": 19.0, "ttft_p50_ms": 200.0, "completed": 4,
+                        "cpu": {"other_cores": 1.2}},
+               "llama.cpp": {"output_tok_s": 100.0, "tpot_p50_ms": 9.5, "ttft_p50_ms": 100.0, "completed": 8,
+                             "cpu": {"other_cores": 0.1}}}
+    p.commands = {"ours": "python -m loadtest --target ours=<address>"}
+    run = {"machine": {"cpu": "AMD EPYC", "cores": 2, "memory_gib": 23.5, "load_average": [1.0, 1.0, 1.0]},
+           "peak_rss_mib": {"worker": 800.0}, "kv_pool": None, "date": "d", "quick": True, "commit": "c",
+           "model_name": "m", "threads": 2, "llamacpp_version": "0.3.36", "input_len": "uniform:64:256",
+           "output_len": 128, "duration_s": 10, "commands": {"ours": ["w", "r"], "llama.cpp": ["l"]},
+           "json": "results/bench_serve/x.json", "worker_log": [],
+           "points": [{**dataclasses.asdict(p), "ratios": p.ratios()}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    md = bs.report_markdown(run, [p])
+    assert "ratio 0.50x" in md and "ratio 2.00x" in md and "Caveat: the machine was shared" in md
+    assert "0.1-1.2 of its 2 cores" in md and "python -m loadtest --target ours=<address>" in md
+    monkeypatch.setattr(bs, "DOCS", tmp_path / "benchmarks.md")
+    assert bs.render(path, print) == 0
+    assert bs.DOCS.read_text().endswith(md.rstrip("\n") + "\n")
+    run["points"][0]["problems"] = {"ours": "no tokens streamed"}
+    path.write_text(json.dumps(run))
+    assert bs.render(path, print) == 1
+
+
 def test_kv_pool_is_read_from_the_model_runner_line():
     line = ("2026-11-30 12:00:00 worker INFO model Smollm2 loaded in 3.2s; 126620 KV blocks "
             "(2025920 tokens, 5564 MiB), backend torch")
