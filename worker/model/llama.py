@@ -6,7 +6,10 @@ dimension). `compute_logits(hidden [S, C]) -> [S, vocab] float32`, called only o
 sample. State: none besides the weights; the paged KV cache is passed in (one (K, V) pair per
 layer) and written through the attention backend. Weights use Hugging Face names at load time
 (`load_hf_state_dict`) and are fused here (q|k|v, gate|up) so each projection is one matmul.
-Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4).
+The loader may swap the linear layers for weight-only int4/int8 modules and the embedding (the
+tied lm_head) for an int8 one (worker/model/quant.py); they take and return bfloat16.
+Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4);
+the quantized forms by tests/test_quant.py.
 """
 from __future__ import annotations
 
@@ -165,9 +168,17 @@ class LlamaModel(nn.Module):
     def reset_rope(self) -> None:
         self.layers[0].self_attn.rope.reset()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (the norms'): bfloat16 when the weights are int4/int8 modules."""
+        return self.norm.weight.dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()                                 # (S, V)
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()                                 # (S, V)
+        if isinstance(self.embed_tokens, nn.Embedding):
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.embed_tokens.linear(hidden).float()                         # Int8Embedding
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
