@@ -620,7 +620,12 @@ def report_markdown(run: dict, points: list[Point]) -> str:
     lines += markdown_table(HEADER, table_rows(points))
     others = [c for p in points for c in (other_cores(p.sides.get("ours", {})),
                                           other_cores(p.sides.get("llama.cpp", {}))) if c is not None]
-    if others and max(others) > 0.5:
+    if others and max(others) > 0.5 and run["threads"] == 1:
+        lines += ["", f"**The machine was shared** (other processes used {min(others):.1f}-"
+                  f"{max(others):.1f} of its {m['cores']} cores during the measurements), so absolute "
+                  "figures are low; with one thread each, neither side waits on a descheduled sibling "
+                  "thread."]
+    elif others and max(others) > 0.5:
         lines += ["", f"**Caveat: the machine was shared** (other processes used {min(others):.1f}-"
                   f"{max(others):.1f} of its {m['cores']} cores during the measurements). llama.cpp's "
                   "threads meet at a spinning barrier after every op, so with threads = cores and other work "
@@ -674,7 +679,7 @@ def worker_log_lines(log_text: str, limit: int = 6) -> list[str]:
     return out[:limit]
 
 
-def print_point(p: Point, log) -> None:
+def print_point(p: Point, log, threads: int) -> None:
     ours, theirs, r = p.sides.get("ours", {}), p.sides.get("llama.cpp", {}), p.ratios()
     log(f"concurrency {p.concurrency}: output tok/s ours {_fmt(ours.get('output_tok_s'))} vs llama.cpp "
         f"{_fmt(theirs.get('output_tok_s'))} "
@@ -684,7 +689,7 @@ def print_point(p: Point, log) -> None:
         f"TTFT p50 {_fmt(ours.get('ttft_p50_ms'), 0)} vs {_fmt(theirs.get('ttft_p50_ms'), 0)} ms; "
         f"other processes used {_fmt(other_cores(ours))} / {_fmt(other_cores(theirs))} cores meanwhile")
     busy = [c for c in (other_cores(ours), other_cores(theirs)) if c is not None]
-    if busy and max(busy) > 0.5:
+    if busy and max(busy) > 0.5 and threads > 1:
         log("  note: the machine was shared during this point; llama.cpp's spinning thread barriers "
             "slow down far more than our torch threads when its threads are descheduled")
 
@@ -830,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                 if problem:
                     point.problems[side.name] = problem
                     log(f"  {side.name}: PROBLEM: {problem}")
-            print_point(point, log)
+            print_point(point, log, a.threads)
     except SideError as exc:
         failure = str(exc)
         log(f"bench-serve: {failure}")

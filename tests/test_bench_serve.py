@@ -155,6 +155,8 @@ def test_saved_run_renders_the_same_section_with_the_busy_machine_caveat(tmp_pat
     md = bs.report_markdown(run, [p])
     assert "ratio 0.50x" in md and "ratio 2.00x" in md and "Caveat: the machine was shared" in md
     assert "0.1-1.2 of its 2 cores" in md and "python -m loadtest --target ours=<address>" in md
+    one_thread = bs.report_markdown({**run, "threads": 1}, [p])
+    assert "Caveat" not in one_thread and "neither side waits on a descheduled sibling" in one_thread
     monkeypatch.setattr(bs, "DOCS", tmp_path / "benchmarks.md")
     assert bs.render(path, print) == 0
     assert bs.DOCS.read_text().endswith(md.rstrip("\n") + "\n")
