@@ -118,8 +118,12 @@ class CompiledCpuForward:
     _count = 0
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, block_size: int):
+                 backend: AttentionBackend, block_size: int, warm_sizes: tuple[int, ...] = (2,)):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        # Token counts warm-up compiles for. One size means one graph for every step, and the
+        # per-call guard check is skipped after warm-up; several (a model whose modules branch on
+        # the row count) keep the guards, which pick the graph.
+        self.warm_sizes = tuple(max(2, n) for n in warm_sizes)
         self.op_backend = _OpBackend(backend)
         self.failed = False
         self.compile_s = 0.0
@@ -164,7 +168,7 @@ class CompiledCpuForward:
             # mode); a caller's ordinary tensor would fail a guard, so it is copied once.
             args = tuple(a if a.is_inference() else a.clone()
                          for a in pad_inputs(input_ids, positions, meta))
-        if not self._warm:
+        if not self._warm or len(self.warm_sizes) > 1:
             return self._forward(*args)[:t]
         # After warm-up the one graph covers every layer and step (all sizes symbolic, same
         # dtypes), so the per-call check of each layer's tensor guards is skipped.
@@ -178,13 +182,17 @@ class CompiledCpuForward:
         try:
             # Inside inference mode, like every later step: dynamo guards on the tensors' mode.
             with torch.inference_mode():
-                ids = torch.zeros(2, dtype=torch.int64)
-                meta = AttentionMetadata(
-                    slot_mapping=torch.full((2,), -1, dtype=torch.int64),
-                    block_tables=torch.zeros(2, 2, dtype=torch.int32),
-                    seq_lens=torch.ones(2, dtype=torch.int32),
-                    query_start_loc=torch.arange(3, dtype=torch.int32), max_query_len=1, max_seq_len=1)
-                self(ids, ids.clone(), meta)
+                for n in self.warm_sizes:
+                    # Two sequences: n - 1 prompt tokens and one more; no slot is written.
+                    width = max(2, -(-n // self.block_size))
+                    ids = torch.zeros(n, dtype=torch.int64)
+                    meta = AttentionMetadata(
+                        slot_mapping=torch.full((n,), -1, dtype=torch.int64),
+                        block_tables=torch.zeros(2, width, dtype=torch.int32),
+                        seq_lens=torch.tensor([n - 1, 1], dtype=torch.int32),
+                        query_start_loc=torch.tensor([0, n - 1, n], dtype=torch.int32),
+                        max_query_len=n - 1, max_seq_len=n - 1)
+                    self(ids, ids.clone(), meta)
         except Exception as exc:     # noqa: BLE001 - any compiler failure means: serve eagerly
             self.failed = True
             log.warning("compiling the CPU model step failed; serving eagerly: %s: %s",

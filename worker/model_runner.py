@@ -76,15 +76,20 @@ class ModelRunner:
         torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, config.dtype, torch.device(config.device),
                             quantization=config.quantization)
+        if config.dense_weights_min_rows and config.device == "cpu":
+            from worker.model.quant import keep_dense_copies
+
+            added = keep_dense_copies(loaded.model, config.dense_weights_min_rows)
+            log.info("dense bfloat16 weight copies for inputs of >= %d rows: +%.0f MiB",
+                     config.dense_weights_min_rows, added / 2**20)
         self._setup(config, loaded.model, loaded.name, loaded.eos_token_ids, loaded.load_s)
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: LlamaModel, eos_token_ids: tuple[int, ...] = (),
                    name: str = "in-memory") -> ModelRunner:
         """A runner over an already built model (on config.device), e.g. random weights."""
-        weight = model.embed_tokens.weight
-        dtype = str(weight.dtype).removeprefix("torch.")
-        device = str(weight.device) if config.device == "auto" else config.device
+        dtype = str(model.dtype).removeprefix("torch.")        # not embed_tokens': int8 if quantized
+        device = str(model.embed_tokens.weight.device) if config.device == "auto" else config.device
         config = resolved_config(dataclasses.replace(config, dtype=dtype, device=device))
         torch.set_num_threads(config.num_threads)
         runner = cls.__new__(cls)
@@ -126,8 +131,11 @@ class ModelRunner:
         # CPU: every step runs one inductor-compiled forward (worker/cpu_compile.py).
         self.cpu_compiled: CompiledCpuForward | None = None
         if not config.enforce_eager and CompiledCpuForward.supported(self.device):
+            # With dense weight copies the layer has two branches (below / above the row
+            # threshold): both are compiled, and guards stay on to pick between them.
+            warm_sizes = (2, config.dense_weights_min_rows) if config.dense_weights_min_rows else (2,)
             self.cpu_compiled = CompiledCpuForward(self.model, self.kv_caches, self.backend,
-                                                   self.block_size)
+                                                   self.block_size, warm_sizes)
             if not self.cpu_compiled.warmup():
                 self.cpu_compiled = None
 
