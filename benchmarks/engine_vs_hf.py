@@ -1,6 +1,6 @@
 """`make bench`: engine vs transformers `generate` on the same prompts, same dtype, greedy.
 
-Protocol (shared/METRICS.md): a seeded workload of >= 64 prompts with mixed prompt lengths
+Protocol (docs/metrics.md): a seeded workload of >= 64 prompts with mixed prompt lengths
 (~16-512 tokens) and output lengths (~16-256), fixed per request (ignore_eos). The engine takes
 them all at once (continuous batching) and generates exactly the requested tokens.
 transformers runs static batches (left padding); a static batch generates up to its LONGEST

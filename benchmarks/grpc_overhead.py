@@ -5,7 +5,7 @@ Both sides get the same greedy requests (fixed output length, `ignore_eos`) all 
 (saturation), in alternating rounds; each side reports output tokens/s and TTFT percentiles. The
 gRPC side sends text and lets the router tokenize, detokenize and relay, so every layer a client
 goes through is on the clock. A throughput figure counts only if greedy outputs match between the
-two sides (METRICS.md correctness guard). Prints the throughput ratio and the added TTFT p50, both
+two sides (docs/metrics.md, correctness guard). Prints the throughput ratio and the added TTFT p50, both
 at saturation (where arrival order also shapes the first batch) and one request at a time (the
 layers' own latency).
 """

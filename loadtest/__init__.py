@@ -1,5 +1,5 @@
 """Load tester: seeded request streams against our gRPC API or any OpenAI-compatible SSE server,
-measured on the client with the definitions of METRICS.md (`python -m loadtest --help`, README.md).
+measured on the client with the definitions of docs/metrics.md (`python -m loadtest --help`, README.md).
 
 One run, in order: `cli` builds a `RunConfig` (`config`, `lengths`) and starts a `local_server`
 when asked -> `sweep` runs each point on each target -> `runner` sends the point's stream

@@ -1,5 +1,5 @@
 """What the client saw of one request: the raw clock readings and counts, and the per-request
-metrics of METRICS.md derived from them.
+metrics of docs/metrics.md derived from them.
 
 Contract
 - A client fills a `RequestRecord`: `sent_ns` just before the call is issued, one entry in

@@ -11,7 +11,7 @@ Contract
   p90, p95, p99, max of TTFT, ITL, TPOT, E2E in ms), throughput, goodput, errors by status, a
   per-tenant table with Jain's index, a sweep table when there are several points, and a side-by-
   side table with ratios (second / first) when there are two targets.
-- `markdown_point(point)` is exposed for other tools (and the README) to reuse.
+- `markdown_point(point)` is exposed for other tools (and docs) to reuse.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Records of one sweep point -> the numbers a report shows (METRICS.md "Per run" and fairness).
+"""Records of one sweep point -> the numbers a report shows (docs/metrics.md "Per run" and "Fairness").
 
 Contract
 - input: the point's `RequestRecord`s (warm-up ones are dropped here), the tenants (weights) and
@@ -21,7 +21,7 @@ from loadtest.config import TenantSpec
 from loadtest.record import NS_PER_S, RequestRecord
 from loadtest.stats import jain_index, meets_slo, peak_concurrency, peak_per_bucket, summarize
 
-OUTPUT_WEIGHT = 2  # METRICS.md: service = input + 2 x output tokens
+OUTPUT_WEIGHT = 2  # docs/metrics.md: service = input + 2 x output tokens
 
 
 def _opt(summary):

@@ -3,8 +3,8 @@ worker that passes health checks but fails every call (circuit breaking), the ro
 while the workers keep running, and a rolling restart of every worker under load (worker drain).
 
 A worker killed mid-load is tests/test_grpc_two_workers.py; a worker restarted by Ray is
-tests/test_ray_cluster.py. Each test prints its figures for the README's reliability table
-(`pytest -s`).
+tests/test_ray_cluster.py. Each test prints its figures for the reliability table in
+docs/benchmarks.md (`pytest -s`).
 """
 from __future__ import annotations
 

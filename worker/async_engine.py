@@ -12,7 +12,8 @@ Contract:
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
   them, and the loop goes on serving new requests.
-- Proven by tests/test_async_engine.py and the gRPC end-to-end tests.
+- Proven by tests/test_grpc_e2e.py (it drives an AsyncEngine directly) and the other gRPC
+  end-to-end tests.
 """
 from __future__ import annotations
 
