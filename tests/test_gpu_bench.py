@@ -125,7 +125,7 @@ from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
 model, hf, why = gpu_bench.build_models(gpu_bench.TINY, torch.float32, torch.device("cpu"))
-config = EngineConfig(kv_cache_bytes=2**20, attention_backend="torch")
+config = EngineConfig(kv_cache_bytes=2**20, attention_backend="torch", enforce_eager=True)
 engine = LLMEngine(config, runner=ModelRunner.from_model(config, model))
 [out] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 print(len(out), hf is None, why)
