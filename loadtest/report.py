@@ -157,7 +157,7 @@ def write_markdown(report: dict, out_dir: pathlib.Path, plot_files: list[pathlib
         lines.append(f"- tenant **{t['name']}** (weight {t['weight']:g}): {load}, {prompts}{prefix}, "
                      f"output {t['output_len']} tokens")
     lines.append(f"- command: `{' '.join(report['command'])}`")
-    lines.append("- measured on the client (METRICS.md): TTFT = first token-carrying chunk − request sent; "
+    lines.append("- measured on the client (docs/metrics.md): TTFT = first token-carrying chunk − request sent; "
                  "ITL = every gap between chunks, pooled; TPOT = (E2E − TTFT) / (output tokens − 1); "
                  "E2E = last message − request sent")
     for point in report["points"]:
