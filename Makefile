@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: install protos test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu gpu-session check-triton loadtest bench-fairness clean
+.PHONY: install protos lint test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu gpu-session check-triton loadtest bench-fairness clean
 
 install: $(STAMP)
 	@$(PY) -m worker.kernels.cpu_build || echo "warning: the cpu attention op did not build; CPU serving falls back to the torch backend"
@@ -23,6 +23,13 @@ protos: $(PROTO_GEN)
 
 protos/llm/v1/%_pb2.py: protos/llm/v1/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+
+# ruff check (pycodestyle E, pyflakes F, import order I) and ruff format --check over the project's
+# Python; generated protos, results/ and .venv are excluded in pyproject.toml. `ruff format .` fixes
+# the formatting, `ruff check --fix .` the import order.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: install protos
 	$(PY) -m pytest -q $(PYTEST_ARGS)
