@@ -34,6 +34,7 @@ Contract
 - Helpers shared with benchmarks/eval_ppl.py: `machine_info`, `git_commit`, `replace_section`,
   `write_section`, `format_ratio`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,9 @@ OUTPUT_LEN = 128
 DURATION_S = 90.0
 QUICK_DURATION_S = 10.0
 QUICK_CONCURRENCIES = (1, 8, 32)
-WARMUP_REQUESTS = 2            # per start: this many short requests, min(concurrency, 2) at a time
+WARMUP_REQUESTS = 2  # per start: this many short requests, min(concurrency, 2) at a time
 WARMUP_OUTPUT_LEN = 8
-REQUEST_TIMEOUT_S = 900.0      # loadtest's per-request limit and drain time (its defaults: 300 / 120 s)
+REQUEST_TIMEOUT_S = 900.0  # loadtest's per-request limit and drain time (its defaults: 300 / 120 s)
 START_TIMEOUT_S = 300.0
 LISTENING = re.compile(r"listening on (\S+)")
 KV_POOL = re.compile(r"(\d+) KV blocks \((\d+) tokens, (\d+) MiB\)")
@@ -77,10 +78,12 @@ KV_POOL = re.compile(r"(\d+) KV blocks \((\d+) tokens, (\d+) MiB\)")
 
 # ---------------------------------------------------------------- shared helpers (eval_ppl too)
 
+
 def _run(args: list[str], timeout_s: float = 10.0) -> str:
     try:
-        return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                              check=True).stdout
+        return subprocess.run(
+            args, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -94,8 +97,14 @@ def machine_info() -> dict:
     model = fields.get("Model name", "")
     if not model:
         try:
-            model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                          if line.startswith("model name")), "")
+            model = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")
+                ),
+                "",
+            )
         except OSError:
             model = ""
     cores = int(fields["CPU(s)"]) if fields.get("CPU(s)", "").isdigit() else (os.cpu_count() or 1)
@@ -103,8 +112,12 @@ def machine_info() -> dict:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         mem_gib = float("nan")
-    return {"cpu": model or "unknown", "cores": cores, "memory_gib": round(mem_gib, 1),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": model or "unknown",
+        "cores": cores,
+        "memory_gib": round(mem_gib, 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def git_commit() -> str:
@@ -155,8 +168,13 @@ def replace_section(text: str, title: str, body: str) -> str:
 
 def write_section(path: pathlib.Path, title: str, body: str) -> None:
     """Replaces (or appends) one section of a Markdown file, creating the file when missing."""
-    text = path.read_text(encoding="utf-8") if path.exists() else (
-        "# Benchmarks\n\nGenerated sections: each is rewritten by the command it names and only by it.\n")
+    text = (
+        path.read_text(encoding="utf-8")
+        if path.exists()
+        else (
+            "# Benchmarks\n\nGenerated sections: each is rewritten by the command it names and only by it.\n"
+        )
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(replace_section(text, title, body), encoding="utf-8")
@@ -164,6 +182,7 @@ def write_section(path: pathlib.Path, title: str, body: str) -> None:
 
 
 # ---------------------------------------------------------------- processes and memory
+
 
 def read_status_kib(pid: int, key: str) -> int | None:
     """A "kB" field of /proc/PID/status (VmRSS, VmHWM), or None when unreadable."""
@@ -194,7 +213,7 @@ class RssSampler:
             kib = read_status_kib(self.pid, "VmRSS")
             if kib is not None:
                 self.max_kib = max(self.max_kib, kib)
-            self._stop.wait(self.interval_s)   # the sampling period, not a synchronization
+            self._stop.wait(self.interval_s)  # the sampling period, not a synchronization
 
     def stop(self) -> float | None:
         """Peak RSS in MiB (call while the process is still alive for VmHWM)."""
@@ -248,9 +267,13 @@ class CpuMeter:
         cores = os.cpu_count() or 1
         span = ticks[2] - self.ticks[2]
         busy = (ticks[0] - self.ticks[0]) / span * cores
-        return {"busy_cores": round(busy, 2), "side_cores": round(side, 2), "client_cores": round(own, 2),
-                "other_cores": round(max(0.0, busy - side - own), 2),
-                "steal_cores": round((ticks[1] - self.ticks[1]) / span * cores, 2)}
+        return {
+            "busy_cores": round(busy, 2),
+            "side_cores": round(side, 2),
+            "client_cores": round(own, 2),
+            "other_cores": round(max(0.0, busy - side - own), 2),
+            "steal_cores": round((ticks[1] - self.ticks[1]) / span * cores, 2),
+        }
 
 
 class ServiceProcess:
@@ -263,9 +286,15 @@ class ServiceProcess:
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.args = [sys.executable, *args]
-        self.popen = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.args,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.address = ""
 
     def log_text(self) -> str:
@@ -284,8 +313,9 @@ class ServiceProcess:
                 self.address = found.group(1)
                 return self.address
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode} before listening:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode} before listening:\n{self.log_tail()}"
+                )
             time.sleep(0.1)  # polling another process's log file: no event to wait on
         raise TimeoutError(f"{self.name} did not start listening in time:\n{self.log_tail()}")
 
@@ -313,8 +343,10 @@ def wait_serving(address: str, proc: ServiceProcess, deadline: float) -> None:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
                 last = "not SERVING"
             except grpc.RpcError as exc:
@@ -369,16 +401,34 @@ class OurStack:
         self.start_log: list[str] = []
 
     def worker_args(self) -> list[str]:
-        return ["-m", "worker", "--port", "0", "--num-threads", str(self.threads),
-                *(["--model", self.model] if self.model else [])]
+        return [
+            "-m",
+            "worker",
+            "--port",
+            "0",
+            "--num-threads",
+            str(self.threads),
+            *(["--model", self.model] if self.model else []),
+        ]
 
     def router_args(self, worker_address: str) -> list[str]:
-        return ["-m", "router", "--port", "0", "--workers", worker_address, "--metrics-port", "0",
-                *(["--model", self.model] if self.model else [])]
+        return [
+            "-m",
+            "router",
+            "--port",
+            "0",
+            "--workers",
+            worker_address,
+            "--metrics-port",
+            "0",
+            *(["--model", self.model] if self.model else []),
+        ]
 
     def commands(self) -> list[str]:
-        return [shlex.join(["python", *self.worker_args()]),
-                shlex.join(["python", *self.router_args("WORKER_ADDRESS")])]
+        return [
+            shlex.join(["python", *self.worker_args()]),
+            shlex.join(["python", *self.router_args("WORKER_ADDRESS")]),
+        ]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
         deadline = time.monotonic() + timeout_s
@@ -403,7 +453,7 @@ class OurStack:
 
     def stop(self) -> dict:
         peaks = {name: sampler.stop() for name, sampler in self.rss.items()}
-        for proc in (self.router, self.worker):   # router first: it drains
+        for proc in (self.router, self.worker):  # router first: it drains
             if proc is not None:
                 proc.stop()
         return peaks
@@ -450,13 +500,40 @@ class LlamaSide:
 
 # ---------------------------------------------------------------- load
 
-def loadtest_argv(target: str, concurrency: int, seed: int, duration_s: float, input_len: str,
-                  output_len: int, out_dir: str, num_requests: int | None = None,
-                  timeout_s: float = REQUEST_TIMEOUT_S) -> list[str]:
-    argv = ["--target", target, "--concurrency", str(concurrency), "--warmup-s", "0",
-            "--input-len", input_len, "--output-len", str(output_len), "--seed", str(seed),
-            "--request-timeout-s", f"{timeout_s:g}", "--drain-timeout-s", f"{timeout_s:g}",
-            "--out-dir", out_dir, "--no-plots", "--no-progress"]
+
+def loadtest_argv(
+    target: str,
+    concurrency: int,
+    seed: int,
+    duration_s: float,
+    input_len: str,
+    output_len: int,
+    out_dir: str,
+    num_requests: int | None = None,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> list[str]:
+    argv = [
+        "--target",
+        target,
+        "--concurrency",
+        str(concurrency),
+        "--warmup-s",
+        "0",
+        "--input-len",
+        input_len,
+        "--output-len",
+        str(output_len),
+        "--seed",
+        str(seed),
+        "--request-timeout-s",
+        f"{timeout_s:g}",
+        "--drain-timeout-s",
+        f"{timeout_s:g}",
+        "--out-dir",
+        out_dir,
+        "--no-plots",
+        "--no-progress",
+    ]
     argv += ["--num-requests", str(num_requests)] if num_requests else ["--duration-s", f"{duration_s:g}"]
     return argv
 
@@ -472,18 +549,25 @@ def run_load(argv: list[str]):
 
 def point_numbers(summary: dict) -> dict:
     """The figures the comparison shows, from a loadtest point summary (seconds -> ms)."""
+
     def p50_ms(key):
         value = summary.get(key)
         return value["p50"] * 1e3 if value else None
 
     completed = summary.get("completed", 0)
-    return {"output_tok_s": summary.get("output_token_throughput"), "tpot_p50_ms": p50_ms("tpot_s"),
-            "ttft_p50_ms": p50_ms("ttft_s"), "e2e_p50_ms": p50_ms("e2e_s"),
-            "completed": completed, "failed": summary.get("failed", 0), "errors": summary.get("errors", {}),
-            "output_tokens": summary.get("output_tokens", 0),
-            "client_output_tokens": summary.get("client_output_tokens", 0),
-            "mean_output_tokens": summary.get("output_tokens", 0) / completed if completed else 0.0,
-            "duration_s": summary.get("duration_s")}
+    return {
+        "output_tok_s": summary.get("output_token_throughput"),
+        "tpot_p50_ms": p50_ms("tpot_s"),
+        "ttft_p50_ms": p50_ms("ttft_s"),
+        "e2e_p50_ms": p50_ms("e2e_s"),
+        "completed": completed,
+        "failed": summary.get("failed", 0),
+        "errors": summary.get("errors", {}),
+        "output_tokens": summary.get("output_tokens", 0),
+        "client_output_tokens": summary.get("client_output_tokens", 0),
+        "mean_output_tokens": summary.get("output_tokens", 0) / completed if completed else 0.0,
+        "duration_s": summary.get("duration_s"),
+    }
 
 
 def side_problem(numbers: dict, want_output: int) -> str | None:
@@ -495,8 +579,10 @@ def side_problem(numbers: dict, want_output: int) -> str | None:
     if not numbers["client_output_tokens"] or not numbers["output_tokens"]:
         return "no tokens streamed"
     if numbers["mean_output_tokens"] < want_output:
-        return (f"outputs shorter than asked ({numbers['mean_output_tokens']:.1f} < {want_output} tokens "
-                "on average: ignore_eos not honoured?)")
+        return (
+            f"outputs shorter than asked ({numbers['mean_output_tokens']:.1f} < {want_output} tokens "
+            "on average: ignore_eos not honoured?)"
+        )
     return None
 
 
@@ -505,18 +591,21 @@ class Point:
     concurrency: int
     seed: int
     order: list[str]
-    sides: dict = field(default_factory=dict)        # side name -> numbers
-    problems: dict = field(default_factory=dict)     # side name -> reason
-    commands: dict = field(default_factory=dict)     # side name -> loadtest command
+    sides: dict = field(default_factory=dict)  # side name -> numbers
+    problems: dict = field(default_factory=dict)  # side name -> reason
+    commands: dict = field(default_factory=dict)  # side name -> loadtest command
 
     def ratios(self) -> dict:
         ours, theirs = self.sides.get("ours", {}), self.sides.get("llama.cpp", {})
-        return {"output_tok_s": ratio(ours.get("output_tok_s"), theirs.get("output_tok_s")),
-                "tpot_p50": ratio(ours.get("tpot_p50_ms"), theirs.get("tpot_p50_ms"))}
+        return {
+            "output_tok_s": ratio(ours.get("output_tok_s"), theirs.get("output_tok_s")),
+            "tpot_p50": ratio(ours.get("tpot_p50_ms"), theirs.get("tpot_p50_ms")),
+        }
 
 
-def run_side_point(side, concurrency: int, seed: int, a, out_root: pathlib.Path,
-                   log) -> tuple[dict, dict, str]:
+def run_side_point(
+    side, concurrency: int, seed: int, a, out_root: pathlib.Path, log
+) -> tuple[dict, dict, str]:
     """Start one side, warm it up, measure one point, stop it: (numbers, peaks, command). The side
     is stopped whatever happens (SideError, Ctrl-C)."""
     started = time.monotonic()
@@ -529,28 +618,49 @@ def run_side_point(side, concurrency: int, seed: int, a, out_root: pathlib.Path,
         log(f"  {side.name}: ready at {address} in {time.monotonic() - started:.1f} s; warming up")
         target = side.target(address)
         try:
-            warm, _ = run_load(loadtest_argv(target, min(concurrency, WARMUP_REQUESTS), seed + 1000, 0,
-                                             a.input_len, WARMUP_OUTPUT_LEN,
-                                             str(out_root / f"warmup-{tag}-c{concurrency}"),
-                                             num_requests=WARMUP_REQUESTS, timeout_s=a.request_timeout_s))
+            warm, _ = run_load(
+                loadtest_argv(
+                    target,
+                    min(concurrency, WARMUP_REQUESTS),
+                    seed + 1000,
+                    0,
+                    a.input_len,
+                    WARMUP_OUTPUT_LEN,
+                    str(out_root / f"warmup-{tag}-c{concurrency}"),
+                    num_requests=WARMUP_REQUESTS,
+                    timeout_s=a.request_timeout_s,
+                )
+            )
             if not warm.summary.get("completed"):
                 raise SideError(side.name, f"warm-up failed: {warm.summary.get('errors')}\n{side.log_tail()}")
-            argv = loadtest_argv(target, concurrency, seed, a.duration_s, a.input_len, a.output_len,
-                                 str(out_root / f"{tag}-c{concurrency}"), timeout_s=a.request_timeout_s)
+            argv = loadtest_argv(
+                target,
+                concurrency,
+                seed,
+                a.duration_s,
+                a.input_len,
+                a.output_len,
+                str(out_root / f"{tag}-c{concurrency}"),
+                timeout_s=a.request_timeout_s,
+            )
             log(f"  {side.name}: measuring concurrency {concurrency} for {a.duration_s:g} s (+ drain)")
             meter = CpuMeter(side.pids())
             result, _ = run_load(argv)
             cpu = meter.stop()
         except SideError:
             raise
-        except Exception as exc:   # noqa: BLE001 - a load tester failure is this side's failure: report it
-            raise SideError(side.name, f"load test failed: {type(exc).__name__}: {exc}\n"
-                                       f"{side.log_tail()}") from None
+        except Exception as exc:  # noqa: BLE001 - a load tester failure is this side's failure: report it
+            raise SideError(
+                side.name, f"load test failed: {type(exc).__name__}: {exc}\n{side.log_tail()}"
+            ) from None
         peaks = side.stop()
     finally:
-        side.stop()   # idempotent: a no-op after the stop above
-    command = (shlex.join(["python", "-m", "loadtest", *argv]).replace(address, "<address>")
-               .replace(str(out_root), "<dir>"))
+        side.stop()  # idempotent: a no-op after the stop above
+    command = (
+        shlex.join(["python", "-m", "loadtest", *argv])
+        .replace(address, "<address>")
+        .replace(str(out_root), "<dir>")
+    )
     return {**point_numbers(result.summary), "cpu": cpu}, peaks, command
 
 
@@ -562,6 +672,7 @@ class SideError(RuntimeError):
 
 # ---------------------------------------------------------------- report
 
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
@@ -570,20 +681,37 @@ def table_rows(points: list[Point]) -> list[list[str]]:
     rows = []
     for p in points:
         ours, theirs, r = p.sides.get("ours", {}), p.sides.get("llama.cpp", {}), p.ratios()
-        rows.append([str(p.concurrency),
-                     _fmt(ours.get("output_tok_s")), _fmt(theirs.get("output_tok_s")),
-                     format_ratio(ours.get("output_tok_s"), theirs.get("output_tok_s")),
-                     _fmt(ours.get("tpot_p50_ms")), _fmt(theirs.get("tpot_p50_ms")),
-                     format_ratio(ours.get("tpot_p50_ms"), theirs.get("tpot_p50_ms")),
-                     _fmt(ours.get("ttft_p50_ms"), 0), _fmt(theirs.get("ttft_p50_ms"), 0),
-                     f"{ours.get('completed', 0)} / {theirs.get('completed', 0)}",
-                     f"{_fmt(other_cores(ours), 1)} / {_fmt(other_cores(theirs), 1)}"])
+        rows.append(
+            [
+                str(p.concurrency),
+                _fmt(ours.get("output_tok_s")),
+                _fmt(theirs.get("output_tok_s")),
+                format_ratio(ours.get("output_tok_s"), theirs.get("output_tok_s")),
+                _fmt(ours.get("tpot_p50_ms")),
+                _fmt(theirs.get("tpot_p50_ms")),
+                format_ratio(ours.get("tpot_p50_ms"), theirs.get("tpot_p50_ms")),
+                _fmt(ours.get("ttft_p50_ms"), 0),
+                _fmt(theirs.get("ttft_p50_ms"), 0),
+                f"{ours.get('completed', 0)} / {theirs.get('completed', 0)}",
+                f"{_fmt(other_cores(ours), 1)} / {_fmt(other_cores(theirs), 1)}",
+            ]
+        )
     return rows
 
 
-HEADER = ["concurrency", "ours tok/s", "llama.cpp tok/s", "tok/s ours/theirs", "ours TPOT p50 ms",
-          "llama.cpp TPOT p50 ms", "TPOT ours/theirs", "ours TTFT p50 ms", "llama.cpp TTFT p50 ms",
-          "requests ours / llama.cpp", "other load, cores (ours / llama.cpp)"]
+HEADER = [
+    "concurrency",
+    "ours tok/s",
+    "llama.cpp tok/s",
+    "tok/s ours/theirs",
+    "ours TPOT p50 ms",
+    "llama.cpp TPOT p50 ms",
+    "TPOT ours/theirs",
+    "ours TTFT p50 ms",
+    "llama.cpp TTFT p50 ms",
+    "requests ours / llama.cpp",
+    "other load, cores (ours / llama.cpp)",
+]
 
 
 def other_cores(numbers: dict) -> float | None:
@@ -591,8 +719,9 @@ def other_cores(numbers: dict) -> float | None:
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-            + ["| " + " | ".join(row) + " |" for row in rows])
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
 
 
 def _mib(value: float | None) -> str:
@@ -601,43 +730,67 @@ def _mib(value: float | None) -> str:
 
 def report_markdown(run: dict, points: list[Point]) -> str:
     m, mem, kv = run["machine"], run["peak_rss_mib"], run.get("kv_pool")
-    kv_text = (f"{kv['blocks']:,} blocks of 16 = {kv['tokens']:,} tokens, {kv['mib']:,} MiB"
-               if kv else "not found in the worker's log")
-    lines = [f"## {SECTION}", "",
-             f"`make bench-serve{' ARGS=--quick' if run['quick'] else ''}` on {run['date']}: "
-             f"{m['cpu']}, {m['cores']} cores ({m['memory_gib']} GiB), load average before the run "
-             f"{m['load_average'][0]:.2f}; commit `{run['commit']}`; model `{run['model_name']}`; "
-             f"{run['threads']} threads each side; llama.cpp {run['llamacpp_version']} (llama-cpp-python "
-             "sdist, Release, CPU only, GGML_NATIVE on, AMX off).", "",
-             f"Closed loop, prompts of {run['input_len'].replace('uniform:', '').replace(':', '-')} tokens "
-             f"(synthetic, seeded), {run['output_len']} output tokens (ignore_eos), greedy; each point "
-             f"{run['duration_s']:g} s of sending per side after {WARMUP_REQUESTS} unmeasured short "
-             "requests, the two servers "
-             "taking turns (never at once, the first side alternating). Ratios are ours / llama.cpp: "
-             "above 1 is better for tok/s, below 1 is better for TPOT. \"Other load\" is the CPU that "
-             "every other process on the machine used during each side's measurement (/proc/stat less "
-             "the side's servers and the load tester): this machine is shared with other jobs.", ""]
+    kv_text = (
+        f"{kv['blocks']:,} blocks of 16 = {kv['tokens']:,} tokens, {kv['mib']:,} MiB"
+        if kv
+        else "not found in the worker's log"
+    )
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"`make bench-serve{' ARGS=--quick' if run['quick'] else ''}` on {run['date']}: "
+        f"{m['cpu']}, {m['cores']} cores ({m['memory_gib']} GiB), load average before the run "
+        f"{m['load_average'][0]:.2f}; commit `{run['commit']}`; model `{run['model_name']}`; "
+        f"{run['threads']} threads each side; llama.cpp {run['llamacpp_version']} (llama-cpp-python "
+        "sdist, Release, CPU only, GGML_NATIVE on, AMX off).",
+        "",
+        f"Closed loop, prompts of {run['input_len'].replace('uniform:', '').replace(':', '-')} tokens "
+        f"(synthetic, seeded), {run['output_len']} output tokens (ignore_eos), greedy; each point "
+        f"{run['duration_s']:g} s of sending per side after {WARMUP_REQUESTS} unmeasured short "
+        "requests, the two servers "
+        "taking turns (never at once, the first side alternating). Ratios are ours / llama.cpp: "
+        'above 1 is better for tok/s, below 1 is better for TPOT. "Other load" is the CPU that '
+        "every other process on the machine used during each side's measurement (/proc/stat less "
+        "the side's servers and the load tester): this machine is shared with other jobs.",
+        "",
+    ]
     lines += markdown_table(HEADER, table_rows(points))
-    others = [c for p in points for c in (other_cores(p.sides.get("ours", {})),
-                                          other_cores(p.sides.get("llama.cpp", {}))) if c is not None]
+    others = [
+        c
+        for p in points
+        for c in (other_cores(p.sides.get("ours", {})), other_cores(p.sides.get("llama.cpp", {})))
+        if c is not None
+    ]
     if others and max(others) > 0.5 and run["threads"] == 1:
-        lines += ["", f"**The machine was shared** (other processes used {min(others):.1f}-"
-                  f"{max(others):.1f} of its {m['cores']} cores during the measurements), so absolute "
-                  "figures are low; with one thread each, neither side waits on a descheduled sibling "
-                  "thread."]
+        lines += [
+            "",
+            f"**The machine was shared** (other processes used {min(others):.1f}-"
+            f"{max(others):.1f} of its {m['cores']} cores during the measurements), so absolute "
+            "figures are low; with one thread each, neither side waits on a descheduled sibling "
+            "thread.",
+        ]
     elif others and max(others) > 0.5:
-        lines += ["", f"**Caveat: the machine was shared** (other processes used {min(others):.1f}-"
-                  f"{max(others):.1f} of its {m['cores']} cores during the measurements). llama.cpp's "
-                  "threads meet at a spinning barrier after every op, so with threads = cores and other work "
-                  "on those cores a thread that is descheduled holds up the one spinning for it for a whole "
-                  "time slice; it slows down far more than our stack does. These figures say how each "
-                  "behaves on a busy machine, not how fast either is: rerun on an idle machine, or compare "
-                  "with `ARGS=\"--threads 1\"`."]
-    lines += ["", f"Peak RSS: our worker {_mib(mem.get('worker'))}, our router {_mib(mem.get('router'))}, "
-              f"llama-server {_mib(mem.get('llama-server'))} (VmHWM / sampled VmRSS, max over points; "
-              "llama-server's includes its memory-mapped GGUF). Our KV pool: "
-              f"{kv_text} (the worker's default: a fraction of available RAM, allocated lazily).", "",
-              "Commands:", "", "```"]
+        lines += [
+            "",
+            f"**Caveat: the machine was shared** (other processes used {min(others):.1f}-"
+            f"{max(others):.1f} of its {m['cores']} cores during the measurements). llama.cpp's "
+            "threads meet at a spinning barrier after every op, so with threads = cores and other work "
+            "on those cores a thread that is descheduled holds up the one spinning for it for a whole "
+            "time slice; it slows down far more than our stack does. These figures say how each "
+            "behaves on a busy machine, not how fast either is: rerun on an idle machine, or compare "
+            'with `ARGS="--threads 1"`.',
+        ]
+    lines += [
+        "",
+        f"Peak RSS: our worker {_mib(mem.get('worker'))}, our router {_mib(mem.get('router'))}, "
+        f"llama-server {_mib(mem.get('llama-server'))} (VmHWM / sampled VmRSS, max over points; "
+        "llama-server's includes its memory-mapped GGUF). Our KV pool: "
+        f"{kv_text} (the worker's default: a fraction of available RAM, allocated lazily).",
+        "",
+        "Commands:",
+        "",
+        "```",
+    ]
     lines += [f"# ours: {c}" for c in run["commands"]["ours"]]
     lines += [f"# llama.cpp: {c}" for c in run["commands"]["llama.cpp"]]
     seen = set()
@@ -650,12 +803,15 @@ def report_markdown(run: dict, points: list[Point]) -> str:
     lines += ["```", ""]
     if run.get("worker_log"):
         lines += ["Our worker said at start-up:", "", "```", *run["worker_log"], "```", ""]
-    lines += ["Our stack is `python -m worker` + `python -m router` as plain processes, every setting at its "
-              "default but threads and ports. `make serve` (deploy/local.py) runs the same worker code with "
-              "the same engine defaults as a Ray actor (one worker per two cores, each with its share of the "
-              "cores as threads) and the router inside the Ray driver; plain processes are used here so the "
-              "worker's memory, log and threads are its own and no Ray daemons share the two cores.",
-              f"Raw numbers: `{run['json']}` (not committed).", ""]
+    lines += [
+        "Our stack is `python -m worker` + `python -m router` as plain processes, every setting at its "
+        "default but threads and ports. `make serve` (deploy/local.py) runs the same worker code with "
+        "the same engine defaults as a Ray actor (one worker per two cores, each with its share of the "
+        "cores as threads) and the router inside the Ray driver; plain processes are used here so the "
+        "worker's memory, log and threads are its own and no Ray daemons share the two cores.",
+        f"Raw numbers: `{run['json']}` (not committed).",
+        "",
+    ]
     return shorten_paths("\n".join(lines))
 
 
@@ -681,50 +837,76 @@ def worker_log_lines(log_text: str, limit: int = 6) -> list[str]:
 
 def print_point(p: Point, log, threads: int) -> None:
     ours, theirs, r = p.sides.get("ours", {}), p.sides.get("llama.cpp", {}), p.ratios()
-    log(f"concurrency {p.concurrency}: output tok/s ours {_fmt(ours.get('output_tok_s'))} vs llama.cpp "
+    log(
+        f"concurrency {p.concurrency}: output tok/s ours {_fmt(ours.get('output_tok_s'))} vs llama.cpp "
         f"{_fmt(theirs.get('output_tok_s'))} "
         f"{format_ratio(ours.get('output_tok_s'), theirs.get('output_tok_s'))}; "
         f"TPOT p50 {_fmt(ours.get('tpot_p50_ms'))} vs {_fmt(theirs.get('tpot_p50_ms'))} ms "
         f"{format_ratio(ours.get('tpot_p50_ms'), theirs.get('tpot_p50_ms'))}; "
         f"TTFT p50 {_fmt(ours.get('ttft_p50_ms'), 0)} vs {_fmt(theirs.get('ttft_p50_ms'), 0)} ms; "
-        f"other processes used {_fmt(other_cores(ours))} / {_fmt(other_cores(theirs))} cores meanwhile")
+        f"other processes used {_fmt(other_cores(ours))} / {_fmt(other_cores(theirs))} cores meanwhile"
+    )
     busy = [c for c in (other_cores(ours), other_cores(theirs)) if c is not None]
     if busy and max(busy) > 0.5 and threads > 1:
-        log("  note: the machine was shared during this point; llama.cpp's spinning thread barriers "
-            "slow down far more than our torch threads when its threads are descheduled")
+        log(
+            "  note: the machine was shared during this point; llama.cpp's spinning thread barriers "
+            "slow down far more than our torch threads when its threads are descheduled"
+        )
 
 
 # ---------------------------------------------------------------- main
+
 
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve",
-                                description="our router + worker vs llama.cpp's llama-server, same GGUF, "
-                                            "same threads, same seeded load (docs/benchmarks.md)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_serve",
+        description="our router + worker vs llama.cpp's llama-server, same GGUF, "
+        "same threads, same seeded load (docs/benchmarks.md)",
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
-    p.add_argument("--threads", type=int, default=default_threads(),
-                   help="threads per side (default: all cores)")
+    p.add_argument(
+        "--threads", type=int, default=default_threads(), help="threads per side (default: all cores)"
+    )
     p.add_argument("--concurrencies", default=None, help="comma-separated (default 1,8,32)")
-    p.add_argument("--duration-s", type=float, default=None,
-                   help=f"seconds of sending per point and side (default {DURATION_S:g}; "
-                        f"--quick {QUICK_DURATION_S:g})")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help=f"seconds of sending per point and side (default {DURATION_S:g}; --quick {QUICK_DURATION_S:g})",
+    )
     p.add_argument("--input-len", default=INPUT_LEN)
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--seed", type=int, default=0, help="point i uses seed + i, the same on both sides")
-    p.add_argument("--parallel", type=int, default=None,
-                   help="llama-server -np (default: the largest concurrency)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_DURATION_S:g} s per point and side (~4 min on an idle machine)")
-    p.add_argument("--cache-dir", default=None, help="llama.cpp build cache (default $LLM_SERVE_LLAMACPP_DIR "
-                                                      "or ~/.cache/llm-serve/llama.cpp-0.3.36)")
-    p.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S,
-                   help="per request, and for the last requests of a point to finish")
+    p.add_argument(
+        "--parallel", type=int, default=None, help="llama-server -np (default: the largest concurrency)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_DURATION_S:g} s per point and side (~4 min on an idle machine)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="llama.cpp build cache (default $LLM_SERVE_LLAMACPP_DIR or ~/.cache/llm-serve/llama.cpp-0.3.36)",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="per request, and for the last requests of a point to finish",
+    )
     p.add_argument("--no-docs", dest="docs", action="store_false", help="do not rewrite docs/benchmarks.md")
-    p.add_argument("--render", metavar="JSON", default=None,
-                   help="only rewrite the docs section from a saved results/bench_serve/*.json")
+    p.add_argument(
+        "--render",
+        metavar="JSON",
+        default=None,
+        help="only rewrite the docs section from a saved results/bench_serve/*.json",
+    )
     a = p.parse_args(argv)
     if a.concurrencies is None:
         a.concurrencies = ",".join(map(str, QUICK_CONCURRENCIES if a.quick else CONCURRENCIES))
@@ -745,8 +927,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dist = LengthDist.parse(a.input_len)
     except ValueError as exc:
         p.error(str(exc))
-    a.max_input = int(dist.params[1] if dist.kind == "uniform" else max(dist.values) if dist.kind == "file"
-                      else dist.params[0] + 4 * dist.params[1] if dist.kind == "normal" else dist.params[0])
+    a.max_input = int(
+        dist.params[1]
+        if dist.kind == "uniform"
+        else max(dist.values)
+        if dist.kind == "file"
+        else dist.params[0] + 4 * dist.params[1]
+        if dist.kind == "normal"
+        else dist.params[0]
+    )
     return a
 
 
@@ -757,8 +946,10 @@ def llama_ctx(parallel: int, max_input: int, output_len: int, slack: int = 16) -
 
 
 def points_from_json(run: dict) -> list[Point]:
-    return [Point(p["concurrency"], p["seed"], p["order"], p["sides"], p["problems"], p["commands"])
-            for p in run["points"]]
+    return [
+        Point(p["concurrency"], p["seed"], p["order"], p["sides"], p["problems"], p["commands"])
+        for p in run["points"]
+    ]
 
 
 def render(path: pathlib.Path, log) -> int:
@@ -799,22 +990,36 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS / f"{stamp}.json"
     out_root = pathlib.Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    run = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_info(), "commit": git_commit(),
-           "command": shlex.join(["python", "-m", "benchmarks.bench_serve",
-                                  *(sys.argv[1:] if argv is None else argv)]),
-           "quick": a.quick, "model": str(model_path),
-           "model_name": read_gguf_metadata(model_path).get("general.name", model_path.name),
-           "threads": a.threads, "concurrencies": a.concurrency_list, "duration_s": a.duration_s,
-           "input_len": a.input_len, "output_len": a.output_len, "seed": a.seed,
-           "llamacpp_version": VERSION, "llamacpp_server": str(bins.server),
-           "llama_server_np": a.parallel,
-           "llama_server_ctx": llama_ctx(a.parallel, a.max_input, a.output_len),
-           "json": str(json_path.relative_to(REPO)), "work_dir": str(out_root)}
+    run = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "commit": git_commit(),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.bench_serve", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "quick": a.quick,
+        "model": str(model_path),
+        "model_name": read_gguf_metadata(model_path).get("general.name", model_path.name),
+        "threads": a.threads,
+        "concurrencies": a.concurrency_list,
+        "duration_s": a.duration_s,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "seed": a.seed,
+        "llamacpp_version": VERSION,
+        "llamacpp_server": str(bins.server),
+        "llama_server_np": a.parallel,
+        "llama_server_ctx": llama_ctx(a.parallel, a.max_input, a.output_len),
+        "json": str(json_path.relative_to(REPO)),
+        "work_dir": str(out_root),
+    }
     ours = OurStack(a.model, a.threads, out_root)
     theirs = LlamaSide(bins.server, model_path, a.threads, a.parallel, run["llama_server_ctx"])
     run["commands"] = {"ours": ours.commands(), "llama.cpp": theirs.commands()}
-    log(f"bench-serve: {run['model_name']} ({model_path.name}), {a.threads} threads, concurrencies "
-        f"{a.concurrency_list}, {a.duration_s:g} s per point and side; logs in {out_root}")
+    log(
+        f"bench-serve: {run['model_name']} ({model_path.name}), {a.threads} threads, concurrencies "
+        f"{a.concurrency_list}, {a.duration_s:g} s per point and side; logs in {out_root}"
+    )
     points: list[Point] = []
     peaks: dict[str, float] = {}
     failure = ""
@@ -823,8 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
             order = [ours, theirs] if i % 2 == 0 else [theirs, ours]
             point = Point(concurrency, a.seed + i, [s.name for s in order])
             points.append(point)
-            log(f"point {i + 1}/{len(a.concurrency_list)}: concurrency {concurrency} "
-                f"({' then '.join(point.order)})")
+            log(
+                f"point {i + 1}/{len(a.concurrency_list)}: concurrency {concurrency} "
+                f"({' then '.join(point.order)})"
+            )
             for side in order:
                 numbers, side_peaks, command = run_side_point(side, concurrency, point.seed, a, out_root, log)
                 point.sides[side.name], point.commands[side.name] = numbers, command
@@ -849,8 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     run["failure"] = failure
     run["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     json_path.write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
-    problems = [f"concurrency {p.concurrency}, {side}: {why}"
-                for p in points for side, why in p.problems.items()]
+    problems = [
+        f"concurrency {p.concurrency}, {side}: {why}" for p in points for side, why in p.problems.items()
+    ]
     complete = not failure and not problems and len(points) == len(a.concurrency_list)
     md = report_markdown(run, points)
     log("")

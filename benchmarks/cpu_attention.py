@@ -16,6 +16,7 @@ of one layer stays in the last-level cache between calls at the smaller batches,
 exceed the DRAM read rate, which goes to stderr with the machine's name for comparison
 (a single-thread sum over 256 MiB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,21 +36,25 @@ DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 1e-2)}
 
 def decode_batch(num_seqs: int, seed: int, dtype: torch.dtype = torch.float32) -> dict:
     rng = random.Random(seed)
-    seq_lens = [int(2 ** rng.uniform(4, 9.58)) for _ in range(num_seqs)]            # 16..768
+    seq_lens = [int(2 ** rng.uniform(4, 9.58)) for _ in range(num_seqs)]  # 16..768
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     gen = torch.Generator().manual_seed(seed)
     physical = torch.randperm(sum(blocks), generator=gen)
     tables = torch.zeros(num_seqs, max(blocks), dtype=torch.int32)
     first = 0
     for i, n in enumerate(blocks):
-        tables[i, :n] = physical[first:first + n]
+        tables[i, :n] = physical[first : first + n]
         first += n
     shape = (sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    return dict(q=torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype),
-                k_cache=torch.randn(shape, generator=gen).to(dtype),
-                v_cache=torch.randn(shape, generator=gen).to(dtype),
-                block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32), scale=HEAD_DIM ** -0.5)
+    return dict(
+        q=torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype),
+        k_cache=torch.randn(shape, generator=gen).to(dtype),
+        v_cache=torch.randn(shape, generator=gen).to(dtype),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        scale=HEAD_DIM**-0.5,
+    )
 
 
 def time_ms(fns: dict, repeats: int, stat=min) -> dict:
@@ -68,7 +73,7 @@ def time_ms(fns: dict, repeats: int, stat=min) -> dict:
 
 
 def read_bandwidth_gbs() -> float:
-    x = torch.ones(2**26)                                                               # 256 MiB
+    x = torch.ones(2**26)  # 256 MiB
     x.sum()
     best = min(_timed(x.sum) for _ in range(5))
     return x.numel() * 4 / best / 1e9
@@ -107,14 +112,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cpu_attention.load()
-    print(f"{cpu_model()}, {args.threads} thread(s), cpu op {cpu_attention.build_info()}, "
-          f"DRAM read {read_bandwidth_gbs():.1f} GB/s (1 thread, 256 MiB sum), {args.stat} of "
-          f"{args.repeats} rounds", file=sys.stderr, flush=True)
+    print(
+        f"{cpu_model()}, {args.threads} thread(s), cpu op {cpu_attention.build_info()}, "
+        f"DRAM read {read_bandwidth_gbs():.1f} GB/s (1 thread, 256 MiB sum), {args.stat} of "
+        f"{args.repeats} rounds",
+        file=sys.stderr,
+        flush=True,
+    )
     header = f"{'batch':>5} {'tokens':>7}"
     for name in args.dtypes:
         tag = "fp32" if name == "float32" else "bf16"
-        header += (f"  {tag + ' ref ms':>12} {'torch ms':>9} {'cpu x':>6} {'cpu ms':>7} "
-                   f"{'cpu GB/s':>8}")
+        header += f"  {tag + ' ref ms':>12} {'torch ms':>9} {'cpu x':>6} {'cpu ms':>7} {'cpu GB/s':>8}"
     print(header, flush=True)
     for num_seqs in args.batch_sizes:
         row = ""
@@ -123,19 +131,27 @@ def main() -> None:
             dtype, tol = DTYPES[name]
             batch = decode_batch(num_seqs, seed=0, dtype=dtype)
             tokens = int(batch["seq_lens"].sum())
-            plan = torch_attention.plan_attention(batch["block_tables"], batch["seq_lens"],
-                                                  batch["query_start_loc"], BLOCK_SIZE)
+            plan = torch_attention.plan_attention(
+                batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], BLOCK_SIZE
+            )
             expected = reference.paged_attention(**batch)
             what = f"batch {num_seqs} {name}"
             check("torch", torch_attention.paged_attention(**batch, plan=plan), expected, tol, what)
             check("cpu", cpu_attention.paged_attention(**batch), expected, tol, what)
-            ms = time_ms({"reference": lambda: reference.paged_attention(**batch),
-                            "torch": lambda: torch_attention.paged_attention(**batch, plan=plan),
-                            "cpu": lambda: cpu_attention.paged_attention(**batch)}, args.repeats,
-                         min if args.stat == "min" else statistics.median)
+            ms = time_ms(
+                {
+                    "reference": lambda: reference.paged_attention(**batch),
+                    "torch": lambda: torch_attention.paged_attention(**batch, plan=plan),
+                    "cpu": lambda: cpu_attention.paged_attention(**batch),
+                },
+                args.repeats,
+                min if args.stat == "min" else statistics.median,
+            )
             kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * batch["k_cache"].element_size()
-            row += (f"  {ms['reference']:12.2f} {ms['torch']:9.2f} {ms['torch'] / ms['cpu']:5.1f}x "
-                    f"{ms['cpu']:7.3f} {kv_bytes / ms['cpu'] / 1e6:8.1f}")
+            row += (
+                f"  {ms['reference']:12.2f} {ms['torch']:9.2f} {ms['torch'] / ms['cpu']:5.1f}x "
+                f"{ms['cpu']:7.3f} {kv_bytes / ms['cpu'] / 1e6:8.1f}"
+            )
         print(f"{num_seqs:5d} {tokens:7d}{row}", flush=True)
 
 

@@ -30,6 +30,7 @@ Contract
 - `perplexity(tokens, n_ctx, logits_fn, ...)` is the model-free arithmetic (tested with known
   answers in tests/test_bench_serve.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,11 @@ SECTION = "Perplexity (make eval)"
 N_CTX = 512
 TARGET_PCT = 1.0
 # (label, dtype, quantization) in the order of the table
-VARIANTS = (("float32", "float32", "none"),
-            ("bf16 (dequantized)", "bfloat16", "none"),
-            ("quantized (bf16, auto)", "bfloat16", "auto"))
+VARIANTS = (
+    ("float32", "float32", "none"),
+    ("bf16 (dequantized)", "bfloat16", "none"),
+    ("quantized (bf16, auto)", "bfloat16", "auto"),
+)
 PPL_TIMEOUT_S = 1800.0
 
 
@@ -62,9 +65,9 @@ PPL_TIMEOUT_S = 1800.0
 class PplResult:
     ppl: float
     uncertainty: float
-    count: int                  # tokens scored
+    count: int  # tokens scored
     num_chunks: int
-    chunk_ppls: list[float] = field(default_factory=list)   # running estimate after each chunk
+    chunk_ppls: list[float] = field(default_factory=list)  # running estimate after each chunk
 
 
 def read_text(path: pathlib.Path) -> str:
@@ -78,14 +81,15 @@ def num_chunks(num_tokens: int, n_ctx: int) -> int:
     if n_ctx < 4:
         raise ValueError(f"context must be >= 4 tokens, got {n_ctx}")
     if num_tokens < 2 * n_ctx:
-        raise ValueError(f"need at least {2 * n_ctx} tokens for a context of {n_ctx}, "
-                         f"the text has {num_tokens}")
+        raise ValueError(
+            f"need at least {2 * n_ctx} tokens for a context of {n_ctx}, the text has {num_tokens}"
+        )
     return num_tokens // n_ctx
 
 
 def chunk_input(tokens: Sequence[int], index: int, n_ctx: int, bos_id: int | None) -> list[int]:
     """Chunk `index` as the model sees it: its first token replaced by BOS when add_bos."""
-    ids = list(tokens[index * n_ctx:(index + 1) * n_ctx])
+    ids = list(tokens[index * n_ctx : (index + 1) * n_ctx])
     if bos_id is not None:
         ids[0] = bos_id
     return ids
@@ -95,7 +99,7 @@ def scored_targets(tokens: Sequence[int], index: int, n_ctx: int) -> list[int]:
     """The tokens chunk `index` is scored on: those after positions first..n_ctx-2."""
     first = n_ctx // 2
     start = index * n_ctx
-    return list(tokens[start + first + 1:start + n_ctx])
+    return list(tokens[start + first + 1 : start + n_ctx])
 
 
 def token_nll(logits, targets):
@@ -107,9 +111,13 @@ def token_nll(logits, targets):
     return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]
 
 
-def perplexity(tokens: Sequence[int], n_ctx: int, logits_fn: Callable[[list[int], int], object],
-               bos_id: int | None = None,
-               on_chunk: Callable[[int, int, float], None] | None = None) -> PplResult:
+def perplexity(
+    tokens: Sequence[int],
+    n_ctx: int,
+    logits_fn: Callable[[list[int], int], object],
+    bos_id: int | None = None,
+    on_chunk: Callable[[int, int, float], None] | None = None,
+) -> PplResult:
     """llama-perplexity's method (module docstring). `logits_fn(chunk_ids, first)` returns the
     logits of positions first..n_ctx-2 of the chunk, shape [n_ctx - first - 1, vocab]."""
     n_chunk = num_chunks(len(tokens), n_ctx)
@@ -159,18 +167,27 @@ class ModelScorer:
         n, bs, cfg = len(ids), self.block_size, self.cfg
         num_blocks = -(-n // bs)
         shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        kv = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-              for _ in range(cfg.num_layers)]
+        kv = [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(cfg.num_layers)
+        ]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, dtype=torch.int64),
             block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
             seq_lens=torch.tensor([n], dtype=torch.int32),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            max_query_len=n, max_seq_len=n)
+            max_query_len=n,
+            max_seq_len=n,
+        )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
-                                kv, meta, self.backend)
-            return self.model.compute_logits(hidden[first:n - 1]).float()
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64),
+                torch.arange(n, dtype=torch.int64),
+                kv,
+                meta,
+                self.backend,
+            )
+            return self.model.compute_logits(hidden[first : n - 1]).float()
 
 
 def weight_summary(model) -> dict[str, float]:
@@ -201,8 +218,16 @@ def tokenize(model_path: pathlib.Path, text: str) -> tuple[list[int], int | None
     return ids, (int(bos) if add_bos and bos is not None else None)
 
 
-def run_ours(model_path: pathlib.Path, dtype: str, quantization: str, tokens: list[int], bos: int | None,
-             n_ctx: int, threads: int, log) -> dict:
+def run_ours(
+    model_path: pathlib.Path,
+    dtype: str,
+    quantization: str,
+    tokens: list[int],
+    bos: int | None,
+    n_ctx: int,
+    threads: int,
+    log,
+) -> dict:
     import torch
 
     from worker.model.loader import load_model
@@ -214,24 +239,38 @@ def run_ours(model_path: pathlib.Path, dtype: str, quantization: str, tokens: li
     weights = weight_summary(loaded.model)
     scorer = ModelScorer(loaded.model, dtype)
     started = time.perf_counter()
+
     def progress(i: int, n: int, running: float) -> None:
         if i % 4 == 0 or i == n:
             log(f"    chunk {i}/{n}: running PPL {running:.4f}")
 
     result = perplexity(tokens, n_ctx, scorer, bos, on_chunk=progress)
-    return {**asdict(result), "seconds": round(time.perf_counter() - started, 1), "load_s": round(load_s, 1),
-            "weights_mib": weights, "attention_backend": scorer.backend.name}
+    return {
+        **asdict(result),
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_s": round(load_s, 1),
+        "weights_mib": weights,
+        "attention_backend": scorer.backend.name,
+    }
 
 
-def run_llamacpp(binary: pathlib.Path, model_path: pathlib.Path, text_path: pathlib.Path, n_ctx: int,
-                 threads: int) -> dict:
+def run_llamacpp(
+    binary: pathlib.Path, model_path: pathlib.Path, text_path: pathlib.Path, n_ctx: int, threads: int
+) -> dict:
     from benchmarks.llamacpp import parse_chunk_ppls, parse_num_chunks, parse_perplexity
 
     cmd = [str(binary), "-m", str(model_path), "-f", str(text_path), "-c", str(n_ctx), "-t", str(threads)]
     started = time.perf_counter()
-    try:   # one stream, in order: the chunk estimates (stdout) follow the log lines (stderr)
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace", timeout=PPL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    try:  # one stream, in order: the chunk estimates (stdout) follow the log lines (stderr)
+        done = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            timeout=PPL_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"llama-perplexity not done within {PPL_TIMEOUT_S:.0f} s") from None
     output = done.stdout
@@ -239,9 +278,16 @@ def run_llamacpp(binary: pathlib.Path, model_path: pathlib.Path, text_path: path
         raise RuntimeError(f"llama-perplexity exited {done.returncode}:\n{output[-2000:]}")
     ppl, unc = parse_perplexity(output)
     n_chunk = parse_num_chunks(output)
-    return {"ppl": ppl, "uncertainty": unc, "num_chunks": n_chunk, "chunk_ppls": parse_chunk_ppls(output),
-            "count": n_chunk * (n_ctx - n_ctx // 2 - 1), "seconds": round(time.perf_counter() - started, 1),
-            "command": shlex.join(cmd), "output_tail": output[-1500:]}
+    return {
+        "ppl": ppl,
+        "uncertainty": unc,
+        "num_chunks": n_chunk,
+        "chunk_ppls": parse_chunk_ppls(output),
+        "count": n_chunk * (n_ctx - n_ctx // 2 - 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": shlex.join(cmd),
+        "output_tail": output[-1500:],
+    }
 
 
 def pct_change(value: float, base: float) -> float:
@@ -251,46 +297,65 @@ def pct_change(value: float, base: float) -> float:
 def report_markdown(run: dict) -> str:
     m, rows = run["machine"], run["rows"]
     base = next((r for r in rows if r["label"] == "float32" and "ppl" in r), None)
-    lines = [f"## {SECTION}", "",
-             f"`make eval` on {run['date']}: {m['cpu']}, {m['cores']} cores; commit `{run['commit']}`; "
-             f"model `{run['model_name']}` ({pathlib.Path(run['model']).name}); text "
-             f"`{run['text']}` ({run['text_bytes']:,} bytes, {run['num_tokens']:,} tokens: The Time Machine, "
-             "chapters I-IV, public domain); context "
-             f"{run['n_ctx']}, {run['num_chunks']} non-overlapping chunks, the second half of each scored "
-             f"({run['n_ctx'] - run['n_ctx'] // 2 - 1} tokens per chunk), as llama-perplexity does; "
-             f"{run['threads']} threads.", "",
-             "| model path | PPL | ± | vs float32 | tokens scored | seconds | weights held |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"`make eval` on {run['date']}: {m['cpu']}, {m['cores']} cores; commit `{run['commit']}`; "
+        f"model `{run['model_name']}` ({pathlib.Path(run['model']).name}); text "
+        f"`{run['text']}` ({run['text_bytes']:,} bytes, {run['num_tokens']:,} tokens: The Time Machine, "
+        "chapters I-IV, public domain); context "
+        f"{run['n_ctx']}, {run['num_chunks']} non-overlapping chunks, the second half of each scored "
+        f"({run['n_ctx'] - run['n_ctx'] // 2 - 1} tokens per chunk), as llama-perplexity does; "
+        f"{run['threads']} threads.",
+        "",
+        "| model path | PPL | ± | vs float32 | tokens scored | seconds | weights held |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         if "ppl" not in r:
             lines.append(f"| {r['label']} | error | | | | | {r.get('error', '')[:120]} |")
             continue
         delta = f"{pct_change(r['ppl'], base['ppl']):+.2f}%" if base else "–"
-        weights = (", ".join(f"{k} {v:,.0f} MiB" for k, v in r.get("weights_mib", {}).items())
-                   or "GGUF as stored")
-        lines.append(f"| {r['label']} | {r['ppl']:.4f} | {r['uncertainty']:.4f} | {delta} | {r['count']:,} | "
-                     f"{r['seconds']:.1f} | {weights} |")
+        weights = (
+            ", ".join(f"{k} {v:,.0f} MiB" for k, v in r.get("weights_mib", {}).items()) or "GGUF as stored"
+        )
+        lines.append(
+            f"| {r['label']} | {r['ppl']:.4f} | {r['uncertainty']:.4f} | {delta} | {r['count']:,} | "
+            f"{r['seconds']:.1f} | {weights} |"
+        )
     peer = next((r for r in rows if r["label"].startswith("llama.cpp") and "ppl" in r), None)
     if peer is not None:
         same = peer["num_chunks"] == run["num_chunks"]
-        agree = (f"llama-perplexity cut the text into the same {peer['num_chunks']} chunks" if same else
-                 f"llama-perplexity cut the text into {peer['num_chunks']} chunks, "
-                 f"we into {run['num_chunks']}: "
-                 "the tokenizers disagree on this text, so its figure is not strictly comparable")
+        agree = (
+            f"llama-perplexity cut the text into the same {peer['num_chunks']} chunks"
+            if same
+            else f"llama-perplexity cut the text into {peer['num_chunks']} chunks, "
+            f"we into {run['num_chunks']}: "
+            "the tokenizers disagree on this text, so its figure is not strictly comparable"
+        )
     else:
         agree = "llama-perplexity did not run"
-    lines += ["", f"**{run['verdict']}**", "",
-              "Target: the quantized path within 1% of float32. Every row runs the same weights: the "
-              "GGUF stores them as Q4_1, and \"float32\" is their exact dequantization, so the comparison "
-              "isolates what our bf16 activations and quantized kernels add, not Q4_1's own loss against "
-              "the original model. The ± is llama.cpp's estimate of the statistical error of one figure "
-              "over this text; the rows share the text, so their differences are far tighter than that. "
-              "llama.cpp's figure is its own kernels on the same GGUF and text, the peer for the quantized "
-              f"path; {agree}.",
-              "", "Commands:", "", "```", run["command"]]
+    lines += [
+        "",
+        f"**{run['verdict']}**",
+        "",
+        "Target: the quantized path within 1% of float32. Every row runs the same weights: the "
+        'GGUF stores them as Q4_1, and "float32" is their exact dequantization, so the comparison '
+        "isolates what our bf16 activations and quantized kernels add, not Q4_1's own loss against "
+        "the original model. The ± is llama.cpp's estimate of the statistical error of one figure "
+        "over this text; the rows share the text, so their differences are far tighter than that. "
+        "llama.cpp's figure is its own kernels on the same GGUF and text, the peer for the quantized "
+        f"path; {agree}.",
+        "",
+        "Commands:",
+        "",
+        "```",
+        run["command"],
+    ]
     if run.get("llamacpp_command"):
-        lines.append(run["llamacpp_command"].replace(str(pathlib.Path.home()), "~")
-                     .replace(str(REPO) + "/", ""))
+        lines.append(
+            run["llamacpp_command"].replace(str(pathlib.Path.home()), "~").replace(str(REPO) + "/", "")
+        )
     lines += ["```", f"Raw numbers: `{run['json']}` (not committed).", ""]
     return "\n".join(lines)
 
@@ -305,9 +370,10 @@ def verdict(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.eval_ppl",
-                                description="perplexity: our float32 / bf16 / quantized paths and "
-                                            "llama-perplexity")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_ppl",
+        description="perplexity: our float32 / bf16 / quantized paths and llama-perplexity",
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
     p.add_argument("--text", default=str(TEXT), help="UTF-8 text file (default: the bundled one)")
     p.add_argument("--ctx", type=int, default=N_CTX, help="context per chunk (llama-perplexity -c)")
@@ -356,28 +422,43 @@ def main(argv: list[str] | None = None) -> int:
         rel_text = str(text_path.resolve().relative_to(REPO))
     except ValueError:
         rel_text = str(text_path)
-    run = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_info(), "commit": git_commit(),
-           "command": shlex.join(["python", "-m", "benchmarks.eval_ppl",
-                                  *(sys.argv[1:] if argv is None else argv)]),
-           "model": str(model_path),
-           "model_name": read_gguf_metadata(model_path).get("general.name", model_path.name),
-           "text": rel_text, "text_bytes": len(text.encode("utf-8")), "num_tokens": len(tokens),
-           "n_ctx": a.ctx, "num_chunks": n_chunk, "threads": a.threads, "add_bos": bos is not None,
-           "json": str(json_path.relative_to(REPO)), "rows": []}
-    log(f"eval: {run['model_name']}, {rel_text}: {len(tokens):,} tokens, {n_chunk} chunks of {a.ctx}, "
-        f"{a.threads} threads")
+    run = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "commit": git_commit(),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.eval_ppl", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "model": str(model_path),
+        "model_name": read_gguf_metadata(model_path).get("general.name", model_path.name),
+        "text": rel_text,
+        "text_bytes": len(text.encode("utf-8")),
+        "num_tokens": len(tokens),
+        "n_ctx": a.ctx,
+        "num_chunks": n_chunk,
+        "threads": a.threads,
+        "add_bos": bos is not None,
+        "json": str(json_path.relative_to(REPO)),
+        "rows": [],
+    }
+    log(
+        f"eval: {run['model_name']}, {rel_text}: {len(tokens):,} tokens, {n_chunk} chunks of {a.ctx}, "
+        f"{a.threads} threads"
+    )
     failed = False
     for label, dtype, quant in a.variant_list:
         log(f"  {label}: load_model(dtype={dtype}, quantization={quant}) ...")
         try:
             row = run_ours(model_path, dtype, quant, tokens, bos, a.ctx, a.threads, log)
-        except Exception as exc:   # noqa: BLE001 - whatever the loader or model raises: report, go on
+        except Exception as exc:  # noqa: BLE001 - whatever the loader or model raises: report, go on
             failed = True
             row = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"  {label}: FAILED: {row['error']}")
         else:
-            log(f"  {label}: PPL {row['ppl']:.4f} +/- {row['uncertainty']:.4f} over {row['count']:,} tokens "
-                f"in {row['seconds']:.1f} s (weights {row['weights_mib']})")
+            log(
+                f"  {label}: PPL {row['ppl']:.4f} +/- {row['uncertainty']:.4f} over {row['count']:,} tokens "
+                f"in {row['seconds']:.1f} s (weights {row['weights_mib']})"
+            )
         run["rows"].append({"label": label, "dtype": dtype, "quantization": quant, **row})
     if a.llamacpp:
         from benchmarks.llamacpp import BuildError, ensure_built
@@ -388,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {label} ...")
             row = run_llamacpp(bins.perplexity, model_path, text_path, a.ctx, a.threads)
             run["llamacpp_command"] = row["command"]
-            log(f"  {label}: PPL {row['ppl']:.4f} +/- {row['uncertainty']:.4f} over {row['count']:,} tokens "
-                f"({row['num_chunks']} chunks) in {row['seconds']:.1f} s")
+            log(
+                f"  {label}: PPL {row['ppl']:.4f} +/- {row['uncertainty']:.4f} over {row['count']:,} tokens "
+                f"({row['num_chunks']} chunks) in {row['seconds']:.1f} s"
+            )
         except (BuildError, RuntimeError, ValueError, OSError) as exc:
             failed = True
             row = {"error": f"{type(exc).__name__}: {exc}"}

@@ -11,6 +11,7 @@ Times come from `gpu_bench.time_ms` (CUDA-graph replay, median); outputs are com
 relative error). Speedup = torch time / fused time; a layer runs two norms and one RoPE, so
 `layer_saving_us` = 2 x norm saving + rope saving, times the model's layers per step.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,13 +44,11 @@ def fused_case(tokens: int, cfg, dtype, device, time_ms) -> dict:
         out["fused_norm"], out["fused_residual"] = rms_norm(x, norm.weight, cfg.rms_eps, residual)
 
     rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
-    positions = torch.randint(0, min(cfg.max_position, 4096), (tokens,), generator=gen,
-                              device=device)
+    positions = torch.randint(0, min(cfg.max_position, 4096), (tokens,), generator=gen, device=device)
     q = torch.randn(tokens, cfg.num_heads, cfg.head_dim, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=gen, device=device,
-                    dtype=dtype)
+    k = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=gen, device=device, dtype=dtype)
 
-    cos_sin = rope.tables(positions)      # the model gathers these once per step, for all layers
+    cos_sin = rope.tables(positions)  # the model gathers these once per step, for all layers
 
     def torch_rope():
         out["torch_q"], out["torch_k"] = RotaryEmbedding.apply(cos_sin, q), RotaryEmbedding.apply(cos_sin, k)
@@ -59,26 +58,32 @@ def fused_case(tokens: int, cfg, dtype, device, time_ms) -> dict:
 
     with torch.no_grad():
         row = {"tokens": tokens}
-        for name, fn in (("norm_torch", torch_norm), ("norm_fused", fused_norm),
-                         ("rope_torch", torch_rope), ("rope_fused", fused_rope)):
+        for name, fn in (
+            ("norm_torch", torch_norm),
+            ("norm_fused", fused_norm),
+            ("rope_torch", torch_rope),
+            ("rope_fused", fused_rope),
+        ):
             ms, _ = time_ms(fn, device)
             row[f"{name}_us"] = ms * 1e3
-        for fn in (torch_norm, fused_norm, torch_rope, fused_rope):     # eager results to compare
+        for fn in (torch_norm, fused_norm, torch_rope, fused_rope):  # eager results to compare
             fn()
     row["norm_speedup"] = row["norm_torch_us"] / row["norm_fused_us"]
     row["rope_speedup"] = row["rope_torch_us"] / row["rope_fused_us"]
-    row["layer_saving_us"] = (2 * (row["norm_torch_us"] - row["norm_fused_us"])
-                              + row["rope_torch_us"] - row["rope_fused_us"])
+    row["layer_saving_us"] = (
+        2 * (row["norm_torch_us"] - row["norm_fused_us"]) + row["rope_torch_us"] - row["rope_fused_us"]
+    )
     row["step_saving_us"] = row["layer_saving_us"] * cfg.num_layers
-    row["max_rel_err"] = max(rel_err(out["fused_norm"], out["torch_norm"]),
-                             rel_err(out["fused_residual"], x + residual),
-                             rel_err(out["fused_q"], out["torch_q"]),
-                             rel_err(out["fused_k"], out["torch_k"]))
+    row["max_rel_err"] = max(
+        rel_err(out["fused_norm"], out["torch_norm"]),
+        rel_err(out["fused_residual"], x + residual),
+        rel_err(out["fused_q"], out["torch_q"]),
+        rel_err(out["fused_k"], out["torch_k"]),
+    )
     return row
 
 
-def fused_section(res: dict, sizes: dict, device: torch.device, deadline: float, save,
-                  time_ms) -> None:
+def fused_section(res: dict, sizes: dict, device: torch.device, deadline: float, save, time_ms) -> None:
     res["fused"] = []
     for tokens in sizes["fused_tokens"]:
         row = {"tokens": tokens}
@@ -87,11 +92,14 @@ def fused_section(res: dict, sizes: dict, device: torch.device, deadline: float,
         else:
             try:
                 row = fused_case(tokens, sizes["model"], sizes["dtype"], device, time_ms)
-                print(f"  fused tokens {tokens:5d}: norm {row['norm_torch_us']:8.1f} -> "
-                      f"{row['norm_fused_us']:8.1f} us ({row['norm_speedup']:.2f}x), rope "
-                      f"{row['rope_torch_us']:8.1f} -> {row['rope_fused_us']:8.1f} us "
-                      f"({row['rope_speedup']:.2f}x), rel err {row['max_rel_err']:.1e}", flush=True)
-            except Exception as exc:   # noqa: BLE001 - keep the benchmark's other sections
+                print(
+                    f"  fused tokens {tokens:5d}: norm {row['norm_torch_us']:8.1f} -> "
+                    f"{row['norm_fused_us']:8.1f} us ({row['norm_speedup']:.2f}x), rope "
+                    f"{row['rope_torch_us']:8.1f} -> {row['rope_fused_us']:8.1f} us "
+                    f"({row['rope_speedup']:.2f}x), rel err {row['max_rel_err']:.1e}",
+                    flush=True,
+                )
+            except Exception as exc:  # noqa: BLE001 - keep the benchmark's other sections
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         res["fused"].append(row)
@@ -101,16 +109,23 @@ def fused_section(res: dict, sizes: dict, device: torch.device, deadline: float,
 def fused_markdown(res: dict) -> list[str]:
     if not res.get("fused"):
         return []
-    lines = ["", "Fused kernels vs the model's torch code (per call, us, CUDA-graph replay, so launch "
-             "overhead is excluded: the engine runs prefill eagerly, where fusing saves more; a "
-             "layer runs 2 norms + 1 RoPE; step saving = layer saving x layers):", "",
-             "| tokens | norm torch | norm fused | speedup | RoPE torch | RoPE fused | speedup "
-             "| step saving us | max rel err |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "Fused kernels vs the model's torch code (per call, us, CUDA-graph replay, so launch "
+        "overhead is excluded: the engine runs prefill eagerly, where fusing saves more; a "
+        "layer runs 2 norms + 1 RoPE; step saving = layer saving x layers):",
+        "",
+        "| tokens | norm torch | norm fused | speedup | RoPE torch | RoPE fused | speedup "
+        "| step saving us | max rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["fused"]:
         if "norm_speedup" not in r:
             lines.append(f"| {r['tokens']} | {r.get('error') or r.get('skipped')} | | | | | | | |")
             continue
-        lines.append(f"| {r['tokens']} | {r['norm_torch_us']:.1f} | {r['norm_fused_us']:.1f} | "
-                     f"{r['norm_speedup']:.2f}x | {r['rope_torch_us']:.1f} | {r['rope_fused_us']:.1f} "
-                     f"| {r['rope_speedup']:.2f}x | {r['step_saving_us']:.0f} | {r['max_rel_err']:.1e} |")
+        lines.append(
+            f"| {r['tokens']} | {r['norm_torch_us']:.1f} | {r['norm_fused_us']:.1f} | "
+            f"{r['norm_speedup']:.2f}x | {r['rope_torch_us']:.1f} | {r['rope_fused_us']:.1f} "
+            f"| {r['rope_speedup']:.2f}x | {r['step_saving_us']:.0f} | {r['max_rel_err']:.1e} |"
+        )
     return lines

@@ -7,6 +7,7 @@ current ones (2026-11-30, H200: PROGRAMS_PER_SM 16, MIN_SPLIT_LEN 128, DECODE_TI
 split count decides how full the GPU is, for each setting, with `gpu_bench.attention_case` (CUDA
 graph replay, median, output checked against SDPA). Prints one markdown table: K/V GB/s per case.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,9 +21,19 @@ from worker.kernels import triton_attention as ta
 
 BATCHES = [1, 4, 16, 64]
 CONTEXTS = [8192, 32768]
-SETTINGS = [dict(PROGRAMS_PER_SM=p, MIN_SPLIT_LEN=m, DECODE_TILE_N=t)
-            for p, m, t in [(2, 256, 32), (8, 256, 32), (8, 128, 32), (16, 128, 32),
-                            (8, 128, 64), (2, 256, 64), (4, 128, 64), (16, 128, 64)]]
+SETTINGS = [
+    dict(PROGRAMS_PER_SM=p, MIN_SPLIT_LEN=m, DECODE_TILE_N=t)
+    for p, m, t in [
+        (2, 256, 32),
+        (8, 256, 32),
+        (8, 128, 32),
+        (16, 128, 32),
+        (8, 128, 64),
+        (2, 256, 64),
+        (4, 128, 64),
+        (16, 128, 64),
+    ]
+]
 
 
 def main() -> int:
@@ -31,8 +42,10 @@ def main() -> int:
     device, cfg = torch.device("cuda"), gpu_bench.LLAMA_1B
     defaults = {k: getattr(ta, k) for k in SETTINGS[0]}
     header = ["setting"] + [f"B{b} L{c // 1024}k" for b, c in itertools.product(BATCHES, CONTEXTS)]
-    print(f"defaults: {defaults}; K/V GB/s of the paged decode kernel (max rel err vs SDPA in the "
-          "last column)\n")
+    print(
+        f"defaults: {defaults}; K/V GB/s of the paged decode kernel (max rel err vs SDPA in the "
+        "last column)\n"
+    )
     print("| " + " | ".join(header + ["max rel err", "s"]) + " |")
     print("|" + "---|" * (len(header) + 2))
     start = time.perf_counter()
@@ -45,12 +58,14 @@ def main() -> int:
                 row = gpu_bench.attention_case(b, c, cfg, torch.bfloat16, device)
                 cells.append(f"{row['paged_gbps']:.0f}")
                 err = max(err, row.get("max_rel_err_vs_sdpa", 0.0))
-            except Exception as exc:   # noqa: BLE001 - keep the other settings' numbers
+            except Exception as exc:  # noqa: BLE001 - keep the other settings' numbers
                 cells.append(type(exc).__name__)
             torch.cuda.empty_cache()
         name = " ".join(f"{k}={v}" for k, v in setting.items())
-        print(f"| {name} | " + " | ".join(cells) + f" | {err:.1e} | {time.perf_counter() - t0:.0f} |",
-              flush=True)
+        print(
+            f"| {name} | " + " | ".join(cells) + f" | {err:.1e} | {time.perf_counter() - t0:.0f} |",
+            flush=True,
+        )
     for k, v in defaults.items():
         setattr(ta, k, v)
     print(f"\n{len(SETTINGS)} settings in {time.perf_counter() - start:.0f} s")

@@ -29,6 +29,7 @@ Contract / protocol:
 - Proven by tests/test_host_overhead.py (tiny sizes: format and positive numbers; docs section
   replacement).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,17 @@ class StubModel(LlamaModel):
 
 
 def stub_config(vocab_size: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=576, intermediate_size=64, num_layers=1,
-                       num_heads=1, num_kv_heads=1, head_dim=64, max_position=8192, name="no-math stub")
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=576,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=64,
+        max_position=8192,
+        name="no-math stub",
+    )
 
 
 class Timers:
@@ -86,6 +96,7 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 self.step[name] = self.step.get(name, 0.0) + time.thread_time() - start
+
         return timed
 
 
@@ -98,7 +109,7 @@ def measure(batch: int, args, temperature: float) -> dict:
     rng = random.Random(args.seed * 1000 + batch)
     lo, hi = args.context
     prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(batch)]
-    budget = max(2048, batch)                        # tokens per step while prefilling
+    budget = max(2048, batch)  # tokens per step while prefilling
     total_steps = 2 * args.warmup + args.steps + args.breakdown_steps
     # Never finishes while measured: a request may already decode while later ones still prefill
     # (at most one step per prefill chunk of the whole batch).
@@ -106,15 +117,23 @@ def measure(batch: int, args, temperature: float) -> dict:
     block_size = 16
     blocks = batch * -(-(hi + max_tokens + 1) // block_size)
     cfg = stub_config(args.vocab_size)
-    config = EngineConfig(dtype="float32", device="cpu", block_size=block_size,
-                          kv_cache_bytes=blocks * 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4,
-                          max_num_seqs=batch, max_num_batched_tokens=budget,
-                          attention_backend="torch", enforce_eager=True, num_threads=1)
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        block_size=block_size,
+        kv_cache_bytes=blocks * 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4,
+        max_num_seqs=batch,
+        max_num_batched_tokens=budget,
+        attention_backend="torch",
+        enforce_eager=True,
+        num_threads=1,
+    )
     torch.manual_seed(0)
     model = StubModel(cfg).eval()
     engine = LLMEngine(config, runner=ModelRunner.from_model(config, model, name=cfg.name))
-    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
-                              max_tokens=max_tokens, ignore_eos=True)
+    sampling = SamplingParams(
+        temperature=temperature, top_p=0.95 if temperature else 1.0, max_tokens=max_tokens, ignore_eos=True
+    )
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, sampling)
     sched = engine.scheduler
@@ -168,18 +187,26 @@ def measure(batch: int, args, temperature: float) -> dict:
             engine.step()
             step = dict(timers.step)
             step["step"] = time.thread_time() - start - step.get("graph_inputs", 0.0)
-            step["other"] = step["step"] - sum(v for k, v in step.items() if k not in ("step", "graph_inputs"))
+            step["other"] = step["step"] - sum(
+                v for k, v in step.items() if k not in ("step", "graph_inputs")
+            )
             if i >= args.warmup:
                 phases.append(step)
     finally:
         model_runner_module.sample = real_sample
     assert all(n == batch for n in plans), f"not every measured step was a decode of {batch}: {set(plans)}"
     assert sched.num_preemptions == 0
-    row = {"batch_size": batch, "temperature": temperature, "setup_steps": setup_steps, "setup_s": setup_s,
-           "context_len_mean": sum(map(len, prompts)) / batch,
-           "step_ms": statistics.median(cpu) * 1e3, "step_wall_ms": statistics.median(wall) * 1e3,
-           "step_wall_p90_ms": sorted(wall)[int(0.9 * (len(wall) - 1))] * 1e3,
-           "breakdown_step_ms": statistics.median(s["step"] for s in phases) * 1e3}
+    row = {
+        "batch_size": batch,
+        "temperature": temperature,
+        "setup_steps": setup_steps,
+        "setup_s": setup_s,
+        "context_len_mean": sum(map(len, prompts)) / batch,
+        "step_ms": statistics.median(cpu) * 1e3,
+        "step_wall_ms": statistics.median(wall) * 1e3,
+        "step_wall_p90_ms": sorted(wall)[int(0.9 * (len(wall) - 1))] * 1e3,
+        "breakdown_step_ms": statistics.median(s["step"] for s in phases) * 1e3,
+    }
     for k in PHASES + ["graph_inputs"]:
         row[f"{k}_ms"] = statistics.median(s.get(k, 0.0) for s in phases) * 1e3
     return row
@@ -206,48 +233,65 @@ def cpu_model() -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| sampling | batch | step ms (CPU) | step ms (wall, median / p90) | us per sequence "
-             "| schedule | prepare | model stub | sample | update | other | graph-path inputs |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| sampling | batch | step ms (CPU) | step ms (wall, median / p90) | us per sequence "
+        "| schedule | prepare | model stub | sample | update | other | graph-path inputs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         kind = "greedy" if r["temperature"] == 0 else f"T={r['temperature']}, top-p 0.95"
-        lines.append(f"| {kind} | {r['batch_size']} | {r['step_ms']:.3f} | {r['step_wall_ms']:.3f} / "
-                     f"{r['step_wall_p90_ms']:.3f} | {r['step_ms'] / r['batch_size'] * 1e3:.1f} | "
-                     + " | ".join(f"{r[f'{k}_ms']:.3f}" for k in PHASES + ["graph_inputs"]) + " |")
+        lines.append(
+            f"| {kind} | {r['batch_size']} | {r['step_ms']:.3f} | {r['step_wall_ms']:.3f} / "
+            f"{r['step_wall_p90_ms']:.3f} | {r['step_ms'] / r['batch_size'] * 1e3:.1f} | "
+            + " | ".join(f"{r[f'{k}_ms']:.3f}" for k in PHASES + ["graph_inputs"])
+            + " |"
+        )
     return lines
 
 
 def headline(res: dict) -> str:
     g, sampled = res["greedy"], res.get("sampled")
-    line = (f"**Greedy: B={g['batch_size']} step {g['step_ms']:.2f} ms, {g['per_sequence_us']:.1f} us per "
-            f"added sequence** (least-squares slope of step time over B = "
-            f"{', '.join(str(b) for b in res['args']['batch_sizes'])})")
+    line = (
+        f"**Greedy: B={g['batch_size']} step {g['step_ms']:.2f} ms, {g['per_sequence_us']:.1f} us per "
+        f"added sequence** (least-squares slope of step time over B = "
+        f"{', '.join(str(b) for b in res['args']['batch_sizes'])})"
+    )
     if sampled:
-        line += (f"; sampled (temperature {res['args']['temperature']}, top-p 0.95): B={sampled['batch_size']} "
-                 f"step {sampled['step_ms']:.2f} ms, {sampled['per_sequence_us']:.1f} us per added sequence")
+        line += (
+            f"; sampled (temperature {res['args']['temperature']}, top-p 0.95): B={sampled['batch_size']} "
+            f"step {sampled['step_ms']:.2f} ms, {sampled['per_sequence_us']:.1f} us per added sequence"
+        )
     return line + "."
 
 
 def docs_section(res: dict) -> str:
     g = res["greedy"]
-    lines = [SECTION, "",
-             f"Measured {res['date']} on {res['machine']} ({res['cpus']} CPUs visible, one torch thread, "
-             f"other jobs sharing the machine; load average {res['load_before']} before the run), "
-             f"git {res['git']}. Command: `{res['command']}`.", "",
-             "What it measures: the host (CPU) time of one engine step when the model costs nothing: the "
-             "real scheduler, block manager (prefix caching on), the model runner's input preparation, "
-             "the sampler and the scheduler's update/output bookkeeping, with a stub model that returns "
-             f"zeros (vocabulary {res['args']['vocab_size']}). Every measured step is a decode step of B "
-             f"sequences with contexts drawn uniformly from {res['args']['context'][0]}-"
-             f"{res['args']['context'][1]} tokens. Step time: the median over {res['args']['steps']} steps "
-             "of the engine thread's CPU time (`time.thread_time`, one torch thread), which the other jobs "
-             "on this shared machine do not inflate the way they do wall-clock time (also shown: when "
-             "descheduled, a step waits in 4 ms scheduler ticks). The phases (ms, thread CPU time) come from "
-             f"a second, instrumented pass of {res['args']['breakdown_steps']} steps; they are medians, so "
-             "they need not add up to the step exactly. \"graph-path inputs\" is `build_decode_inputs`, "
-             "which replaces `prepare` for decode steps replayed as CUDA graphs on a GPU, timed on the same "
-             "plans and not included in the step.", "", *table(res["rows"]), "",
-             headline(res), ""]
+    lines = [
+        SECTION,
+        "",
+        f"Measured {res['date']} on {res['machine']} ({res['cpus']} CPUs visible, one torch thread, "
+        f"other jobs sharing the machine; load average {res['load_before']} before the run), "
+        f"git {res['git']}. Command: `{res['command']}`.",
+        "",
+        "What it measures: the host (CPU) time of one engine step when the model costs nothing: the "
+        "real scheduler, block manager (prefix caching on), the model runner's input preparation, "
+        "the sampler and the scheduler's update/output bookkeeping, with a stub model that returns "
+        f"zeros (vocabulary {res['args']['vocab_size']}). Every measured step is a decode step of B "
+        f"sequences with contexts drawn uniformly from {res['args']['context'][0]}-"
+        f"{res['args']['context'][1]} tokens. Step time: the median over {res['args']['steps']} steps "
+        "of the engine thread's CPU time (`time.thread_time`, one torch thread), which the other jobs "
+        "on this shared machine do not inflate the way they do wall-clock time (also shown: when "
+        "descheduled, a step waits in 4 ms scheduler ticks). The phases (ms, thread CPU time) come from "
+        f"a second, instrumented pass of {res['args']['breakdown_steps']} steps; they are medians, so "
+        'they need not add up to the step exactly. "graph-path inputs" is `build_decode_inputs`, '
+        "which replaces `prepare` for decode steps replayed as CUDA graphs on a GPU, timed on the same "
+        "plans and not included in the step.",
+        "",
+        *table(res["rows"]),
+        "",
+        headline(res),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -260,15 +304,16 @@ def write_docs_section(path: Path, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
+        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.rstrip("\n") + "\n")
 
 
 def git_rev() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -276,52 +321,83 @@ def git_rev() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--context", type=int, nargs=2, default=[128, 1024], metavar=("MIN", "MAX"),
-                   help="prompt (context) lengths, drawn uniformly")
+    p.add_argument(
+        "--context",
+        type=int,
+        nargs=2,
+        default=[128, 1024],
+        metavar=("MIN", "MAX"),
+        help="prompt (context) lengths, drawn uniformly",
+    )
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per batch size")
     p.add_argument("--breakdown-steps", type=int, default=50, help="instrumented steps (phase breakdown)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="also measure sampled decoding at this temperature (0 = greedy only)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="also measure sampled decoding at this temperature (0 = greedy only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/host_overhead.json")
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH",
-                   help="add or replace the section in docs/benchmarks.md (or PATH)")
+    p.add_argument(
+        "--write-docs",
+        nargs="?",
+        const="docs/benchmarks.md",
+        default=None,
+        metavar="PATH",
+        help="add or replace the section in docs/benchmarks.md (or PATH)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     batch_sizes = sorted(args.batch_sizes)
-    res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu_model(),
-           "cpus": os.cpu_count(), "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-           "git": git_rev(), "command": "make bench-host" + (" ARGS=\"" + " ".join(sys.argv[1:]) + "\""
-                                                            if sys.argv[1:] else ""),
-           "args": {**vars(args), "batch_sizes": batch_sizes}, "rows": []}
-    print(f"host overhead per engine step: {res['machine']}, git {res['git']}, contexts "
-          f"{args.context[0]}-{args.context[1]}, {args.steps} timed + {args.breakdown_steps} instrumented decode "
-          "steps per batch size; thread CPU time",
-          flush=True)
+    res = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": cpu_model(),
+        "cpus": os.cpu_count(),
+        "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "git": git_rev(),
+        "command": "make bench-host" + (' ARGS="' + " ".join(sys.argv[1:]) + '"' if sys.argv[1:] else ""),
+        "args": {**vars(args), "batch_sizes": batch_sizes},
+        "rows": [],
+    }
+    print(
+        f"host overhead per engine step: {res['machine']}, git {res['git']}, contexts "
+        f"{args.context[0]}-{args.context[1]}, {args.steps} timed + {args.breakdown_steps} instrumented decode "
+        "steps per batch size; thread CPU time",
+        flush=True,
+    )
     for temperature in [0.0] + ([args.temperature] if args.temperature else []):
         kind = "greedy" if temperature == 0 else "sampled"
         rows = []
         for b in batch_sizes:
             row = measure(b, args, temperature)
             rows.append(row)
-            print(f"  {kind:7s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU ({row['step_wall_ms']:.3f} ms wall); "
-                  f"schedule {row['schedule_ms']:.3f}, "
-                  f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, update {row['update_ms']:.3f}, "
-                  f"other {row['other_ms']:.3f}; graph-path inputs {row['graph_inputs_ms']:.3f} ms", flush=True)
+            print(
+                f"  {kind:7s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU ({row['step_wall_ms']:.3f} ms wall); "
+                f"schedule {row['schedule_ms']:.3f}, "
+                f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, update {row['update_ms']:.3f}, "
+                f"other {row['other_ms']:.3f}; graph-path inputs {row['graph_inputs_ms']:.3f} ms",
+                flush=True,
+            )
         res["rows"] += rows
-        res[kind] = {"batch_size": rows[-1]["batch_size"], "step_ms": rows[-1]["step_ms"],
-                     "per_sequence_us": slope_us(rows)}
+        res[kind] = {
+            "batch_size": rows[-1]["batch_size"],
+            "step_ms": rows[-1]["step_ms"],
+            "per_sequence_us": slope_us(rows),
+        }
     print("\n" + "\n".join(table(res["rows"])))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")
     if args.write_docs:
         write_docs_section(Path(args.write_docs), docs_section(res))
-        print(f"wrote the section \"{SECTION[3:]}\" of {args.write_docs}")
+        print(f'wrote the section "{SECTION[3:]}" of {args.write_docs}')
     g = res["greedy"]
-    print(f"host overhead: B={g['batch_size']} step {g['step_ms']:.3f} ms, per sequence {g['per_sequence_us']:.2f} us")
+    print(
+        f"host overhead: B={g['batch_size']} step {g['step_ms']:.3f} ms, per sequence {g['per_sequence_us']:.2f} us"
+    )
 
 
 if __name__ == "__main__":

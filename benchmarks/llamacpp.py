@@ -25,6 +25,7 @@ Contract
   line is missing).
 - `python -m benchmarks.llamacpp` builds (or finds) the binaries and prints their paths.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,12 +56,22 @@ BUILD_JOBS = 2
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-    "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DGGML_CCACHE=OFF",
-    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-    "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DGGML_CCACHE=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
 )
 DOWNLOAD_TIMEOUT_S = 900.0
 CONFIGURE_TIMEOUT_S = 600.0
@@ -89,9 +100,13 @@ def cache_dir(override: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def _stamp(root: pathlib.Path) -> dict:
-    return {"package": PACKAGE, "flags": list(CMAKE_FLAGS), "targets": list(TARGETS),
-            "server": str(root / "build" / "bin" / "llama-server"),
-            "perplexity": str(root / "build" / "bin" / "llama-perplexity")}
+    return {
+        "package": PACKAGE,
+        "flags": list(CMAKE_FLAGS),
+        "targets": list(TARGETS),
+        "server": str(root / "build" / "bin" / "llama-server"),
+        "perplexity": str(root / "build" / "bin" / "llama-perplexity"),
+    }
 
 
 def find_built(root: pathlib.Path) -> Binaries | None:
@@ -114,20 +129,28 @@ def _run_logged(cmd: list[str], log_file, timeout_s: float, what: str, log, cwd=
     log_file.write(f"\n$ {' '.join(cmd)}\n")
     log_file.flush()
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, errors="replace", start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            start_new_session=True,
+        )
     except OSError as exc:
         raise BuildError(f"{what}: cannot run {cmd[0]}: {exc}") from None
     fired = threading.Event()
 
-    def kill_group() -> None:   # the step and the compilers it started
+    def kill_group() -> None:  # the step and the compilers it started
         fired.set()
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass   # already gone
+            pass  # already gone
 
-    watchdog = threading.Timer(timeout_s, kill_group)   # the deadline, even when nothing is printed
+    watchdog = threading.Timer(timeout_s, kill_group)  # the deadline, even when nothing is printed
     watchdog.start()
     last_pct = -1
     try:
@@ -140,7 +163,7 @@ def _run_logged(cmd: list[str], log_file, timeout_s: float, what: str, log, cwd=
         status = proc.wait()
     finally:
         watchdog.cancel()
-        if proc.poll() is None:   # interrupted (e.g. Ctrl-C): leave no compiler running
+        if proc.poll() is None:  # interrupted (e.g. Ctrl-C): leave no compiler running
             kill_group()
             proc.wait()
         log_file.flush()
@@ -157,8 +180,12 @@ def find_cmake(log=print) -> str:
     if found:
         return found
     log("cmake not found: pip install cmake (into this Python environment)")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-                           "cmake"], capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "cmake"],
+        capture_output=True,
+        text=True,
+        timeout=DOWNLOAD_TIMEOUT_S,
+    )
     found = shutil.which("cmake", path=str(pathlib.Path(sys.executable).parent))
     if done.returncode != 0 or not found:
         raise BuildError(f"no cmake on PATH and `pip install cmake` failed:\n{done.stderr[-2000:]}")
@@ -173,16 +200,29 @@ def _download_sdist(root: pathlib.Path, log) -> pathlib.Path:
         return existing[0]
     sdist_dir.mkdir(parents=True, exist_ok=True)
     log(f"downloading the sdist of {PACKAGE} (pip download --no-binary :all: --no-deps) ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-binary", ":all:",
-           "--no-deps", PACKAGE, "-d", str(sdist_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        PACKAGE,
+        "-d",
+        str(sdist_dir),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise BuildError(f"pip download of {PACKAGE} not done within {DOWNLOAD_TIMEOUT_S:.0f} s") from None
     found = sorted(sdist_dir.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
     if done.returncode != 0 or not found:
-        raise BuildError(f"pip download of {PACKAGE} failed (exit {done.returncode}):\n"
-                         f"{(done.stderr or done.stdout)[-2000:]}")
+        raise BuildError(
+            f"pip download of {PACKAGE} failed (exit {done.returncode}):\n"
+            f"{(done.stderr or done.stdout)[-2000:]}"
+        )
     return found[0]
 
 
@@ -198,7 +238,7 @@ def _unpack(tarball: pathlib.Path, root: pathlib.Path, log) -> pathlib.Path:
             members = []
             for m in tar.getmembers():
                 if m.name.startswith(prefix) and len(m.name) > len(prefix):
-                    m.name = m.name[len(prefix):]
+                    m.name = m.name[len(prefix) :]
                     members.append(m)
             if not members:
                 raise BuildError(f"{tarball} holds no {prefix}")
@@ -218,8 +258,9 @@ def ensure_built(override: str | os.PathLike | None = None, log=print, jobs: int
         return found
     for tool in ("cc", "c++"):
         if not shutil.which(tool) and not shutil.which("gcc" if tool == "cc" else "g++"):
-            raise BuildError(f"no C/C++ compiler ({tool}) on PATH: install one "
-                             "(e.g. apt-get install build-essential)")
+            raise BuildError(
+                f"no C/C++ compiler ({tool}) on PATH: install one (e.g. apt-get install build-essential)"
+            )
     root.mkdir(parents=True, exist_ok=True)
     (root / "build.json").unlink(missing_ok=True)
     log(f"building llama.cpp {VERSION} ({', '.join(TARGETS)}) into {root}; log: {root / 'build.log'}")
@@ -233,11 +274,32 @@ def ensure_built(override: str | os.PathLike | None = None, log=print, jobs: int
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     with open(root / "build.log", "w", encoding="utf-8") as log_file:
         log("cmake configure ...")
-        _run_logged([*nice, cmake, "-S", str(src), "-B", str(build), *CMAKE_FLAGS], log_file,
-                    CONFIGURE_TIMEOUT_S, "configure", log)
+        _run_logged(
+            [*nice, cmake, "-S", str(src), "-B", str(build), *CMAKE_FLAGS],
+            log_file,
+            CONFIGURE_TIMEOUT_S,
+            "configure",
+            log,
+        )
         log(f"cmake --build (targets {', '.join(TARGETS)}, {jobs} jobs, nice) ...")
-        _run_logged([*nice, cmake, "--build", str(build), "--config", "Release", "-j", str(jobs),
-                     "--target", *TARGETS], log_file, BUILD_TIMEOUT_S, "build", log)
+        _run_logged(
+            [
+                *nice,
+                cmake,
+                "--build",
+                str(build),
+                "--config",
+                "Release",
+                "-j",
+                str(jobs),
+                "--target",
+                *TARGETS,
+            ],
+            log_file,
+            BUILD_TIMEOUT_S,
+            "build",
+            log,
+        )
     stamp = _stamp(root)
     for key in ("server", "perplexity"):
         if not os.access(stamp[key], os.X_OK):
@@ -258,8 +320,15 @@ def free_port() -> int:
 class LlamaServer:
     """llama-server on 127.0.0.1:<ephemeral port>, started and stopped by this process."""
 
-    def __init__(self, binary: pathlib.Path, model: pathlib.Path, threads: int, parallel: int,
-                 ctx_size: int, extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        binary: pathlib.Path,
+        model: pathlib.Path,
+        threads: int,
+        parallel: int,
+        ctx_size: int,
+        extra: tuple[str, ...] = (),
+    ):
         self.binary, self.model = pathlib.Path(binary), pathlib.Path(model)
         self.threads, self.parallel, self.ctx_size = threads, parallel, ctx_size
         self.extra = tuple(extra)
@@ -273,9 +342,22 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self, port: int | None = None) -> list[str]:
-        return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port",
-                str(self.port if port is None else port), "-t", str(self.threads),
-                "-np", str(self.parallel), "-c", str(self.ctx_size), *self.extra]
+        return [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port if port is None else port),
+            "-t",
+            str(self.threads),
+            "-np",
+            str(self.parallel),
+            "-c",
+            str(self.ctx_size),
+            *self.extra,
+        ]
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -289,20 +371,27 @@ class LlamaServer:
         os.close(fd)
         self.log_path = pathlib.Path(name)
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.popen.returncode} before it was "
-                                   f"ready:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"llama-server exited with {self.popen.returncode} before it was "
+                    f"ready:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2.0) as reply:
                     if reply.status == 200:
                         return self.url
                     last = f"HTTP {reply.status}"
-            except urllib.error.HTTPError as exc:   # 503 while the model loads
+            except urllib.error.HTTPError as exc:  # 503 while the model loads
                 last = f"HTTP {exc.code}"
             except OSError as exc:
                 last = str(exc)
@@ -346,7 +435,7 @@ def parse_chunk_ppls(text: str) -> list[float]:
     """The running estimates llama-perplexity prints after each chunk: "[1]9.81,[2]10.2,..." (the
     text after its "calculating perplexity over" line, when there is one)."""
     found = _NUM_CHUNKS.search(text)
-    tail = text[found.end():] if found else text
+    tail = text[found.end() :] if found else text
     tail = tail.split("Final estimate", 1)[0]
     return [float(v) for _, v in _CHUNK_PPL.findall(tail)]
 
@@ -354,9 +443,10 @@ def parse_chunk_ppls(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp",
-                                description=f"build llama.cpp's {' and '.join(TARGETS)} once "
-                                            f"({PACKAGE} sdist)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.llamacpp",
+        description=f"build llama.cpp's {' and '.join(TARGETS)} once ({PACKAGE} sdist)",
+    )
     p.add_argument("--cache-dir", default=None, help=f"default ${CACHE_ENV} or {DEFAULT_CACHE}")
     a = p.parse_args(argv)
     try:

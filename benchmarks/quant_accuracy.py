@@ -20,6 +20,7 @@ ms for all 120 linear layers once per row count, plus the lm_head (kernel_sweep)
 Proven by running it: docs/quantization.md holds a run's output; tests/test_quant.py checks the
 same quantities at smaller size with margins taken from it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,9 @@ def _metadata(lens: list[int], new: list[int], block_size: int, tables: list[lis
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        max_query_len=max(new), max_seq_len=max(lens))
+        max_query_len=max(new),
+        max_seq_len=max(lens),
+    )
 
 
 class Runner:
@@ -92,8 +95,10 @@ class Runner:
         per_seq = -(-max_len // block_size)
         self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
         shape = (num_seqs * per_seq, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                   for _ in range(cfg.num_layers)]
+        self.kv = [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(cfg.num_layers)
+        ]
         self.backend = get_attention_backend(backend, torch.device("cpu"))
 
     @torch.inference_mode()
@@ -101,8 +106,12 @@ class Runner:
         """Run the tokens seqs[i][done[i]:] of each sequence; float32 logits of every new token."""
         ids = [t for s, d in zip(seqs, done) for t in s[d:]]
         pos = [p for s, d in zip(seqs, done) for p in range(d, len(s))]
-        meta = _metadata([len(s) for s in seqs], [len(s) - d for s, d in zip(seqs, done)],
-                         self.block_size, self.tables[:len(seqs)])
+        meta = _metadata(
+            [len(s) for s in seqs],
+            [len(s) - d for s, d in zip(seqs, done)],
+            self.block_size,
+            self.tables[: len(seqs)],
+        )
         hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.backend)
         return self.model.compute_logits(hidden)
 
@@ -115,7 +124,7 @@ class Runner:
             done = [len(s) for s in seqs]
             for s, t in zip(seqs, logits[last].argmax(-1).tolist()):
                 s.append(t)
-        return [s[len(p):] for s, p in zip(seqs, prompts)]
+        return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
     def score(self, prompts: list[list[int]], outputs: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits [len(output), V] predicting each output token."""
@@ -123,7 +132,7 @@ class Runner:
         logits = self.forward(seqs, [0] * len(seqs))
         out, start = [], 0
         for p, s in zip(prompts, seqs):
-            out.append(logits[start + len(p) - 1:start + len(s)])
+            out.append(logits[start + len(p) - 1 : start + len(s)])
             start += len(s)
         return out
 
@@ -139,11 +148,15 @@ def compare(ref_logits, ref_tokens, logits, tokens) -> dict:
     for r, t in zip(ref_tokens, tokens):
         diff = [i for i, (x, y) in enumerate(zip(r, t)) if x != y]
         first.append(diff[0] if diff else len(r))
-    return {"logits_max_abs": max_abs, "logits_mean_abs": mean_abs, "logits_max_rel": max_rel,
-            "teacher_forced_top1_agreement": agree / n_tok,
-            "free_running_identical_tokens": sum(f for f in first) / n_tok,
-            "first_divergence": first,
-            "prompts_fully_identical": sum(f == len(r) for f, r in zip(first, ref_tokens))}
+    return {
+        "logits_max_abs": max_abs,
+        "logits_mean_abs": mean_abs,
+        "logits_max_rel": max_rel,
+        "teacher_forced_top1_agreement": agree / n_tok,
+        "free_running_identical_tokens": sum(f for f in first) / n_tok,
+        "first_divergence": first,
+        "prompts_fully_identical": sum(f == len(r) for f, r in zip(first, ref_tokens)),
+    }
 
 
 def rss_mib() -> dict:
@@ -162,7 +175,7 @@ def measure_load(dtype: str, quantization: str, threads: int) -> dict:
     from common.model_files import default_model_path
     from worker.model.loader import load_model, release_freed_memory
 
-    with torch.device("meta"):                     # first meta init imports torch._refs (seconds)
+    with torch.device("meta"):  # first meta init imports torch._refs (seconds)
         torch.nn.Linear(2, 2), torch.nn.Embedding(2, 2)
     release_freed_memory()
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
@@ -173,10 +186,13 @@ def measure_load(dtype: str, quantization: str, threads: int) -> dict:
     load_s = time.perf_counter() - start
     after = rss_mib()
     tensors = {id(t): t for t in list(loaded.model.parameters()) + list(loaded.model.buffers())}
-    return {"load_s": load_s, "resident_mib": after["VmRSS"] - before["VmRSS"],
-            "peak_mib": after["VmHWM"] - before["VmRSS"],
-            "tensor_mib": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
-            "file_mib": os.path.getsize(default_model_path()) / 2**20}
+    return {
+        "load_s": load_s,
+        "resident_mib": after["VmRSS"] - before["VmRSS"],
+        "peak_mib": after["VmHWM"] - before["VmRSS"],
+        "tensor_mib": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
+        "file_mib": os.path.getsize(default_model_path()) / 2**20,
+    }
 
 
 KERNEL_FORMS = ("f32", "bf16", "int4", "int4x2", "int8", "deq8")
@@ -198,10 +214,21 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) * 0.02
             q = torch.randint(0, 16, (n, 2 * k), generator=gen, dtype=torch.uint8)
-            layers.append({"f32": w, "bf16": w.to(torch.bfloat16), "int4": Int4Linear.from_float(w),
-                           "int4x2": Int4Linear(q, torch.rand(n, k // 16, generator=gen) * 1e-3,
-                                                torch.zeros(n, k // 16), input_repeats=2),
-                           "int8": Int8Linear.from_float(w), "k": k})
+            layers.append(
+                {
+                    "f32": w,
+                    "bf16": w.to(torch.bfloat16),
+                    "int4": Int4Linear.from_float(w),
+                    "int4x2": Int4Linear(
+                        q,
+                        torch.rand(n, k // 16, generator=gen) * 1e-3,
+                        torch.zeros(n, k // 16),
+                        input_repeats=2,
+                    ),
+                    "int8": Int8Linear.from_float(w),
+                    "k": k,
+                }
+            )
     head_w = torch.randn(49152, 576, generator=gen) * 0.02
     head = {"bf16": head_w.to(torch.bfloat16), "int8": Int8Embedding.from_float(head_w)}
     del head_w
@@ -224,8 +251,11 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
     out = []
     with torch.inference_mode():
         for m in rows:
-            xs = {(f32, k): torch.randn(m, k, generator=gen).to(torch.float32 if f32 else torch.bfloat16)
-                  for f32 in (True, False) for k in (576, 1536)}
+            xs = {
+                (f32, k): torch.randn(m, k, generator=gen).to(torch.float32 if f32 else torch.bfloat16)
+                for f32 in (True, False)
+                for k in (576, 1536)
+            }
             best: dict[str, float] = {}
             for _ in range(reps):
                 for form in list(forms) + ["head bf16", "head int8"]:
@@ -240,8 +270,11 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernels", metavar="ROWS", help="instead: the kernel timing sweep at these "
-                    "comma-separated row counts (e.g. 1,4,16,64,512)")
+    ap.add_argument(
+        "--kernels",
+        metavar="ROWS",
+        help="instead: the kernel timing sweep at these comma-separated row counts (e.g. 1,4,16,64,512)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
@@ -265,14 +298,26 @@ def main() -> None:
     from worker.model.loader import load_model
 
     tok = Tokenizer.from_gguf(default_model_path())
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     max_len = max(map(len, prompts)) + args.tokens
     results: dict = {"prompts": len(prompts), "tokens": args.tokens, "threads": args.threads, "forms": {}}
     ref_tokens = ref_logits = None
     for label, (dtype, quant) in FORMS.items():
-        child = subprocess.run([sys.executable, "-m", "benchmarks.quant_accuracy", "--measure-load", dtype,
-                                quant, "--threads", str(args.threads)],
-                               check=True, capture_output=True, text=True)
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.quant_accuracy",
+                "--measure-load",
+                dtype,
+                quant,
+                "--threads",
+                str(args.threads),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         load = json.loads(child.stdout.splitlines()[-1])
         model = load_model(None, dtype, "cpu", quantization=quant).model
         runner = Runner(model, max_len, len(prompts))
@@ -284,8 +329,13 @@ def main() -> None:
         logits = runner.score(prompts, ref_tokens)
         if ref_logits is None:
             ref_logits = logits
-        row = {"dtype": dtype, "quantization": quant, **load, "generate_s": gen_s,
-               **compare(ref_logits, ref_tokens, logits, tokens)}
+        row = {
+            "dtype": dtype,
+            "quantization": quant,
+            **load,
+            "generate_s": gen_s,
+            **compare(ref_logits, ref_tokens, logits, tokens),
+        }
         results["forms"][label] = row
         print(f"{label}: {json.dumps({k: v for k, v in row.items() if k != 'first_divergence'})}", flush=True)
         del model, runner
@@ -296,11 +346,13 @@ def main() -> None:
 
 
 def report(res: dict) -> str:
-    lines = [f"{res['prompts']} prompts x {res['tokens']} greedy tokens, {res['threads']} threads, "
-             "vs the float32 reference\n",
-             "| form | logits max abs | mean abs | max rel | teacher-forced top-1 | free-running identical "
-             "| prompts identical | weights MiB (x file) | load peak MiB | load s | generate s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{res['prompts']} prompts x {res['tokens']} greedy tokens, {res['threads']} threads, "
+        "vs the float32 reference\n",
+        "| form | logits max abs | mean abs | max rel | teacher-forced top-1 | free-running identical "
+        "| prompts identical | weights MiB (x file) | load peak MiB | load s | generate s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, r in res["forms"].items():
         lines.append(
             f"| {label} | {r['logits_max_abs']:.3f} | {r['logits_mean_abs']:.4f} | {r['logits_max_rel']:.4f} "
@@ -308,9 +360,9 @@ def report(res: dict) -> str:
             f"| {100 * r['free_running_identical_tokens']:.1f}% "
             f"| {r['prompts_fully_identical']}/{res['prompts']} "
             f"| {r['resident_mib']:.1f} ({r['resident_mib'] / r['file_mib']:.2f}x of {r['file_mib']:.1f}) "
-            f"| {r['peak_mib']:.1f} | {r['load_s']:.1f} | {r['generate_s']:.1f} |")
-    lines.append("\nfirst divergence per prompt (token index; "
-                 f"{res['tokens']} = identical throughout):")
+            f"| {r['peak_mib']:.1f} | {r['load_s']:.1f} | {r['generate_s']:.1f} |"
+        )
+    lines.append(f"\nfirst divergence per prompt (token index; {res['tokens']} = identical throughout):")
     for label, r in res["forms"].items():
         lines.append(f"- {label}: {r['first_divergence']}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ per-token cost: receive from the worker, detokenize, stop-string check, send to 
 Prints router cores per 1k output tokens/s and the idle cost per worker; docs/ray.md turns them
 into how many workers one router can drive.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def wait_workers(target: str, num_workers: int, timeout_s: float = 120.0) -> Non
                 if models and models[0].num_workers == num_workers:
                     return
             except grpc.RpcError:
-                pass   # not serving yet: poll again until the deadline
+                pass  # not serving yet: poll again until the deadline
             time.sleep(0.2)
     raise TimeoutError(f"router did not see {num_workers} workers")
 
@@ -64,8 +65,10 @@ def drive(target: str, concurrency: int, duration_s: float, max_tokens: int) -> 
             stub = generation_pb2_grpc.GenerationStub(channel)
             n = 0
             while not stop.is_set():
-                req = pb.GenerateRequest(prompt=f"Stream {i}, request {n}: once upon a time",
-                                         stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+                req = pb.GenerateRequest(
+                    prompt=f"Stream {i}, request {n}: once upon a time",
+                    stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+                )
                 try:
                     for msg in stub.Generate(req, timeout=120):
                         counts[i] += len(msg.chunk.token_ids)
@@ -100,17 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     gpus_per_node = -(-a.workers // 2)
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(2, gpus_per_node, cpus_per_node=1) as sim:
         model = write_tiny_llama(Path(tmp) / "tiny-llama")
-        engine = EngineConfig(model=str(model), device="cpu", kv_cache_bytes=16 * 2**20, num_threads=1,
-                              max_num_seqs=64)
-        launched = launch_workers(LaunchConfig(num_workers=a.workers, engine=engine,
-                                               cpus_per_worker=2 / a.workers))
-        router = LocalProcess("router", ["-m", "router", "--port", "0", "--ray-address", sim.address],
-                              quiet=True)
+        engine = EngineConfig(
+            model=str(model), device="cpu", kv_cache_bytes=16 * 2**20, num_threads=1, max_num_seqs=64
+        )
+        launched = launch_workers(
+            LaunchConfig(num_workers=a.workers, engine=engine, cpus_per_worker=2 / a.workers)
+        )
+        router = LocalProcess(
+            "router", ["-m", "router", "--port", "0", "--ray-address", sim.address], quiet=True
+        )
         try:
             target = router.wait_listening(120)
             wait_workers(target, a.workers)
             pid = router.popen.pid
-            drive(target, a.concurrency, 3.0, a.max_tokens)            # warm-up
+            drive(target, a.concurrency, 3.0, a.max_tokens)  # warm-up
 
             idle_start = cpu_s(pid)
             time.sleep(a.idle_s)
@@ -125,17 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_s = tokens / wall_s
     per_token_cores = busy_cores - idle_cores
     result = {
-        "workers": a.workers, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-        "output_tokens_per_s": tokens_per_s, "requests_per_s": requests / wall_s,
-        "router_cores_busy": busy_cores, "router_cores_idle": idle_cores,
+        "workers": a.workers,
+        "concurrency": a.concurrency,
+        "max_tokens": a.max_tokens,
+        "output_tokens_per_s": tokens_per_s,
+        "requests_per_s": requests / wall_s,
+        "router_cores_busy": busy_cores,
+        "router_cores_idle": idle_cores,
         "router_cores_per_1k_tokens_per_s": 1000 * per_token_cores / tokens_per_s,
-        "router_idle_cores_per_worker": idle_cores / a.workers, "cpu_count": os.cpu_count(),
+        "router_idle_cores_per_worker": idle_cores / a.workers,
+        "cpu_count": os.cpu_count(),
     }
-    print(f"| workers | streams | output tok/s | router cores (busy) | router cores (idle) "
-          f"| router cores per 1k tok/s | idle cores per worker |\n|---:|---:|---:|---:|---:|---:|---:|\n"
-          f"| {a.workers} | {a.concurrency} | {tokens_per_s:.0f} | {busy_cores:.3f} | {idle_cores:.4f} "
-          f"| {result['router_cores_per_1k_tokens_per_s']:.3f} "
-          f"| {result['router_idle_cores_per_worker']:.5f} |")
+    print(
+        f"| workers | streams | output tok/s | router cores (busy) | router cores (idle) "
+        f"| router cores per 1k tok/s | idle cores per worker |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"| {a.workers} | {a.concurrency} | {tokens_per_s:.0f} | {busy_cores:.3f} | {idle_cores:.4f} "
+        f"| {result['router_cores_per_1k_tokens_per_s']:.3f} "
+        f"| {result['router_idle_cores_per_worker']:.5f} |"
+    )
     if a.json_path:
         Path(a.json_path).write_text(json.dumps(result, indent=1))
     return 0

@@ -25,6 +25,7 @@ Contract
   unless a correctness check failed (a hung call, a leak), which exits 1.
 - proven by: tests/test_soak.py (short runs in `make test`; full ones with --runslow / `make soak`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- overload
 
+
 @dataclass
 class OverloadArgs:
     duration_s: float = 60.0
@@ -67,10 +69,12 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
     await stack.wait_ready()
     async with grpc.aio.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        for _ in range(3):   # warm-up
+        for _ in range(3):  # warm-up
             await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
-        unloaded = [await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
-                    for _ in range(a.unloaded_requests)]
+        unloaded = [
+            await one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
+            for _ in range(a.unloaded_requests)
+        ]
         unloaded_ttft = [o.ttft_s for o in unloaded if o.ttft_s is not None]
 
         # capacity: closed loop, clients back off briefly when refused
@@ -101,8 +105,11 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
         last_sample = 0.0
         while (now := time.monotonic()) < start + a.duration_s:
             if now >= next_s:
-                tasks.append(asyncio.create_task(one_call(stub, generate_request(rng, a.words, a.max_tokens),
-                                                          a.deadline_s)))
+                tasks.append(
+                    asyncio.create_task(
+                        one_call(stub, generate_request(rng, a.words, a.max_tokens), a.deadline_s)
+                    )
+                )
                 next_s += rng.expovariate(rate)
             if now - last_sample >= 1.0:
                 last_sample = now
@@ -126,19 +133,25 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
     accepted_ttft = [o.ttft_s for o in accepted if o.ttft_s is not None]
     growth = {name: round(100 * (end_rss[name] / baseline[name] - 1), 2) for name in end_rss}
     result = {
-        "capacity_req_s": round(capacity, 3), "capacity_output_tok_s": round(capacity_tok, 1),
-        "offered_req_s": round(rate, 3), "sent": len(tasks), "statuses": statuses,
-        "hung": len(unfinished), "unloaded_ttft": quantiles_ms(unloaded_ttft),
+        "capacity_req_s": round(capacity, 3),
+        "capacity_output_tok_s": round(capacity_tok, 1),
+        "offered_req_s": round(rate, 3),
+        "sent": len(tasks),
+        "statuses": statuses,
+        "hung": len(unfinished),
+        "unloaded_ttft": quantiles_ms(unloaded_ttft),
         "accepted_ttft": quantiles_ms(accepted_ttft),
         "ttft_p99_ratio": round(percentile(accepted_ttft, 0.99) / unloaded_p99, 2) if accepted_ttft else None,
         "refusal_latency": quantiles_ms([o.end_s - o.sent_s for o in refused]),
         "rss_mib_after_warmup": {k: round(v, 1) for k, v in baseline.items()},
-        "rss_mib_end": {k: round(v, 1) for k, v in end_rss.items()}, "rss_growth_pct": growth,
+        "rss_mib_end": {k: round(v, 1) for k, v in end_rss.items()},
+        "rss_growth_pct": growth,
         **idle,
     }
     result["targets"] = {
         "refusal_p99_under_50ms": bool(refused) and result["refusal_latency"]["p99_ms"] < 50,
-        "accepted_ttft_p99_within_2x_unloaded": result["ttft_p99_ratio"] is not None and result["ttft_p99_ratio"] <= 2,
+        "accepted_ttft_p99_within_2x_unloaded": result["ttft_p99_ratio"] is not None
+        and result["ttft_p99_ratio"] <= 2,
         "rss_growth_under_10pct": all(g < 10 for g in growth.values()),
         "none_hung": not unfinished and set(statuses) <= {"OK", "RESOURCE_EXHAUSTED"},
         "idle_afterwards": idle["idle"],
@@ -147,6 +160,7 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
 
 
 # ---------------------------------------------------------------- cancellation storm
+
 
 @dataclass
 class StormArgs:
@@ -158,7 +172,9 @@ class StormArgs:
     seed: int = 0
 
 
-async def storm_call(stub, req: pb.GenerateRequest, mode: str, rng: random.Random, timeout_s: float) -> Outcome:
+async def storm_call(
+    stub, req: pb.GenerateRequest, mode: str, rng: random.Random, timeout_s: float
+) -> Outcome:
     out = Outcome(sent_s=time.monotonic())
     call = stub.Generate(req, timeout=timeout_s)
     delay = rng.uniform(0.0, 0.4)
@@ -168,6 +184,7 @@ async def storm_call(stub, req: pb.GenerateRequest, mode: str, rng: random.Rando
             call.cancel()
             out.phase = "cancelled before any response"
         else:
+
             async def consume() -> None:
                 async for msg in call:
                     if msg.HasField("chunk") and msg.chunk.token_ids:
@@ -206,12 +223,17 @@ async def run_storm(stack: Stack, a: StormArgs) -> dict:
             async with gate:
                 r = random.Random(a.seed * 1_000_003 + i)
                 req = generate_request(r, a.words, r.randint(*a.max_tokens))
-                return await storm_call(stub, req, r.choice(("at_once", "after_delay", "after_tokens")), r,
-                                        a.deadline_s)
+                return await storm_call(
+                    stub, req, r.choice(("at_once", "after_delay", "after_tokens")), r, a.deadline_s
+                )
 
-        peak = {"llm_router_queue_length": 0.0, "llm_router_worker_streams": 0.0, "llm_router_open_calls": 0.0}
+        peak = {
+            "llm_router_queue_length": 0.0,
+            "llm_router_worker_streams": 0.0,
+            "llm_router_open_calls": 0.0,
+        }
 
-        async def sample() -> None:   # shows the storm caught requests queued and streaming
+        async def sample() -> None:  # shows the storm caught requests queued and streaming
             while True:
                 gauges = await asyncio.to_thread(stack.router_gauges)
                 for k in peak:
@@ -227,15 +249,24 @@ async def run_storm(stack: Stack, a: StormArgs) -> dict:
             t.cancel()
         storm_s = time.monotonic() - start
         idle = await stack.wait_idle()
-        after = await one_call(stub, generate_request(rng, (8, 16), 8), 60)   # still serving?
+        after = await one_call(stub, generate_request(rng, (8, 16), 8), 60)  # still serving?
     phases: dict[str, int] = {}
     for t in finished:
         phases[t.result().phase] = phases.get(t.result().phase, 0) + 1
-    result = {"streams": a.streams, "storm_s": round(storm_s, 1), "phases": phases,
-              "peak_router": {k.removeprefix("llm_router_"): int(v) for k, v in peak.items()}, "hung": len(unfinished),
-              **idle, "served_afterwards": after.status}
-    result["targets"] = {"none_hung": not unfinished, "idle_afterwards": idle["idle"],
-                         "serves_afterwards": after.status == "OK"}
+    result = {
+        "streams": a.streams,
+        "storm_s": round(storm_s, 1),
+        "phases": phases,
+        "peak_router": {k.removeprefix("llm_router_"): int(v) for k, v in peak.items()},
+        "hung": len(unfinished),
+        **idle,
+        "served_afterwards": after.status,
+    }
+    result["targets"] = {
+        "none_hung": not unfinished,
+        "idle_afterwards": idle["idle"],
+        "serves_afterwards": after.status == "OK",
+    }
     return result
 
 
@@ -247,8 +278,12 @@ WORKER_ARGS = ("--num-threads", "1")
 def write(result: dict, name: str, args, out_dir: pathlib.Path) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    meta = {"scenario": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git": git_revision(), "args": asdict(args)}
+    meta = {
+        "scenario": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_revision(),
+        "args": asdict(args),
+    }
     path.write_text(json.dumps({**meta, **result}, indent=2) + "\n")
     return path
 
@@ -268,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=60.0, help="overload phase length")
     p.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity")
     p.add_argument("--capacity-s", type=float, default=20.0)
-    p.add_argument("--router-queue", type=int, default=0,
-                   help="overload run: router queue cap (--max-queued); 0 = no queue (--no-queue)")
+    p.add_argument(
+        "--router-queue",
+        type=int,
+        default=0,
+        help="overload run: router queue cap (--max-queued); 0 = no queue (--no-queue)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=2, help="overload run: the worker's batch size")
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
@@ -278,10 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     failed = False
     if a.scenario in ("overload", "all"):
-        args = OverloadArgs(duration_s=a.duration_s, factor=a.factor, capacity_s=a.capacity_s, seed=a.seed,
-                            clients=a.max_num_seqs + a.router_queue)
+        args = OverloadArgs(
+            duration_s=a.duration_s,
+            factor=a.factor,
+            capacity_s=a.capacity_s,
+            seed=a.seed,
+            clients=a.max_num_seqs + a.router_queue,
+        )
         queueing = ("--max-queued", str(a.router_queue)) if a.router_queue else ("--no-queue",)
-        stack = Stack(1, ("--kv-cache-mb", "64", "--max-num-seqs", str(a.max_num_seqs), *WORKER_ARGS), queueing)
+        stack = Stack(
+            1, ("--kv-cache-mb", "64", "--max-num-seqs", str(a.max_num_seqs), *WORKER_ARGS), queueing
+        )
         try:
             result = asyncio.run(run_overload(stack, args))
         finally:

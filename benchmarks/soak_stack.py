@@ -9,6 +9,7 @@ Contract
 - `one_call(stub, request, timeout_s)` -> `Outcome` (status name, send/end times, TTFT, tokens).
 - `generate_request(rng, words, max_tokens)`: a greedy, ignore_eos request of random words.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,12 +29,22 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.local import LocalProcess
 
-WORDS = ("river stone lantern harbor meadow signal copper orchard winter falcon canyon ember "
-         "violet atlas quartz thunder willow beacon marble cedar").split()
-IDLE_GAUGES = ("llm_router_open_calls", "llm_router_queue_length", "llm_router_tokens_in_flight",
-               "llm_router_tenant_open_requests", "llm_router_worker_reserved_tokens",
-               "llm_router_worker_outstanding_tokens", "llm_router_worker_inflight", "llm_router_worker_streams",
-               "llm_num_requests_running", "llm_num_requests_waiting")
+WORDS = (
+    "river stone lantern harbor meadow signal copper orchard winter falcon canyon ember "
+    "violet atlas quartz thunder willow beacon marble cedar"
+).split()
+IDLE_GAUGES = (
+    "llm_router_open_calls",
+    "llm_router_queue_length",
+    "llm_router_tokens_in_flight",
+    "llm_router_tenant_open_requests",
+    "llm_router_worker_reserved_tokens",
+    "llm_router_worker_outstanding_tokens",
+    "llm_router_worker_inflight",
+    "llm_router_worker_streams",
+    "llm_num_requests_running",
+    "llm_num_requests_waiting",
+)
 
 
 def prompt(rng: random.Random, num_words: int) -> str:
@@ -50,15 +61,37 @@ def rss_mib(pid: int) -> float:
 class Stack:
     """Workers and a router as child processes (quiet); `stop()` drains and stops them."""
 
-    def __init__(self, num_workers: int = 1, worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()):
-        self.workers = [LocalProcess(f"worker{i}", ["-m", "worker", "--port", "0", "--drain-announce-s", "0.5",
-                                                    *worker_args], quiet=True) for i in range(num_workers)]
+    def __init__(
+        self, num_workers: int = 1, worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()
+    ):
+        self.workers = [
+            LocalProcess(
+                f"worker{i}",
+                ["-m", "worker", "--port", "0", "--drain-announce-s", "0.5", *worker_args],
+                quiet=True,
+            )
+            for i in range(num_workers)
+        ]
         self.worker_addresses = [w.wait_listening() for w in self.workers]
         metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.router = LocalProcess("router", [
-            "-m", "router", "--port", "0", "--workers", ",".join(self.worker_addresses), "--health-poll-s", "0.2",
-            "--metrics-port", str(metrics_port), *router_args], quiet=True)
+        self.router = LocalProcess(
+            "router",
+            [
+                "-m",
+                "router",
+                "--port",
+                "0",
+                "--workers",
+                ",".join(self.worker_addresses),
+                "--health-poll-s",
+                "0.2",
+                "--metrics-port",
+                str(metrics_port),
+                *router_args,
+            ],
+            quiet=True,
+        )
         self.address = self.router.wait_listening(120)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
@@ -91,7 +124,9 @@ class Stack:
         loads = []
         for address in self.worker_addresses:
             with grpc.insecure_channel(address) as channel:
-                loads.append(worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
+                loads.append(
+                    worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                )
         return loads
 
     async def wait_idle(self, timeout_s: float = 30.0) -> dict:
@@ -100,14 +135,21 @@ class Stack:
         while True:
             loads = await asyncio.to_thread(self.worker_loads)
             gauges = await asyncio.to_thread(self.router_gauges)
-            busy = [f"{a}: {l.num_running} running, {l.num_waiting} waiting, {l.num_free_blocks}/"
-                    f"{l.num_total_blocks} blocks free" for a, l in zip(self.worker_addresses, loads)
-                    if l.num_running or l.num_waiting or l.num_free_blocks != l.num_total_blocks]
+            busy = [
+                f"{a}: {l.num_running} running, {l.num_waiting} waiting, {l.num_free_blocks}/"
+                f"{l.num_total_blocks} blocks free"
+                for a, l in zip(self.worker_addresses, loads)
+                if l.num_running or l.num_waiting or l.num_free_blocks != l.num_total_blocks
+            ]
             busy += [f"{k} = {v:g}" for k, v in gauges.items() if v]
             waited = time.monotonic() - start
             if not busy or waited > timeout_s:
-                return {"idle": not busy, "idle_after_s": round(waited, 3), "not_idle": busy,
-                        "kv_blocks": [f"{l.num_free_blocks}/{l.num_total_blocks}" for l in loads]}
+                return {
+                    "idle": not busy,
+                    "idle_after_s": round(waited, 3),
+                    "not_idle": busy,
+                    "kv_blocks": [f"{l.num_free_blocks}/{l.num_total_blocks}" for l in loads],
+                }
             await asyncio.sleep(0.1)
 
     def stop(self) -> None:
@@ -131,7 +173,7 @@ class Outcome:
     end_s: float = 0.0
     ttft_s: float | None = None
     tokens: int = 0
-    phase: str = ""                # cancel storm: where the call was when the client cancelled it
+    phase: str = ""  # cancel storm: where the call was when the client cancelled it
 
 
 async def one_call(stub, req: pb.GenerateRequest, timeout_s: float) -> Outcome:
@@ -151,5 +193,9 @@ async def one_call(stub, req: pb.GenerateRequest, timeout_s: float) -> Outcome:
 def quantiles_ms(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
-    return {"n": len(values), "p50_ms": round(percentile(values, 0.5) * 1e3, 1),
-            "p99_ms": round(percentile(values, 0.99) * 1e3, 1), "max_ms": round(max(values) * 1e3, 1)}
+    return {
+        "n": len(values),
+        "p50_ms": round(percentile(values, 0.5) * 1e3, 1),
+        "p99_ms": round(percentile(values, 0.99) * 1e3, 1),
+        "max_ms": round(max(values) * 1e3, 1),
+    }

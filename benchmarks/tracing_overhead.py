@@ -15,6 +15,7 @@ the router and worker processes spent per output token (Linux /proc), the spans 
 correctness guard (greedy outputs identical across the two stacks). Then an in-process part times
 one request's whole observation (router + worker spans and metrics) with the no-op tracer vs the SDK.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,16 +53,46 @@ class Stack:
     """One worker + one router on loopback ephemeral ports."""
 
     def __init__(self, name: str, a: argparse.Namespace, extra: list[str]):
-        self.worker = LocalProcess(f"worker-{name}", [
-            "-m", "worker", "--port", "0", "--dtype", a.dtype, "--kv-cache-mb", str(a.kv_cache_mb),
-            "--max-num-seqs", str(a.max_num_seqs), "--num-threads", str(a.num_threads), *extra], quiet=True)
+        self.worker = LocalProcess(
+            f"worker-{name}",
+            [
+                "-m",
+                "worker",
+                "--port",
+                "0",
+                "--dtype",
+                a.dtype,
+                "--kv-cache-mb",
+                str(a.kv_cache_mb),
+                "--max-num-seqs",
+                str(a.max_num_seqs),
+                "--num-threads",
+                str(a.num_threads),
+                *extra,
+            ],
+            quiet=True,
+        )
         self.router: LocalProcess | None = None
         self._name, self._extra = name, extra
 
     def start_router(self) -> str:
-        self.router = LocalProcess(f"router-{self._name}", [
-            "-m", "router", "--port", "0", "--workers", self.worker.wait_listening(),
-            "--health-poll-s", "0.2", "--metrics-port", "0", *self._extra], quiet=True)
+        self.router = LocalProcess(
+            f"router-{self._name}",
+            [
+                "-m",
+                "router",
+                "--port",
+                "0",
+                "--workers",
+                self.worker.wait_listening(),
+                "--health-poll-s",
+                "0.2",
+                "--metrics-port",
+                "0",
+                *self._extra,
+            ],
+            quiet=True,
+        )
         return self.router.wait_listening(60)
 
     def cpu_s(self) -> float:
@@ -76,9 +107,10 @@ class Stack:
 @dataclass
 class Window:
     """One side's share of one round."""
+
     num_tokens: int = 0
     cpu_s: float = 0.0
-    outputs: dict[int, list[int]] = field(default_factory=dict)   # prompt index -> completed output
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> completed output
 
 
 async def closed_loop(stub, prompts: list[str], a: argparse.Namespace, window: Window, first: int) -> None:
@@ -89,8 +121,9 @@ async def closed_loop(stub, prompts: list[str], a: argparse.Namespace, window: W
         i = first + k
         while True:
             index = i % len(prompts)
-            request = pb.GenerateRequest(prompt=prompts[index], sampling=pb.SamplingParams(temperature=0.0),
-                                         stopping=stopping)
+            request = pb.GenerateRequest(
+                prompt=prompts[index], sampling=pb.SamplingParams(temperature=0.0), stopping=stopping
+            )
             ids: list[int] = []
             async for msg in stub.Generate(request):
                 if msg.HasField("chunk"):
@@ -105,26 +138,33 @@ async def closed_loop(stub, prompts: list[str], a: argparse.Namespace, window: W
 async def measure(a: argparse.Namespace, stacks: dict[str, Stack], stubs: dict) -> dict[str, list[Window]]:
     prompts = make_prompts(a.num_prompts, a.seed)
     windows: dict[str, list[Window]] = {side: [] for side in SIDES}
-    for r in range(-1, a.rounds):               # round -1 warms both stacks up and is not counted
+    for r in range(-1, a.rounds):  # round -1 warms both stacks up and is not counted
         current = {side: Window() for side in SIDES}
         before = {side: stacks[side].cpu_s() for side in SIDES}
-        loops = [asyncio.create_task(closed_loop(stubs[side], prompts, a, current[side], r * a.concurrency))
-                 for side in SIDES]
+        loops = [
+            asyncio.create_task(closed_loop(stubs[side], prompts, a, current[side], r * a.concurrency))
+            for side in SIDES
+        ]
         await asyncio.sleep(a.window_s if r >= 0 else min(a.window_s, 10.0))
-        for task in loops:                      # cancels the open streams, as a client would
+        for task in loops:  # cancels the open streams, as a client would
             task.cancel()
         for task in loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for side in SIDES:
             current[side].cpu_s = stacks[side].cpu_s() - before[side]
-        await asyncio.sleep(1.0)                # cancelled sequences leave the engines
+        await asyncio.sleep(1.0)  # cancelled sequences leave the engines
         if r < 0:
             continue
         for side in SIDES:
             windows[side].append(current[side])
-        print(f"round {r}: " + ", ".join(f"tracing {side} {current[side].num_tokens / a.window_s:.1f} tok/s"
-                                         for side in SIDES), flush=True)
+        print(
+            f"round {r}: "
+            + ", ".join(
+                f"tracing {side} {current[side].num_tokens / a.window_s:.1f} tok/s" for side in SIDES
+            ),
+            flush=True,
+        )
     return windows
 
 
@@ -138,9 +178,11 @@ def report(a: argparse.Namespace, windows: dict[str, list[Window]], num_spans: i
     ratio = tokens["on"] / tokens["off"]
     per_round = [on.num_tokens / off.num_tokens for off, on in zip(windows["off"], windows["on"])]
     label = "A/A (neither traced)" if a.aa else "tracing on / off"
-    print(f"\nthroughput ratio {label}: {ratio:.3f} ({100 * (ratio - 1):+.1f}%; target within 3%); "
-          f"per round: median {statistics.median(per_round):.3f}, "
-          f"range {min(per_round):.3f}-{max(per_round):.3f}")
+    print(
+        f"\nthroughput ratio {label}: {ratio:.3f} ({100 * (ratio - 1):+.1f}%; target within 3%); "
+        f"per round: median {statistics.median(per_round):.3f}, "
+        f"range {min(per_round):.3f}-{max(per_round):.3f}"
+    )
     if cpu["off"] and cpu["on"]:
         cpu_ratio = (cpu["on"] / tokens["on"]) / (cpu["off"] / tokens["off"])
         print(f"CPU time per output token, on / off: {cpu_ratio:.3f}")
@@ -150,8 +192,10 @@ def report(a: argparse.Namespace, windows: dict[str, list[Window]], num_spans: i
         reference.update(w.outputs)
     compared = [(i, ids) for w in windows["on"] for i, ids in w.outputs.items() if i in reference]
     matches = sum(ids == reference[i] for i, ids in compared)
-    print(f"greedy outputs identical across the stacks: {matches}/{len(compared)}"
-          + ("" if matches == len(compared) else "  <- figures do not count (correctness guard)"))
+    print(
+        f"greedy outputs identical across the stacks: {matches}/{len(compared)}"
+        + ("" if matches == len(compared) else "  <- figures do not count (correctness guard)")
+    )
 
 
 def observation_cost_us(n: int) -> dict[str, float]:
@@ -175,14 +219,18 @@ def observation_cost_us(n: int) -> dict[str, float]:
     class WorkerSide:
         requests = RequestMetrics(CollectorRegistry(), "worker")
 
-    logging.getLogger("llm.requests").setLevel(logging.WARNING)   # the log line is not what is timed here
+    logging.getLogger("llm.requests").setLevel(logging.WARNING)  # the log line is not what is timed here
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(Drop()))
     # off: the API's proxy tracer with no provider installed, exactly what an untraced server runs
     tracers = {"off": trace.get_tracer("bench"), "on": provider.get_tracer("bench")}
     router_metrics, worker_metrics = RouterMetrics(), WorkerSide()
-    outputs = [RequestOutput("r", [i], None, i == 63, FinishReason.LENGTH if i == 63 else None, 100, i + 1, 0,
-                             0.001, 0.01) for i in range(64)]
+    outputs = [
+        RequestOutput(
+            "r", [i], None, i == 63, FinishReason.LENGTH if i == 63 else None, 100, i + 1, 0, 0.001, 0.01
+        )
+        for i in range(64)
+    ]
     costs = {}
     for side, tracer in tracers.items():
         router.observe.tracer = worker.observe.tracer = tracer
@@ -194,8 +242,16 @@ def observation_cost_us(n: int) -> dict[str, float]:
             r.request("r", "default", "m", 100, 64, 0.0, 1.0)
             r.stage("route", worker="127.0.0.1:1")
             w = worker.observe.RequestObservation(
-                worker_metrics, worker_id="127.0.0.1:1", model="m", request_id="r", tenant="default",
-                num_prompt_tokens=100, max_tokens=64, temperature=0.0, metadata=r.metadata)
+                worker_metrics,
+                worker_id="127.0.0.1:1",
+                model="m",
+                request_id="r",
+                tenant="default",
+                num_prompt_tokens=100,
+                max_tokens=64,
+                temperature=0.0,
+                metadata=r.metadata,
+            )
             for out in outputs:
                 w.output(out)
                 r.event(Chunk(out.new_token_ids, "x", []))
@@ -208,10 +264,13 @@ def observation_cost_us(n: int) -> dict[str, float]:
 
 
 async def main_async(a: argparse.Namespace) -> None:
-    print(f"git {git_revision()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
-          f"SmolLM2-135M {a.dtype}, {a.num_threads} torch thread(s) per worker | {a.rounds} rounds of "
-          f"{a.window_s:g} s, {a.concurrency} streams per stack, {a.output_len} output tokens, "
-          f"max_num_seqs {a.max_num_seqs}, seed {a.seed}" + (" | A/A" if a.aa else ""), flush=True)
+    print(
+        f"git {git_revision()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
+        f"SmolLM2-135M {a.dtype}, {a.num_threads} torch thread(s) per worker | {a.rounds} rounds of "
+        f"{a.window_s:g} s, {a.concurrency} streams per stack, {a.output_len} output tokens, "
+        f"max_num_seqs {a.max_num_seqs}, seed {a.seed}" + (" | A/A" if a.aa else ""),
+        flush=True,
+    )
     sink = OtlpSink(keep=False)
     traced = [] if a.aa else ["--otlp-endpoint", sink.endpoint, "--trace-sample-ratio", "1"]
     stacks = {"off": Stack("off", a, []), "on": Stack("on", a, traced)}
@@ -227,17 +286,20 @@ async def main_async(a: argparse.Namespace) -> None:
                 await ch.close()
     finally:
         for stack in stacks.values():
-            stack.stop()        # flushes the traced stack's pending spans to the sink
+            stack.stop()  # flushes the traced stack's pending spans to the sink
         sink.stop()
     report(a, windows, sink.num_spans)
     costs = observation_cost_us(a.num_observations)
-    print(f"\none request's observation (router + worker spans, metrics; 64 output tokens), "
-          f"{a.num_observations} requests: tracing off {costs['off']:.0f} us, on {costs['on']:.0f} us")
+    print(
+        f"\none request's observation (router + worker spans, metrics; 64 output tokens), "
+        f"{a.num_observations} requests: tracing off {costs['off']:.0f} us, on {costs['on']:.0f} us"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tracing_overhead",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.tracing_overhead", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--window-s", type=float, default=30.0, help="length of one round")
     p.add_argument("--concurrency", type=int, default=8, help="streams per stack")
@@ -245,8 +307,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=float, default=256)
-    p.add_argument("--num-threads", type=int, default=1,
-                   help="torch threads per worker (1: no OpenMP spin-wait, steadier on a shared machine)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (1: no OpenMP spin-wait, steadier on a shared machine)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--aa", action="store_true", help="trace neither stack (the method's own bias and noise)")

@@ -21,6 +21,7 @@ Contract
   it names. `parse_or_exit(parser, argv, build)` turns both into argparse usage errors (exit 2).
 - state: none; the environment is read when building (`os.environ` unless a mapping is given).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-KEY = "llm_cli"            # the field-metadata key
+KEY = "llm_cli"  # the field-metadata key
 ENV_PREFIX = "LLM_"
 _UNSET = object()
 _TRUE = ("1", "true", "yes", "on")
@@ -42,6 +43,7 @@ _FALSE = ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Unit:
     """The flag is in `name`, the field in `scale` times that (an int)."""
+
     name: str
     scale: int
 
@@ -52,13 +54,13 @@ MIB = Unit("MiB", 2**20)
 @dataclass(frozen=True)
 class Option:
     help: str
-    flag: str | None = None              # default: --<field-name with dashes>
-    aliases: tuple[str, ...] = ()        # further flags for the same setting (old names)
-    negative: tuple[str, ...] | None = None   # booleans: flags that set False; None = (--no-<flag>,)
+    flag: str | None = None  # default: --<field-name with dashes>
+    aliases: tuple[str, ...] = ()  # further flags for the same setting (old names)
+    negative: tuple[str, ...] | None = None  # booleans: flags that set False; None = (--no-<flag>,)
     choices: tuple | None = None
     unit: Unit | None = None
-    none_value: Any = _UNSET             # a flag value that means None (e.g. 0 = "no cap")
-    parse: Callable[[str], Any] | None = None   # flag text -> field value (instead of the type)
+    none_value: Any = _UNSET  # a flag value that means None (e.g. 0 = "no cap")
+    parse: Callable[[str], Any] | None = None  # flag text -> field value (instead of the type)
     format: Callable[[Any], str] | None = None  # field value -> flag text (help default)
     env_fallback: Callable[[Mapping[str, str]], Any] | None = None  # field value from other variables
     metavar: str | None = None
@@ -66,7 +68,7 @@ class Option:
 
 @dataclass(frozen=True)
 class Section:
-    title: str | None = None             # argparse group title of the nested dataclass's flags
+    title: str | None = None  # argparse group title of the nested dataclass's flags
 
 
 def option(help: str, **kwargs) -> dict:
@@ -116,14 +118,15 @@ def _field_default(f: dataclasses.Field):
 @dataclass
 class _Setting:
     """One option as added to a parser."""
-    path: tuple[str, ...]        # field names from the top dataclass down
+
+    path: tuple[str, ...]  # field names from the top dataclass down
     spec: Option
-    kind: type                   # the field's base type
-    flag: str                    # primary flag (prefix applied)
+    kind: type  # the field's base type
+    flag: str  # primary flag (prefix applied)
     dest: str
     env: str
-    default: Any                 # field-level default (caller's or the dataclass's)
-    negative: tuple[str, ...] = ()   # booleans: the flags that set False
+    default: Any  # field-level default (caller's or the dataclass's)
+    negative: tuple[str, ...] = ()  # booleans: the flags that set False
 
     @property
     def switch(self) -> bool:
@@ -185,9 +188,17 @@ class _Setting:
 class Flags:
     """The flags of one config dataclass (and its sections) on a parser; see the module contract."""
 
-    def __init__(self, parser: argparse.ArgumentParser, cls: type, *, prefix: str = "",
-                 exclude: Iterable[str] = (), defaults: Mapping[str, Any] | None = None,
-                 aliases: Mapping[str, tuple[str, ...]] | None = None, title: str | None = None):
+    def __init__(
+        self,
+        parser: argparse.ArgumentParser,
+        cls: type,
+        *,
+        prefix: str = "",
+        exclude: Iterable[str] = (),
+        defaults: Mapping[str, Any] | None = None,
+        aliases: Mapping[str, tuple[str, ...]] | None = None,
+        title: str | None = None,
+    ):
         """`exclude`, `defaults` and `aliases` are keyed by dotted field path ("telemetry.metrics_port");
         `prefix` goes in front of every flag name ("worker-" -> --worker-drain-grace-s)."""
         self.cls = cls
@@ -212,31 +223,59 @@ class Flags:
                 continue
             flag = _prefixed(spec.flag or f.name.replace("_", "-"), self._prefix)
             default = self._defaults.get(dotted, _field_default(f))
-            dest = "cfg_" + self._prefix.replace("-", "_") + "__".join(here)   # unique per prefix
+            dest = "cfg_" + self._prefix.replace("-", "_") + "__".join(here)  # unique per prefix
             s = _Setting(here, spec, _base_type(hints[f.name]), flag, dest, env_name(flag), default)
-            names = [flag, *(_prefixed(a, self._prefix) for a in spec.aliases), *self._aliases.get(dotted, ())]
+            names = [
+                flag,
+                *(_prefixed(a, self._prefix) for a in spec.aliases),
+                *self._aliases.get(dotted, ()),
+            ]
             shown = "" if default is _UNSET or s.switch else f"default: {s.show(default)}; "
             unit = f" ({spec.unit.name})" if spec.unit else ""
             help_text = f"{spec.help}{unit} [{shown}env {s.env}]"
             if s.switch:
-                negative = (spec.flag or f.name.replace("_", "-"),) if spec.negative is None else spec.negative
-                s.negative = tuple(_prefixed("no-" + n.lstrip("-") if spec.negative is None else n, self._prefix)
-                                   for n in negative)
-                group.add_argument(*names, dest=s.dest, action="store_const", const=True,
-                                   default=argparse.SUPPRESS,
-                                   help=f"{help_text} (default: {'on' if default else 'off'})")
+                negative = (
+                    (spec.flag or f.name.replace("_", "-"),) if spec.negative is None else spec.negative
+                )
+                s.negative = tuple(
+                    _prefixed("no-" + n.lstrip("-") if spec.negative is None else n, self._prefix)
+                    for n in negative
+                )
+                group.add_argument(
+                    *names,
+                    dest=s.dest,
+                    action="store_const",
+                    const=True,
+                    default=argparse.SUPPRESS,
+                    help=f"{help_text} (default: {'on' if default else 'off'})",
+                )
                 if s.negative:
-                    group.add_argument(*s.negative, dest=s.dest, action="store_const", const=False,
-                                       default=argparse.SUPPRESS, help=f"turn {flag} off")
+                    group.add_argument(
+                        *s.negative,
+                        dest=s.dest,
+                        action="store_const",
+                        const=False,
+                        default=argparse.SUPPRESS,
+                        help=f"turn {flag} off",
+                    )
             else:
-                metavar = spec.metavar or (None if spec.choices else spec.unit.name.upper() if spec.unit
-                                           else f.name.upper())
-                group.add_argument(*names, dest=s.dest, type=s.cli_type(), default=argparse.SUPPRESS,
-                                   choices=spec.choices, metavar=metavar, help=help_text)
+                metavar = spec.metavar or (
+                    None if spec.choices else spec.unit.name.upper() if spec.unit else f.name.upper()
+                )
+                group.add_argument(
+                    *names,
+                    dest=s.dest,
+                    type=s.cli_type(),
+                    default=argparse.SUPPRESS,
+                    choices=spec.choices,
+                    metavar=metavar,
+                    help=help_text,
+                )
             self.settings.append(s)
 
-    def resolve(self, ns: argparse.Namespace, environ: Mapping[str, str] | None = None
-                ) -> tuple[dict, dict[tuple[str, ...], str]]:
+    def resolve(
+        self, ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+    ) -> tuple[dict, dict[tuple[str, ...], str]]:
         """Nested field values that a flag, a variable or a caller default set (dataclass defaults
         are left out), and for each the variable it came from when it came from one."""
         environ = os.environ if environ is None else environ
@@ -277,7 +316,9 @@ class Flags:
                 message += f" (from the environment: {', '.join(named or from_env.values())})"
             raise ValueError(message) from None
 
-    def argv(self, ns: argparse.Namespace, only: Callable[[tuple[str, ...]], bool] | None = None) -> list[str]:
+    def argv(
+        self, ns: argparse.Namespace, only: Callable[[tuple[str, ...]], bool] | None = None
+    ) -> list[str]:
         """The flags of this dataclass that the command line gave, as flags again; `only(path)`
         picks fields by path (("telemetry", "log_format"))."""
         given = vars(ns)
@@ -318,12 +359,17 @@ def construct(cls: type, values: Mapping[str, Any]):
 
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser whose usage line stays short (the flags are many; `--help` lists them by group)."""
-    return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                                   usage="%(prog)s [flags]  (--help lists them and their LLM_* variables)")
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        usage="%(prog)s [flags]  (--help lists them and their LLM_* variables)",
+    )
 
 
-def parse_or_exit(parser: argparse.ArgumentParser, argv: list[str] | None,
-                  build: Callable[[argparse.Namespace], Any]):
+def parse_or_exit(
+    parser: argparse.ArgumentParser, argv: list[str] | None, build: Callable[[argparse.Namespace], Any]
+):
     """`build(parser.parse_args(argv))`, with a ValueError reported as a usage error (exit 2)."""
     ns = parser.parse_args(argv)
     try:

@@ -17,6 +17,7 @@ Contract
 - failure modes: a /metrics port that cannot be bound or a gRPC address that cannot be bound ->
   SystemExit with the reason (the caller releases what it holds first: `close()` is safe then).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,16 +38,28 @@ log = logging.getLogger(__name__)
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
 
 
 class GrpcServer:
-    def __init__(self, *, component: str, service_names: Iterable[str], host: str, port: int,
-                 telemetry: TelemetryConfig, metrics_registry, default_metrics_port: int = 0,
-                 metrics_routes: dict[str, Callable[[], object]] | None = None,
-                 tls: tuple[str | None, str | None, str | None] = (None, None, None),
-                 options: list[tuple[str, int]] | None = None, interceptors: Iterable = ()):
+    def __init__(
+        self,
+        *,
+        component: str,
+        service_names: Iterable[str],
+        host: str,
+        port: int,
+        telemetry: TelemetryConfig,
+        metrics_registry,
+        default_metrics_port: int = 0,
+        metrics_routes: dict[str, Callable[[], object]] | None = None,
+        tls: tuple[str | None, str | None, str | None] = (None, None, None),
+        options: list[tuple[str, int]] | None = None,
+        interceptors: Iterable = (),
+    ):
         self.component = component
         self.service_names = tuple(service_names)
         self.host, self._port, self.telemetry, self._tls = host, port, telemetry, tls
@@ -54,16 +67,22 @@ class GrpcServer:
         self.port = 0
         self._routes = tuple(metrics_routes or ())
         try:
-            self.metrics = start_metrics_server(telemetry.metrics_host or host, telemetry.metrics_port,
-                                                default_metrics_port, metrics_registry, metrics_routes,
-                                                telemetry.metrics_ssl_context())
+            self.metrics = start_metrics_server(
+                telemetry.metrics_host or host,
+                telemetry.metrics_port,
+                default_metrics_port,
+                metrics_registry,
+                metrics_routes,
+                telemetry.metrics_ssl_context(),
+            )
         except OSError as exc:
             raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None
         self.server = grpc.aio.server(interceptors=list(interceptors), options=options or [])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
         self._pending: set[asyncio.Task] = set()
 
     @property
@@ -93,8 +112,9 @@ class GrpcServer:
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
@@ -105,8 +125,9 @@ class GrpcServer:
         task.add_done_callback(self._pending.discard)
 
     @staticmethod
-    def stop_event(stop: asyncio.Event | None = None,
-                   extra_signals: dict[int, Callable[[], None]] | None = None) -> asyncio.Event:
+    def stop_event(
+        stop: asyncio.Event | None = None, extra_signals: dict[int, Callable[[], None]] | None = None
+    ) -> asyncio.Event:
         """`stop`, or a new event that SIGTERM and SIGINT set; `extra_signals` get handlers too.
         Signal handlers need the main thread: a server elsewhere passes its own `stop`."""
         loop = asyncio.get_running_loop()
@@ -123,11 +144,17 @@ class GrpcServer:
         print(f"{self.component} listening on {self.address}", flush=True)
         if self.metrics:
             base = self.metrics.url.removesuffix("/metrics")
-            log.info("metrics at %s%s", self.metrics.url, "".join(f", {path} at {base}{path}"
-                                                                  for path in self._routes))
+            log.info(
+                "metrics at %s%s",
+                self.metrics.url,
+                "".join(f", {path} at {base}{path}" for path in self._routes),
+            )
         if self.tracing.enabled:
-            log.info("tracing to %s (sample ratio %g)", self.telemetry.otlp_endpoint or "console",
-                     self.telemetry.sample_ratio)
+            log.info(
+                "tracing to %s (sample ratio %g)",
+                self.telemetry.otlp_endpoint or "console",
+                self.telemetry.sample_ratio,
+            )
 
     async def not_serving(self) -> None:
         """Health NOT_SERVING from now on (drain); calls are still accepted until `stop`."""

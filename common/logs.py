@@ -9,6 +9,7 @@ Contract
   out.
 - state: the root logger's handler.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,14 @@ class _JsonFormatter(logging.Formatter):
         self._component = component
 
     def format(self, record: logging.LogRecord) -> str:
-        obj = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-               + f".{int(record.msecs):03d}Z",
-               "level": record.levelname, "component": self._component, "logger": record.name,
-               "msg": record.getMessage()}
+        obj = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "component": self._component,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         obj.update(getattr(record, FIELDS, None) or {})
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)

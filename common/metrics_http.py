@@ -12,6 +12,7 @@ Contract
   A client that fails the TLS handshake (plain HTTP, untrusted or missing certificate) is dropped
   and logged at debug level; serving goes on.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,16 +40,21 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = 30.0   # seconds a connection may sit idle (or mid-handshake) before its thread gives up
+    timeout = 30.0  # seconds a connection may sit idle (or mid-handshake) before its thread gives up
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds would flood the log
         pass
 
 
 class MetricsServer:
-    def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 json_routes: dict[str, Callable[[], object]] | None = None,
-                 ssl_context: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        json_routes: dict[str, Callable[[], object]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ):
         metrics_app = make_wsgi_app(registry)
         routes = dict(json_routes or {})
 
@@ -57,8 +63,9 @@ class MetricsServer:
             if route is None:
                 return metrics_app(environ, start_response)
             body = json.dumps(route()).encode()
-            start_response("200 OK", [("Content-Type", "application/json"),
-                                      ("Content-Length", str(len(body)))])
+            start_response(
+                "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            )
             return [body]
 
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
@@ -67,8 +74,9 @@ class MetricsServer:
         self.scheme = "http"
         if ssl_context is not None:
             # The handshake runs on the first read, in the request's thread, not in accept().
-            self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True,
-                                                          do_handshake_on_connect=False)
+            self._server.socket = ssl_context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
             self.scheme = "https"
         self.host = host
         self.port = self._server.server_port
@@ -88,9 +96,14 @@ class MetricsServer:
         self._server.server_close()
 
 
-def start_metrics_server(host: str, port: int | None, default_port: int, registry: CollectorRegistry,
-                         json_routes: dict[str, Callable[[], object]] | None = None,
-                         ssl_context: ssl.SSLContext | None = None) -> MetricsServer | None:
+def start_metrics_server(
+    host: str,
+    port: int | None,
+    default_port: int,
+    registry: CollectorRegistry,
+    json_routes: dict[str, Callable[[], object]] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> MetricsServer | None:
     """`port` None = `default_port`, falling back to an ephemeral port when that one is taken
     (several routers on one machine); an explicit port that cannot be bound is an error; -1 = off."""
     if port == -1:

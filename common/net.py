@@ -1,4 +1,5 @@
 """Address helpers shared by router, worker and launchers (pure; no grpc)."""
+
 from __future__ import annotations
 
 import ipaddress

@@ -7,6 +7,7 @@ Contract
   event names); `wait_for(predicate, timeout_s)` blocks until the spans received satisfy it.
 - state: every span received (or only a count, with `keep=False`), behind a condition variable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ class SinkSpan:
     name: str
     trace_id: str
     span_id: str
-    parent_span_id: str          # "" for a root span
-    kind: int                    # opentelemetry.proto.trace.v1.Span.SpanKind
+    parent_span_id: str  # "" for a root span
+    kind: int  # opentelemetry.proto.trace.v1.Span.SpanKind
     start_ns: int
     end_ns: int
     attributes: dict
@@ -57,10 +58,21 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
         for rs in request.resource_spans:
             service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "")
             for ss in rs.scope_spans:
-                spans += [SinkSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                   s.kind, s.start_time_unix_nano, s.end_time_unix_nano,
-                                   {a.key: _value(a.value) for a in s.attributes},
-                                   tuple(e.name for e in s.events)) for s in ss.spans]
+                spans += [
+                    SinkSpan(
+                        service,
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        s.kind,
+                        s.start_time_unix_nano,
+                        s.end_time_unix_nano,
+                        {a.key: _value(a.value) for a in s.attributes},
+                        tuple(e.name for e in s.events),
+                    )
+                    for s in ss.spans
+                ]
         with self._cond:
             self.num_spans += len(spans)
             if self._keep:
@@ -75,8 +87,10 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
     def wait_for(self, predicate: Callable[[list[SinkSpan]], bool], timeout_s: float) -> list[SinkSpan]:
         with self._cond:
             if not self._cond.wait_for(lambda: predicate(self._spans), timeout_s):
-                raise TimeoutError(f"spans received in {timeout_s} s do not satisfy the check: "
-                                   f"{[(s.service, s.name) for s in self._spans]}")
+                raise TimeoutError(
+                    f"spans received in {timeout_s} s do not satisfy the check: "
+                    f"{[(s.service, s.name) for s in self._spans]}"
+                )
             return list(self._spans)
 
     def clear(self) -> None:
@@ -99,8 +113,11 @@ def main() -> None:
         while True:
             spans = sink.wait_for(lambda s: len(s) > seen, timeout_s=3600)
             for s in spans[seen:]:
-                print(f"{s.trace_id} {s.span_id} <- {s.parent_span_id or '-':16} {s.service:12} {s.name:28} "
-                      f"{(s.end_ns - s.start_ns) / 1e6:9.1f} ms {s.events or ''}", flush=True)
+                print(
+                    f"{s.trace_id} {s.span_id} <- {s.parent_span_id or '-':16} {s.service:12} {s.name:28} "
+                    f"{(s.end_ns - s.start_ns) / 1e6:9.1f} ms {s.events or ''}",
+                    flush=True,
+                )
             seen = len(spans)
     except (KeyboardInterrupt, TimeoutError):
         sink.stop()

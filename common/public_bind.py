@@ -11,6 +11,7 @@ Contract
 - `refusal(host, missing, kind)` is the message every entry point shows; None when nothing is
   missing. Pure: no files are read (a launcher checks paths that exist only on the nodes).
 """
+
 from __future__ import annotations
 
 from common.net import is_loopback_host
@@ -21,28 +22,43 @@ _WHY = {
 }
 
 
-def router_missing(host: str, allow_insecure_public: bool, tenants_file: str | None,
-                   tls_cert: str | None) -> list[str]:
+def router_missing(
+    host: str, allow_insecure_public: bool, tenants_file: str | None, tls_cert: str | None
+) -> list[str]:
     if is_loopback_host(host) or allow_insecure_public:
         return []
     return ([] if tenants_file else ["API keys (--tenants FILE)"]) + (
-        [] if tls_cert else ["TLS (--tls-cert FILE --tls-key FILE)"])
+        [] if tls_cert else ["TLS (--tls-cert FILE --tls-key FILE)"]
+    )
 
 
-def worker_missing(host: str, allow_insecure_public: bool, tls_cert: str | None, tls_key: str | None,
-                   tls_client_ca: str | None) -> list[str]:
+def worker_missing(
+    host: str,
+    allow_insecure_public: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+) -> list[str]:
     if is_loopback_host(host) or allow_insecure_public:
         return []
-    return [flag for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key),
-                                     ("--tls-client-ca", tls_client_ca)) if value is None]
+    return [
+        flag
+        for flag, value in (
+            ("--tls-cert", tls_cert),
+            ("--tls-key", tls_key),
+            ("--tls-client-ca", tls_client_ca),
+        )
+        if value is None
+    ]
 
 
 def refusal(host: str, missing: list[str], kind: str) -> str | None:
     """The error for a `kind` ("router" | "worker") server on `host` that lacks `missing`."""
     if not missing:
         return None
-    what = (" and ".join(missing) if kind == "router"
-            else f"mutual TLS (missing {', '.join(missing)})")
+    what = " and ".join(missing) if kind == "router" else f"mutual TLS (missing {', '.join(missing)})"
     verb = "serve" if kind == "router" else "bind"
-    return (f"refusing to {verb} {host} without {what}: {_WHY[kind]}; pass them, or "
-            "--allow-insecure-public on a private network")
+    return (
+        f"refusing to {verb} {host} without {what}: {_WHY[kind]}; pass them, or "
+        "--allow-insecure-public on a private network"
+    )

@@ -8,6 +8,7 @@ Contract
   listing API differs: both are handled here).
 - failure modes: not connected -> Ray's own error.
 """
+
 from __future__ import annotations
 
 DEFAULT_NAMESPACE = "llm"
@@ -22,9 +23,8 @@ def list_worker_names(namespace: str, prefix: str, ray=None) -> list[str]:
     """`ray`: the Ray module (default: imported here); tests pass a fake."""
     if ray is None:
         import ray
-    if ray.util.client.ray.is_connected():   # Ray Client: the listing goes through the client API
+    if ray.util.client.ray.is_connected():  # Ray Client: the listing goes through the client API
         entries = ray.util.client.ray.list_named_actors(True)
     else:
         entries = ray.util.list_named_actors(all_namespaces=True)
-    return sorted(e["name"] for e in entries
-                  if e["namespace"] == namespace and e["name"].startswith(prefix))
+    return sorted(e["name"] for e in entries if e["namespace"] == namespace and e["name"].startswith(prefix))

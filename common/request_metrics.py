@@ -10,6 +10,7 @@ Contract
   `llm_request_prompt_tokens`, `llm_request_generation_tokens`.
 - state: the metric objects (thread-safe; prometheus_client locks per child).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -25,27 +26,54 @@ LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 class RequestMetrics:
     def __init__(self, registry: CollectorRegistry, side: str):
         self.requests = Counter(
-            "llm_requests", f"Requests by final status at the {side}: stop, length, cancelled, or the "
-            "gRPC status code of a failure (invalid_argument, resource_exhausted, ...)", ["status"],
-            registry=registry)
-        self.prompt_tokens = Counter("llm_prompt_tokens", f"Prompt tokens of requests the {side} finished",
-                                     registry=registry)
-        self.generation_tokens = Counter("llm_generation_tokens",
-                                         f"Tokens generated, as streamed by the {side}", registry=registry)
-        self.ttft = Histogram("llm_time_to_first_token_seconds",
-                              f"Arrival at the {side} -> first output token", buckets=TTFT_BUCKETS,
-                              registry=registry)
-        self.itl = Histogram("llm_inter_token_latency_seconds",
-                             f"Gaps between consecutive token-carrying messages at the {side}",
-                             buckets=ITL_BUCKETS, registry=registry)
-        self.e2e = Histogram("llm_e2e_request_latency_seconds", f"Arrival at the {side} -> last message",
-                             buckets=E2E_BUCKETS, registry=registry)
-        self.queue = Histogram("llm_queue_time_seconds", f"Time requests waited in the {side}'s queue",
-                               buckets=QUEUE_BUCKETS, registry=registry)
-        self.prompt_len = Histogram("llm_request_prompt_tokens", "Prompt length per request",
-                                    buckets=LENGTH_BUCKETS, registry=registry)
-        self.output_len = Histogram("llm_request_generation_tokens", "Generated tokens per request",
-                                    buckets=LENGTH_BUCKETS, registry=registry)
+            "llm_requests",
+            f"Requests by final status at the {side}: stop, length, cancelled, or the "
+            "gRPC status code of a failure (invalid_argument, resource_exhausted, ...)",
+            ["status"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "llm_prompt_tokens", f"Prompt tokens of requests the {side} finished", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "llm_generation_tokens", f"Tokens generated, as streamed by the {side}", registry=registry
+        )
+        self.ttft = Histogram(
+            "llm_time_to_first_token_seconds",
+            f"Arrival at the {side} -> first output token",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "llm_inter_token_latency_seconds",
+            f"Gaps between consecutive token-carrying messages at the {side}",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "llm_e2e_request_latency_seconds",
+            f"Arrival at the {side} -> last message",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.queue = Histogram(
+            "llm_queue_time_seconds",
+            f"Time requests waited in the {side}'s queue",
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_len = Histogram(
+            "llm_request_prompt_tokens",
+            "Prompt length per request",
+            buckets=LENGTH_BUCKETS,
+            registry=registry,
+        )
+        self.output_len = Histogram(
+            "llm_request_generation_tokens",
+            "Generated tokens per request",
+            buckets=LENGTH_BUCKETS,
+            registry=registry,
+        )
 
 
 class TokenClock:

@@ -16,6 +16,7 @@ Contract
 - failure modes: an unreachable collector never fails a request (the exporter drops spans and logs).
 - proven by: tests/test_observability_e2e.py (spans from router and worker over real OTLP/gRPC).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,27 +41,53 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class TelemetryConfig:
     """Tracing, /metrics and log settings of one process (router or worker); the field metadata
     makes the flags and `LLM_*` variables (common.config_cli)."""
-    otlp_endpoint: str | None = field(default=None, metadata=option(
-        "export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (default: "
-        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; unset = no tracing)",
-        env_fallback=lambda environ: env_endpoint(environ), metavar="URL"))
-    console: bool = field(default=False, metadata=option(
-        "print finished spans to stdout", flag="trace-console"))
-    sample_ratio: float = field(default=1.0, metadata=option(
-        "fraction of new traces recorded (a client's sampled flag is followed)", flag="trace-sample-ratio"))
-    metrics_host: str | None = field(default=None, metadata=option(
-        "Prometheus /metrics host (default: the server's --host)"))
-    metrics_port: int | None = field(default=None, metadata=option(
-        "Prometheus /metrics port (default: 9464 on the router, ephemeral on workers; taken default "
-        "-> ephemeral; 0 = ephemeral; -1 = off)"))
-    metrics_tls_cert: str | None = field(default=None, metadata=option(
-        "PEM certificate chain: serve /metrics over HTTPS", metavar="FILE"))
-    metrics_tls_key: str | None = field(default=None, metadata=option(
-        "PEM private key for --metrics-tls-cert", metavar="FILE"))
-    metrics_tls_client_ca: str | None = field(default=None, metadata=option(
-        "PEM CA bundle: scrapers must present a client certificate it signed", metavar="FILE"))
-    log_format: str = field(default="text", metadata=option(
-        "json: one JSON object per log line (request lines carry the trace id)", choices=("text", "json")))
+
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=option(
+            "export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (default: "
+            "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; unset = no tracing)",
+            env_fallback=lambda environ: env_endpoint(environ),
+            metavar="URL",
+        ),
+    )
+    console: bool = field(
+        default=False, metadata=option("print finished spans to stdout", flag="trace-console")
+    )
+    sample_ratio: float = field(
+        default=1.0,
+        metadata=option(
+            "fraction of new traces recorded (a client's sampled flag is followed)", flag="trace-sample-ratio"
+        ),
+    )
+    metrics_host: str | None = field(
+        default=None, metadata=option("Prometheus /metrics host (default: the server's --host)")
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata=option(
+            "Prometheus /metrics port (default: 9464 on the router, ephemeral on workers; taken default "
+            "-> ephemeral; 0 = ephemeral; -1 = off)"
+        ),
+    )
+    metrics_tls_cert: str | None = field(
+        default=None, metadata=option("PEM certificate chain: serve /metrics over HTTPS", metavar="FILE")
+    )
+    metrics_tls_key: str | None = field(
+        default=None, metadata=option("PEM private key for --metrics-tls-cert", metavar="FILE")
+    )
+    metrics_tls_client_ca: str | None = field(
+        default=None,
+        metadata=option(
+            "PEM CA bundle: scrapers must present a client certificate it signed", metavar="FILE"
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=option(
+            "json: one JSON object per log line (request lines carry the trace id)", choices=("text", "json")
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_ratio <= 1.0:
@@ -69,8 +96,9 @@ class TelemetryConfig:
             raise ValueError(f"metrics port must be in [-1, 65535], got {self.metrics_port}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log format must be text or json, got {self.log_format!r}")
-        check_server_files(self.metrics_tls_cert, self.metrics_tls_key, self.metrics_tls_client_ca,
-                           METRICS_FLAGS)
+        check_server_files(
+            self.metrics_tls_cert, self.metrics_tls_key, self.metrics_tls_client_ca, METRICS_FLAGS
+        )
 
     def metrics_ssl_context(self) -> ssl.SSLContext | None:
         if self.metrics_tls_cert is None:
@@ -85,7 +113,7 @@ class TelemetryConfig:
 def add_args(p: argparse.ArgumentParser, default_metrics_port: int | None = None) -> Flags:
     """The observability flags (`TelemetryConfig`'s options) on `p`; `default_metrics_port` is the
     component's (the router's 9464; None on workers: ephemeral), shown in the help only."""
-    del default_metrics_port   # the component default is applied where /metrics starts
+    del default_metrics_port  # the component default is applied where /metrics starts
     return Flags(p, TelemetryConfig, title="observability")
 
 
@@ -102,7 +130,11 @@ def standard_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 def env_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
     """The standard OTLP endpoint variables (for processes configured without a command line)."""
-    return environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    return (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or None
+    )
 
 
 class Tracing:
@@ -132,8 +164,9 @@ def setup_tracing(config: TelemetryConfig, service_name: str, instance: str = ""
     attributes = {"service.name": service_name}
     if instance:
         attributes["service.instance.id"] = instance
-    provider = TracerProvider(resource=Resource.create(attributes),
-                              sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+    provider = TracerProvider(
+        resource=Resource.create(attributes), sampler=ParentBased(TraceIdRatioBased(config.sample_ratio))
+    )
     if config.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -162,13 +195,19 @@ def inject(ctx: Context) -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
-def genai_request_attributes(request_id: str, tenant: str, model: str, max_tokens: int,
-                             temperature: float, num_prompt_tokens: int) -> dict:
+def genai_request_attributes(
+    request_id: str, tenant: str, model: str, max_tokens: int, temperature: float, num_prompt_tokens: int
+) -> dict:
     """GenAI semantic-convention attributes of one request, shared by router and worker spans."""
-    return {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
-            "gen_ai.usage.input_tokens": num_prompt_tokens, "llm.request_id": request_id,
-            "llm.tenant": tenant}
+    return {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": max_tokens,
+        "gen_ai.request.temperature": temperature,
+        "gen_ai.usage.input_tokens": num_prompt_tokens,
+        "llm.request_id": request_id,
+        "llm.tenant": tenant,
+    }
 
 
 def trace_id_of(span: trace.Span) -> str:

@@ -16,6 +16,7 @@ Contract
   PEM, or when a certificate comes without its key (or the reverse).
 - proven by: tests/test_tls.py.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -38,8 +39,7 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
-def check_files(cert: str | None, key: str | None, ca: str | None,
-                flags: tuple[str, str, str]) -> None:
+def check_files(cert: str | None, key: str | None, ca: str | None, flags: tuple[str, str, str]) -> None:
     """Certificate and key come together; every file given is a readable PEM file.
     `flags` names cert, key and ca, in that order."""
     cert_flag, key_flag, ca_flag = flags
@@ -51,27 +51,32 @@ def check_files(cert: str | None, key: str | None, ca: str | None,
             read_pem(path, flag)
 
 
-def check_server_files(cert: str | None, key: str | None, client_ca: str | None,
-                       flags: tuple[str, str, str] = SERVER_FLAGS) -> None:
+def check_server_files(
+    cert: str | None, key: str | None, client_ca: str | None, flags: tuple[str, str, str] = SERVER_FLAGS
+) -> None:
     """`check_files`, and a client CA only on a TLS port."""
     check_files(cert, key, client_ca, flags)
     if client_ca is not None and cert is None:
-        raise ValueError(f"{flags[2]} needs {flags[0]} and {flags[1]}: client certificates are "
-                         "checked only on a TLS port")
+        raise ValueError(
+            f"{flags[2]} needs {flags[0]} and {flags[1]}: client certificates are checked only on a TLS port"
+        )
 
 
-def server_credentials(cert: str, key: str, client_ca: str | None = None,
-                       flags: tuple[str, str, str] = SERVER_FLAGS) -> grpc.ServerCredentials:
+def server_credentials(
+    cert: str, key: str, client_ca: str | None = None, flags: tuple[str, str, str] = SERVER_FLAGS
+) -> grpc.ServerCredentials:
     """`flags` names the cert, key and client CA flags, in that order, for error messages."""
     cert_flag, key_flag, ca_flag = flags
     return grpc.ssl_server_credentials(
         [(read_pem(key, key_flag), read_pem(cert, cert_flag))],
         root_certificates=read_pem(client_ca, ca_flag) if client_ca else None,
-        require_client_auth=client_ca is not None)
+        require_client_auth=client_ca is not None,
+    )
 
 
-def server_ssl_context(cert: str, key: str, client_ca: str | None = None,
-                       flags: tuple[str, str, str] = METRICS_FLAGS) -> ssl.SSLContext:
+def server_ssl_context(
+    cert: str, key: str, client_ca: str | None = None, flags: tuple[str, str, str] = METRICS_FLAGS
+) -> ssl.SSLContext:
     """An HTTPS server context; with a client CA, clients must present a certificate it signed."""
     cert_flag, key_flag, ca_flag = flags
     check_server_files(cert, key, client_ca, flags)
@@ -80,23 +85,32 @@ def server_ssl_context(cert: str, key: str, client_ca: str | None = None,
     try:
         context.load_cert_chain(cert, key)
     except ssl.SSLError as exc:
-        raise ValueError(f"{cert_flag} {cert} / {key_flag} {key}: not a matching certificate and "
-                         f"private key ({exc.reason or exc})") from None
+        raise ValueError(
+            f"{cert_flag} {cert} / {key_flag} {key}: not a matching certificate and "
+            f"private key ({exc.reason or exc})"
+        ) from None
     if client_ca is not None:
         try:
             context.load_verify_locations(cafile=client_ca)
         except ssl.SSLError as exc:
-            raise ValueError(f"{ca_flag} {client_ca}: no usable CA certificate ({exc.reason or exc})") from None
+            raise ValueError(
+                f"{ca_flag} {client_ca}: no usable CA certificate ({exc.reason or exc})"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
-def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None,
-                        flags: tuple[str, str, str] = CLIENT_FLAGS) -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca: str | None,
+    cert: str | None = None,
+    key: str | None = None,
+    flags: tuple[str, str, str] = CLIENT_FLAGS,
+) -> grpc.ChannelCredentials:
     """`flags` names the cert, key and CA flags, in that order, for error messages."""
     cert_flag, key_flag, ca_flag = flags
     check_files(cert, key, None, flags)
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(ca, ca_flag) if ca else None,
         private_key=read_pem(key, key_flag) if key else None,
-        certificate_chain=read_pem(cert, cert_flag) if cert else None)
+        certificate_chain=read_pem(cert, cert_flag) if cert else None,
+    )

@@ -12,6 +12,7 @@ Contract
 - failure modes: an unknown subcommand or benchmark -> usage error (exit 2) listing the choices.
 - The Makefile keeps calling `python -m ...`, so no `make` target needs the package installed.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -37,8 +38,10 @@ def benchmark_names() -> list[str]:
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:{width}}  {what}" for name, (_, what) in COMMANDS.items()]
-    return ("usage: llm-serve SUBCOMMAND [flags]   (llm-serve SUBCOMMAND --help for its flags)\n\n"
-            "subcommands:\n" + "\n".join(lines) + f"\n\nbenchmarks: {', '.join(benchmark_names())}\n")
+    return (
+        "usage: llm-serve SUBCOMMAND [flags]   (llm-serve SUBCOMMAND --help for its flags)\n\n"
+        "subcommands:\n" + "\n".join(lines) + f"\n\nbenchmarks: {', '.join(benchmark_names())}\n"
+    )
 
 
 def resolve(argv: list[str]) -> tuple[str, list[str], str]:
@@ -51,7 +54,9 @@ def resolve(argv: list[str]) -> tuple[str, list[str], str]:
     name, rest = argv[0], argv[1:]
     if name == "bench":
         if not rest or rest[0] not in benchmark_names():
-            sys.stderr.write(f"usage: llm-serve bench NAME [flags]\nbenchmarks: {', '.join(benchmark_names())}\n")
+            sys.stderr.write(
+                f"usage: llm-serve bench NAME [flags]\nbenchmarks: {', '.join(benchmark_names())}\n"
+            )
             raise SystemExit(0 if rest[:1] in (["-h"], ["--help"]) else 2)
         return f"benchmarks.{rest[0]}", rest[1:], f"llm-serve bench {rest[0]}"
     return COMMANDS[name][0], rest, f"llm-serve {name}"
@@ -60,7 +65,7 @@ def resolve(argv: list[str]) -> tuple[str, list[str], str]:
 def main(argv: list[str] | None = None) -> int:
     module, rest, prog = resolve(sys.argv[1:] if argv is None else argv)
     sys.argv = [prog, *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)   # most end in sys.exit(main())
+    runpy.run_module(module, run_name="__main__", alter_sys=True)  # most end in sys.exit(main())
     return 0
 
 

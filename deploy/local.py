@@ -22,6 +22,7 @@ Contract
 - proven by: tests/test_ray_serve.py, tests/test_serve_telemetry.py (spans from router and worker
   actor, LLM_* variables reaching the engine), tests/test_config_cli.py (flags and defaults).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,22 +44,27 @@ from worker.server_config import WorkerServerConfig
 log = logging.getLogger(__name__)
 # Telemetry settings the workers share with the router (not its /metrics address or certificate).
 SHARED_TELEMETRY = ("otlp_endpoint", "console", "sample_ratio", "log_format")
-WORKER_SERVER_FLAGS = ("drain_grace_s", "drain_announce_s", "max_message_bytes")   # as --worker-*
+WORKER_SERVER_FLAGS = ("drain_grace_s", "drain_announce_s", "max_message_bytes")  # as --worker-*
 
 
 @dataclass(frozen=True)
 class Stack:
-    num_workers: int | None = field(default=None, metadata=option(
-        "worker actors (default: one per GPU, else one per two CPU cores)", aliases=("workers",)))
+    num_workers: int | None = field(
+        default=None,
+        metadata=option(
+            "worker actors (default: one per GPU, else one per two CPU cores)", aliases=("workers",)
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class Plan:
     """Everything `make serve` starts, from the command line and the environment."""
+
     num_workers: int | None
-    router: RouterConfig          # ray_address is set once Ray runs
+    router: RouterConfig  # ray_address is set once Ray runs
     engine: EngineConfig
-    worker_options: dict          # further WorkerServerConfig fields (LaunchConfig.server_options)
+    worker_options: dict  # further WorkerServerConfig fields (LaunchConfig.server_options)
 
 
 def default_num_workers(num_gpus: int, num_cpus: int) -> int:
@@ -70,23 +76,35 @@ def default_num_workers(num_gpus: int, num_cpus: int) -> int:
 def parse_args(argv: list[str] | None = None) -> Plan:
     p = new_parser("python -m deploy.local", "local Ray + worker actors + router, one command")
     stack = Flags(p, Stack, title="stack")
-    router = Flags(p, RouterConfig, exclude=("workers", "ray_address", "model"),
-                   aliases={"ray_namespace": ("--namespace",)}, title="router")
+    router = Flags(
+        p,
+        RouterConfig,
+        exclude=("workers", "ray_address", "model"),
+        aliases={"ray_namespace": ("--namespace",)},
+        title="router",
+    )
     engine = Flags(p, EngineConfig, title="engine (every worker)")
-    server = Flags(p, WorkerServerConfig, prefix="worker-",
-                   exclude=[f.name for f in dataclasses.fields(WorkerServerConfig)
-                            if f.name not in WORKER_SERVER_FLAGS],
-                   title="worker server (every worker)")
+    server = Flags(
+        p,
+        WorkerServerConfig,
+        prefix="worker-",
+        exclude=[f.name for f in dataclasses.fields(WorkerServerConfig) if f.name not in WORKER_SERVER_FLAGS],
+        title="worker server (every worker)",
+    )
 
     def build(ns: argparse.Namespace) -> Plan:
         engine_config = engine.build(ns)
         router_config = router.build(ns, model=engine_config.model)
         options = server.values(ns)
         telemetry = {name: getattr(router_config.telemetry, name) for name in SHARED_TELEMETRY}
-        options["telemetry"] = {k: v for k, v in telemetry.items()
-                                if v != getattr(type(router_config.telemetry)(), k)}
-        LaunchConfig(engine=engine_config, drain_grace_s=options.get("drain_grace_s", LaunchConfig.drain_grace_s),
-                     server_options={k: v for k, v in options.items() if k != "drain_grace_s"}).check()
+        options["telemetry"] = {
+            k: v for k, v in telemetry.items() if v != getattr(type(router_config.telemetry)(), k)
+        }
+        LaunchConfig(
+            engine=engine_config,
+            drain_grace_s=options.get("drain_grace_s", LaunchConfig.drain_grace_s),
+            server_options={k: v for k, v in options.items() if k != "drain_grace_s"},
+        ).check()
         return Plan(stack.build(ns).num_workers, router_config, engine_config, options)
 
     return parse_or_exit(p, argv, build)
@@ -105,28 +123,43 @@ def main(argv: list[str] | None = None) -> int:
     num_cpus = os.cpu_count() or 1
     ray_process_env()
     try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
-                 logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            namespace=namespace,
+            logging_level=logging.WARNING,
+        )
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = plan.num_workers or default_num_workers(num_gpus, num_cpus)
         options = dict(plan.worker_options)
         drain_grace_s = options.pop("drain_grace_s", LaunchConfig.drain_grace_s)
         print(f"starting {num_workers} worker(s) on {'GPU' if num_gpus else 'CPU'} ...", flush=True)
         # Each worker's torch threads = the CPUs it reserves (Ray sets OMP_NUM_THREADS from them).
-        workers = launch_workers(LaunchConfig(
-            num_workers=num_workers, engine=plan.engine, namespace=namespace, drain_grace_s=drain_grace_s,
-            cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers, server_options=options))
+        workers = launch_workers(
+            LaunchConfig(
+                num_workers=num_workers,
+                engine=plan.engine,
+                namespace=namespace,
+                drain_grace_s=drain_grace_s,
+                cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers,
+                server_options=options,
+            )
+        )
         ray_address = ray.get_runtime_context().gcs_address
         port = plan.router.port
         target = f"{plan.router.host}:{port}" if port else "<the router address printed below>"
         client = f".venv/bin/python -m router.client --target {target}"
-        print(f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
-              f"  {client} --chat 'What is the capital of France?'\n"
-              f"  {client} 'Once upon a time' --max-tokens 64\n"
-              f"A second router over the same workers:\n"
-              f"  .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
-              f"--ray-namespace {namespace}\n"
-              "Ctrl-C stops everything.\n", flush=True)
+        print(
+            f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
+            f"  {client} --chat 'What is the capital of France?'\n"
+            f"  {client} 'Once upon a time' --max-tokens 64\n"
+            f"A second router over the same workers:\n"
+            f"  .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
+            f"--ray-namespace {namespace}\n"
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
         status = asyncio.run(serve(dataclasses.replace(plan.router, ray_address=ray_address)))
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     except KeyboardInterrupt:

@@ -33,6 +33,7 @@ Contract
 Only the actor process imports torch; the launching driver (and a router in the same process, as
 in `make serve`) does not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,7 @@ from worker.server_config import WorkerServerConfig
 log = logging.getLogger(__name__)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
-NODE_IP = "node-ip"       # `host` value: bind and advertise the IP of the node the actor runs on
+NODE_IP = "node-ip"  # `host` value: bind and advertise the IP of the node the actor runs on
 
 
 _GPUS = {"auto": None, "yes": True, "no": False}
@@ -71,35 +72,57 @@ class LaunchConfig:
     """What to launch. `engine`, `host`, `drain_grace_s` and `tls` are the worker settings code
     sets most; `server_options` holds any other `WorkerServerConfig` field by name (nested
     `telemetry` as a dict or a TelemetryConfig). The field metadata makes the placement flags."""
+
     num_workers: int = field(default=1, metadata=option("worker actors to run"))
     engine: EngineConfig = EngineConfig()
-    host: str = "127.0.0.1"                # or NODE_IP (cluster mode)
+    host: str = "127.0.0.1"  # or NODE_IP (cluster mode)
     drain_grace_s: float = WorkerServerConfig.drain_grace_s
-    namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
-        "Ray namespace the worker actors are named in", flag="ray-namespace", aliases=("namespace",)))
-    name_prefix: str = field(default=DEFAULT_NAME_PREFIX, metadata=option(
-        "worker actor names: <prefix><index> (routers list <prefix>*)"))
-    use_gpus: bool | None = field(default=None, metadata=option(
-        "one GPU per worker: auto = when the cluster has GPUs", flag="gpus", choices=tuple(_GPUS),
-        parse=_GPUS.__getitem__, format=lambda v: next(k for k, g in _GPUS.items() if g is v)))
-    cpus_per_worker: float = field(default=1.0, metadata=option("CPUs each worker reserves (fractions allowed)"))
-    placement_strategy: str = field(default="SPREAD", metadata=option(
-        "placement group strategy of the workers' bundles", choices=STRATEGIES))
-    max_restarts: int = field(default=-1, metadata=option("restarts of a dead worker process; -1 = unlimited"))
-    detached: bool = False                 # outlive the launching driver (cluster mode)
-    ready_timeout_s: float = field(default=600.0, metadata=option(
-        "placement + model load deadline of each launch"))
-    tls: tuple[str, str, str | None] | None = None   # (cert, key, client CA) PEM paths valid on every
-                                                     # node: workers serve (mutual) TLS
+    namespace: str = field(
+        default=DEFAULT_NAMESPACE,
+        metadata=option(
+            "Ray namespace the worker actors are named in", flag="ray-namespace", aliases=("namespace",)
+        ),
+    )
+    name_prefix: str = field(
+        default=DEFAULT_NAME_PREFIX,
+        metadata=option("worker actor names: <prefix><index> (routers list <prefix>*)"),
+    )
+    use_gpus: bool | None = field(
+        default=None,
+        metadata=option(
+            "one GPU per worker: auto = when the cluster has GPUs",
+            flag="gpus",
+            choices=tuple(_GPUS),
+            parse=_GPUS.__getitem__,
+            format=lambda v: next(k for k, g in _GPUS.items() if g is v),
+        ),
+    )
+    cpus_per_worker: float = field(
+        default=1.0, metadata=option("CPUs each worker reserves (fractions allowed)")
+    )
+    placement_strategy: str = field(
+        default="SPREAD",
+        metadata=option("placement group strategy of the workers' bundles", choices=STRATEGIES),
+    )
+    max_restarts: int = field(
+        default=-1, metadata=option("restarts of a dead worker process; -1 = unlimited")
+    )
+    detached: bool = False  # outlive the launching driver (cluster mode)
+    ready_timeout_s: float = field(
+        default=600.0, metadata=option("placement + model load deadline of each launch")
+    )
+    tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA) PEM paths valid on every
+    # node: workers serve (mutual) TLS
     server_options: Mapping[str, Any] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)   # extra variables for the actor processes
+    env: Mapping[str, str] = field(default_factory=dict)  # extra variables for the actor processes
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.placement_strategy not in STRATEGIES:
-            raise ValueError(f"placement_strategy must be one of {STRATEGIES}, "
-                             f"got {self.placement_strategy!r}")
+            raise ValueError(
+                f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}"
+            )
         if self.cpus_per_worker < 0:
             raise ValueError("cpus_per_worker must be >= 0")
         if self.use_gpus is False and self.cpus_per_worker == 0:
@@ -110,17 +133,29 @@ class LaunchConfig:
         cert, key, client_ca = self.tls or (None, None, None)
         if (cert is None) != (key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
-        problem = refusal(self.host, worker_missing(self.host, bool(self.server_options.get("allow_insecure_public")),
-                                                    cert, key, client_ca), "worker")
+        problem = refusal(
+            self.host,
+            worker_missing(
+                self.host, bool(self.server_options.get("allow_insecure_public")), cert, key, client_ca
+            ),
+            "worker",
+        )
         if problem:
             raise ValueError(problem)
 
     def worker_values(self, host: str) -> dict:
         """The `WorkerServerConfig` fields of each worker (`construct` builds it, on the node)."""
         cert, key, client_ca = self.tls or (None, None, None)
-        values = {**self.server_options, "engine": self.engine, "host": host, "port": 0,
-                  "drain_grace_s": self.drain_grace_s, "tls_cert": cert, "tls_key": key,
-                  "tls_client_ca": client_ca}
+        values = {
+            **self.server_options,
+            "engine": self.engine,
+            "host": host,
+            "port": 0,
+            "drain_grace_s": self.drain_grace_s,
+            "tls_cert": cert,
+            "tls_key": key,
+            "tls_client_ca": client_ca,
+        }
         telemetry = values.get("telemetry", {})
         if cert and isinstance(telemetry, Mapping) and "metrics_tls_cert" not in telemetry:
             # With TLS, /metrics is HTTPS with the same certificate (scrapers trust the CA; no client
@@ -151,11 +186,22 @@ class WorkerActor:
     """One worker: the gRPC server on its own thread and event loop (Ray owns the main thread).
     `server_options`: further `WorkerServerConfig` fields (see `LaunchConfig`)."""
 
-    def __init__(self, engine: EngineConfig, host: str = "127.0.0.1",
-                 drain_grace_s: float = WorkerServerConfig.drain_grace_s, ready_timeout_s: float = 600.0,
-                 tls: tuple[str, str, str | None] | None = None, server_options: Mapping[str, Any] | None = None):
-        launch = LaunchConfig(engine=engine, host=host, drain_grace_s=drain_grace_s, tls=tls,
-                              server_options=dict(server_options or {}))
+    def __init__(
+        self,
+        engine: EngineConfig,
+        host: str = "127.0.0.1",
+        drain_grace_s: float = WorkerServerConfig.drain_grace_s,
+        ready_timeout_s: float = 600.0,
+        tls: tuple[str, str, str | None] | None = None,
+        server_options: Mapping[str, Any] | None = None,
+    ):
+        launch = LaunchConfig(
+            engine=engine,
+            host=host,
+            drain_grace_s=drain_grace_s,
+            tls=tls,
+            server_options=dict(server_options or {}),
+        )
         if host == NODE_IP:
             import ray
 
@@ -184,7 +230,7 @@ class WorkerActor:
 
         try:
             asyncio.run(main())
-        except BaseException as exc:   # noqa: BLE001 - SystemExit too (cannot bind): report it
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too (cannot bind): report it
             self._error = exc
             log.exception("worker server failed")
         finally:
@@ -234,7 +280,8 @@ def _existing(name: str, namespace: str):
 @dataclass
 class Workers:
     """The launched workers. Non-detached actors live only while their handles do: keep this."""
-    handles: dict          # name -> ActorHandle
+
+    handles: dict  # name -> ActorHandle
     addresses: dict[str, str]
 
 
@@ -260,32 +307,52 @@ def launch_workers(config: LaunchConfig) -> Workers:
     if config.cpus_per_worker > 0:
         bundle["CPU"] = config.cpus_per_worker
     if missing:
-        group = placement_group([dict(bundle) for _ in missing], strategy=config.placement_strategy,
-                                name=f"{config.name_prefix}group-{uuid.uuid4().hex[:8]}", lifetime=lifetime)
+        group = placement_group(
+            [dict(bundle) for _ in missing],
+            strategy=config.placement_strategy,
+            name=f"{config.name_prefix}group-{uuid.uuid4().hex[:8]}",
+            lifetime=lifetime,
+        )
         ready, _ = ray.wait([group.ready()], timeout=config.ready_timeout_s)
         if not ready:
             remove_placement_group(group)
-            raise TimeoutError(f"cannot place {len(missing)} x {bundle} ({config.placement_strategy}) "
-                               f"within {config.ready_timeout_s} s; cluster has {ray.cluster_resources()}")
+            raise TimeoutError(
+                f"cannot place {len(missing)} x {bundle} ({config.placement_strategy}) "
+                f"within {config.ready_timeout_s} s; cluster has {ray.cluster_resources()}"
+            )
         actor_cls = ray.remote(WorkerActor)
         env = actor_env(config)
         for index, name in enumerate(missing):
             handles[name] = actor_cls.options(
-                name=name, namespace=config.namespace, lifetime=lifetime,
-                max_restarts=config.max_restarts, num_gpus=1 if use_gpus else 0,
+                name=name,
+                namespace=config.namespace,
+                lifetime=lifetime,
+                max_restarts=config.max_restarts,
+                num_gpus=1 if use_gpus else 0,
                 num_cpus=config.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=index),
+                    group, placement_group_bundle_index=index
+                ),
                 **({"runtime_env": {"env_vars": env}} if env else {}),
-            ).remote(config.engine, config.host, config.drain_grace_s, config.ready_timeout_s, config.tls,
-                     dict(config.server_options))
+            ).remote(
+                config.engine,
+                config.host,
+                config.drain_grace_s,
+                config.ready_timeout_s,
+                config.tls,
+                dict(config.server_options),
+            )
         log.info("launched %d worker(s) (%s each, %s)", len(missing), bundle, config.placement_strategy)
     addresses = ray.get([h.address.remote() for h in handles.values()], timeout=config.ready_timeout_s)
     return Workers(handles, dict(zip(names, addresses)))
 
 
-def stop_workers(namespace: str = DEFAULT_NAMESPACE, name_prefix: str = DEFAULT_NAME_PREFIX,
-                 drain: bool = True, timeout_s: float = 30.0) -> list[str]:
+def stop_workers(
+    namespace: str = DEFAULT_NAMESPACE,
+    name_prefix: str = DEFAULT_NAME_PREFIX,
+    drain: bool = True,
+    timeout_s: float = 30.0,
+) -> list[str]:
     """Stops every worker `<name_prefix>*` in `namespace` (draining first) and frees their
     placement groups; returns the names stopped."""
     import ray
@@ -301,7 +368,7 @@ def stop_workers(namespace: str = DEFAULT_NAMESPACE, name_prefix: str = DEFAULT_
         if group.get("name", "").startswith(f"{name_prefix}group-") and group.get("state") != "REMOVED":
             try:
                 remove_placement_group(get_placement_group(group["name"]))
-            except ValueError:   # created in another namespace (by another launcher): not ours
+            except ValueError:  # created in another namespace (by another launcher): not ours
                 pass
     return names
 
@@ -309,10 +376,17 @@ def stop_workers(namespace: str = DEFAULT_NAMESPACE, name_prefix: str = DEFAULT_
 @dataclass(frozen=True)
 class Command:
     """What `python -m deploy.ray_launch` does besides the launch settings."""
-    ray_address: str = field(default="auto", metadata=option(
-        "Ray cluster: auto, HOST:PORT (GCS) or ray://HOST:10001 (Ray Client)", metavar="ADDRESS"))
-    stop: bool = field(default=False, metadata=option(
-        "stop the workers of --ray-namespace instead of starting them", negative=()))
+
+    ray_address: str = field(
+        default="auto",
+        metadata=option(
+            "Ray cluster: auto, HOST:PORT (GCS) or ray://HOST:10001 (Ray Client)", metavar="ADDRESS"
+        ),
+    )
+    stop: bool = field(
+        default=False,
+        metadata=option("stop the workers of --ray-namespace instead of starting them", negative=()),
+    )
 
 
 def parser() -> tuple[argparse.ArgumentParser, Flags, Flags, Flags, Flags]:
@@ -321,27 +395,42 @@ def parser() -> tuple[argparse.ArgumentParser, Flags, Flags, Flags, Flags]:
     command = Flags(p, Command, title="cluster")
     launch = Flags(p, LaunchConfig, title="placement")
     engine = Flags(p, EngineConfig, title="engine")
-    server = Flags(p, WorkerServerConfig, exclude=("engine", "port"), defaults={"host": NODE_IP},
-                   title=f"worker server (--host {NODE_IP}: the IP of the node each actor runs on)")
+    server = Flags(
+        p,
+        WorkerServerConfig,
+        exclude=("engine", "port"),
+        defaults={"host": NODE_IP},
+        title=f"worker server (--host {NODE_IP}: the IP of the node each actor runs on)",
+    )
     return p, command, launch, engine, server
 
 
-def launch_config(ns: argparse.Namespace, launch: Flags, engine: Flags, server: Flags, **fixed) -> LaunchConfig:
+def launch_config(
+    ns: argparse.Namespace, launch: Flags, engine: Flags, server: Flags, **fixed
+) -> LaunchConfig:
     """A LaunchConfig from the launcher flags (shared with deploy/local.py)."""
     values = server.values(ns)
     tls = tuple(values.pop(name, None) for name in _FILE_FIELDS)
     host = values.pop("host", LaunchConfig.host)
     drain_grace_s = values.pop("drain_grace_s", LaunchConfig.drain_grace_s)
-    config = launch.build(ns, engine=engine.build(ns), host=host, drain_grace_s=drain_grace_s,
-                          tls=tls if any(tls) else None, server_options=values, **fixed)
+    config = launch.build(
+        ns,
+        engine=engine.build(ns),
+        host=host,
+        drain_grace_s=drain_grace_s,
+        tls=tls if any(tls) else None,
+        server_options=values,
+        **fixed,
+    )
     config.check()
     return config
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Command, LaunchConfig]:
     p, command, launch, engine, server = parser()
-    return parse_or_exit(p, argv, lambda ns: (command.build(ns),
-                                              launch_config(ns, launch, engine, server, detached=True)))
+    return parse_or_exit(
+        p, argv, lambda ns: (command.build(ns), launch_config(ns, launch, engine, server, detached=True))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ Contract
 - state: the cluster's processes (Ray's), until exit.
 - failure modes: Ray's own (ports, memory).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,14 @@ SMOLLM2_VOCAB_SIZE = 49152
 
 
 class SimulatedCluster:
-    def __init__(self, num_nodes: int = 2, gpus_per_node: int = 2, cpus_per_node: int = 1,
-                 namespace: str = DEFAULT_NAMESPACE, client_port: int | None = None):
+    def __init__(
+        self,
+        num_nodes: int = 2,
+        gpus_per_node: int = 2,
+        cpus_per_node: int = 1,
+        namespace: str = DEFAULT_NAMESPACE,
+        client_port: int | None = None,
+    ):
         self.num_nodes = num_nodes
         self.gpus_per_node = gpus_per_node
         self.cpus_per_node = cpus_per_node
@@ -96,10 +103,20 @@ def write_tiny_llama(path: pathlib.Path, vocab_size: int = SMOLLM2_VOCAB_SIZE, s
         }
     path.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(path / "model.safetensors"))
-    config = {"model_type": "llama", "_name_or_path": "tiny-llama-sim", "vocab_size": vocab_size,
-              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": True, "eos_token_id": 2}
+    config = {
+        "model_type": "llama",
+        "_name_or_path": "tiny-llama-sim",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

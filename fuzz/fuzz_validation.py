@@ -12,6 +12,7 @@ Contract
 - run: `.venv/bin/python fuzz/fuzz_validation.py -atheris_runs=100000 [corpus_dir]`;
   tests/test_fuzz_input.py runs it for a bounded number of inputs.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,10 +42,12 @@ with atheris.instrument_imports(include=["router", "common"]):  # coverage of ou
 TOKENIZER = Tokenizer.from_gguf(default_model_path())
 MODEL = router.validation.ModelSpec("smollm", max_model_len=1088, vocab_size=TOKENIZER.vocab_size)
 MODELS = {MODEL.name: MODEL}
-LIMITS = Limits(max_prompt_chars=20_000)   # tokenizing is the slow part: keep inputs small
-FIELD = re.compile(r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
-                   r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
-                   r"stop_token_ids)): ")
+LIMITS = Limits(max_prompt_chars=20_000)  # tokenizing is the slow part: keep inputs small
+FIELD = re.compile(
+    r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
+    r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
+    r"stop_token_ids)): "
+)
 ROLES = ("system", "user", "assistant", "tool", "", "User", "<|im_start|>")
 _tokenize = GenerationService._tokenize.__get__(SimpleNamespace(_tokenizer=TOKENIZER))
 
@@ -55,9 +58,11 @@ def _float(fdp: atheris.FuzzedDataProvider) -> float:
 
 
 def _built(fdp: atheris.FuzzedDataProvider) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 140)),
-                             model=fdp.PickValueInList(["", "", "smollm", "other"]),
-                             priority=fdp.ConsumeIntInRange(-2**31, 2**31 - 1))
+    req = pb.GenerateRequest(
+        request_id=fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 140)),
+        model=fdp.PickValueInList(["", "", "smollm", "other"]),
+        priority=fdp.ConsumeIntInRange(-(2**31), 2**31 - 1),
+    )
     kind = fdp.ConsumeIntInRange(0, 3)
     if kind == 0:
         piece = fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 600))
@@ -65,8 +70,10 @@ def _built(fdp: atheris.FuzzedDataProvider) -> pb.GenerateRequest:
     elif kind == 1:
         req.chat.SetInParent()
         for _ in range(fdp.ConsumeIntInRange(0, 8)):
-            req.chat.messages.add(role=fdp.PickValueInList(list(ROLES)),
-                                  content=fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 200)))
+            req.chat.messages.add(
+                role=fdp.PickValueInList(list(ROLES)),
+                content=fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 200)),
+            )
     elif kind == 2:
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(fdp.ConsumeIntListInRange(fdp.ConsumeIntInRange(0, 1200), 0, 2**32 - 1))
@@ -82,8 +89,10 @@ def _built(fdp: atheris.FuzzedDataProvider) -> pb.GenerateRequest:
     stop = req.stopping
     if fdp.ConsumeBool():
         stop.max_tokens = fdp.ConsumeIntInRange(0, 2**32 - 1)
-    stop.stop.extend(fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 80))
-                     for _ in range(fdp.ConsumeIntInRange(0, 10)))
+    stop.stop.extend(
+        fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 80))
+        for _ in range(fdp.ConsumeIntInRange(0, 10))
+    )
     stop.stop_token_ids.extend(fdp.ConsumeIntListInRange(fdp.ConsumeIntInRange(0, 70), 0, 2**32 - 1))
     stop.ignore_eos = fdp.ConsumeBool()
     return req
@@ -96,7 +105,7 @@ def _stream(fdp: atheris.FuzzedDataProvider, stops: tuple[str, ...]) -> None:
     matcher = router.stop_strings.StopStringMatcher(stops)
     out, stopped = "", False
     for start in range(0, len(ids), 3):
-        text, stopped = matcher.push(detok.push(ids[start:start + 3]))
+        text, stopped = matcher.push(detok.push(ids[start : start + 3]))
         out += text
         if stopped:
             break

@@ -1,4 +1,5 @@
 """`python -m loadtest` (see `python -m loadtest --help` and loadtest/cli.py)."""
+
 import sys
 
 from loadtest.cli import main

@@ -12,6 +12,7 @@ Contract
 - failure modes: ValueError for an unknown kind, rate <= 0 or burstiness <= 0.
 - proven by: tests/test_loadtest_arrivals.py (mean rate and CV within tolerance, reproducibility).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -26,7 +27,7 @@ OPEN_LOOP_KINDS = ("poisson", "gamma", "constant")
 class ArrivalProcess:
     kind: str = "poisson"
     rate_per_s: float = 1.0
-    burstiness: float = 1.0          # gamma shape; only used by kind "gamma"
+    burstiness: float = 1.0  # gamma shape; only used by kind "gamma"
 
     def __post_init__(self) -> None:
         if self.kind not in OPEN_LOOP_KINDS:
@@ -60,8 +61,9 @@ def _tagged(stream: Iterator[float], index: int) -> Iterator[tuple[float, int]]:
         yield t, index
 
 
-def schedule(streams: list[Iterator[float]], warmup_s: float, duration_s: float | None,
-             num_requests: int | None) -> list[tuple[float, int]]:
+def schedule(
+    streams: list[Iterator[float]], warmup_s: float, duration_s: float | None, num_requests: int | None
+) -> list[tuple[float, int]]:
     """Merges per-tenant send-time streams into `(time_s, stream_index)` in time order, up to
     `warmup_s + duration_s`, or until `num_requests` arrivals at or after `warmup_s` (warm-up
     arrivals do not count). At least one bound must be given; both = whichever comes first."""

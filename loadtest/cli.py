@@ -8,6 +8,7 @@ Contract
   1 when none did, 2 for a bad command line. Writes `report.md`, `report.json`,
   `requests.jsonl` and PNGs under `--out-dir` and prints the Markdown report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,14 +60,22 @@ def _key(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest", epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Load-test a gRPC llm.v1 router or an OpenAI-compatible server.")
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Load-test a gRPC llm.v1 router or an OpenAI-compatible server.",
+    )
     g = p.add_argument_group("targets")
-    g.add_argument("--target", action="append", default=[], metavar="[NAME=]ADDRESS",
-                   help="host:port (gRPC), http(s)://host:port (OpenAI /v1/completions), or "
-                        "local[:WORKER ARGS] (start a worker + router here); twice = comparison. "
-                        "Default: local")
+    g.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="[NAME=]ADDRESS",
+        help="host:port (gRPC), http(s)://host:port (OpenAI /v1/completions), or "
+        "local[:WORKER ARGS] (start a worker + router here); twice = comparison. "
+        "Default: local",
+    )
     g.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target (one you run)")
     g.add_argument("--tls-ca", default="", help="gRPC targets: connect over TLS, trusting this CA (PEM)")
     g.add_argument("--metrics-url", action="append", default=[], help="Prometheus URL per target, in order")
@@ -78,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout-s", type=float, default=120.0)
     g.add_argument("--request-timeout-s", type=float, default=300.0)
     g = p.add_argument_group("load")
-    g.add_argument("--arrival", choices=("poisson", "gamma", "constant", "closed"), default=None,
-                   help="default: closed with --concurrency/--concurrencies, else poisson")
+    g.add_argument(
+        "--arrival",
+        choices=("poisson", "gamma", "constant", "closed"),
+        default=None,
+        help="default: closed with --concurrency/--concurrencies, else poisson",
+    )
     g.add_argument("--rate", type=float, default=1.0, help="requests/s (open loop)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier, 1 = Poisson")
     g.add_argument("--concurrency", type=int, default=None, help="requests in flight (closed loop)")
@@ -87,25 +100,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--concurrencies", default="", help="sweep: comma-separated concurrencies")
     g.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap in flight at the client")
     g = p.add_argument_group("workload")
-    g.add_argument("--prompts", default="synthetic",
-                   help="synthetic | bundled | FILE (.jsonl 'prompt' or .txt)")
+    g.add_argument(
+        "--prompts", default="synthetic", help="synthetic | bundled | FILE (.jsonl 'prompt' or .txt)"
+    )
     g.add_argument("--input-len", default="128", help="N, uniform:LO:HI, normal:MEAN:STD, file:PATH")
     g.add_argument("--output-len", default="16", help="same forms as --input-len")
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a common system prompt")
     g.add_argument("--api-key", default=os.environ.get("LLM_API_KEY", ""), help="default: $LLM_API_KEY")
-    g.add_argument("--tenant", action="append", default=[], metavar="K=V,...",
-                   help="a tenant: name, key (or key=env:VAR), weight, arrival, rate, burstiness, "
-                        "concurrency, prompts, input_len, output_len, prefix_len, priority; "
-                        "unset keys take the flags above")
+    g.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="K=V,...",
+        help="a tenant: name, key (or key=env:VAR), weight, arrival, rate, burstiness, "
+        "concurrency, prompts, input_len, output_len, prefix_len, priority; "
+        "unset keys take the flags above",
+    )
     g.add_argument("--tenants-file", default=None, help="YAML: 'tenants:' list with the --tenant keys")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--model", default="", help="model name (OpenAI: default = the server's first)")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let EOS end outputs early (default: fixed output lengths)")
+    g.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let EOS end outputs early (default: fixed output lengths)",
+    )
     g.add_argument("--prompt-format", choices=("text", "tokens"), default="text")
-    g.add_argument("--tokenizer", default="",
-                   help="GGUF file or HF dir for synthetic prompts (default: ours)")
+    g.add_argument(
+        "--tokenizer", default="", help="GGUF file or HF dir for synthetic prompts (default: ours)"
+    )
     g = p.add_argument_group("report")
     g.add_argument("--slo", default="", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms (also itl, e2e)")
     g.add_argument("--out-dir", default=None, help="default: loadtest-results/<UTC time>")
@@ -119,10 +143,17 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     a = p.parse_args(argv)
     try:
         closed = a.concurrency is not None or bool(a.concurrencies)
-        base = TenantSpec(api_key=a.api_key, arrival=a.arrival or ("closed" if closed else "poisson"),
-                          rate_per_s=a.rate, burstiness=a.burstiness, concurrency=a.concurrency or 1,
-                          prompts=a.prompts, input_len=LengthDist.parse(a.input_len),
-                          output_len=LengthDist.parse(a.output_len), shared_prefix_len=a.shared_prefix_len)
+        base = TenantSpec(
+            api_key=a.api_key,
+            arrival=a.arrival or ("closed" if closed else "poisson"),
+            rate_per_s=a.rate,
+            burstiness=a.burstiness,
+            concurrency=a.concurrency or 1,
+            prompts=a.prompts,
+            input_len=LengthDist.parse(a.input_len),
+            output_len=LengthDist.parse(a.output_len),
+            shared_prefix_len=a.shared_prefix_len,
+        )
         entries = [parse_kv(text) for text in a.tenant]
         if a.tenants_file:
             doc = yaml.safe_load(pathlib.Path(a.tenants_file).read_text(encoding="utf-8")) or {}
@@ -141,13 +172,29 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         duration_s = a.duration_s if a.duration_s is not None or a.num_requests is not None else 30.0
         out_dir = a.out_dir or f"loadtest-results/{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
         return RunConfig(
-            targets=tuple(targets), tenants=tenants, duration_s=duration_s, num_requests=a.num_requests,
-            warmup_s=a.warmup_s, sweep=sweep, sweep_values=tuple(float(v) for v in values.split(",") if v),
-            seed=a.seed, model=a.model, temperature=a.temperature, ignore_eos=a.ignore_eos,
-            prompt_format=a.prompt_format, max_concurrency=a.max_concurrency,
-            request_timeout_s=a.request_timeout_s, drain_timeout_s=a.drain_timeout_s,
-            slo_s=tuple(parse_slo(a.slo).items()), tokenizer=a.tokenizer, out_dir=out_dir, plots=a.plots,
-            progress=a.progress, local_num_workers=a.local_workers, tls_ca=a.tls_ca)
+            targets=tuple(targets),
+            tenants=tenants,
+            duration_s=duration_s,
+            num_requests=a.num_requests,
+            warmup_s=a.warmup_s,
+            sweep=sweep,
+            sweep_values=tuple(float(v) for v in values.split(",") if v),
+            seed=a.seed,
+            model=a.model,
+            temperature=a.temperature,
+            ignore_eos=a.ignore_eos,
+            prompt_format=a.prompt_format,
+            max_concurrency=a.max_concurrency,
+            request_timeout_s=a.request_timeout_s,
+            drain_timeout_s=a.drain_timeout_s,
+            slo_s=tuple(parse_slo(a.slo).items()),
+            tokenizer=a.tokenizer,
+            out_dir=out_dir,
+            plots=a.plots,
+            progress=a.progress,
+            local_num_workers=a.local_workers,
+            tls_ca=a.tls_ca,
+        )
     except (ValueError, OSError) as exc:
         p.error(str(exc))
 
@@ -178,8 +225,14 @@ async def execute(config: RunConfig, run_id: str):
     needs_words = any(t.prompts == "synthetic" or t.shared_prefix_len for t in config.tenants)
     synthetic = SyntheticText(load_tokenizer(config.tokenizer)) if needs_words else None
     prompt_sets = {t.prompts: load_prompts(t.prompts) for t in config.tenants if t.prompts != "synthetic"}
-    options = SendOptions(config.model, config.temperature, config.ignore_eos, config.prompt_format,
-                          config.request_timeout_s, config.tls_ca)
+    options = SendOptions(
+        config.model,
+        config.temperature,
+        config.ignore_eos,
+        config.prompt_format,
+        config.request_timeout_s,
+        config.tls_ca,
+    )
     clock, servers, clients, infos = Clock(), [], {}, {}
     targets = []
     try:
@@ -192,8 +245,11 @@ async def execute(config: RunConfig, run_id: str):
             kind = OpenAIClient if target.api == "openai" else GrpcClient
             clients[target.name] = kind(target.address, options, clock.now_ns)
             key = config.tenants[0].api_key
-            info = (await _wait_ready(clients[target.name], key, config.local_num_workers) if target.local
-                    else await clients[target.name].server_info(key))
+            info = (
+                await _wait_ready(clients[target.name], key, config.local_num_workers)
+                if target.local
+                else await clients[target.name].server_info(key)
+            )
             infos[target.name] = {**dataclasses.asdict(target), "server_info": info}
         config = dataclasses.replace(config, targets=tuple(targets))
         results = await run_sweep(config, clients, clock, synthetic, prompt_sets, run_id)
@@ -213,10 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     created = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}"
     mach, git = machine(), git_revision()
     results, infos = asyncio.run(execute(config, run_id))
-    report = {"tool": "loadtest", "format": 1, "created": created, "run_id": run_id,
-              "command": ["python -m loadtest", *redact(sys.argv[1:] if argv is None else argv)],
-              "config": config.to_json(), "seed": config.seed, "git": git, "machine": mach,
-              "targets": infos, "points": [r.to_json() for r in results]}
+    report = {
+        "tool": "loadtest",
+        "format": 1,
+        "created": created,
+        "run_id": run_id,
+        "command": ["python -m loadtest", *redact(sys.argv[1:] if argv is None else argv)],
+        "config": config.to_json(),
+        "seed": config.seed,
+        "git": git,
+        "machine": mach,
+        "targets": infos,
+        "points": [r.to_json() for r in results],
+    }
     plot_files = []
     if config.plots:
         try:

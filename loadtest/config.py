@@ -11,6 +11,7 @@ Contract
   repeatable record written into the report (API keys are replaced by "<set>").
 - failure modes: ValueError naming the field; a non-loopback target without `allow_remote`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,26 +25,36 @@ from common.tls import CLIENT_FLAGS, check_files
 from loadtest.lengths import LengthDist
 
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "closed")
-TENANT_KEYS = {"name": "name", "key": "api_key", "weight": "weight", "arrival": "arrival",
-               "rate": "rate_per_s", "burstiness": "burstiness", "concurrency": "concurrency",
-               "prompts": "prompts", "input_len": "input_len", "output_len": "output_len",
-               "prefix_len": "shared_prefix_len", "priority": "priority"}
+TENANT_KEYS = {
+    "name": "name",
+    "key": "api_key",
+    "weight": "weight",
+    "arrival": "arrival",
+    "rate": "rate_per_s",
+    "burstiness": "burstiness",
+    "concurrency": "concurrency",
+    "prompts": "prompts",
+    "input_len": "input_len",
+    "output_len": "output_len",
+    "prefix_len": "shared_prefix_len",
+    "priority": "priority",
+}
 _NAME = re.compile(r"^([A-Za-z][\w.-]*)=(.+)$")
 
 
 @dataclass(frozen=True)
 class TenantSpec:
     name: str = "default"
-    api_key: str = ""                 # sent as `authorization: Bearer <key>`; never written out
-    weight: float = 1.0               # fair-share weight: service is divided by it
-    arrival: str = "poisson"          # poisson | gamma | constant | closed
-    rate_per_s: float = 1.0           # open loop
-    burstiness: float = 1.0           # gamma shape (1 = Poisson)
-    concurrency: int = 1              # closed loop: requests kept in flight
-    prompts: str = "synthetic"        # synthetic | bundled | PATH (.jsonl with "prompt" or .txt)
-    input_len: LengthDist = LengthDist.parse("128")     # synthetic prompts only
+    api_key: str = ""  # sent as `authorization: Bearer <key>`; never written out
+    weight: float = 1.0  # fair-share weight: service is divided by it
+    arrival: str = "poisson"  # poisson | gamma | constant | closed
+    rate_per_s: float = 1.0  # open loop
+    burstiness: float = 1.0  # gamma shape (1 = Poisson)
+    concurrency: int = 1  # closed loop: requests kept in flight
+    prompts: str = "synthetic"  # synthetic | bundled | PATH (.jsonl with "prompt" or .txt)
+    input_len: LengthDist = LengthDist.parse("128")  # synthetic prompts only
     output_len: LengthDist = LengthDist.parse("16")
-    shared_prefix_len: int = 0        # tokens of a system prompt common to the tenant's requests
+    shared_prefix_len: int = 0  # tokens of a system prompt common to the tenant's requests
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -90,11 +101,11 @@ def parse_kv(text: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Target:
     name: str
-    api: str                          # grpc | openai
-    address: str = ""                 # host:port (grpc) or base URL (openai); "" until a local one starts
+    api: str  # grpc | openai
+    address: str = ""  # host:port (grpc) or base URL (openai); "" until a local one starts
     local_args: tuple[str, ...] = ()  # worker arguments when this tool starts the server
     local: bool = False
-    metrics_url: str = ""             # Prometheus text endpoint, scraped before and after
+    metrics_url: str = ""  # Prometheus text endpoint, scraped before and after
 
     @classmethod
     def parse(cls, text: str, index: int, allow_remote: bool = False) -> "Target":
@@ -103,7 +114,7 @@ class Target:
         is_local = spec == "local" or spec.startswith("local:")
         name = name or (("local" if is_local else "target") + (str(index) if index else ""))
         if is_local:
-            return cls(name, "grpc", "", tuple(shlex.split(spec[len("local:"):])), local=True)
+            return cls(name, "grpc", "", tuple(shlex.split(spec[len("local:") :])), local=True)
         if spec.startswith(("http://", "https://")):
             host = urllib.parse.urlsplit(spec).hostname or ""
             api, address = "openai", spec.rstrip("/")
@@ -112,8 +123,10 @@ class Target:
             host = address.rpartition(":")[0].strip("[]")
             api = "grpc"
         if not allow_remote and not is_loopback_host(host):
-            raise ValueError(f"target {spec!r} is not on loopback: load only servers you run; "
-                             "pass --allow-remote for your own remote server")
+            raise ValueError(
+                f"target {spec!r} is not on loopback: load only servers you run; "
+                "pass --allow-remote for your own remote server"
+            )
         return cls(name, api, address)
 
 
@@ -121,26 +134,26 @@ class Target:
 class RunConfig:
     targets: tuple[Target, ...]
     tenants: tuple[TenantSpec, ...]
-    duration_s: float | None = 30.0   # measured time per sweep point, after warm-up
-    num_requests: int | None = None   # measured requests per sweep point
-    warmup_s: float = 0.0             # requests sent earlier are run but not counted
-    sweep: str = ""                   # "" | rate | concurrency
+    duration_s: float | None = 30.0  # measured time per sweep point, after warm-up
+    num_requests: int | None = None  # measured requests per sweep point
+    warmup_s: float = 0.0  # requests sent earlier are run but not counted
+    sweep: str = ""  # "" | rate | concurrency
     sweep_values: tuple[float, ...] = ()
     seed: int = 0
     model: str = ""
     temperature: float = 0.0
     ignore_eos: bool = True
-    prompt_format: str = "text"       # grpc: send text (router tokenizes) or token ids
+    prompt_format: str = "text"  # grpc: send text (router tokenizes) or token ids
     max_concurrency: int | None = None  # open loop: client-side cap; waits are recorded
     request_timeout_s: float = 300.0
-    drain_timeout_s: float = 120.0    # after the last send; then in-flight calls are cancelled
+    drain_timeout_s: float = 120.0  # after the last send; then in-flight calls are cancelled
     slo_s: tuple[tuple[str, float], ...] = ()
-    tokenizer: str = ""               # GGUF file or HF dir for synthetic prompts; "" = embedded
+    tokenizer: str = ""  # GGUF file or HF dir for synthetic prompts; "" = embedded
     out_dir: str = "loadtest-results"
     plots: bool = True
     progress: bool = True
     local_num_workers: int = 1
-    tls_ca: str = ""                  # gRPC targets: TLS, trusting this CA (PEM); "" = plaintext
+    tls_ca: str = ""  # gRPC targets: TLS, trusting this CA (PEM); "" = plaintext
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.targets) <= 2:
@@ -168,10 +181,12 @@ class RunConfig:
         if not self.sweep or value is None:
             return self.tenants
         if self.sweep == "rate":
-            return tuple(t if t.closed_loop else dataclasses.replace(t, rate_per_s=value)
-                         for t in self.tenants)
-        return tuple(dataclasses.replace(t, concurrency=int(value)) if t.closed_loop else t
-                     for t in self.tenants)
+            return tuple(
+                t if t.closed_loop else dataclasses.replace(t, rate_per_s=value) for t in self.tenants
+            )
+        return tuple(
+            dataclasses.replace(t, concurrency=int(value)) if t.closed_loop else t for t in self.tenants
+        )
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

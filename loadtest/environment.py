@@ -9,6 +9,7 @@ Contract
   compares (`llm_requests_total`, `llm_prompt_tokens_total`, `llm_generation_tokens_total`), or
   {"error": ...}; `counter_deltas(before, after)` subtracts.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,15 +46,21 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
-        pass   # no /proc/cpuinfo (not Linux): fall through to the platform's name
+        pass  # no /proc/cpuinfo (not Linux): fall through to the platform's name
     return platform.processor()
 
 
 def machine() -> dict:
     gpus = _run(["nvidia-smi", "-L"]).splitlines() if shutil.which("nvidia-smi") else []
-    return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(),
-            "cpu": _cpu_model(), "logical_cores": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None, "gpus": gpus}
+    return {
+        "host": platform.node(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "gpus": gpus,
+    }
 
 
 def scrape_counters(url: str, timeout_s: float = 5.0) -> dict:

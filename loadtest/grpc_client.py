@@ -10,6 +10,7 @@ Contract
   `prompt_format="tokens"`, as token ids when the workload knows them. Output length is fixed by
   `max_tokens` + `ignore_eos` when the run asks for it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,11 @@ from loadtest.workload import RequestSpec
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 
-REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-           pb.FINISH_REASON_CANCELLED: "cancelled"}
+REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -33,9 +37,9 @@ class SendOptions:
     model: str = ""
     temperature: float = 0.0
     ignore_eos: bool = True
-    prompt_format: str = "text"          # text | tokens
+    prompt_format: str = "text"  # text | tokens
     timeout_s: float = 300.0
-    tls_ca: str = ""                     # PEM CA to verify the server with; "" = plaintext
+    tls_ca: str = ""  # PEM CA to verify the server with; "" = plaintext
 
 
 class GrpcClient:
@@ -44,11 +48,14 @@ class GrpcClient:
     def __init__(self, address: str, options: SendOptions, clock_ns: Callable[[], int]):
         self._options = options
         self._clock_ns = clock_ns
-        channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        channel_options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
         if options.tls_ca:
-            self._channel = grpc.aio.secure_channel(address, channel_credentials(options.tls_ca),
-                                                    options=channel_options)
+            self._channel = grpc.aio.secure_channel(
+                address, channel_credentials(options.tls_ca), options=channel_options
+            )
         else:
             self._channel = grpc.aio.insecure_channel(address, options=channel_options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -66,8 +73,9 @@ class GrpcClient:
         req.stopping.ignore_eos = o.ignore_eos
         return req
 
-    async def send(self, spec: RequestSpec, record: RequestRecord, request_id: str,
-                   api_key: str = "", priority: int = 0) -> None:
+    async def send(
+        self, spec: RequestSpec, record: RequestRecord, request_id: str, api_key: str = "", priority: int = 0
+    ) -> None:
         request = self.build_request(spec, request_id, priority)
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         record.sent_ns = self._clock_ns()
@@ -99,8 +107,9 @@ class GrpcClient:
             reply = await self._stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             return {"api": "grpc", "error": f"{exc.code().name}: {exc.details()}"}
-        models = [{"id": m.id, "max_model_len": m.max_model_len, "num_workers": m.num_workers}
-                  for m in reply.models]
+        models = [
+            {"id": m.id, "max_model_len": m.max_model_len, "num_workers": m.num_workers} for m in reply.models
+        ]
         return {"api": "grpc", "models": models}
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ Contract
 - failure modes: ValueError naming the spec for bad syntax, lengths < 1, an empty file.
 - proven by: tests/test_loadtest_workload.py.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -22,7 +23,7 @@ KINDS = ("fixed", "uniform", "normal", "file")
 class LengthDist:
     kind: str
     params: tuple[float, ...] = ()
-    values: tuple[int, ...] = ()     # kind "file" only
+    values: tuple[int, ...] = ()  # kind "file" only
     spec: str = ""
 
     @classmethod

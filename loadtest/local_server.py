@@ -9,6 +9,7 @@ Contract
   RuntimeError / TimeoutError from `router.local.LocalProcess` when a process fails to start.
   `stop()` always stops every process it started (router first, so it drains).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,14 +28,25 @@ def tenants_yaml(tenants: tuple[TenantSpec, ...]) -> str | None:
         return None
     if len(keyed) != len(tenants):
         raise ValueError("a local server needs an API key for every tenant, or for none")
-    return yaml.safe_dump({"tenants": [
-        {"name": t.name, "key_sha256": hashlib.sha256(t.api_key.encode()).hexdigest(), "weight": t.weight}
-        for t in tenants]}, sort_keys=False)
+    return yaml.safe_dump(
+        {
+            "tenants": [
+                {
+                    "name": t.name,
+                    "key_sha256": hashlib.sha256(t.api_key.encode()).hexdigest(),
+                    "weight": t.weight,
+                }
+                for t in tenants
+            ]
+        },
+        sort_keys=False,
+    )
 
 
 class LocalServer:
-    def __init__(self, tenants: tuple[TenantSpec, ...], worker_args: tuple[str, ...] = (),
-                 num_workers: int = 1):
+    def __init__(
+        self, tenants: tuple[TenantSpec, ...], worker_args: tuple[str, ...] = (), num_workers: int = 1
+    ):
         self._tenants_text = tenants_yaml(tenants)
         self._worker_args = worker_args
         self._num_workers = num_workers
@@ -43,12 +55,22 @@ class LocalServer:
         self.worker_addresses: list[str] = []
 
     def start(self) -> str:
-        workers = [LocalProcess(f"worker{i}", ["-m", "worker", "--port", "0", *self._worker_args], quiet=True)
-                   for i in range(self._num_workers)]
+        workers = [
+            LocalProcess(f"worker{i}", ["-m", "worker", "--port", "0", *self._worker_args], quiet=True)
+            for i in range(self._num_workers)
+        ]
         self._procs.extend(workers)
         self.worker_addresses = [w.wait_listening() for w in workers]
-        args = ["-m", "router", "--port", "0", "--workers", ",".join(self.worker_addresses),
-                "--health-poll-s", "0.2"]
+        args = [
+            "-m",
+            "router",
+            "--port",
+            "0",
+            "--workers",
+            ",".join(self.worker_addresses),
+            "--health-poll-s",
+            "0.2",
+        ]
         if self._tenants_text is not None:
             path = pathlib.Path(self._dir.name) / "tenants.yaml"
             path.write_text(self._tenants_text, encoding="utf-8")

@@ -14,6 +14,7 @@ Contract
   it; a server that rejects unknown fields needs `--no-ignore-eos`).
 - `await server_info(api_key)`: `GET /v1/models`; fills in the model name when none was given.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,7 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
         raise ProtocolError(f"bad status line {status_line!r}")
     headers = {}
-    while (line := (await reader.readline()).decode("latin-1").strip()):
+    while line := (await reader.readline()).decode("latin-1").strip():
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
     return int(parts[1]), headers
@@ -52,7 +53,7 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> As
             size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:
                 while (await reader.readline()).strip():
-                    pass   # skip trailer lines up to the blank one
+                    pass  # skip trailer lines up to the blank one
                 return
             data = await reader.readexactly(size)
             await reader.readexactly(2)
@@ -99,9 +100,14 @@ class OpenAIClient:
 
     async def _open(self, method: str, path: str, body: bytes | None, api_key: str):
         reader, writer = await asyncio.open_connection(
-            self._host, self._port, ssl=ssl.create_default_context() if self._https else None)
-        head = [f"{method} {self._prefix}{path} HTTP/1.1", f"Host: {self._host}:{self._port}",
-                "Connection: close", "Accept: text/event-stream, application/json"]
+            self._host, self._port, ssl=ssl.create_default_context() if self._https else None
+        )
+        head = [
+            f"{method} {self._prefix}{path} HTTP/1.1",
+            f"Host: {self._host}:{self._port}",
+            "Connection: close",
+            "Accept: text/event-stream, application/json",
+        ]
         if api_key:
             head.append(f"Authorization: Bearer {api_key}")
         if body is not None:
@@ -113,14 +119,22 @@ class OpenAIClient:
     def build_body(self, spec: RequestSpec) -> dict:
         o = self._options
         prompt = list(spec.prompt_ids) if o.prompt_format == "tokens" and spec.prompt_ids else spec.prompt
-        body = {"model": self._model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": o.temperature, "seed": spec.seed}
+        body = {
+            "model": self._model,
+            "prompt": prompt,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": o.temperature,
+            "seed": spec.seed,
+        }
         if o.ignore_eos:
             body["ignore_eos"] = True
         return body
 
-    async def send(self, spec: RequestSpec, record: RequestRecord, request_id: str,
-                   api_key: str = "", priority: int = 0) -> None:
+    async def send(
+        self, spec: RequestSpec, record: RequestRecord, request_id: str, api_key: str = "", priority: int = 0
+    ) -> None:
         body = json.dumps(self.build_body(spec)).encode()
         record.sent_ns = self._clock_ns()
         writer = None

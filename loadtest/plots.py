@@ -9,6 +9,7 @@ Contract
 - failure modes: none of its own; with matplotlib missing, `write_plots` raises ImportError and
   the caller reports that plots were skipped.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -30,8 +31,12 @@ def _latency_cdf(plt, points, path: pathlib.Path) -> None:
         for p in points:
             values = sorted(v * 1e3 for v in _values(p.records, key))
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                        label=f"{p.target} {p.label}")
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    label=f"{p.target} {p.label}",
+                )
         ax.set_title(f"{name} (ms)")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests" if key != "itl_s" else "fraction of gaps")
@@ -53,8 +58,13 @@ def _sweep(plt, points, path: pathlib.Path) -> None:
                 y = [p.summary[key][q] * 1e3 if p.summary.get(key) else float("nan") for p in mine]
                 ax.plot(x, y, style, label=f"{target} {q}")
                 for xi, yi, p in zip(x, y, mine):
-                    ax.annotate(p.label.split("=")[-1], (xi, yi), fontsize=7, xytext=(3, 3),
-                                textcoords="offset points")
+                    ax.annotate(
+                        p.label.split("=")[-1],
+                        (xi, yi),
+                        fontsize=7,
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                    )
     for ax, name in zip(axes, ("TTFT", "TPOT")):
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"{name} (ms)")

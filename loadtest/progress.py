@@ -5,6 +5,7 @@ Contract: `ProgressBar(label, total, unit)`; `update(done, text)` redraws at mos
 stderr is not a terminal (CI logs) a plain line is printed every 10 s instead. `enabled=False`
 makes every call a no-op.
 """
+
 from __future__ import annotations
 
 import sys

@@ -13,6 +13,7 @@ Contract
 - `output_tokens`: the server's completion count when it sent one (OpenAI streams do not say how
   many tokens each chunk holds), else the client's own count of token ids.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -25,14 +26,14 @@ class RequestRecord:
     tenant: str
     index: int
     warmup: bool
-    scheduled_ns: int                 # when the arrival process wanted it sent (open loop)
+    scheduled_ns: int  # when the arrival process wanted it sent (open loop)
     sent_ns: int = 0
     end_ns: int = 0
     chunk_ns: list[int] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     status: str = "OK"
     error: str = ""
-    input_len: int | None = None      # the client's token count of the prompt, when known
+    input_len: int | None = None  # the client's token count of the prompt, when known
     prompt_tokens: int | None = None  # server usage
     completion_tokens: int | None = None
     cached_prompt_tokens: int | None = None

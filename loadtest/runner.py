@@ -14,6 +14,7 @@ Contract
   cancelled and recorded as `CLIENT_DRAIN_TIMEOUT`. The run always ends by itself.
 - progress: a live bar with sent / done / failed / in flight / output tokens per second.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,17 +44,32 @@ class Clock:
         return self.now_ns() / NS_PER_S
 
 
-def open_loop_plan(open_tenants: list[TenantSpec], point_seed: str,
-                   config: RunConfig) -> list[tuple[float, int]]:
+def open_loop_plan(
+    open_tenants: list[TenantSpec], point_seed: str, config: RunConfig
+) -> list[tuple[float, int]]:
     """`(send time s, index into open_tenants)` for every open-loop request of a point."""
-    streams = [arrival_times(ArrivalProcess(t.arrival, t.rate_per_s, t.burstiness),
-                             random.Random(f"{point_seed}:{t.name}:arrivals")) for t in open_tenants]
+    streams = [
+        arrival_times(
+            ArrivalProcess(t.arrival, t.rate_per_s, t.burstiness),
+            random.Random(f"{point_seed}:{t.name}:arrivals"),
+        )
+        for t in open_tenants
+    ]
     return schedule(streams, config.warmup_s, config.duration_s, config.num_requests)
 
 
 class PointRun:
-    def __init__(self, config: RunConfig, tenants: tuple[TenantSpec, ...], workloads: dict[str, Workload],
-                 client, clock: Clock, point_seed: str, request_prefix: str, label: str):
+    def __init__(
+        self,
+        config: RunConfig,
+        tenants: tuple[TenantSpec, ...],
+        workloads: dict[str, Workload],
+        client,
+        clock: Clock,
+        point_seed: str,
+        request_prefix: str,
+        label: str,
+    ):
         self.config = config
         self.tenants = {t.name: t for t in tenants}
         self.workloads = workloads
@@ -90,8 +106,13 @@ class PointRun:
 
     async def _one(self, tenant: TenantSpec, scheduled_ns: int, warmup: bool) -> None:
         spec = self.workloads[tenant.name].next()
-        record = RequestRecord(tenant.name, spec.index, warmup, scheduled_ns,
-                               input_len=len(spec.prompt_ids) if spec.prompt_ids is not None else None)
+        record = RequestRecord(
+            tenant.name,
+            spec.index,
+            warmup,
+            scheduled_ns,
+            input_len=len(spec.prompt_ids) if spec.prompt_ids is not None else None,
+        )
         self.records.append(record)
         request_id = f"{self.request_prefix}-{tenant.name}-{spec.index}"
         self._num_in_flight += 1
@@ -154,8 +175,11 @@ class PointRun:
                 progress = sum(not r.warmup for r in done)
             else:
                 progress = elapsed_s
-            self._bar.update(progress, f"sent {len(self.records)} done {len(done)} failed {failed} "
-                                       f"in flight {self._num_in_flight} out {tokens / elapsed_s:.1f} tok/s")
+            self._bar.update(
+                progress,
+                f"sent {len(self.records)} done {len(done)} failed {failed} "
+                f"in flight {self._num_in_flight} out {tokens / elapsed_s:.1f} tok/s",
+            )
             await asyncio.sleep(0.25)
 
     async def run(self) -> list[RequestRecord]:

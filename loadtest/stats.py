@@ -13,6 +13,7 @@ Contract
 - `peak_per_bucket(times_ns, amounts, bucket_s)` and `peak_concurrency(intervals)`.
 - proven by: tests/test_loadtest_stats.py (hand-computed values).
 """
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,9 @@ def summarize(values: Sequence[float]) -> Summary | None:
     n = len(values)
     mean = sum(values) / n
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
-    return Summary(n, mean, std, min(values), *(percentile(values, q) for q in (50, 90, 95, 99, 99.9)),
-                   max(values))
+    return Summary(
+        n, mean, std, min(values), *(percentile(values, q) for q in (50, 90, 95, 99, 99.9)), max(values)
+    )
 
 
 def jain_index(xs: Sequence[float]) -> float | None:

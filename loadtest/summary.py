@@ -13,6 +13,7 @@ Contract
 - Latency statistics cover successful requests; throughput counts their tokens; a tenant's
   service counts every token delivered to it, inputs at the first token, outputs as they arrive.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -60,18 +61,27 @@ def basic_stats(records: list[RequestRecord], duration_s: float, slo: dict[str, 
         "e2e_s": _opt(summarize([r.e2e_s for r in ok])),
         "tokens_per_chunk": _opt(summarize([n for r in ok for n in r.chunk_tokens])),
         "client_wait_s": _opt(summarize([r.client_wait_s for r in records])),
-        "server_queue_s": _opt(summarize([r.server_queue_ms / 1e3 for r in ok
-                                          if r.server_queue_ms is not None])),
+        "server_queue_s": _opt(
+            summarize([r.server_queue_ms / 1e3 for r in ok if r.server_queue_ms is not None])
+        ),
     }
     if slo:
         good = sum(meets_slo(r, slo) for r in records)
-        out["goodput"] = {"requests_per_s": per_s(good), "num_good": good,
-                          "fraction": good / len(records) if records else 0.0}
+        out["goodput"] = {
+            "requests_per_s": per_s(good),
+            "num_good": good,
+            "fraction": good / len(records) if records else 0.0,
+        }
     return out
 
 
-def service_timeline(records: list[RequestRecord], tenants: tuple[TenantSpec, ...],
-                     start_ns: int, end_ns: int, step_s: float = 1.0) -> dict:
+def service_timeline(
+    records: list[RequestRecord],
+    tenants: tuple[TenantSpec, ...],
+    start_ns: int,
+    end_ns: int,
+    step_s: float = 1.0,
+) -> dict:
     """Cumulative (input + 2 x output tokens) / weight per tenant at the end of each step."""
     weights = {t.name: t.weight for t in tenants}
     num_steps = max(1, int((end_ns - start_ns) / (step_s * NS_PER_S)) + 1)
@@ -79,11 +89,13 @@ def service_timeline(records: list[RequestRecord], tenants: tuple[TenantSpec, ..
     for r in records:
         row = per_step[r.tenant]
         if r.chunk_ns:
-            row[min(num_steps - 1, int((r.chunk_ns[0] - start_ns) / (step_s * NS_PER_S)))] += \
+            row[min(num_steps - 1, int((r.chunk_ns[0] - start_ns) / (step_s * NS_PER_S)))] += (
                 r.input_tokens / weights[r.tenant]
+            )
         for t, n in zip(r.chunk_ns, r.chunk_tokens):
-            row[min(num_steps - 1, int((t - start_ns) / (step_s * NS_PER_S)))] += \
+            row[min(num_steps - 1, int((t - start_ns) / (step_s * NS_PER_S)))] += (
                 OUTPUT_WEIGHT * n / weights[r.tenant]
+            )
     cumulative = {}
     for name, row in per_step.items():
         total, acc = 0.0, []
@@ -91,14 +103,21 @@ def service_timeline(records: list[RequestRecord], tenants: tuple[TenantSpec, ..
             total += v
             acc.append(total)
         cumulative[name] = acc
-    gaps = [max(c[i] for c in cumulative.values()) - min(c[i] for c in cumulative.values())
-            for i in range(num_steps)]
-    return {"step_s": step_s, "t_s": [(i + 1) * step_s for i in range(num_steps)],
-            "service": cumulative, "max_gap": max(gaps)}
+    gaps = [
+        max(c[i] for c in cumulative.values()) - min(c[i] for c in cumulative.values())
+        for i in range(num_steps)
+    ]
+    return {
+        "step_s": step_s,
+        "t_s": [(i + 1) * step_s for i in range(num_steps)],
+        "service": cumulative,
+        "max_gap": max(gaps),
+    }
 
 
-def summarize_point(records: list[RequestRecord], tenants: tuple[TenantSpec, ...],
-                    slo: dict[str, float]) -> dict:
+def summarize_point(
+    records: list[RequestRecord], tenants: tuple[TenantSpec, ...], slo: dict[str, float]
+) -> dict:
     measured = [r for r in records if not r.warmup]
     if not measured:
         return {"num_requests": 0, "completed": 0, "failed": 0, "errors": {}, "tenants": {}}
@@ -107,7 +126,8 @@ def summarize_point(records: list[RequestRecord], tenants: tuple[TenantSpec, ...
     out = basic_stats(measured, duration_s, slo)
     out["peak_output_token_throughput"] = peak_per_bucket(
         [t - start_ns for r in measured if r.ok for t in r.chunk_ns],
-        [n for r in measured if r.ok for n in r.chunk_tokens])
+        [n for r in measured if r.ok for n in r.chunk_tokens],
+    )
     out["peak_in_flight"] = peak_concurrency([(r.sent_ns, r.end_ns) for r in measured])
     out["tenants"] = {}
     for tenant in tenants:

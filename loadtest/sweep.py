@@ -12,6 +12,7 @@ Contract
   and (`METRICS_SETTLE_S` after the last request ended) after each point, and the differences
   stored with the point; they cover warm-up requests too (compare with `all_requests()`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,15 +41,23 @@ class PointResult:
     def all_requests(self) -> dict:
         """Counts over every request sent, warm-up included: what the server's counters saw."""
         ok = [r for r in self.records if r.ok]
-        return {"sent": len(self.records), "ok": len(ok),
-                "server_prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
-                "server_completion_tokens": sum(r.completion_tokens or 0 for r in ok),
-                "client_output_tokens": sum(r.num_client_tokens for r in ok)}
+        return {
+            "sent": len(self.records),
+            "ok": len(ok),
+            "server_prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+            "server_completion_tokens": sum(r.completion_tokens or 0 for r in ok),
+            "client_output_tokens": sum(r.num_client_tokens for r in ok),
+        }
 
     def to_json(self) -> dict:
-        return {"target": self.target, "label": self.label, "sweep_value": self.value,
-                "summary": self.summary, "all_requests": self.all_requests(),
-                "server_counters": self.server_counters}
+        return {
+            "target": self.target,
+            "label": self.label,
+            "sweep_value": self.value,
+            "summary": self.summary,
+            "all_requests": self.all_requests(),
+            "server_counters": self.server_counters,
+        }
 
 
 def point_seed(seed: int, index: int) -> str:
@@ -59,8 +68,14 @@ def point_label(config: RunConfig, value: float | None) -> str:
     return f"{config.sweep}={value:g}" if config.sweep and value is not None else "run"
 
 
-async def run_sweep(config: RunConfig, clients: dict, clock: Clock, synthetic: SyntheticText | None,
-                    prompt_sets: dict[str, tuple[str, ...]], run_id: str) -> list[PointResult]:
+async def run_sweep(
+    config: RunConfig,
+    clients: dict,
+    clock: Clock,
+    synthetic: SyntheticText | None,
+    prompt_sets: dict[str, tuple[str, ...]],
+    run_id: str,
+) -> list[PointResult]:
     results = []
     slo = dict(config.slo_s)
     for index, value in enumerate(config.sweep_values or (None,)):
@@ -71,13 +86,24 @@ async def run_sweep(config: RunConfig, clients: dict, clock: Clock, synthetic: S
         for target in order:
             workloads = {t.name: Workload(t, seed, synthetic, prompt_sets.get(t.prompts)) for t in tenants}
             before = scrape_counters(target.metrics_url) if target.metrics_url else None
-            run = PointRun(config, tenants, workloads, clients[target.name], clock, seed,
-                           f"lt-{run_id}-{index}", f"{target.name} {label}")
+            run = PointRun(
+                config,
+                tenants,
+                workloads,
+                clients[target.name],
+                clock,
+                seed,
+                f"lt-{run_id}-{index}",
+                f"{target.name} {label}",
+            )
             records = await run.run()
             counters = None
             if before is not None:
                 await asyncio.sleep(METRICS_SETTLE_S)
                 counters = counter_deltas(before, scrape_counters(target.metrics_url))
-            results.append(PointResult(target.name, label, value, records,
-                                       summarize_point(records, tenants, slo), counters))
+            results.append(
+                PointResult(
+                    target.name, label, value, records, summarize_point(records, tenants, slo), counters
+                )
+            )
     return results

@@ -13,6 +13,7 @@ Contract
 - failure modes: ValueError for an empty prompt file or a tokenizer without single-token words.
 - proven by: tests/test_loadtest_workload.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,11 @@ MAX_WORDS = 4096
 @dataclass(frozen=True)
 class RequestSpec:
     tenant: str
-    index: int                              # position in the tenant's stream
+    index: int  # position in the tenant's stream
     prompt: str
-    prompt_ids: tuple[int, ...] | None      # exact ids (synthetic prompts); None = unknown
+    prompt_ids: tuple[int, ...] | None  # exact ids (synthetic prompts); None = unknown
     max_tokens: int
-    seed: int                               # sampling seed (matters when temperature > 0)
+    seed: int  # sampling seed (matters when temperature > 0)
 
 
 class SyntheticText:
@@ -69,8 +70,13 @@ def load_prompts(source: str) -> tuple[str, ...]:
 
 
 class Workload:
-    def __init__(self, tenant: TenantSpec, seed: int | str, synthetic: SyntheticText | None,
-                 prompt_set: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        tenant: TenantSpec,
+        seed: int | str,
+        synthetic: SyntheticText | None,
+        prompt_set: tuple[str, ...] | None = None,
+    ):
         if (tenant.prompts == "synthetic" or tenant.shared_prefix_len) and synthetic is None:
             raise ValueError(f"tenant {tenant.name}: synthetic prompts need a tokenizer")
         if tenant.prompts != "synthetic" and not prompt_set:
@@ -93,7 +99,13 @@ class Workload:
         else:
             text = self._prompt_set[rng.randrange(len(self._prompt_set))]
             prompt, prompt_ids = (self._prefix + "\n" + text if self._prefix else text), None
-        spec = RequestSpec(self.tenant.name, self._index, prompt, prompt_ids,
-                           self.tenant.output_len.sample(rng), rng.randrange(2**31))
+        spec = RequestSpec(
+            self.tenant.name,
+            self._index,
+            prompt,
+            prompt_ids,
+            self.tenant.output_len.sample(rng),
+            rng.randrange(2**31),
+        )
         self._index += 1
         return spec

@@ -3,6 +3,7 @@
 Contract: the flags and their `LLM_*` variables come from `RouterConfig`'s field metadata
 (router.config.parse_args); a bad value is a usage error (exit 2); SIGTERM drains, exit 0.
 """
+
 import asyncio
 import sys
 
@@ -13,7 +14,7 @@ from router.config import parse_args
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("router", config.telemetry.log_format)
-    from router.server import serve   # grpc and the tokenizer load only once the flags are good
+    from router.server import serve  # grpc and the tokenizer load only once the flags are good
 
     return asyncio.run(serve(config))
 

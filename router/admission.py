@@ -28,6 +28,7 @@ Contract
 - proven by: tests/test_fairness_admission.py (each reason, retry-after values, isolation between
   tenants, ticket release); metric llm_admission_rejections_total{tenant,reason}.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,15 @@ from typing import Any, Protocol
 from router.fair_queue import FairQueue, QueuedRequest
 from router.rate_limit import TokenBucket
 
-REASONS = ("rate_limited", "concurrency", "tenant_queue_full", "global_queue_full", "token_budget",
-           "deadline", "no_capacity")
+REASONS = (
+    "rate_limited",
+    "concurrency",
+    "tenant_queue_full",
+    "global_queue_full",
+    "token_budget",
+    "deadline",
+    "no_capacity",
+)
 
 
 class AdmissionError(Exception):
@@ -80,19 +88,19 @@ class TenantPolicy(Protocol):
 class TenantLimits:
     name: str
     weight: float = 1.0
-    max_concurrency: int | None = None       # open requests: queued + running
-    max_queued: int | None = None            # requests waiting in the fair queue
+    max_concurrency: int | None = None  # open requests: queued + running
+    max_queued: int | None = None  # requests waiting in the fair queue
     rate_requests_per_s: float | None = None
-    burst_requests: float | None = None      # None: one second's worth, at least 1
+    burst_requests: float | None = None  # None: one second's worth, at least 1
     rate_tokens_per_min: float | None = None  # prompt + max_tokens; burst: one minute's worth
     default_priority: int = 0
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_queued_total: int | None = None      # global queue cap
+    max_queued_total: int | None = None  # global queue cap
     max_tokens_in_flight: int | None = None  # cluster budget: prompt + max_tokens of open requests
-    default_retry_after_ms: int = 1000       # when no dispatch rate has been measured yet
+    default_retry_after_ms: int = 1000  # when no dispatch rate has been measured yet
     max_retry_after_ms: int = 60_000
 
     def __post_init__(self) -> None:
@@ -113,8 +121,12 @@ class Ticket:
 
 
 class AdmissionController:
-    def __init__(self, queue: FairQueue, config: AdmissionConfig = AdmissionConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        queue: FairQueue,
+        config: AdmissionConfig = AdmissionConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._queue = queue
         self._config = config
         self._clock = clock
@@ -136,10 +148,24 @@ class AdmissionController:
         """The cluster budget may follow the workers' reported KV capacity; None = unlimited."""
         self._budget = max_tokens_in_flight
 
-    def admit(self, tenant: TenantPolicy, num_prompt_tokens: int, max_tokens: int, *,
-              priority: int | None = None, deadline_s: float | None = None, payload: Any = None) -> Ticket:
-        item = QueuedRequest(tenant.name, tenant.weight, num_prompt_tokens, max_tokens,
-                             tenant.default_priority if priority is None else priority, payload)
+    def admit(
+        self,
+        tenant: TenantPolicy,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        *,
+        priority: int | None = None,
+        deadline_s: float | None = None,
+        payload: Any = None,
+    ) -> Ticket:
+        item = QueuedRequest(
+            tenant.name,
+            tenant.weight,
+            num_prompt_tokens,
+            max_tokens,
+            tenant.default_priority if priority is None else priority,
+            payload,
+        )
         num_tokens = num_prompt_tokens + max_tokens
         requests, tokens = self._tenant_buckets(tenant)
         try:
@@ -157,47 +183,74 @@ class AdmissionController:
         self.admitted[tenant.name] += 1
         return Ticket(self, item, num_tokens)
 
-    def _check(self, tenant: TenantPolicy, item: QueuedRequest, num_tokens: int, requests: TokenBucket | None,
-               tokens: TokenBucket | None, deadline_s: float | None) -> None:
+    def _check(
+        self,
+        tenant: TenantPolicy,
+        item: QueuedRequest,
+        num_tokens: int,
+        requests: TokenBucket | None,
+        tokens: TokenBucket | None,
+        deadline_s: float | None,
+    ) -> None:
         name, cfg = tenant.name, self._config
         waits = [requests.wait_s(1) if requests else 0.0, tokens.wait_s(num_tokens) if tokens else 0.0]
         if math.isinf(waits[1]):
-            raise AdmissionError("rate_limited", cfg.max_retry_after_ms,
-                                 f"tenant {name}: the request's {num_tokens} tokens (prompt + max_tokens) "
-                                 f"exceed its limit of {tenant.rate_tokens_per_min:g} tokens per minute")
+            raise AdmissionError(
+                "rate_limited",
+                cfg.max_retry_after_ms,
+                f"tenant {name}: the request's {num_tokens} tokens (prompt + max_tokens) "
+                f"exceed its limit of {tenant.rate_tokens_per_min:g} tokens per minute",
+            )
         if max(waits) > 0:
-            raise AdmissionError("rate_limited", self._clamp_ms(max(waits)),
-                                 f"tenant {name}: rate limit reached")
+            raise AdmissionError(
+                "rate_limited", self._clamp_ms(max(waits)), f"tenant {name}: rate limit reached"
+            )
         self._check_caps(tenant, item.max_cost)
         if self._budget is not None and self.tokens_in_flight + num_tokens > self._budget:
             excess = self.tokens_in_flight + num_tokens - self._budget
             if num_tokens > self._budget:
-                raise AdmissionError("token_budget", cfg.max_retry_after_ms,
-                                     f"request needs {num_tokens} tokens, more than the cluster budget "
-                                     f"of {self._budget}")
-            raise AdmissionError("token_budget", self._work_ms(excess * item.max_cost / num_tokens),
-                                 f"cluster token budget spent ({self.tokens_in_flight} of {self._budget} "
-                                 "tokens in flight)")
+                raise AdmissionError(
+                    "token_budget",
+                    cfg.max_retry_after_ms,
+                    f"request needs {num_tokens} tokens, more than the cluster budget of {self._budget}",
+                )
+            raise AdmissionError(
+                "token_budget",
+                self._work_ms(excess * item.max_cost / num_tokens),
+                f"cluster token budget spent ({self.tokens_in_flight} of {self._budget} tokens in flight)",
+            )
         if deadline_s is not None:
             left_s = deadline_s - self._clock()
             wait_s = self._queue.estimated_wait_s(name, tenant.weight, item.priority)
             if left_s <= 0 or (wait_s is not None and wait_s > left_s):
                 estimate = "unknown" if wait_s is None else f"{wait_s * 1e3:.0f} ms"
-                raise AdmissionError("deadline", self._clamp_ms((wait_s or 0.0) - max(left_s, 0.0)),
-                                     f"estimated queue wait ({estimate}) exceeds the time left "
-                                     f"before the deadline ({max(left_s, 0.0) * 1e3:.0f} ms)")
+                raise AdmissionError(
+                    "deadline",
+                    self._clamp_ms((wait_s or 0.0) - max(left_s, 0.0)),
+                    f"estimated queue wait ({estimate}) exceeds the time left "
+                    f"before the deadline ({max(left_s, 0.0) * 1e3:.0f} ms)",
+                )
 
     def _check_caps(self, tenant: TenantPolicy, cost: float) -> None:
         name, cfg = tenant.name, self._config
         if tenant.max_concurrency is not None and self._open[name] >= tenant.max_concurrency:
-            raise AdmissionError("concurrency", self._share_ms(tenant, cost),
-                                 f"tenant {name}: {tenant.max_concurrency} requests already open")
+            raise AdmissionError(
+                "concurrency",
+                self._share_ms(tenant, cost),
+                f"tenant {name}: {tenant.max_concurrency} requests already open",
+            )
         if tenant.max_queued is not None and self._queue.num_queued(name) >= tenant.max_queued:
-            raise AdmissionError("tenant_queue_full", self._share_ms(tenant, cost),
-                                 f"tenant {name}: {tenant.max_queued} requests already queued")
+            raise AdmissionError(
+                "tenant_queue_full",
+                self._share_ms(tenant, cost),
+                f"tenant {name}: {tenant.max_queued} requests already queued",
+            )
         if cfg.max_queued_total is not None and len(self._queue) >= cfg.max_queued_total:
-            raise AdmissionError("global_queue_full", self._work_ms(cost),
-                                 f"router queue full ({cfg.max_queued_total} requests)")
+            raise AdmissionError(
+                "global_queue_full",
+                self._work_ms(cost),
+                f"router queue full ({cfg.max_queued_total} requests)",
+            )
 
     def precheck(self, tenant: TenantPolicy, cost: float) -> None:
         """The checks that need no token count (`cost`: an estimate of the request's max_cost)."""

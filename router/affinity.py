@@ -16,24 +16,26 @@ Contract
 - proven by: tests/test_fairness_affinity.py (same system prompt -> same worker; imbalance
   overrides; tenant salt; LRU bound).
 """
+
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-BLOCK_SIZE = 16     # tokens per block, as the workers' KV blocks
-MAX_BLOCKS = 64     # leading blocks hashed: the first 1024 tokens
+BLOCK_SIZE = 16  # tokens per block, as the workers' KV blocks
+MAX_BLOCKS = 64  # leading blocks hashed: the first 1024 tokens
 
 
-def prefix_hashes(token_ids: Sequence[int], salt: str, block_size: int = BLOCK_SIZE,
-                  max_blocks: int = MAX_BLOCKS) -> list[bytes]:
+def prefix_hashes(
+    token_ids: Sequence[int], salt: str, block_size: int = BLOCK_SIZE, max_blocks: int = MAX_BLOCKS
+) -> list[bytes]:
     """hashes[i] identifies the whole prefix token_ids[:(i + 1) * block_size] (full blocks only)."""
     hashes: list[bytes] = []
     parent = salt.encode()
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b"".join(t.to_bytes(4, "little") for t in token_ids[i * block_size:(i + 1) * block_size]))
+        h.update(b"".join(t.to_bytes(4, "little") for t in token_ids[i * block_size : (i + 1) * block_size]))
         parent = h.digest()
         hashes.append(parent)
     return hashes
@@ -49,8 +51,12 @@ class PrefixAffinity:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def choose(self, candidates_with_load: Mapping[str, float], prefix_hashes: Sequence[bytes],
-               imbalance_threshold: float) -> str | None:
+    def choose(
+        self,
+        candidates_with_load: Mapping[str, float],
+        prefix_hashes: Sequence[bytes],
+        imbalance_threshold: float,
+    ) -> str | None:
         if not candidates_with_load:
             return None
         least = min(candidates_with_load, key=candidates_with_load.__getitem__)

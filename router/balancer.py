@@ -11,6 +11,7 @@ Contract
 - failure modes: none.
 - proven by: tests/test_router_balancer.py, tests/test_grpc_two_workers.py (spread).
 """
+
 from __future__ import annotations
 
 import itertools

@@ -16,6 +16,7 @@ Contract
 - failure modes: none.
 - proven by: tests/test_router_circuit.py (units and a worker that fails every call).
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,13 @@ from collections.abc import Callable
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int = 3, base_cooldown_s: float = 2.0,
-                 max_cooldown_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        base_cooldown_s: float = 2.0,
+        max_cooldown_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
         if not 0 < base_cooldown_s <= max_cooldown_s:
@@ -34,7 +40,7 @@ class CircuitBreaker:
         self._max = max_cooldown_s
         self._clock = clock
         self.consecutive_failures = 0
-        self.trips = 0                      # openings since the last success
+        self.trips = 0  # openings since the last success
         self.opened_at: float | None = None
         self.cooldown_s = 0.0
         self.last_reason = ""
@@ -57,8 +63,10 @@ class CircuitBreaker:
         """Counts one failure; returns True when this failure opened (or re-opened) the circuit."""
         self.last_reason = reason
         self.consecutive_failures += 1
-        if self.state == "half_open" or (self.opened_at is None and self.consecutive_failures >= self._threshold):
-            self.cooldown_s = min(self._base * 2 ** self.trips, self._max)
+        if self.state == "half_open" or (
+            self.opened_at is None and self.consecutive_failures >= self._threshold
+        ):
+            self.cooldown_s = min(self._base * 2**self.trips, self._max)
             self.trips += 1
             self.opened_at = self._clock()
             return True

@@ -3,6 +3,7 @@
 Text goes to stdout as it arrives; usage and timings go to stderr at the end. Exit status is 0 on
 success, 1 with the gRPC status on failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ from common.tls import channel_credentials
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 
-REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-           pb.FINISH_REASON_CANCELLED: "cancelled"}
+REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
 
 
 def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
@@ -61,21 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for a router that requires one")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
-    p.add_argument("--tls-server-name", default=None,
-                   help="name the router's certificate carries, when it is not --target's host "
-                        "(e.g. through a port forward)")
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name the router's certificate carries, when it is not --target's host "
+        "(e.g. through a port forward)",
+    )
     a = p.parse_args(argv)
     try:
-        credentials = (channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
-                       if a.tls or a.tls_ca or a.tls_cert or a.tls_key or a.tls_server_name else None)
+        credentials = (
+            channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
+            if a.tls or a.tls_ca or a.tls_cert or a.tls_key or a.tls_server_name
+            else None
+        )
     except ValueError as exc:
         p.error(str(exc))
 
     metadata = [("authorization", f"Bearer {a.api_key}")] if a.api_key else []
     logprobs: list[float] = []
     options = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
-    with (grpc.secure_channel(a.target, credentials, options=options) if credentials
-          else grpc.insecure_channel(a.target)) as channel:
+    with (
+        grpc.secure_channel(a.target, credentials, options=options)
+        if credentials
+        else grpc.insecure_channel(a.target)
+    ) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(build_request(a), metadata=metadata, timeout=a.timeout_s):
@@ -86,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     f = msg.finished
                     print(flush=True)
-                    print(f"[{REASONS.get(f.reason, 'unspecified')}] prompt {f.usage.prompt_tokens} "
-                          f"(cached {f.usage.cached_prompt_tokens}), completion "
-                          f"{f.usage.completion_tokens} tokens; queue {f.timing.queue_ms:.0f} ms, "
-                          f"TTFT {f.timing.ttft_ms:.0f} ms, total {f.timing.total_ms:.0f} ms", file=sys.stderr)
+                    print(
+                        f"[{REASONS.get(f.reason, 'unspecified')}] prompt {f.usage.prompt_tokens} "
+                        f"(cached {f.usage.cached_prompt_tokens}), completion "
+                        f"{f.usage.completion_tokens} tokens; queue {f.timing.queue_ms:.0f} ms, "
+                        f"TTFT {f.timing.ttft_ms:.0f} ms, total {f.timing.total_ms:.0f} ms",
+                        file=sys.stderr,
+                    )
                     if logprobs:
                         print(f"mean logprob {sum(logprobs) / len(logprobs):.3f}", file=sys.stderr)
         except grpc.RpcError as exc:

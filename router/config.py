@@ -5,6 +5,7 @@ its field metadata makes the flags of `python -m router` and the launchers and t
 variables (common.config_cli); `parse_args(argv)` is flags > variables > defaults, with a bad
 value a usage error (exit 2). The non-loopback rule is common.public_bind's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,28 +18,33 @@ from common.tls import check_files, check_server_files
 from common.telemetry import TelemetryConfig
 from common.ray_names import DEFAULT_NAMESPACE
 
-DEFAULT_METRICS_PORT = 9464   # Prometheus /metrics and /targets; taken -> an ephemeral port
+DEFAULT_METRICS_PORT = 9464  # Prometheus /metrics and /targets; taken -> an ephemeral port
 WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
 
 
 @dataclass(frozen=True)
 class Limits:
     """Request limits the validator enforces (model-independent ones; the context comes from workers)."""
-    default_max_tokens: int = field(default=256, metadata=option(
-        "max_tokens of a request that leaves it unset (fitted to the context)"))
+
+    default_max_tokens: int = field(
+        default=256, metadata=option("max_tokens of a request that leaves it unset (fitted to the context)")
+    )
     max_tokens_limit: int = field(default=4096, metadata=option("largest max_tokens a client may ask for"))
     max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
     max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
     max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
     max_chat_messages: int = field(default=256, metadata=option("messages per chat request at most"))
-    max_prompt_chars: int = field(default=1_000_000, metadata=option(
-        "prompt characters at most (refused before tokenizing)"))
+    max_prompt_chars: int = field(
+        default=1_000_000, metadata=option("prompt characters at most (refused before tokenizing)")
+    )
     max_request_id_len: int = field(default=128, metadata=option("request id characters at most"))
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
-            raise ValueError(f"default_max_tokens must be in [1, max_tokens_limit = {self.max_tokens_limit}], "
-                             f"got {self.default_max_tokens}")
+            raise ValueError(
+                f"default_max_tokens must be in [1, max_tokens_limit = {self.max_tokens_limit}], "
+                f"got {self.default_max_tokens}"
+            )
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
 
@@ -47,77 +53,158 @@ class Limits:
 class RouterConfig:
     """Router settings; the field metadata makes the flags of `python -m router` and of the
     launchers, and the `LLM_*` variables (common.config_cli). Defaults live only here."""
-    host: str = field(default="127.0.0.1", metadata=option(
-        "client port address; a non-loopback one needs --tenants and --tls-cert/--tls-key, or "
-        "--allow-insecure-public"))
+
+    host: str = field(
+        default="127.0.0.1",
+        metadata=option(
+            "client port address; a non-loopback one needs --tenants and --tls-cert/--tls-key, or "
+            "--allow-insecure-public"
+        ),
+    )
     port: int = field(default=50051, metadata=option("client port; 0 = ephemeral (printed at start-up)"))
-    workers: tuple[str, ...] = field(default=(), metadata=option(
-        "static workers: comma-separated host:port list", parse=comma_list, format=",".join,
-        metavar="HOST:PORT,..."))
-    ray_address: str | None = field(default=None, metadata=option(
-        "also discover worker actors in this Ray cluster: HOST:PORT (GCS), auto, or ray://HOST:10001 "
-        "(Ray Client, from outside the cluster)", metavar="ADDRESS"))
-    ray_namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
-        "Ray namespace the worker actors are named in"))
-    model: str | None = field(default=None, metadata=option(
-        "GGUF file for the tokenizer (default: the embedded model)", metavar="PATH"))
-    tenants_file: str | None = field(default=None, metadata=option(
-        "tenants YAML file (API keys, weights, limits; docs/serving.md)", flag="tenants", metavar="FILE"))
-    allow_insecure_public: bool = field(default=False, metadata=option(
-        "serve a non-loopback address without API keys and TLS", negative=()))
-    drain_grace_s: float = field(default=30.0, metadata=option(
-        "SIGTERM: how long in-flight streams may finish"))
+    workers: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "static workers: comma-separated host:port list",
+            parse=comma_list,
+            format=",".join,
+            metavar="HOST:PORT,...",
+        ),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=option(
+            "also discover worker actors in this Ray cluster: HOST:PORT (GCS), auto, or ray://HOST:10001 "
+            "(Ray Client, from outside the cluster)",
+            metavar="ADDRESS",
+        ),
+    )
+    ray_namespace: str = field(
+        default=DEFAULT_NAMESPACE, metadata=option("Ray namespace the worker actors are named in")
+    )
+    model: str | None = field(
+        default=None,
+        metadata=option("GGUF file for the tokenizer (default: the embedded model)", metavar="PATH"),
+    )
+    tenants_file: str | None = field(
+        default=None,
+        metadata=option(
+            "tenants YAML file (API keys, weights, limits; docs/serving.md)", flag="tenants", metavar="FILE"
+        ),
+    )
+    allow_insecure_public: bool = field(
+        default=False, metadata=option("serve a non-loopback address without API keys and TLS", negative=())
+    )
+    drain_grace_s: float = field(
+        default=30.0, metadata=option("SIGTERM: how long in-flight streams may finish")
+    )
     health_poll_s: float = field(default=1.0, metadata=option("worker health/load probe period"))
-    health_timeout_s: float = field(default=1.0, metadata=option(
-        "deadline of each worker probe call (a hung worker fails it)"))
-    down_after_probes: int = field(default=2, metadata=option(
-        "failed probes in a row after which a worker is down and its open streams are cancelled "
-        "(UNAVAILABLE, retried if no token was sent)"))
-    breaker_failures: int = field(default=3, metadata=option(
-        "failed calls in a row that open a worker's circuit (no traffic)"))
-    breaker_cooldown_s: float = field(default=2.0, metadata=option(
-        "how long an open circuit stays open; doubles on each re-open"))
+    health_timeout_s: float = field(
+        default=1.0, metadata=option("deadline of each worker probe call (a hung worker fails it)")
+    )
+    down_after_probes: int = field(
+        default=2,
+        metadata=option(
+            "failed probes in a row after which a worker is down and its open streams are cancelled "
+            "(UNAVAILABLE, retried if no token was sent)"
+        ),
+    )
+    breaker_failures: int = field(
+        default=3, metadata=option("failed calls in a row that open a worker's circuit (no traffic)")
+    )
+    breaker_cooldown_s: float = field(
+        default=2.0, metadata=option("how long an open circuit stays open; doubles on each re-open")
+    )
     breaker_max_cooldown_s: float = field(default=60.0, metadata=option("longest circuit cool-down"))
-    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=option(
-        "largest gRPC message received or sent (a larger request gets RESOURCE_EXHAUSTED before it "
-        "is parsed)", flag="max-message-mb", unit=MIB))
+    max_message_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata=option(
+            "largest gRPC message received or sent (a larger request gets RESOURCE_EXHAUSTED before it "
+            "is parsed)",
+            flag="max-message-mb",
+            unit=MIB,
+        ),
+    )
     limits: Limits = field(default=Limits(), metadata=section("request limits"))
-    tenants_poll_s: float = field(default=2.0, metadata=option(
-        "check the tenants file for changes this often (0: reload on SIGHUP only)"))
-    fair_queue: str = field(default="vtc", metadata=option(
-        "queue order: weighted virtual token counter, or first come first served (the baseline)",
-        choices=("vtc", "fcfs")))
-    max_queued: int | None = field(default=1024, metadata=option(
-        "requests waiting in this router's queue (0: no cap)", none_value=0))
-    queue_requests: bool = field(default=True, metadata=option(
-        "queue requests no worker can start now; --no-queue admits only those a worker can start "
-        "and refuses the rest at once (RESOURCE_EXHAUSTED): time to first token stays near the "
-        "unloaded value under overload, at the cost of fair queueing", flag="queue", negative=("no-queue",)))
-    max_tokens_in_flight: int | None = field(default=None, metadata=option(
-        "budget of prompt + max_tokens over open requests (0: none)", none_value=0))
-    affinity_imbalance: float = field(default=0.25, metadata=option(
-        "prefix affinity yields to the least loaded worker when the preferred one's load, as a "
-        "fraction of its KV capacity, is higher by more than this"))
-    no_worker_grace_s: float = field(default=5.0, metadata=option(
-        "requests queued for a model with no healthy worker fail (UNAVAILABLE) after this"))
-    router_replicas: int = field(default=1, metadata=option(
-        "how many routers share these workers and tenants behind one balancer that spreads requests "
-        "evenly: this one enforces 1/N of each tenant's rates and caps (caps rounded up), of "
-        "--max-tokens-in-flight and of each worker's KV room and sequence slots"))
+    tenants_poll_s: float = field(
+        default=2.0,
+        metadata=option("check the tenants file for changes this often (0: reload on SIGHUP only)"),
+    )
+    fair_queue: str = field(
+        default="vtc",
+        metadata=option(
+            "queue order: weighted virtual token counter, or first come first served (the baseline)",
+            choices=("vtc", "fcfs"),
+        ),
+    )
+    max_queued: int | None = field(
+        default=1024, metadata=option("requests waiting in this router's queue (0: no cap)", none_value=0)
+    )
+    queue_requests: bool = field(
+        default=True,
+        metadata=option(
+            "queue requests no worker can start now; --no-queue admits only those a worker can start "
+            "and refuses the rest at once (RESOURCE_EXHAUSTED): time to first token stays near the "
+            "unloaded value under overload, at the cost of fair queueing",
+            flag="queue",
+            negative=("no-queue",),
+        ),
+    )
+    max_tokens_in_flight: int | None = field(
+        default=None,
+        metadata=option("budget of prompt + max_tokens over open requests (0: none)", none_value=0),
+    )
+    affinity_imbalance: float = field(
+        default=0.25,
+        metadata=option(
+            "prefix affinity yields to the least loaded worker when the preferred one's load, as a "
+            "fraction of its KV capacity, is higher by more than this"
+        ),
+    )
+    no_worker_grace_s: float = field(
+        default=5.0,
+        metadata=option("requests queued for a model with no healthy worker fail (UNAVAILABLE) after this"),
+    )
+    router_replicas: int = field(
+        default=1,
+        metadata=option(
+            "how many routers share these workers and tenants behind one balancer that spreads requests "
+            "evenly: this one enforces 1/N of each tenant's rates and caps (caps rounded up), of "
+            "--max-tokens-in-flight and of each worker's KV room and sequence slots"
+        ),
+    )
     telemetry: TelemetryConfig = field(default=TelemetryConfig(), metadata=section("observability"))
-    tls_cert: str | None = field(default=None, metadata=option(
-        "PEM: TLS certificate chain of the client port", metavar="FILE"))
-    tls_key: str | None = field(default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE"))
-    tls_client_ca: str | None = field(default=None, metadata=option(
-        "PEM: require client certificates signed by this CA (mutual TLS on the client port)", metavar="FILE"))
-    worker_tls_ca: str | None = field(default=None, metadata=option(
-        "PEM: connect to workers over TLS, trusting this CA", metavar="FILE"))
-    worker_tls_cert: str | None = field(default=None, metadata=option(
-        "PEM: the router's client certificate for workers that require one (mutual TLS)", metavar="FILE"))
-    worker_tls_key: str | None = field(default=None, metadata=option(
-        "PEM: private key of --worker-tls-cert", metavar="FILE"))
-    worker_tls_server_name: str | None = field(default=None, metadata=option(
-        "name the workers' certificates carry, when it is not the host dialled", metavar="NAME"))
+    tls_cert: str | None = field(
+        default=None, metadata=option("PEM: TLS certificate chain of the client port", metavar="FILE")
+    )
+    tls_key: str | None = field(
+        default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE")
+    )
+    tls_client_ca: str | None = field(
+        default=None,
+        metadata=option(
+            "PEM: require client certificates signed by this CA (mutual TLS on the client port)",
+            metavar="FILE",
+        ),
+    )
+    worker_tls_ca: str | None = field(
+        default=None, metadata=option("PEM: connect to workers over TLS, trusting this CA", metavar="FILE")
+    )
+    worker_tls_cert: str | None = field(
+        default=None,
+        metadata=option(
+            "PEM: the router's client certificate for workers that require one (mutual TLS)", metavar="FILE"
+        ),
+    )
+    worker_tls_key: str | None = field(
+        default=None, metadata=option("PEM: private key of --worker-tls-cert", metavar="FILE")
+    )
+    worker_tls_server_name: str | None = field(
+        default=None,
+        metadata=option(
+            "name the workers' certificates carry, when it is not the host dialled", metavar="NAME"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -139,7 +226,9 @@ class RouterConfig:
         if not self.health_timeout_s > 0 or self.down_after_probes < 1 or self.breaker_failures < 1:
             raise ValueError("health_timeout_s must be > 0; down_after_probes and breaker_failures >= 1")
         if not 0 < self.breaker_cooldown_s <= self.breaker_max_cooldown_s:
-            raise ValueError("breaker cool-downs must satisfy 0 < breaker_cooldown_s <= breaker_max_cooldown_s")
+            raise ValueError(
+                "breaker cool-downs must satisfy 0 < breaker_cooldown_s <= breaker_max_cooldown_s"
+            )
         if not self.no_worker_grace_s >= 0:
             raise ValueError(f"no_worker_grace_s must be >= 0, got {self.no_worker_grace_s}")
         if self.max_message_bytes < 1024:
@@ -151,11 +240,14 @@ class RouterConfig:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         check_files(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)
         if self.worker_tls_ca is None:
-            for flag, value in (("--worker-tls-cert", self.worker_tls_cert),
-                                ("--worker-tls-server-name", self.worker_tls_server_name)):
+            for flag, value in (
+                ("--worker-tls-cert", self.worker_tls_cert),
+                ("--worker-tls-server-name", self.worker_tls_server_name),
+            ):
                 if value is not None:
-                    raise ValueError(f"{flag} needs --worker-tls-ca (the CA that signed the workers' "
-                                     "certificates)")
+                    raise ValueError(
+                        f"{flag} needs --worker-tls-ca (the CA that signed the workers' certificates)"
+                    )
 
     @property
     def binds_loopback(self) -> bool:

@@ -28,6 +28,7 @@ Contract
 - failure modes: a bug while placing one request fails that request (logged), not the loop.
 - proven by: tests/test_fairness_dispatch.py (fake workers), tests/test_fairness_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +54,7 @@ def _new_future() -> asyncio.Future:
 @dataclass(eq=False)
 class Pending:
     """The router's handle on a queued request (the `QueuedRequest.payload`)."""
+
     model: str
     prefix_hashes: list[bytes]
     future: asyncio.Future = field(default_factory=_new_future)  # -> Placement
@@ -95,11 +97,19 @@ class Placement:
 
 
 class Dispatcher:
-    def __init__(self, queue: FairQueue, registry: WorkerRegistry, affinity: PrefixAffinity | None = None,
-                 imbalance_threshold: float = 0.25, recheck_s: float = 1.0, no_worker_grace_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, replicas: int = 1):
+    def __init__(
+        self,
+        queue: FairQueue,
+        registry: WorkerRegistry,
+        affinity: PrefixAffinity | None = None,
+        imbalance_threshold: float = 0.25,
+        recheck_s: float = 1.0,
+        no_worker_grace_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        replicas: int = 1,
+    ):
         self.queue = queue
-        self._replicas = replicas     # routers sharing the workers: this one uses 1/replicas of each
+        self._replicas = replicas  # routers sharing the workers: this one uses 1/replicas of each
         self._registry = registry
         self._affinity = affinity or PrefixAffinity()
         self._imbalance = imbalance_threshold
@@ -126,7 +136,7 @@ class Dispatcher:
                 try:
                     await asyncio.wait_for(self.queue.wait_for_change(), self._recheck_s)
                 except TimeoutError:
-                    pass   # the periodic recheck: capacity may have appeared without a queue event
+                    pass  # the periodic recheck: capacity may have appeared without a queue event
             else:
                 await self.queue.wait_for_change()
 
@@ -170,7 +180,9 @@ class Dispatcher:
 
     def can_start_now(self, model: str) -> bool:
         """Some healthy worker of `model` has a free sequence slot (KV room is checked at placement)."""
-        return any(self.has_free_slot(w) and self.capacity_tokens(w) > 0 for w in self._registry.healthy(model))
+        return any(
+            self.has_free_slot(w) and self.capacity_tokens(w) > 0 for w in self._registry.healthy(model)
+        )
 
     def capacity_tokens(self, worker: WorkerHandle) -> int:
         """This router's share of the worker's KV capacity, in tokens (whole blocks)."""

@@ -7,6 +7,7 @@ Contract
 - state: the in-flight count and an idle event (one event loop, no locks).
 - proven by: tests/test_grpc_e2e.py (SIGTERM drain).
 """
+
 from __future__ import annotations
 
 import asyncio

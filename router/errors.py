@@ -10,6 +10,7 @@ Contract
 - proven by: tests/test_router_errors.py (mapping), tests/test_grpc_e2e.py (invalid-request table) (end to end),
   tests/test_fuzz_e2e.py (hostile requests and raw bytes end to end: never UNKNOWN or INTERNAL).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +35,7 @@ class RouterError(Exception):
 
 class ValidationError(RouterError):
     """A request field is invalid; the message starts with the field's name."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, problem: str):
@@ -47,6 +49,7 @@ class AuthError(RouterError):
 
 class Unavailable(RouterError):
     """No healthy worker, the router is draining, or a worker was lost mid-stream."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
@@ -122,7 +125,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer)
+                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer
+            )
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
@@ -138,5 +142,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer)
+                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer
+            )
         return handler

@@ -20,6 +20,7 @@ Contract
 - proven by: tests/test_fairness_vtc.py (service gap within the bound of docs/fairness.md, 2:1
   weights, no banked credit, work conservation, no starvation); `check_integrity()`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,10 +42,10 @@ class QueuedRequest:
     weight: float
     num_prompt_tokens: int
     max_tokens: int
-    priority: int = 0                                  # higher first, within the tenant
-    payload: Any = None                                # the router's handle (e.g. a future)
+    priority: int = 0  # higher first, within the tenant
+    payload: Any = None  # the router's handle (e.g. a future)
     arrival_s: float = field(default=0.0, init=False)  # set by push
-    seq: int = field(default=-1, init=False)           # arrival order, set by push
+    seq: int = field(default=-1, init=False)  # arrival order, set by push
     queued: bool = field(default=False, init=False)
 
     @property
@@ -102,8 +103,13 @@ class DispatchMeter:
 
 
 class FairQueue:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, mode: Literal["vtc", "fcfs"] = "vtc",
-                 hold_for_blocked: bool = True, meter_half_life_s: float = 10.0):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        mode: Literal["vtc", "fcfs"] = "vtc",
+        hold_for_blocked: bool = True,
+        meter_half_life_s: float = 10.0,
+    ):
         if mode not in ("vtc", "fcfs"):
             raise ValueError(f"mode must be 'vtc' or 'fcfs', got {mode!r}")
         self.mode = mode
@@ -216,13 +222,20 @@ class FairQueue:
         own = self._tenants.get(tenant)
         ahead = sum(i.max_cost for _, _, i in own.heap if i.queued and i.priority >= priority) if own else 0
         if self.mode == "fcfs":
-            work = sum(i.max_cost for _, t in self._active() for _, _, i in t.heap
-                       if i.queued and i.priority >= priority)
+            work = sum(
+                i.max_cost
+                for _, t in self._active()
+                for _, _, i in t.heap
+                if i.queued and i.priority >= priority
+            )
             return work / rate
         start = own.counter if own and own.num_queued else max(own.counter if own else 0.0, self._floor())
         target = start + ahead / weight
-        work = ahead + sum(min(t.queued_cost, t.weight * max(0.0, target - t.counter))
-                           for name, t in self._active() if name != tenant)
+        work = ahead + sum(
+            min(t.queued_cost, t.weight * max(0.0, target - t.counter))
+            for name, t in self._active()
+            if name != tenant
+        )
         return work / rate
 
     def check_integrity(self) -> None:

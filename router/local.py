@@ -13,6 +13,7 @@ Contract
   workers too. Children inherit the environment, so `LLM_*` variables reach them unchanged.
 - failure modes: a child that exits before listening -> RuntimeError with its exit status.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,9 +30,14 @@ class LocalProcess:
     def __init__(self, name: str, args: list[str], quiet: bool = False):
         self.name = name
         self._quiet = quiet
-        self.popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         self._address: str | None = None
         self._listening = threading.Event()
         self._pump = threading.Thread(target=self._forward, name=f"{name}-output", daemon=True)
@@ -70,15 +76,15 @@ class LocalProcess:
 @dataclass(frozen=True)
 class Plan:
     num_workers: int
-    worker_args: list[str]        # after `python`; the router's come once the workers listen
-    router_args: list[str]        # after `python` and before `--workers ADDRESSES`
+    worker_args: list[str]  # after `python`; the router's come once the workers listen
+    router_args: list[str]  # after `python` and before `--workers ADDRESSES`
 
 
 def plan(argv: list[str] | None = None) -> Plan:
     """The children's command lines from this command line (a bad value: usage error, exit 2)."""
     from common.config_cli import Flags, new_parser, option, parse_or_exit
     from router.config import RouterConfig
-    from worker.config import EngineConfig   # imported here: `import router.local` stays worker-free
+    from worker.config import EngineConfig  # imported here: `import router.local` stays worker-free
 
     @dataclass(frozen=True)
     class Stack:
@@ -89,13 +95,25 @@ def plan(argv: list[str] | None = None) -> Plan:
     router_flags = Flags(p, RouterConfig, exclude=("workers", "model"), title="router")
     engine_flags = Flags(p, EngineConfig, title="engine (every worker)")
     # Both configs are built here so that a bad value is a usage error before anything starts.
-    ns, num_workers, _, engine = parse_or_exit(p, argv, lambda ns: (
-        ns, stack.build(ns).num_workers, router_flags.build(ns), engine_flags.build(ns)))
-    telemetry = router_flags.argv(ns, only=lambda path: path[0] == "telemetry"
-                                  and not path[-1].startswith("metrics_"))
+    ns, num_workers, _, engine = parse_or_exit(
+        p, argv, lambda ns: (ns, stack.build(ns).num_workers, router_flags.build(ns), engine_flags.build(ns))
+    )
+    telemetry = router_flags.argv(
+        ns, only=lambda path: path[0] == "telemetry" and not path[-1].startswith("metrics_")
+    )
     # Loopback, ephemeral gRPC and /metrics ports whatever LLM_HOST/LLM_PORT/LLM_METRICS_PORT say.
-    worker = ["-m", "worker", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-              *engine_flags.argv(ns), *telemetry]
+    worker = [
+        "-m",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        *engine_flags.argv(ns),
+        *telemetry,
+    ]
     router = ["-m", "router", *(["--model", engine.model] if engine.model else []), *router_flags.argv(ns)]
     return Plan(num_workers, worker, router)
 
@@ -111,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         addresses = [w.wait_listening() for w in workers]
         router = LocalProcess("router", [*commands.router_args, "--workers", ",".join(addresses)])
         target = router.wait_listening(60)
-        print(f"\nReady: router on {target}, workers on {', '.join(addresses)}. Try:\n"
-              f"  .venv/bin/python -m router.client --target {target} --chat 'What is the capital of France?'\n"
-              f"  .venv/bin/python -m router.client --target {target} 'Once upon a time' --max-tokens 64\n"
-              f"  grpcurl -plaintext {target} list      # server reflection\n"
-              "Ctrl-C stops everything.\n", flush=True)
+        print(
+            f"\nReady: router on {target}, workers on {', '.join(addresses)}. Try:\n"
+            f"  .venv/bin/python -m router.client --target {target} --chat 'What is the capital of France?'\n"
+            f"  .venv/bin/python -m router.client --target {target} 'Once upon a time' --max-tokens 64\n"
+            f"  grpcurl -plaintext {target} list      # server reflection\n"
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if any(proc.popen.poll() is not None for proc in [*workers, router]):
                 print("a child process exited; stopping", file=sys.stderr)

@@ -20,6 +20,7 @@ Contract
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -34,19 +35,24 @@ from router.registry import WorkerRegistry
 class AdmissionCollector:
     """Admission's own counters (plain `collections.Counter`s on the event loop), exported as is."""
 
-    def __init__(self, rejections: Callable[[], Mapping[tuple[str, str], int]],
-                 admitted: Callable[[], Mapping[str, int]]):
+    def __init__(
+        self,
+        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        admitted: Callable[[], Mapping[str, int]],
+    ):
         self._rejections = rejections
         self._admitted = admitted
 
     def collect(self):
-        refused = CounterMetricFamily("llm_admission_rejections", "Requests refused by admission control",
-                                      labels=["tenant", "reason"])
+        refused = CounterMetricFamily(
+            "llm_admission_rejections", "Requests refused by admission control", labels=["tenant", "reason"]
+        )
         for (tenant, reason), n in sorted(dict(self._rejections()).items()):  # dict(): one atomic copy
             refused.add_metric([tenant, reason], n)
         yield refused
-        admitted = CounterMetricFamily("llm_admitted_requests", "Requests admitted into the fair queue",
-                                       labels=["tenant"])
+        admitted = CounterMetricFamily(
+            "llm_admitted_requests", "Requests admitted into the fair queue", labels=["tenant"]
+        )
         for tenant, n in sorted(dict(self._admitted()).items()):
             admitted.add_metric([tenant], n)
         yield admitted
@@ -60,13 +66,20 @@ class StateCollector:
         self._queue, self._dispatcher = queue, dispatcher
 
     def collect(self):
-        yield GaugeMetricFamily("llm_router_open_calls", "Generate/ListModels calls in progress",
-                                value=self._drain.num_inflight)
-        yield GaugeMetricFamily("llm_router_queue_length", "Requests in the fair queue", value=len(self._queue))
-        yield GaugeMetricFamily("llm_router_tokens_in_flight", "prompt + max_tokens of admitted open requests",
-                                value=self._admission.tokens_in_flight)
-        per_tenant = GaugeMetricFamily("llm_router_tenant_open_requests", "Admitted open requests per tenant",
-                                       labels=["tenant"])
+        yield GaugeMetricFamily(
+            "llm_router_open_calls", "Generate/ListModels calls in progress", value=self._drain.num_inflight
+        )
+        yield GaugeMetricFamily(
+            "llm_router_queue_length", "Requests in the fair queue", value=len(self._queue)
+        )
+        yield GaugeMetricFamily(
+            "llm_router_tokens_in_flight",
+            "prompt + max_tokens of admitted open requests",
+            value=self._admission.tokens_in_flight,
+        )
+        per_tenant = GaugeMetricFamily(
+            "llm_router_tenant_open_requests", "Admitted open requests per tenant", labels=["tenant"]
+        )
         for tenant, n in sorted(self._admission.open_requests().items()):
             per_tenant.add_metric([tenant], n)
         yield per_tenant
@@ -78,12 +91,18 @@ class StateCollector:
             "healthy": "1 if the last health probe succeeded",
             "circuit_open": "1 while the worker's circuit breaker keeps traffic away",
         }
-        gauges = {k: GaugeMetricFamily(f"llm_router_worker_{k}", v, labels=["worker"]) for k, v in families.items()}
+        gauges = {
+            k: GaugeMetricFamily(f"llm_router_worker_{k}", v, labels=["worker"]) for k, v in families.items()
+        }
         for h in self._registry.all():
-            values = {"reserved_tokens": self._dispatcher.reserved_tokens(h.address),
-                      "outstanding_tokens": h.outstanding_tokens, "inflight": h.num_inflight,
-                      "streams": len(h.streams), "healthy": int(h.healthy),
-                      "circuit_open": int(not h.breaker.allows())}
+            values = {
+                "reserved_tokens": self._dispatcher.reserved_tokens(h.address),
+                "outstanding_tokens": h.outstanding_tokens,
+                "inflight": h.num_inflight,
+                "streams": len(h.streams),
+                "healthy": int(h.healthy),
+                "circuit_open": int(not h.breaker.allows()),
+            }
             for k, v in values.items():
                 gauges[k].add_metric([h.address], v)
         yield from gauges.values()
@@ -93,13 +112,20 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.requests = RequestMetrics(self.registry, "router")
-        self.running = Gauge("llm_num_requests_running", "Requests streaming from a worker",
-                             registry=self.registry)
-        self.waiting = Gauge("llm_num_requests_waiting", "Requests admitted and waiting in the fair queue",
-                             registry=self.registry)
+        self.running = Gauge(
+            "llm_num_requests_running", "Requests streaming from a worker", registry=self.registry
+        )
+        self.waiting = Gauge(
+            "llm_num_requests_waiting",
+            "Requests admitted and waiting in the fair queue",
+            registry=self.registry,
+        )
 
-    def export_admission(self, rejections: Callable[[], Mapping[tuple[str, str], int]],
-                         admitted: Callable[[], Mapping[str, int]]) -> None:
+    def export_admission(
+        self,
+        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        admitted: Callable[[], Mapping[str, int]],
+    ) -> None:
         self.registry.register(AdmissionCollector(rejections, admitted))
 
     def export_state(self, registry: WorkerRegistry, drain, admission, queue, dispatcher) -> None:
@@ -111,6 +137,10 @@ def targets(registry: WorkerRegistry) -> list[dict]:
     groups = []
     for h in registry.all():
         if h.info is not None and h.info.metrics_address:
-            groups.append({"targets": [h.info.metrics_address],
-                           "labels": {"job": "llm-worker", "worker": h.address, "model": h.info.model}})
+            groups.append(
+                {
+                    "targets": [h.info.metrics_address],
+                    "labels": {"job": "llm-worker", "worker": h.address, "model": h.info.model},
+                }
+            )
     return groups

@@ -16,6 +16,7 @@ Contract
   deadline_exceeded, internal).
 - proven by: tests/test_observability_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,9 @@ class RequestObservation:
         self.arrival_s = time.monotonic()
         self._metrics = metrics
         self._clock = TokenClock(metrics.requests, self.arrival_s) if metrics else None
-        self.span = tracer.start_span("llm.v1.Generation/Generate", context=extract(metadata),
-                                      kind=SpanKind.SERVER)
+        self.span = tracer.start_span(
+            "llm.v1.Generation/Generate", context=extract(metadata), kind=SpanKind.SERVER
+        )
         self._ctx = trace.set_span_in_context(self.span)
         self._stage: trace.Span | None = None
         self._stage_name = ""
@@ -73,8 +75,9 @@ class RequestObservation:
                 self._metrics.running.inc()
         self._stage_name, self._stage_start_s = name, time.monotonic()
         kind = SpanKind.CLIENT if name == "route" else SpanKind.INTERNAL
-        self._stage = tracer.start_span(name, context=self._ctx, kind=kind,
-                                        attributes={"llm.worker.id": worker} if worker else None)
+        self._stage = tracer.start_span(
+            name, context=self._ctx, kind=kind, attributes={"llm.worker.id": worker} if worker else None
+        )
         if name == "route":
             self.metadata = inject(trace.set_span_in_context(self._stage))
 
@@ -91,14 +94,26 @@ class RequestObservation:
             self._metrics.running.dec()
         self._stage = None
 
-    def request(self, request_id: str, tenant: str, model: str, num_prompt_tokens: int, max_tokens: int,
-                temperature: float, top_p: float) -> None:
+    def request(
+        self,
+        request_id: str,
+        tenant: str,
+        model: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+    ) -> None:
         self.request_id, self.tenant, self.num_prompt_tokens = request_id, tenant, num_prompt_tokens
         if self.span.is_recording():
-            self.span.set_attributes({
-                **genai_request_attributes(request_id, tenant, model, max_tokens, temperature,
-                                           num_prompt_tokens),
-                "gen_ai.request.top_p": top_p})
+            self.span.set_attributes(
+                {
+                    **genai_request_attributes(
+                        request_id, tenant, model, max_tokens, temperature, num_prompt_tokens
+                    ),
+                    "gen_ai.request.top_p": top_p,
+                }
+            )
 
     def event(self, event: Chunk | Done) -> None:
         if isinstance(event, Done):
@@ -128,15 +143,25 @@ class RequestObservation:
             if self.worker:
                 self.span.set_attribute("llm.worker.id", self.worker)
             if done is not None:
-                self.span.set_attributes({
-                    "gen_ai.usage.output_tokens": self.num_output_tokens,
-                    "gen_ai.usage.cache_read.input_tokens": done.cached_prompt_tokens,
-                    "llm.time_to_first_token_s": done.ttft_ms / 1e3})
+                self.span.set_attributes(
+                    {
+                        "gen_ai.usage.output_tokens": self.num_output_tokens,
+                        "gen_ai.usage.cache_read.input_tokens": done.cached_prompt_tokens,
+                        "llm.time_to_first_token_s": done.ttft_ms / 1e3,
+                    }
+                )
         self.span.end()
-        log_request(requests_log, request_id=self.request_id, tenant=self.tenant, status=status,
-                    worker=self.worker, prompt_tokens=self.num_prompt_tokens,
-                    completion_tokens=self.num_output_tokens if served else None,
-                    cached_prompt_tokens=done.cached_prompt_tokens if done else None,
-                    queue_ms=round(done.queue_ms, 1) if done else None,
-                    ttft_ms=round(done.ttft_ms, 1) if done else None,
-                    total_ms=round((time.monotonic() - self.arrival_s) * 1e3, 1), trace_id=trace_id or None)
+        log_request(
+            requests_log,
+            request_id=self.request_id,
+            tenant=self.tenant,
+            status=status,
+            worker=self.worker,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens if served else None,
+            cached_prompt_tokens=done.cached_prompt_tokens if done else None,
+            queue_ms=round(done.queue_ms, 1) if done else None,
+            ttft_ms=round(done.ttft_ms, 1) if done else None,
+            total_ms=round((time.monotonic() - self.arrival_s) * 1e3, 1),
+            trace_id=trace_id or None,
+        )

@@ -11,6 +11,7 @@ Contract
   treated as no time passing.
 - proven by: tests/test_fairness_admission.py (bucket arithmetic, retry-after == time to refill).
 """
+
 from __future__ import annotations
 
 import math

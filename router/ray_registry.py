@@ -18,6 +18,7 @@ Contract
   reconnect timeout).
 - proven by: tests/test_ray_cluster.py (discover 4, restart seen again, two routers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,20 +33,26 @@ _CONNECT_ATTEMPTS = 4
 
 
 class RayRegistry(WorkerRegistry):
-    def __init__(self, ray_address: str, namespace: str = DEFAULT_NAMESPACE,
-                 name_prefix: str = DEFAULT_NAME_PREFIX, static: tuple[str, ...] = (),
-                 call_timeout_s: float = 0.5, **kwargs):
+    def __init__(
+        self,
+        ray_address: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        name_prefix: str = DEFAULT_NAME_PREFIX,
+        static: tuple[str, ...] = (),
+        call_timeout_s: float = 0.5,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self._ray_address = ray_address
         self._namespace = namespace
         self._prefix = name_prefix
         self._static = list(static)
         self._call_timeout_s = call_timeout_s
-        self._actors: dict = {}            # name -> ActorHandle
+        self._actors: dict = {}  # name -> ActorHandle
         self._addresses: dict[str, str] = {}
-        self._pending: dict = {}           # name -> ObjectRef of an unanswered address() call
+        self._pending: dict = {}  # name -> ObjectRef of an unanswered address() call
         self._connected_here = False
-        self._ray = None                   # the ray module, once connected (tests set a fake)
+        self._ray = None  # the ray module, once connected (tests set a fake)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._connect)
@@ -76,14 +83,23 @@ class RayRegistry(WorkerRegistry):
         # Bounded retries: a Ray Client server can fail to start in time on a loaded head node.
         for attempt in range(1, _CONNECT_ATTEMPTS + 1):
             try:
-                ray.init(address=self._ray_address, namespace=self._namespace, log_to_driver=False,
-                         logging_level=logging.WARNING)
+                ray.init(
+                    address=self._ray_address,
+                    namespace=self._namespace,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
                 break
             except (ConnectionError, RuntimeError) as exc:
                 if attempt == _CONNECT_ATTEMPTS:
                     raise
-                log.warning("connecting to Ray at %s failed (attempt %d of %d: %s); retrying",
-                            self._ray_address, attempt, _CONNECT_ATTEMPTS, exc)
+                log.warning(
+                    "connecting to Ray at %s failed (attempt %d of %d: %s); retrying",
+                    self._ray_address,
+                    attempt,
+                    _CONNECT_ATTEMPTS,
+                    exc,
+                )
                 ray.shutdown()
                 time.sleep(2.0 * attempt)
         self._connected_here = True
@@ -100,7 +116,7 @@ class RayRegistry(WorkerRegistry):
         for name in names - set(self._actors):
             try:
                 self._actors[name] = ray.get_actor(name, namespace=self._namespace)
-            except ValueError:     # died between the listing and this lookup
+            except ValueError:  # died between the listing and this lookup
                 continue
         for name, actor in self._actors.items():
             known = self._addresses.get(name)
@@ -111,7 +127,7 @@ class RayRegistry(WorkerRegistry):
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._call_timeout_s)
             ready = set(ready)
             for name, ref in list(self._pending.items()):
-                if ref not in ready:           # restarting (or busy): not routable until it answers
+                if ref not in ready:  # restarting (or busy): not routable until it answers
                     self._addresses.pop(name, None)
                     continue
                 del self._pending[name]

@@ -19,6 +19,7 @@ Contract
 - proven by: tests/test_grpc_two_workers.py (spread, worker killed),
   tests/test_faults.py (hung worker, circuit breaking).
 """
+
 from __future__ import annotations
 
 import abc
@@ -45,13 +46,13 @@ class WorkerHandle:
     info: worker_pb2.WorkerInfo | None = None
     load: worker_pb2.LoadReport | None = None
     healthy: bool = False
-    outstanding_tokens: int = 0        # router-side accounting, see balancer.Lease
+    outstanding_tokens: int = 0  # router-side accounting, see balancer.Lease
     num_inflight: int = 0
     last_error: str = field(default="")
-    probe_failures: int = 0            # consecutive failed probes
-    draining: bool = False             # answered NOT_SERVING since its last good probe
+    probe_failures: int = 0  # consecutive failed probes
+    draining: bool = False  # answered NOT_SERVING since its last good probe
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    streams: set = field(default_factory=set)   # open `TrackedStream`s on this worker
+    streams: set = field(default_factory=set)  # open `TrackedStream`s on this worker
 
 
 class TrackedStream:
@@ -59,7 +60,7 @@ class TrackedStream:
 
     def __init__(self, call: grpc.aio.Call):
         self.call = call
-        self.down_reason = ""          # set when the registry cancelled it
+        self.down_reason = ""  # set when the registry cancelled it
 
     def cancel_down(self, reason: str) -> None:
         self.down_reason = reason
@@ -67,15 +68,21 @@ class TrackedStream:
 
 
 class WorkerRegistry(abc.ABC):
-    def __init__(self, poll_s: float = 1.0, channel_options: tuple = (), probe_timeout_s: float = 1.0,
-                 down_after_probes: int = 2, breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        poll_s: float = 1.0,
+        channel_options: tuple = (),
+        probe_timeout_s: float = 1.0,
+        down_after_probes: int = 2,
+        breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self._poll_s = poll_s
         self._probe_timeout_s = probe_timeout_s
         self._down_after = down_after_probes
         self._breaker_factory = breaker_factory
         self._options = channel_options
-        self._credentials = credentials      # TLS to workers (common.tls); None = plaintext
+        self._credentials = credentials  # TLS to workers (common.tls); None = plaintext
         self._handles: dict[str, WorkerHandle] = {}
         self._task: asyncio.Task | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -102,9 +109,14 @@ class WorkerRegistry(abc.ABC):
         return list(self._handles.values())
 
     def healthy(self, model: str | None = None) -> list[WorkerHandle]:
-        return [h for h in self._handles.values()
-                if h.healthy and h.info is not None and h.breaker.allows()
-                and (model is None or h.info.model == model)]
+        return [
+            h
+            for h in self._handles.values()
+            if h.healthy
+            and h.info is not None
+            and h.breaker.allows()
+            and (model is None or h.info.model == model)
+        ]
 
     def models(self) -> dict[str, ModelSpec]:
         specs: dict[str, ModelSpec] = {}
@@ -122,8 +134,13 @@ class WorkerRegistry(abc.ABC):
     def call_failed(self, handle: WorkerHandle, reason: str) -> None:
         """A call failed on the worker's side: feeds its circuit breaker."""
         if handle.breaker.record_failure(reason):
-            log.warning("worker %s circuit open for %.1f s after %d failure(s): %s", handle.address,
-                        handle.breaker.cooldown_s, handle.breaker.consecutive_failures, reason)
+            log.warning(
+                "worker %s circuit open for %.1f s after %d failure(s): %s",
+                handle.address,
+                handle.breaker.cooldown_s,
+                handle.breaker.consecutive_failures,
+                reason,
+            )
             self._notify()
 
     def call_succeeded(self, handle: WorkerHandle) -> None:
@@ -149,10 +166,14 @@ class WorkerRegistry(abc.ABC):
         addresses = await self.discover()
         for address in addresses:
             if address not in self._handles:
-                channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
-                           if self._credentials else grpc.aio.insecure_channel(address, options=self._options))
-                self._handles[address] = WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel),
-                                                       breaker=self._breaker_factory())
+                channel = (
+                    grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                    if self._credentials
+                    else grpc.aio.insecure_channel(address, options=self._options)
+                )
+                self._handles[address] = WorkerHandle(
+                    address, channel, worker_pb2_grpc.WorkerStub(channel), breaker=self._breaker_factory()
+                )
         for address in set(self._handles) - set(addresses):
             await self._handles.pop(address).channel.close()
         await asyncio.gather(*(self._probe(h) for h in self._handles.values()))
@@ -180,8 +201,10 @@ class WorkerRegistry(abc.ABC):
                 h.draining = True
             h.probe_failures = 0 if h.draining else h.probe_failures + 1
             if h.probe_failures >= self._down_after and h.streams:
-                message = (f"worker {h.address} stopped answering ({h.probe_failures} health probes "
-                           f"failed, last: {reason})")
+                message = (
+                    f"worker {h.address} stopped answering ({h.probe_failures} health probes "
+                    f"failed, last: {reason})"
+                )
                 log.warning("%s; cancelling %d open stream(s)", message, len(h.streams))
                 for stream in list(h.streams):
                     stream.cancel_down(message)

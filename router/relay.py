@@ -19,6 +19,7 @@ Contract
   cancel, deadline, stop string), which aborts the sequence on the worker.
 - proven by: tests/test_grpc_e2e.py (text == engine output), tests/test_grpc_two_workers.py (worker killed).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,12 +43,21 @@ from router.validation import ValidRequest
 
 # Failures before the first token that another worker may not repeat.
 RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 # Failures that count against the worker's circuit breaker (not the request's own fault).
-WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-                 grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
+WORKER_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DATA_LOSS,
+}
 FINISH_REASONS = {
     worker_pb2.WORKER_FINISH_REASON_STOP: "stop",
     worker_pb2.WORKER_FINISH_REASON_LENGTH: "length",
@@ -65,7 +75,7 @@ class Chunk:
 @dataclass
 class Done:
     request_id: str
-    reason: str                 # "stop" | "length" | "cancelled"
+    reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -85,13 +95,23 @@ class WorkerLost(Exception):
 
 def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, tenant: Tenant):
     sampling = worker_pb2.WorkerSampling(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, logprobs=req.logprobs,
-        max_tokens=max_tokens, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        logprobs=req.logprobs,
+        max_tokens=max_tokens,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+    )
     if req.seed is not None:
         sampling.seed = req.seed
     return worker_pb2.WorkerRequest(
-        request_id=f"{req.request_id}/{uuid.uuid4().hex[:12]}", prompt_token_ids=prompt_ids,
-        sampling=sampling, priority=req.priority, cache_salt=tenant.name)
+        request_id=f"{req.request_id}/{uuid.uuid4().hex[:12]}",
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        priority=req.priority,
+        cache_salt=tenant.name,
+    )
 
 
 class Relay:
@@ -99,10 +119,18 @@ class Relay:
         self._registry = registry
         self._tokenizer = tokenizer
 
-    async def run(self, req: ValidRequest, prompt_ids: list[int], max_tokens: int, tenant: Tenant,
-                  arrival_s: float, deadline_s: float | None, placement: Placement | None,
-                  retry: Callable[[list[str]], Placement | None],
-                  metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[Chunk | Done]:
+    async def run(
+        self,
+        req: ValidRequest,
+        prompt_ids: list[int],
+        max_tokens: int,
+        tenant: Tenant,
+        arrival_s: float,
+        deadline_s: float | None,
+        placement: Placement | None,
+        retry: Callable[[list[str]], Placement | None],
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncIterator[Chunk | Done]:
         wreq = _worker_request(req, prompt_ids, max_tokens, tenant)
         tried: list[str] = []
         errors: list[str] = []
@@ -130,8 +158,15 @@ class Relay:
                 placement.release()
             placement = retry(tried)
 
-    async def _attempt(self, placement: Placement, wreq, req: ValidRequest, arrival_s: float,
-                       deadline_s: float | None, metadata: tuple = ()) -> AsyncIterator[Chunk | Done]:
+    async def _attempt(
+        self,
+        placement: Placement,
+        wreq,
+        req: ValidRequest,
+        arrival_s: float,
+        deadline_s: float | None,
+        metadata: tuple = (),
+    ) -> AsyncIterator[Chunk | Done]:
         worker = placement.worker
         timeout = None if deadline_s is None else deadline_s - time.monotonic()
         if timeout is not None and timeout <= 0:
@@ -161,33 +196,50 @@ class Relay:
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")
                     yield Done(
-                        request_id=req.request_id, reason=reason,
-                        prompt_tokens=len(wreq.prompt_token_ids), completion_tokens=num_out,
+                        request_id=req.request_id,
+                        reason=reason,
+                        prompt_tokens=len(wreq.prompt_token_ids),
+                        completion_tokens=num_out,
                         cached_prompt_tokens=msg.num_cached_tokens,
                         queue_ms=(dispatch_s - arrival_s) * 1e3 + msg.queue_ms,
                         ttft_ms=((first_token_s or now) - arrival_s) * 1e3,
-                        total_ms=(now - arrival_s) * 1e3)
+                        total_ms=(now - arrival_s) * 1e3,
+                    )
                     self._registry.call_succeeded(worker)
                     return
-            raise WorkerLost(f"worker {worker.address} closed the stream without finishing",
-                             retryable=num_out == 0, code=grpc.StatusCode.UNAVAILABLE)
+            raise WorkerLost(
+                f"worker {worker.address} closed the stream without finishing",
+                retryable=num_out == 0,
+                code=grpc.StatusCode.UNAVAILABLE,
+            )
         except asyncio.CancelledError:
             if not stream.down_reason:
                 raise  # the client's cancellation (or the deadline), not the worker's
-            raise WorkerLost(f"{stream.down_reason} after {num_out} tokens", retryable=num_out == 0,
-                             code=grpc.StatusCode.UNAVAILABLE) from None
+            raise WorkerLost(
+                f"{stream.down_reason} after {num_out} tokens",
+                retryable=num_out == 0,
+                code=grpc.StatusCode.UNAVAILABLE,
+            ) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"deadline exceeded after {num_out} tokens") from None
             if num_out:
-                raise WorkerLost(f"worker {worker.address} was lost mid-stream after {num_out} tokens "
-                                 f"({code.name}: {exc.details()})", retryable=False, code=code) from None
+                raise WorkerLost(
+                    f"worker {worker.address} was lost mid-stream after {num_out} tokens "
+                    f"({code.name}: {exc.details()})",
+                    retryable=False,
+                    code=code,
+                ) from None
             if code not in RETRYABLE:
-                raise RouterError(f"worker {worker.address} rejected the request "
-                                  f"({code.name}: {exc.details()})") from None
-            raise WorkerLost(f"worker {worker.address} failed before the first token "
-                             f"({code.name}: {exc.details()})", retryable=True, code=code) from None
+                raise RouterError(
+                    f"worker {worker.address} rejected the request ({code.name}: {exc.details()})"
+                ) from None
+            raise WorkerLost(
+                f"worker {worker.address} failed before the first token ({code.name}: {exc.details()})",
+                retryable=True,
+                code=code,
+            ) from None
         finally:
             self._registry.untrack(worker, stream)
             call.cancel()

@@ -13,6 +13,7 @@ Contract
   in-flight calls get `drain_grace_s` to finish, then the server stops.
 - proven by: tests/test_grpc_e2e.py (SIGTERM drain), tests/test_router_cli.py (never imports torch).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,63 +52,103 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def serve(config: RouterConfig) -> int:
-    replicas = config.router_replicas   # each of R routers enforces 1/R of the shared limits
-    tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public,
-                          replicas=replicas)
-    problem = config.public_bind_refusal()   # the common.public_bind rule
+    replicas = config.router_replicas  # each of R routers enforces 1/R of the shared limits
+    tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public, replicas=replicas)
+    problem = config.public_bind_refusal()  # the common.public_bind rule
     if problem:
         raise SystemExit(problem)
     tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
     options = channel_options(config.max_message_bytes)
     registry_args = dict(
-        poll_s=config.health_poll_s, channel_options=tuple(options), probe_timeout_s=config.health_timeout_s,
+        poll_s=config.health_poll_s,
+        channel_options=tuple(options),
+        probe_timeout_s=config.health_timeout_s,
         down_after_probes=config.down_after_probes,
-        breaker_factory=lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
-                                               config.breaker_max_cooldown_s))
-    if config.worker_tls_ca:   # TLS to workers; mutual when the router has a client certificate
+        breaker_factory=lambda: CircuitBreaker(
+            config.breaker_failures, config.breaker_cooldown_s, config.breaker_max_cooldown_s
+        ),
+    )
+    if config.worker_tls_ca:  # TLS to workers; mutual when the router has a client certificate
         registry_args["credentials"] = channel_credentials(
-            config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key, WORKER_TLS_FLAGS)
+            config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key, WORKER_TLS_FLAGS
+        )
         if config.worker_tls_server_name:
             registry_args["channel_options"] += (
-                ("grpc.ssl_target_name_override", config.worker_tls_server_name),)
-    if config.ray_address:     # Ray is imported only here: a static router never loads it
+                ("grpc.ssl_target_name_override", config.worker_tls_server_name),
+            )
+    if config.ray_address:  # Ray is imported only here: a static router never loads it
         from router.ray_registry import RayRegistry
-        registry = RayRegistry(config.ray_address, config.ray_namespace, static=config.workers, **registry_args)
+
+        registry = RayRegistry(
+            config.ray_address, config.ray_namespace, static=config.workers, **registry_args
+        )
     else:
         registry = StaticRegistry(config.workers, **registry_args)
     drain = Drain()
     queue = FairQueue(mode=config.fair_queue)
     budget = config.max_tokens_in_flight and -(-config.max_tokens_in_flight // replicas)
-    admission = AdmissionController(queue, AdmissionConfig(max_queued_total=config.max_queued,
-                                                           max_tokens_in_flight=budget))
-    dispatcher = Dispatcher(queue, registry, PrefixAffinity(), config.affinity_imbalance,
-                            recheck_s=config.health_poll_s, no_worker_grace_s=config.no_worker_grace_s,
-                            replicas=replicas)
+    admission = AdmissionController(
+        queue, AdmissionConfig(max_queued_total=config.max_queued, max_tokens_in_flight=budget)
+    )
+    dispatcher = Dispatcher(
+        queue,
+        registry,
+        PrefixAffinity(),
+        config.affinity_imbalance,
+        recheck_s=config.health_poll_s,
+        no_worker_grace_s=config.no_worker_grace_s,
+        replicas=replicas,
+    )
     metrics = RouterMetrics()
     metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)
     metrics.export_state(registry, drain, admission, queue, dispatcher)
-    base = GrpcServer(component="router", service_names=(SERVICE_NAME,), host=config.host, port=config.port,
-                      telemetry=config.telemetry, metrics_registry=metrics.registry,
-                      default_metrics_port=DEFAULT_METRICS_PORT, metrics_routes={"/targets": lambda: targets(registry)},
-                      tls=(config.tls_cert, config.tls_key, config.tls_client_ca), options=options,
-                      interceptors=[ErrorInterceptor()])
+    base = GrpcServer(
+        component="router",
+        service_names=(SERVICE_NAME,),
+        host=config.host,
+        port=config.port,
+        telemetry=config.telemetry,
+        metrics_registry=metrics.registry,
+        default_metrics_port=DEFAULT_METRICS_PORT,
+        metrics_routes={"/targets": lambda: targets(registry)},
+        tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
+        options=options,
+        interceptors=[ErrorInterceptor()],
+    )
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationService(registry, tokenizer, tenants, config.limits, drain, admission, dispatcher,
-                          metrics=metrics, queue_requests=config.queue_requests), base.server)
+        GenerationService(
+            registry,
+            tokenizer,
+            tenants,
+            config.limits,
+            drain,
+            admission,
+            dispatcher,
+            metrics=metrics,
+            queue_requests=config.queue_requests,
+        ),
+        base.server,
+    )
     base.bind()
-    await base.set_serving(False)   # SERVING while at least one worker is healthy
+    await base.set_serving(False)  # SERVING while at least one worker is healthy
     registry.on_change(base.set_serving_soon)
     base.start_tracing()
     await registry.start()  # first probe round before serving: a restarted router knows its workers at once
     await base.start()
     dispatcher.start()
-    watcher = asyncio.create_task(tenants.watch(config.tenants_poll_s)) if (
-        config.tenants_file and config.tenants_poll_s > 0) else None
+    watcher = (
+        asyncio.create_task(tenants.watch(config.tenants_poll_s))
+        if (config.tenants_file and config.tenants_poll_s > 0)
+        else None
+    )
 
     stop = base.stop_event(extra_signals={signal.SIGHUP: tenants.reload})
     base.announce()
-    log.info("workers: %s%s", ", ".join(config.workers) or "none",
-             f"; Ray actors in namespace {config.ray_namespace!r}" if config.ray_address else "")
+    log.info(
+        "workers: %s%s",
+        ", ".join(config.workers) or "none",
+        f"; Ray actors in namespace {config.ray_namespace!r}" if config.ray_address else "",
+    )
     await stop.wait()
 
     log.info("draining: %d call(s) in flight, grace %.1f s", drain.num_inflight, config.drain_grace_s)

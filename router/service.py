@@ -14,6 +14,7 @@ Contract
   hands the route span's trace context to the worker call, records metrics and the log line.
 - proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table), tests/test_observability_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,19 +51,36 @@ FINISH_REASONS = {
 
 def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
     if isinstance(event, Chunk):
-        return pb.GenerateResponse(chunk=pb.TokenChunk(
-            token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
-    return pb.GenerateResponse(finished=pb.Finished(
-        reason=FINISH_REASONS[event.reason], request_id=event.request_id,
-        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                       cached_prompt_tokens=event.cached_prompt_tokens),
-        timing=pb.Timing(queue_ms=event.queue_ms, ttft_ms=event.ttft_ms, total_ms=event.total_ms)))
+        return pb.GenerateResponse(
+            chunk=pb.TokenChunk(token_ids=event.token_ids, text=event.text, logprobs=event.logprobs)
+        )
+    return pb.GenerateResponse(
+        finished=pb.Finished(
+            reason=FINISH_REASONS[event.reason],
+            request_id=event.request_id,
+            usage=pb.Usage(
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                cached_prompt_tokens=event.cached_prompt_tokens,
+            ),
+            timing=pb.Timing(queue_ms=event.queue_ms, ttft_ms=event.ttft_ms, total_ms=event.total_ms),
+        )
+    )
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, tenants: TenantsFile,
-                 limits: Limits, drain: Drain, admission: AdmissionController, dispatcher: Dispatcher,
-                 metrics: RouterMetrics | None = None, queue_requests: bool = True):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        tokenizer: Tokenizer,
+        tenants: TenantsFile,
+        limits: Limits,
+        drain: Drain,
+        admission: AdmissionController,
+        dispatcher: Dispatcher,
+        metrics: RouterMetrics | None = None,
+        queue_requests: bool = True,
+    ):
         self._registry = registry
         self._metrics = metrics
         self._tokenizer = tokenizer
@@ -72,7 +90,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._dispatcher = dispatcher
         self._relay = Relay(registry, tokenizer)
-        self._queue_requests = queue_requests   # False (--no-queue): admit only what a worker can start now
+        self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
         self.admission_rejections: Counter[tuple[str, str]] = admission.refusals
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -103,34 +121,58 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._shed_early(tenant, req)
             prompt_ids = await asyncio.to_thread(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
-            obs.request(req.request_id, tenant.name, req.model.name, len(prompt_ids), max_tokens,
-                        req.temperature, req.top_p)
+            obs.request(
+                req.request_id,
+                tenant.name,
+                req.model.name,
+                len(prompt_ids),
+                max_tokens,
+                req.temperature,
+                req.top_p,
+            )
             remaining = context.time_remaining()
             deadline_s = None if remaining is None else arrival_s + remaining
             pending = Pending(req.model.name, prefix_hashes(prompt_ids, tenant.name))
             obs.stage("admission")
             try:
-                ticket = self._admission.admit(tenant, len(prompt_ids), max_tokens, priority=req.priority,
-                                               deadline_s=deadline_s, payload=pending)
+                ticket = self._admission.admit(
+                    tenant,
+                    len(prompt_ids),
+                    max_tokens,
+                    priority=req.priority,
+                    deadline_s=deadline_s,
+                    payload=pending,
+                )
             except AdmissionError as err:
                 raise Overloaded(err.message, err.retry_after_ms) from None
             if not self._queue_requests:
                 self._dispatcher.dispatch_ready()
-                if not pending.future.done():   # no worker has room for it now: refuse, do not queue
+                if not pending.future.done():  # no worker has room for it now: refuse, do not queue
                     pending.discard()
                     ticket.release()
-                    err = self._admission.refuse(tenant, "no_capacity", ticket.item.max_cost,
-                                                 "no worker has room for this request now (the router does "
-                                                 "not queue: --no-queue)")
+                    err = self._admission.refuse(
+                        tenant,
+                        "no_capacity",
+                        ticket.item.max_cost,
+                        "no worker has room for this request now (the router does not queue: --no-queue)",
+                    )
                     raise Overloaded(err.message, err.retry_after_ms)
             num_out = 0
             try:
                 obs.stage("queue")
                 placement = await self._dispatcher.wait_placed(pending, deadline_s, time.monotonic())
                 obs.stage("route", worker=placement.worker.address if placement else None)
-                events = self._relay.run(req, prompt_ids, max_tokens, tenant, arrival_s, deadline_s, placement,
-                                         retry=lambda tried: self._dispatcher.place_retry(ticket.item, tried),
-                                         metadata=obs.metadata)
+                events = self._relay.run(
+                    req,
+                    prompt_ids,
+                    max_tokens,
+                    tenant,
+                    arrival_s,
+                    deadline_s,
+                    placement,
+                    retry=lambda tried: self._dispatcher.place_retry(ticket.item, tried),
+                    metadata=obs.metadata,
+                )
                 async with aclosing(events):  # closing the call closes the worker stream at once
                     async for event in events:
                         if isinstance(event, Chunk):
@@ -149,8 +191,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
             cards = []
             for name, spec in sorted(self._registry.models().items()):
-                cards.append(pb.ModelCard(id=name, max_model_len=spec.max_model_len,
-                                          num_workers=len(self._registry.healthy(name))))
+                cards.append(
+                    pb.ModelCard(
+                        id=name,
+                        max_model_len=spec.max_model_len,
+                        num_workers=len(self._registry.healthy(name)),
+                    )
+                )
             return pb.ListModelsResponse(models=cards)
         finally:
             self._drain.exit()
@@ -161,11 +208,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         per_token = self._tokenizer.max_chars_per_token
         if per_token is None or req.prompt_token_ids is not None:
             return
-        field, chars = (("chat.messages", sum(len(m["content"]) for m in req.chat)) if req.chat is not None
-                        else ("prompt", len(req.prompt)))
+        field, chars = (
+            ("chat.messages", sum(len(m["content"]) for m in req.chat))
+            if req.chat is not None
+            else ("prompt", len(req.prompt))
+        )
         if chars > req.model.max_model_len * per_token:
-            raise ValidationError(field, f"{chars} characters cannot fit the model's {req.model.max_model_len}-token "
-                                  f"context (a token covers at most {per_token} characters)")
+            raise ValidationError(
+                field,
+                f"{chars} characters cannot fit the model's {req.model.max_model_len}-token "
+                f"context (a token covers at most {per_token} characters)",
+            )
 
     def _shed_early(self, tenant, req: ValidRequest) -> None:
         """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""
@@ -173,8 +226,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             self._admission.precheck(tenant, cost)
             if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
-                raise self._admission.refuse(tenant, "no_capacity", cost, "every worker is busy (the router "
-                                             "does not queue: --no-queue)")
+                raise self._admission.refuse(
+                    tenant,
+                    "no_capacity",
+                    cost,
+                    "every worker is busy (the router does not queue: --no-queue)",
+                )
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
 

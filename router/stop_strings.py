@@ -9,6 +9,7 @@ Contract
 - failure modes: none; pushing after a stop is a programming error (assert).
 - proven by: tests/test_router_stop_strings.py.
 """
+
 from __future__ import annotations
 
 
@@ -29,10 +30,10 @@ class StopStringMatcher:
         if hits:
             self.stopped = True
             self._held = ""
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         hold = self._partial_suffix_len(text)
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
 
     def flush(self) -> str:
         """End of stream: held-back text is not a stop string after all."""

@@ -32,6 +32,7 @@ Contract
   tests/test_tenant_isolation.py (spoofing through metadata and fields, keys absent from logs,
   spans and metrics).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,10 +59,10 @@ class Tenant:
     name: str
     key_sha256: str = ""
     weight: float = 1.0
-    max_concurrency: int | None = None       # open requests: queued + running
-    max_queued: int | None = None            # requests waiting in the router's fair queue
+    max_concurrency: int | None = None  # open requests: queued + running
+    max_queued: int | None = None  # requests waiting in the router's fair queue
     rate_requests_per_s: float | None = None
-    burst_requests: float | None = None      # None: one second's worth, at least 1
+    burst_requests: float | None = None  # None: one second's worth, at least 1
     rate_tokens_per_min: float | None = None  # prompt + max_tokens; burst: one minute's worth
     default_priority: int = 0
 
@@ -84,8 +85,9 @@ class Tenant:
             if self.burst_requests < 1:
                 raise ValueError(f"tenant {self.name}: burst_requests must be >= 1 (one request)")
         if not _is_int(self.default_priority):
-            raise ValueError(f"tenant {self.name}: default_priority must be an integer, "
-                             f"got {self.default_priority!r}")
+            raise ValueError(
+                f"tenant {self.name}: default_priority must be an integer, got {self.default_priority!r}"
+            )
 
     def share(self, replicas: int) -> Tenant:
         """The limits one of `replicas` routers enforces when requests are spread evenly over them:
@@ -102,10 +104,13 @@ class Tenant:
             return None if value is None else value / replicas
 
         return dataclasses.replace(
-            self, max_concurrency=cap(self.max_concurrency), max_queued=cap(self.max_queued),
+            self,
+            max_concurrency=cap(self.max_concurrency),
+            max_queued=cap(self.max_queued),
             rate_requests_per_s=rate(self.rate_requests_per_s),
             burst_requests=None if self.burst_requests is None else max(1.0, self.burst_requests / replicas),
-            rate_tokens_per_min=rate(self.rate_tokens_per_min))
+            rate_tokens_per_min=rate(self.rate_tokens_per_min),
+        )
 
 
 def _is_int(value) -> bool:
@@ -138,8 +143,9 @@ def is_loopback_peer(peer: str) -> bool:
 
 
 class Tenants:
-    def __init__(self, tenants: Iterable[Tenant], require_key: bool, allow_public: bool = False,
-                 replicas: int = 1):
+    def __init__(
+        self, tenants: Iterable[Tenant], require_key: bool, allow_public: bool = False, replicas: int = 1
+    ):
         # Stored as this router's share (Tenant.share): authenticate() returns what it enforces.
         self._tenants = tuple(t.share(replicas) for t in tenants)
         self.require_key = require_key
@@ -149,7 +155,7 @@ class Tenants:
             raise ValueError("tenant names must be unique")
         if require_key:
             for t in self._tenants:
-                if not isinstance(t.key_sha256, str):   # YAML reads an unquoted all-digit digest as a number
+                if not isinstance(t.key_sha256, str):  # YAML reads an unquoted all-digit digest as a number
                     raise ValueError(f"tenant {t.name}: key_sha256 must be a string (quote it in YAML)")
                 if len(t.key_sha256) != 64 or any(c not in "0123456789abcdef" for c in t.key_sha256):
                     raise ValueError(f"tenant {t.name}: key_sha256 must be 64 lowercase hex digits")
@@ -175,7 +181,7 @@ class Tenants:
     @classmethod
     def load(cls, path: str | None, allow_public: bool = False, replicas: int = 1) -> "Tenants":
         if path is None:
-            return cls.default(allow_public)   # no limits to share
+            return cls.default(allow_public)  # no limits to share
         with open(path, encoding="utf-8") as f:
             return cls.from_yaml(f.read(), replicas)
 
@@ -186,7 +192,9 @@ class Tenants:
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]], peer: str) -> Tenant:
         if not self.require_key:
             if not (self._allow_public or is_loopback_peer(peer)):
-                raise AuthError("no tenants configured: the default tenant is only served to loopback clients")
+                raise AuthError(
+                    "no tenants configured: the default tenant is only served to loopback clients"
+                )
             return self._tenants[0]
         headers = [v for k, v in metadata if k == "authorization"]
         if not headers:
@@ -232,8 +240,12 @@ class TenantsFile:
         try:
             tenants = Tenants.load(self.path, self._allow_public, self._replicas)
         except (OSError, ValueError, yaml.YAMLError) as exc:
-            log.error("tenants file %s not reloaded, keeping the previous %d tenant(s): %s",
-                      self.path, len(self.current.tenants), exc)
+            log.error(
+                "tenants file %s not reloaded, keeping the previous %d tenant(s): %s",
+                self.path,
+                len(self.current.tenants),
+                exc,
+            )
             return False
         self.current = tenants
         self.num_reloads += 1

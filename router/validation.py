@@ -9,6 +9,7 @@ Contract
 - failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`.
 - proven by: tests/test_router_validation.py (table), tests/test_grpc_e2e.py (invalid-request table) (end to end).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,7 @@ class ModelSpec:
 class ValidRequest:
     request_id: str
     model: ModelSpec
-    prompt: str | None = None                        # exactly one of prompt / chat / token ids
+    prompt: str | None = None  # exactly one of prompt / chat / token ids
     chat: tuple[dict[str, str], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     temperature: float = 1.0
@@ -42,7 +43,7 @@ class ValidRequest:
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False
-    max_tokens: int | None = None                    # None = server default, fitted to the context
+    max_tokens: int | None = None  # None = server default, fitted to the context
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -65,10 +66,16 @@ def _resolve_model(name: str, models: Mapping[str, ModelSpec]) -> ModelSpec:
 def _request_id(rid: str, limits: Limits) -> str:
     if not rid:
         return uuid.uuid4().hex
-    _check(len(rid) <= limits.max_request_id_len, "request_id",
-           f"longer than {limits.max_request_id_len} characters")
-    _check(rid.isascii() and rid.isprintable() and " " not in rid, "request_id",
-           "must be printable ASCII without spaces")
+    _check(
+        len(rid) <= limits.max_request_id_len,
+        "request_id",
+        f"longer than {limits.max_request_id_len} characters",
+    )
+    _check(
+        rid.isascii() and rid.isprintable() and " " not in rid,
+        "request_id",
+        "must be printable ASCII without spaces",
+    )
     return rid
 
 
@@ -77,25 +84,39 @@ def _input(req: pb.GenerateRequest, model: ModelSpec, limits: Limits) -> dict:
     _check(kind is not None, "input", "one of prompt, chat or token_ids is required")
     if kind == "prompt":
         _check(req.prompt != "", "prompt", "must not be empty")
-        _check(len(req.prompt) <= limits.max_prompt_chars, "prompt",
-               f"longer than {limits.max_prompt_chars} characters")
+        _check(
+            len(req.prompt) <= limits.max_prompt_chars,
+            "prompt",
+            f"longer than {limits.max_prompt_chars} characters",
+        )
         return {"prompt": req.prompt}
     if kind == "chat":
         messages = req.chat.messages
         _check(len(messages) > 0, "chat.messages", "must not be empty")
-        _check(len(messages) <= limits.max_chat_messages, "chat.messages",
-               f"more than {limits.max_chat_messages} messages")
+        _check(
+            len(messages) <= limits.max_chat_messages,
+            "chat.messages",
+            f"more than {limits.max_chat_messages} messages",
+        )
         for i, m in enumerate(messages):
-            _check(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
-                   f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
-        _check(sum(len(m.content) for m in messages) <= limits.max_prompt_chars, "chat.messages",
-               f"longer than {limits.max_prompt_chars} characters in total")
+            _check(
+                m.role in CHAT_ROLES,
+                f"chat.messages[{i}].role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+            )
+        _check(
+            sum(len(m.content) for m in messages) <= limits.max_prompt_chars,
+            "chat.messages",
+            f"longer than {limits.max_prompt_chars} characters in total",
+        )
         _check(any(m.content for m in messages), "chat.messages", "all messages are empty")
         return {"chat": tuple({"role": m.role, "content": m.content} for m in messages)}
     ids = tuple(req.token_ids.ids)
     _check(len(ids) > 0, "token_ids.ids", "must not be empty")
     bad = next((t for t in ids if t >= model.vocab_size), None)
-    _check(bad is None, "token_ids.ids", f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+    _check(
+        bad is None, "token_ids.ids", f"token id {bad} is outside the vocabulary (size {model.vocab_size})"
+    )
     return {"prompt_token_ids": ids}
 
 
@@ -109,8 +130,11 @@ def _sampling(s: pb.SamplingParams, model: ModelSpec) -> dict:
         p = s.top_p
         _check(math.isfinite(p) and 0 < p <= 1, "sampling.top_p", f"must be in (0, 1], got {p}")
         out["top_p"] = float(p)
-    _check(s.top_k <= model.vocab_size, "sampling.top_k",
-           f"must be <= the vocabulary size {model.vocab_size} (0 = off), got {s.top_k}")
+    _check(
+        s.top_k <= model.vocab_size,
+        "sampling.top_k",
+        f"must be <= the vocabulary size {model.vocab_size} (0 = off), got {s.top_k}",
+    )
     _check(s.logprobs <= 1, "sampling.logprobs", f"must be 0 or 1, got {s.logprobs}")
     out.update(top_k=s.top_k, logprobs=s.logprobs == 1)
     if s.HasField("seed"):
@@ -122,20 +146,35 @@ def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
     out: dict = {"ignore_eos": s.ignore_eos}
     if s.HasField("max_tokens"):
         _check(s.max_tokens >= 1, "stopping.max_tokens", "must be >= 1 (leave unset for the server default)")
-        _check(s.max_tokens <= limits.max_tokens_limit, "stopping.max_tokens",
-               f"must be <= {limits.max_tokens_limit}, got {s.max_tokens}")
+        _check(
+            s.max_tokens <= limits.max_tokens_limit,
+            "stopping.max_tokens",
+            f"must be <= {limits.max_tokens_limit}, got {s.max_tokens}",
+        )
         out["max_tokens"] = s.max_tokens
-    _check(len(s.stop) <= limits.max_stop_strings, "stopping.stop",
-           f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
+    _check(
+        len(s.stop) <= limits.max_stop_strings,
+        "stopping.stop",
+        f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}",
+    )
     for i, text in enumerate(s.stop):
-        _check(0 < len(text) <= limits.max_stop_string_len, f"stopping.stop[{i}]",
-               f"must be 1 to {limits.max_stop_string_len} characters long")
+        _check(
+            0 < len(text) <= limits.max_stop_string_len,
+            f"stopping.stop[{i}]",
+            f"must be 1 to {limits.max_stop_string_len} characters long",
+        )
     out["stop"] = tuple(s.stop)
-    _check(len(s.stop_token_ids) <= limits.max_stop_token_ids, "stopping.stop_token_ids",
-           f"at most {limits.max_stop_token_ids} ids, got {len(s.stop_token_ids)}")
+    _check(
+        len(s.stop_token_ids) <= limits.max_stop_token_ids,
+        "stopping.stop_token_ids",
+        f"at most {limits.max_stop_token_ids} ids, got {len(s.stop_token_ids)}",
+    )
     bad = next((t for t in s.stop_token_ids if t >= model.vocab_size), None)
-    _check(bad is None, "stopping.stop_token_ids",
-           f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+    _check(
+        bad is None,
+        "stopping.stop_token_ids",
+        f"token id {bad} is outside the vocabulary (size {model.vocab_size})",
+    )
     out["stop_token_ids"] = tuple(s.stop_token_ids)
     return out
 
@@ -158,12 +197,18 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
     context = req.model.max_model_len
     field = "token_ids.ids" if req.prompt_token_ids is not None else "chat.messages" if req.chat else "prompt"
     _check(num_prompt_tokens > 0, field, "tokenizes to zero tokens")
-    _check(num_prompt_tokens < context, field,
-           f"{num_prompt_tokens} tokens do not fit the model's context of {context} tokens")
+    _check(
+        num_prompt_tokens < context,
+        field,
+        f"{num_prompt_tokens} tokens do not fit the model's context of {context} tokens",
+    )
     room = context - num_prompt_tokens
     if req.max_tokens is None:
         return min(limits.default_max_tokens, room)
-    _check(req.max_tokens <= room, "stopping.max_tokens",
-           f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
-           f"context of {context} tokens")
+    _check(
+        req.max_tokens <= room,
+        "stopping.max_tokens",
+        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
+        f"context of {context} tokens",
+    )
     return req.max_tokens

@@ -5,6 +5,7 @@ strided view into a fused qkv projection, as the model produces it), K/V caches 
 scattered over a shuffled physical pool, and the metadata of worker/attention.py.
 Relative error is max|a - b| / max|b|. Bounds: fp32 1e-5, fp16/bf16 1e-2.
 """
+
 import torch
 
 BLOCK_SIZE = 16
@@ -23,8 +24,9 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
-def make_batch(seqs, num_kv_heads, group, head_dim, dtype, seed, block_size=BLOCK_SIZE,
-               extra_blocks=3, device="cpu"):
+def make_batch(
+    seqs, num_kv_heads, group, head_dim, dtype, seed, block_size=BLOCK_SIZE, extra_blocks=3, device="cpu"
+):
     """Random q and caches; each sequence's blocks scattered over a shuffled physical pool."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
@@ -36,7 +38,7 @@ def make_batch(seqs, num_kv_heads, group, head_dim, dtype, seed, block_size=BLOC
     block_tables = torch.randint(0, num_blocks, (len(seqs), max(blocks_per_seq)), generator=gen)
     first = 0
     for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = physical[first:first + n]
+        block_tables[i, :n] = physical[first : first + n]
         first += n
     num_tokens = sum(new for _, new in seqs)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -50,11 +52,11 @@ def make_batch(seqs, num_kv_heads, group, head_dim, dtype, seed, block_size=BLOC
         return t.to(device=device, dtype=dt or t.dtype)
 
     return dict(
-        q=dev(qkv, dtype)[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim),
+        q=dev(qkv, dtype)[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim),
         k_cache=dev(torch.randn(cache_shape, generator=gen), dtype),
         v_cache=dev(torch.randn(cache_shape, generator=gen), dtype),
         block_tables=dev(block_tables, torch.int32),
         seq_lens=dev(torch.tensor(seq_lens), torch.int32),
         query_start_loc=dev(torch.tensor(starts), torch.int32),
-        scale=head_dim ** -0.5,
+        scale=head_dim**-0.5,
     )

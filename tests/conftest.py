@@ -1,4 +1,5 @@
 """Shared fixtures: one loaded model per test session (loading takes seconds), --runslow."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,12 @@ if not torch.cuda.is_available():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run tests marked slow (long soaks, sweeps)")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (long soaks, sweeps)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,8 +45,9 @@ def runner():
 
     # One intra-op thread: on these shared 2-vCPU machines OpenMP barriers under CPU steal made
     # two threads 1-5x slower than one (measured), and test processes run side by side.
-    return ModelRunner(EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20, attention_backend="torch",
-                                    num_threads=1))
+    return ModelRunner(
+        EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20, attention_backend="torch", num_threads=1)
+    )
 
 
 @pytest.fixture
@@ -58,7 +64,7 @@ def make_engine(runner):
         return engine
 
     yield make
-    for engine in engines:          # every test leaves the pool whole
+    for engine in engines:  # every test leaves the pool whole
         engine.scheduler.check_integrity()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -80,6 +86,7 @@ def hf_model():
     from common.model_files import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
     return model.eval()

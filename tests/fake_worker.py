@@ -5,6 +5,7 @@ healthy, empty KV pool and passes every health check, but fails every `Generate`
 INTERNAL ("injected failure"). Each call is logged as "generate call N" so a test can count how
 many requests the router still sent it. Prints "worker listening on HOST:PORT" like a real one.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,7 @@ from the process's log (kept under pytest's tmp dir), then waits for grpc.health
 `stop` terminates, then kills. Helpers that call a server take `credentials` (common.tls) for one
 that serves TLS; None = plaintext.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +49,11 @@ def metrics_address(proc: "Proc") -> str:
 def worker_metrics_address(address: str) -> str:
     """host:port of a worker's /metrics, as it reports it in WorkerInfo."""
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5).metrics_address
+        return (
+            worker_pb2_grpc.WorkerStub(channel)
+            .GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+            .metrics_address
+        )
 
 
 def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_pb2.LoadReport, float]:
@@ -71,8 +76,11 @@ def scrape(proc: "Proc", context=None) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url(proc), timeout=5, context=context).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class Proc:
@@ -81,8 +89,9 @@ class Proc:
         self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)[1])
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
-                                      stdout=self._log, stderr=subprocess.STDOUT)
+        self.popen = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
         self.address = ""
 
     def log_tail(self, num_chars: int = 4000) -> str:
@@ -119,8 +128,13 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
     return grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
 
 
-def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START_TIMEOUT_S,
-                want=health_pb2.HealthCheckResponse.SERVING, credentials=None) -> None:
+def wait_health(
+    address: str,
+    proc: Proc | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+    want=health_pb2.HealthCheckResponse.SERVING,
+    credentials=None,
+) -> None:
     """Polls grpc.health.v1 Check until it reports `want`."""
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -136,8 +150,10 @@ def wait_health(address: str, proc: Proc | None = None, timeout_s: float = START
             except grpc.RpcError as exc:
                 last = exc.code().name
             time.sleep(0.05)
-    raise TimeoutError(f"{address} not {health_pb2.HealthCheckResponse.ServingStatus.Name(want)} "
-                       f"within {timeout_s} s ({last})")
+    raise TimeoutError(
+        f"{address} not {health_pb2.HealthCheckResponse.ServingStatus.Name(want)} "
+        f"within {timeout_s} s ({last})"
+    )
 
 
 def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
@@ -146,14 +162,32 @@ def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_K
     # context above, and the tests' exact greedy outputs, are float32's. --enforce-eager: these
     # tests are about the servers, and compiling the CPU step would add seconds to every start
     # (the compiled step is tested in process: tests/test_cpu_compile.py).
-    return Proc("worker", ["-m", "worker", "--port", "0", "--kv-cache-mb", str(kv_cache_mb),
-                           "--dtype", "float32", "--enforce-eager", "--drain-announce-s", "0.5", *extra],
-                log_dir)
+    return Proc(
+        "worker",
+        [
+            "-m",
+            "worker",
+            "--port",
+            "0",
+            "--kv-cache-mb",
+            str(kv_cache_mb),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--drain-announce-s",
+            "0.5",
+            *extra,
+        ],
+        log_dir,
+    )
 
 
 def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc:
-    return Proc("router", ["-m", "router", "--port", "0", "--workers", ",".join(workers),
-                           "--health-poll-s", "0.2", *extra], log_dir)
+    return Proc(
+        "router",
+        ["-m", "router", "--port", "0", "--workers", ",".join(workers), "--health-poll-s", "0.2", *extra],
+        log_dir,
+    )
 
 
 def ready(*procs: Proc, credentials=None) -> None:
@@ -162,8 +196,9 @@ def ready(*procs: Proc, credentials=None) -> None:
         wait_health(proc.wait_listening(START_TIMEOUT_S), proc, credentials=credentials)
 
 
-def wait_for_workers(router_address: str, num_workers: int, metadata=(), timeout_s: float = 30.0,
-                     credentials=None) -> None:
+def wait_for_workers(
+    router_address: str, num_workers: int, metadata=(), timeout_s: float = 30.0, credentials=None
+) -> None:
     """Waits until the router sees `num_workers` healthy workers (ListModels)."""
     deadline = time.monotonic() + timeout_s
     with open_channel(router_address, credentials) as ch:
@@ -182,8 +217,14 @@ def worker_load(address: str) -> worker_pb2.LoadReport:
 
 
 @contextlib.contextmanager
-def running_router(log_dir: pathlib.Path, workers: list[str], *extra: str, credentials=None,
-                   tenants: str | None = None, metadata=()):
+def running_router(
+    log_dir: pathlib.Path,
+    workers: list[str],
+    *extra: str,
+    credentials=None,
+    tenants: str | None = None,
+    metadata=(),
+):
     """A router that is serving and sees every worker in `workers`; stopped on exit. `tenants`:
     a tenants YAML text (written to a file in `log_dir`); `metadata`: the API key to ask with."""
     if tenants is not None:

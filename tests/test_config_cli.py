@@ -2,6 +2,7 @@
 the config dataclasses' field metadata; flag > LLM_* variable > default; a bad variable is a usage
 error naming it; the defaults are the same everywhere; every engine and worker-server setting can
 be given to every launcher; the non-loopback rule is one function. No process is started here."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def clean_env(monkeypatch):
 
 # --- the helper on a dataclass of its own ------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Inner:
     ratio: float = field(default=0.5, metadata=option("a ratio"))
@@ -50,7 +52,7 @@ class Sample:
     mode: str = field(default="a", metadata=option("a mode", choices=("a", "b")))
     on: bool = field(default=True, metadata=option("a switch", negative=("no-on", "off")))
     inner: Inner = field(default=Inner(), metadata=section("inner"))
-    hidden: int = 3     # no metadata: not a flag
+    hidden: int = 3  # no metadata: not a flag
 
     def __post_init__(self) -> None:
         if self.cap is not None and self.cap < 1:
@@ -77,8 +79,13 @@ def test_conversions_from_flags():
 def test_flag_beats_variable_beats_caller_default_beats_dataclass_default():
     env = {"LLM_SIZE_MB": "2", "LLM_CAP": "0", "LLM_NAMES": "x,y", "LLM_ON": "false", "LLM_RATIO": "0.25"}
     from_env = build([], env)
-    assert (from_env.size_bytes, from_env.cap, from_env.names, from_env.on, from_env.inner.ratio) == \
-        (2 * 2**20, None, ("x", "y"), False, 0.25)
+    assert (from_env.size_bytes, from_env.cap, from_env.names, from_env.on, from_env.inner.ratio) == (
+        2 * 2**20,
+        None,
+        ("x", "y"),
+        False,
+        0.25,
+    )
     assert build(["--size-mb", "4", "--on"], env).size_bytes == 4 * 2**20
     assert build(["--on"], env).on is True
     assert build([], {}, defaults={"mode": "b", "inner.ratio": 0.75}) == Sample(mode="b", inner=Inner(0.75))
@@ -93,17 +100,20 @@ def test_prefix_exclude_and_argv_round_trip():
     again = flags.build(p.parse_args(flags.argv(ns)), {})
     assert again == flags.build(ns, {})
     with pytest.raises(SystemExit):
-        p.parse_args(["--names", "a"])      # excluded
+        p.parse_args(["--names", "a"])  # excluded
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"LLM_CAP": "many"}, "LLM_CAP='many': not an integer (--cap)"),
-    ({"LLM_SIZE_MB": "big"}, "LLM_SIZE_MB='big': not a number (--size-mb)"),
-    ({"LLM_MODE": "c"}, "LLM_MODE='c': must be one of a, b"),
-    ({"LLM_ON": "maybe"}, "LLM_ON='maybe': expected one of"),
-    ({"LLM_CAP": "-3"}, "cap must be >= 1, got -3 (from the environment: LLM_CAP=-3)"),
-    ({"LLM_RATIO": "2"}, "ratio must be in [0, 1], got 2.0 (from the environment: LLM_RATIO=2)"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"LLM_CAP": "many"}, "LLM_CAP='many': not an integer (--cap)"),
+        ({"LLM_SIZE_MB": "big"}, "LLM_SIZE_MB='big': not a number (--size-mb)"),
+        ({"LLM_MODE": "c"}, "LLM_MODE='c': must be one of a, b"),
+        ({"LLM_ON": "maybe"}, "LLM_ON='maybe': expected one of"),
+        ({"LLM_CAP": "-3"}, "cap must be >= 1, got -3 (from the environment: LLM_CAP=-3)"),
+        ({"LLM_RATIO": "2"}, "ratio must be in [0, 1], got 2.0 (from the environment: LLM_RATIO=2)"),
+    ],
+)
 def test_a_bad_variable_is_an_error_naming_it(env, message):
     with pytest.raises(ValueError) as failure:
         build([], env)
@@ -119,14 +129,21 @@ def test_construct_builds_sections_from_dicts():
 
 # --- the real entry points ---------------------------------------------------------------------
 
+
 def engine_settings():
     p = argparse.ArgumentParser()
     return Flags(p, EngineConfig).settings
 
 
 # A valid non-default value for each engine option whose automatic one (below) would be refused.
-ENGINE_SAMPLES = {"block_size": "32", "kv_cache_bytes": "64", "kv_cache_memory_fraction": "0.5",
-                  "gpu_memory_utilization": "0.5", "device": "cpu", "model": "/models/m.gguf"}
+ENGINE_SAMPLES = {
+    "block_size": "32",
+    "kv_cache_bytes": "64",
+    "kv_cache_memory_fraction": "0.5",
+    "gpu_memory_utilization": "0.5",
+    "device": "cpu",
+    "model": "/models/m.gguf",
+}
 
 
 def non_default(s) -> list[str]:
@@ -199,20 +216,52 @@ def test_defaults_are_the_same_everywhere():
 
 
 def test_worker_server_flags_reach_ray_actors_and_make_serve_workers(monkeypatch):
-    argv = ["--allow-insecure-public", "--drain-grace-s", "3", "--drain-announce-s", "0.5",
-            "--max-message-mb", "2", "--log-format", "json", "--trace-sample-ratio", "0.5",
-            "--metrics-port", "-1", "--otlp-endpoint", "http://collector:4317"]
+    argv = [
+        "--allow-insecure-public",
+        "--drain-grace-s",
+        "3",
+        "--drain-announce-s",
+        "0.5",
+        "--max-message-mb",
+        "2",
+        "--log-format",
+        "json",
+        "--trace-sample-ratio",
+        "0.5",
+        "--metrics-port",
+        "-1",
+        "--otlp-endpoint",
+        "http://collector:4317",
+    ]
     _, launch = ray_launch.parse_args(argv)
     actor = config_cli.construct(WorkerServerConfig, launch.worker_values("10.0.0.1"))
     assert (actor.drain_grace_s, actor.drain_announce_s, actor.max_message_bytes) == (3.0, 0.5, 2 * 2**20)
-    assert actor.telemetry == TelemetryConfig(otlp_endpoint="http://collector:4317", sample_ratio=0.5,
-                                              metrics_port=-1, log_format="json")
+    assert actor.telemetry == TelemetryConfig(
+        otlp_endpoint="http://collector:4317", sample_ratio=0.5, metrics_port=-1, log_format="json"
+    )
     assert actor.port == 0 and actor.allow_insecure_public
-    plan = deploy_local.parse_args(["--worker-drain-grace-s", "3", "--worker-drain-announce-s", "0.5",
-                                    "--worker-max-message-mb", "2", "--log-format", "json",
-                                    "--otlp-endpoint", "http://collector:4317", "--metrics-port", "9999"])
-    assert plan.worker_options == {"drain_grace_s": 3.0, "drain_announce_s": 0.5, "max_message_bytes": 2 * 2**20,
-                                   "telemetry": {"otlp_endpoint": "http://collector:4317", "log_format": "json"}}
+    plan = deploy_local.parse_args(
+        [
+            "--worker-drain-grace-s",
+            "3",
+            "--worker-drain-announce-s",
+            "0.5",
+            "--worker-max-message-mb",
+            "2",
+            "--log-format",
+            "json",
+            "--otlp-endpoint",
+            "http://collector:4317",
+            "--metrics-port",
+            "9999",
+        ]
+    )
+    assert plan.worker_options == {
+        "drain_grace_s": 3.0,
+        "drain_announce_s": 0.5,
+        "max_message_bytes": 2 * 2**20,
+        "telemetry": {"otlp_endpoint": "http://collector:4317", "log_format": "json"},
+    }
     assert plan.router.telemetry.metrics_port == 9999 and plan.router.drain_grace_s == 30.0
     monkeypatch.setenv("LLM_WORKER_DRAIN_ANNOUNCE_S", "0.25")
     assert deploy_local.parse_args([]).worker_options["drain_announce_s"] == 0.25
@@ -225,7 +274,10 @@ def test_otlp_endpoint_flag_beats_llm_variable_beats_otel_variables(monkeypatch)
     assert worker_main.parse_args([]).telemetry.otlp_endpoint == "http://traces:4317"
     monkeypatch.setenv("LLM_OTLP_ENDPOINT", "http://llm:4317")
     assert deploy_local.parse_args([]).router.telemetry.otlp_endpoint == "http://llm:4317"
-    assert router_config.parse_args(["--otlp-endpoint", "http://flag:1"]).telemetry.otlp_endpoint == "http://flag:1"
+    assert (
+        router_config.parse_args(["--otlp-endpoint", "http://flag:1"]).telemetry.otlp_endpoint
+        == "http://flag:1"
+    )
     _, launch = ray_launch.parse_args(["--allow-insecure-public"])
     assert launch.worker_values("h")["telemetry"]["otlp_endpoint"] == "http://llm:4317"
     assert ray_launch.actor_env(launch)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel:4317"
@@ -239,18 +291,65 @@ def test_router_flags_and_variables(monkeypatch):
     assert config.workers == ("10.0.0.1:1", "10.0.0.2:2") and config.max_tokens_in_flight == 5000
     assert not config.queue_requests and config.max_queued is None and config.max_message_bytes == 2**20
     assert router_config.parse_args(["--queue"]).queue_requests
-    plan = router_local.plan(["--port", "0", "--no-queue", "--log-format", "json", "--metrics-port", "9999",
-                              "--num-workers", "2", "--model", "/m.gguf", "--max-num-seqs", "4"])
+    plan = router_local.plan(
+        [
+            "--port",
+            "0",
+            "--no-queue",
+            "--log-format",
+            "json",
+            "--metrics-port",
+            "9999",
+            "--num-workers",
+            "2",
+            "--model",
+            "/m.gguf",
+            "--max-num-seqs",
+            "4",
+        ]
+    )
     assert plan.num_workers == 2
-    assert plan.router_args == ["-m", "router", "--model", "/m.gguf", "--port", "0", "--no-queue",
-                                "--metrics-port", "9999", "--log-format", "json"]
-    assert plan.worker_args == ["-m", "worker", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                                "--model", "/m.gguf", "--max-num-seqs", "4", "--log-format", "json"]
+    assert plan.router_args == [
+        "-m",
+        "router",
+        "--model",
+        "/m.gguf",
+        "--port",
+        "0",
+        "--no-queue",
+        "--metrics-port",
+        "9999",
+        "--log-format",
+        "json",
+    ]
+    assert plan.worker_args == [
+        "-m",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--model",
+        "/m.gguf",
+        "--max-num-seqs",
+        "4",
+        "--log-format",
+        "json",
+    ]
 
 
-@pytest.mark.parametrize("parse", [worker_main.parse_args, router_config.parse_args, deploy_local.parse_args,
-                                   lambda argv: ray_launch.parse_args(["--allow-insecure-public", *argv]),
-                                   router_local.plan])
+@pytest.mark.parametrize(
+    "parse",
+    [
+        worker_main.parse_args,
+        router_config.parse_args,
+        deploy_local.parse_args,
+        lambda argv: ray_launch.parse_args(["--allow-insecure-public", *argv]),
+        router_local.plan,
+    ],
+)
 def test_bad_variables_are_usage_errors_naming_them(parse, monkeypatch, capsys):
     monkeypatch.setenv("LLM_LOG_FORMAT", "xml")
     with pytest.raises(SystemExit) as exit_:
@@ -283,8 +382,11 @@ def test_the_public_bind_rule_is_one_function(capsys):
         ray_launch.parse_args([])
     launcher_err = capsys.readouterr().err
     for err, host in ((worker_err, "0.0.0.0"), (launcher_err, ray_launch.NODE_IP)):
-        assert f"refusing to bind {host} without mutual TLS (missing --tls-cert, --tls-key, " \
-               "--tls-client-ca)" in err and "--allow-insecure-public" in err
+        assert (
+            f"refusing to bind {host} without mutual TLS (missing --tls-cert, --tls-key, --tls-client-ca)"
+            in err
+            and "--allow-insecure-public" in err
+        )
     router = RouterConfig(host="0.0.0.0")
     assert router.public_bind_refusal().startswith("refusing to serve 0.0.0.0 without API keys")
     assert RouterConfig(host="0.0.0.0", allow_insecure_public=True).public_bind_refusal() is None

@@ -1,6 +1,7 @@
 """`llm-serve` (deploy/cli.py, the pyproject console script): each subcommand dispatches to the
 existing `python -m` entry point with the rest of the command line; nothing in the Makefile needs
 the package installed."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,15 +24,18 @@ def test_pyproject_declares_the_script_and_the_packages():
         assert f"{module.split('.')[0]}*" in included, command
 
 
-@pytest.mark.parametrize("argv, module, rest", [
-    (["serve", "--workers", "2"], "deploy.local", ["--workers", "2"]),
-    (["router", "--port", "0"], "router", ["--port", "0"]),
-    (["worker", "--dtype", "float32"], "worker", ["--dtype", "float32"]),
-    (["generate", "--chat", "hi"], "router.client", ["--chat", "hi"]),
-    (["loadtest", "--duration-s", "5"], "loadtest", ["--duration-s", "5"]),
-    (["launch", "--stop"], "deploy.ray_launch", ["--stop"]),
-    (["bench", "grpc_overhead", "--x"], "benchmarks.grpc_overhead", ["--x"]),
-])
+@pytest.mark.parametrize(
+    "argv, module, rest",
+    [
+        (["serve", "--workers", "2"], "deploy.local", ["--workers", "2"]),
+        (["router", "--port", "0"], "router", ["--port", "0"]),
+        (["worker", "--dtype", "float32"], "worker", ["--dtype", "float32"]),
+        (["generate", "--chat", "hi"], "router.client", ["--chat", "hi"]),
+        (["loadtest", "--duration-s", "5"], "loadtest", ["--duration-s", "5"]),
+        (["launch", "--stop"], "deploy.ray_launch", ["--stop"]),
+        (["bench", "grpc_overhead", "--x"], "benchmarks.grpc_overhead", ["--x"]),
+    ],
+)
 def test_subcommands_map_to_the_entry_points(argv, module, rest):
     resolved, args, prog = cli.resolve(argv)
     assert (resolved, args) == (module, rest) and prog.startswith("llm-serve ")
@@ -48,11 +52,21 @@ def test_unknown_subcommands_are_usage_errors(argv, capsys):
 
 def test_the_rest_of_the_command_line_reaches_the_module():
     """Through a real process: the worker's own help and its own usage error."""
-    helped = subprocess.run([sys.executable, "-m", "deploy.cli", "worker", "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    helped = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "worker", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert helped.returncode == 0 and "--kv-cache-mb" in helped.stdout and "LLM_KV_CACHE_MB" in helped.stdout
-    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "router", "--fair-queue", "lifo"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "router", "--fair-queue", "lifo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "invalid choice: 'lifo'" in bad.stderr
 
 

@@ -15,6 +15,7 @@ What it proves:
   once into a fresh cache both succeed, and a stale torch lock file does not hang the next load.
 - Engine: LLMEngine with attention_backend="cpu" gives the torch backend's greedy tokens.
 """
+
 import dataclasses
 import os
 import platform
@@ -150,7 +151,7 @@ def test_rejects_bad_arguments():
     outside[0, 0] = batch["k_cache"].shape[0]
     bad["outside the pool"] = dict(block_tables=outside)
     short = batch["seq_lens"].clone()
-    short[1] = 3                                    # its chunk has 13 new tokens
+    short[1] = 3  # its chunk has 13 new tokens
     bad["new tokens but seq_len"] = dict(seq_lens=short)
     starts = batch["query_start_loc"].clone()
     starts[1] = starts[2] + 1
@@ -165,8 +166,9 @@ def test_rejects_bad_arguments():
 def test_int64_metadata_is_accepted():
     batch = make_batch(SERVING, 2, 3, 64, torch.float32, seed=11)
     wide = {k: batch[k].long() for k in ("block_tables", "seq_lens", "query_start_loc")}
-    assert torch.equal(cpu_attention.paged_attention(**dict(batch, **wide)),
-                       cpu_attention.paged_attention(**batch))
+    assert torch.equal(
+        cpu_attention.paged_attention(**dict(batch, **wide)), cpu_attention.paged_attention(**batch)
+    )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -174,8 +176,9 @@ def test_torch_compile_fullgraph_matches_eager():
     batch = make_batch(SERVING, 2, 3, 64, torch.float32, seed=12)
 
     def step(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
-        out = cpu_attention.paged_attention(q * 2.0, k_cache, v_cache, block_tables, seq_lens,
-                                            query_start_loc, batch["scale"])
+        out = cpu_attention.paged_attention(
+            q * 2.0, k_cache, v_cache, block_tables, seq_lens, query_start_loc, batch["scale"]
+        )
         return torch.nn.functional.silu(out).sum(-1) + 1.0
 
     args = [batch[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc")]
@@ -185,9 +188,11 @@ def test_torch_compile_fullgraph_matches_eager():
         got = compiled(*args)
         expected = step(*args)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    fake = torch.library.opcheck(torch.ops.llm_cpu.paged_attention.default,
-                                 (*args[:6], batch["scale"], 0),
-                                 test_utils=("test_schema", "test_faketensor"))
+    fake = torch.library.opcheck(
+        torch.ops.llm_cpu.paged_attention.default,
+        (*args[:6], batch["scale"], 0),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     assert all(v == "SUCCESS" for v in fake.values()), fake
 
 
@@ -197,10 +202,19 @@ def test_backend_forward_writes_then_attends():
     batch = make_batch([(5, 1), (0, 4)], 1, 2, 64, torch.float32, seed=13)
     seq_lens = batch["seq_lens"].tolist()
     block_size = batch["k_cache"].shape[1]
-    slots = [int(batch["block_tables"][i, p // block_size]) * block_size + p % block_size
-             for i, n in enumerate(seq_lens) for p in range(n - (1 if i == 0 else 4), n)]
-    meta = AttentionMetadata(torch.tensor(slots), batch["block_tables"], batch["seq_lens"],
-                             batch["query_start_loc"], max_query_len=4, max_seq_len=max(seq_lens))
+    slots = [
+        int(batch["block_tables"][i, p // block_size]) * block_size + p % block_size
+        for i, n in enumerate(seq_lens)
+        for p in range(n - (1 if i == 0 else 4), n)
+    ]
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        max_query_len=4,
+        max_seq_len=max(seq_lens),
+    )
     k, v = torch.randn(5, 1, 64), torch.randn(5, 1, 64)
     out = backend.forward(batch["q"], k, v, batch["k_cache"], batch["v_cache"], meta, batch["scale"])
     assert torch.equal(batch["k_cache"].view(-1, 1, 64)[torch.tensor(slots)], k)
@@ -227,8 +241,13 @@ def test_one_openmp_runtime_and_the_pool_is_used():
 
 def test_cached_build_and_entry_point():
     """`python -m worker.kernels.cpu_build` finds the cached library this process loaded."""
-    out = subprocess.run([sys.executable, "-m", "worker.kernels.cpu_build"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.kernels.cpu_build"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     path = cpu_attention._state["path"]
     assert path in out.stdout and cpu_attention.build_name() in path
@@ -254,8 +273,10 @@ def test_avx2_build_concurrent_builders_and_stale_lock(tmp_path):
     instruction. Then a torch lock file left as by a killed builder must not block the next load."""
     env = dict(os.environ, LLM_CPU_EXT_DIR=str(tmp_path), LLM_CPU_EXT_MARCH="x86-64-v3")
     cmd = ["nice", sys.executable, "-c", CHILD]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     lines = [out.split() for out, _ in outs]
@@ -283,8 +304,9 @@ def test_auto_falls_back_to_torch_when_the_build_fails(tmp_path):
             print("explicit cpu raises:", str(exc).splitlines()[0])
     """)
     env = dict(os.environ, LLM_CPU_EXT_DIR=str(tmp_path), LLM_CPU_EXT_MARCH="no-such-cpu")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "backend torch" in out.stdout
     assert "explicit cpu raises: the llm_cpu attention extension did not build" in out.stdout
@@ -297,14 +319,18 @@ def test_engine_greedy_tokens_match_torch_backend(runner, make_engine, tokenizer
     from worker.model_runner import ModelRunner
     from worker.types import SamplingParams
 
-    questions = ["What is the capital of France?", "Why is the sky blue? Answer in one sentence.",
-                 "Give me a short motivational quote about learning new things every day."]
+    questions = [
+        "What is the capital of France?",
+        "Why is the sky blue? Answer in one sentence.",
+        "Give me a short motivational quote about learning new things every day.",
+    ]
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 6, 8)]
     # A 64-token budget mixes prompt chunks (with and without cached prefix) with decode rows.
     expected = make_engine(max_num_batched_tokens=64).generate(prompts, params)
-    config = dataclasses.replace(runner.config, attention_backend="cpu", enforce_eager=True,
-                                 max_num_batched_tokens=64)
+    config = dataclasses.replace(
+        runner.config, attention_backend="cpu", enforce_eager=True, max_num_batched_tokens=64
+    )
     cpu_runner = ModelRunner.from_model(config, runner.model, runner.eos_token_ids, runner.model_name)
     assert cpu_runner.backend.name == "cpu"
     engine = LLMEngine(config, runner=cpu_runner)
@@ -314,11 +340,15 @@ def test_engine_greedy_tokens_match_torch_backend(runner, make_engine, tokenizer
 
 def test_benchmark_command_runs():
     """`make bench-attention` at a tiny size: it checks every path against the reference first."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_attention", "--batch-sizes", "1", "3",
-                          "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_attention", "--batch-sizes", "1", "3", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:]]
     assert [row[0] for row in rows] == ["1", "3"]
     assert all(len(row) == 12 and row[4].endswith("x") and row[9].endswith("x") for row in rows)
     assert "DRAM read" in out.stderr
-

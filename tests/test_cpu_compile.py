@@ -1,4 +1,5 @@
 """The compiled CPU model step (worker/cpu_compile.py) against the eager forward it replaces."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,14 +25,20 @@ def _meta(lens_new: list[int], lens_ctx: list[int], block_size: int = 16, width:
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
         starts.append(starts[-1] + new)
-    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                             torch.tensor(lens_ctx, dtype=torch.int32),
-                             torch.tensor(starts, dtype=torch.int32), max(lens_new), max(lens_ctx))
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(lens_ctx, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        max(lens_new),
+        max(lens_ctx),
+    )
     return torch.tensor(positions), meta
 
 
-@pytest.mark.parametrize("lens_new,lens_ctx", [([1], [1]), ([1], [37]), ([5], [5]), ([1, 1, 1], [3, 17, 40]),
-                                               ([7, 1], [20, 9])])
+@pytest.mark.parametrize(
+    "lens_new,lens_ctx", [([1], [1]), ([1], [37]), ([5], [5]), ([1, 1, 1], [3, 17, 40]), ([7, 1], [20, 9])]
+)
 def test_pad_inputs_keeps_real_rows_and_adds_inert_padding(lens_new, lens_ctx):
     positions, meta = _meta(lens_new, lens_ctx)
     ids = torch.arange(positions.shape[0])
@@ -40,10 +47,10 @@ def test_pad_inputs_keeps_real_rows_and_adds_inert_padding(lens_new, lens_ctx):
     assert p_ids.shape[0] >= 2 and tables.shape[0] >= 2 and tables.shape[1] >= 2 and lens.shape[0] >= 2
     assert torch.equal(p_ids[:t], ids) and torch.equal(p_pos[:t], positions)
     assert torch.equal(slots[:t], meta.slot_mapping) and bool((slots[t:] == -1).all())
-    assert torch.equal(lens[:s], meta.seq_lens) and torch.equal(starts[:s + 1], meta.query_start_loc)
+    assert torch.equal(lens[:s], meta.seq_lens) and torch.equal(starts[: s + 1], meta.query_start_loc)
     assert int(starts[-1]) == p_ids.shape[0] and starts.shape[0] == lens.shape[0] + 1
     q_lens = starts[1:] - starts[:-1]
-    assert bool((q_lens >= 1).all()) and bool((lens >= q_lens).all())   # well-formed sequences
+    assert bool((q_lens >= 1).all()) and bool((lens >= q_lens).all())  # well-formed sequences
 
 
 def test_compiled_forward_matches_eager_on_mixed_steps(runner):
@@ -58,8 +65,9 @@ def test_compiled_forward_matches_eager_on_mixed_steps(runner):
         # Cached prefixes hold the same random K/V for both runs; the step writes the new rows.
         snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         with torch.inference_mode():
-            eager = runner.model(ids, positions, runner.kv_caches, dataclasses.replace(meta),
-                                 runner.backend).clone()
+            eager = runner.model(
+                ids, positions, runner.kv_caches, dataclasses.replace(meta), runner.backend
+            ).clone()
             for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
                 k.copy_(k0)
                 v.copy_(v0)
@@ -79,8 +87,9 @@ def test_engine_tokens_compiled_equal_eager(runner, make_engine):
         try:
             engine = make_engine(max_num_batched_tokens=32)
             for i, p in enumerate(prompts):
-                engine.add_request(f"{mode}-{i}", p, SamplingParams(temperature=0, max_tokens=12,
-                                                                    ignore_eos=True))
+                engine.add_request(
+                    f"{mode}-{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+                )
             tokens: dict[str, list[int]] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -118,7 +127,7 @@ def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
                 out.append(r.model.compute_logits(hidden[-1:]).float()[0])
         return out
 
-    eager = lambda r, i, p, m: r.model(i, p, r.kv_caches, m, r.backend)       # noqa: E731
+    eager = lambda r, i, p, m: r.model(i, p, r.kv_caches, m, r.backend)  # noqa: E731
     reference = logits(runner, eager)
     compiled = logits(quant, lambda r, i, p, m: r.cpu_compiled(i, p, m))
     eager_bf16 = logits(quant, eager)

@@ -5,14 +5,14 @@ graph records (padded to a bucket, stale block-table columns left from earlier s
 plain eager forward, with padding rows leaving the KV cache untouched. On CUDA only: graph replay
 against eager, logits and greedy tokens, through the whole engine.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from worker.config import EngineConfig, ModelConfig
-from worker.cuda_graphs import (CudaGraphRunner, bucket_for, build_decode_inputs, capture_sizes,
-                                is_decode_only)
+from worker.cuda_graphs import CudaGraphRunner, bucket_for, build_decode_inputs, capture_sizes, is_decode_only
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
 from worker.model_runner import ModelRunner
@@ -20,8 +20,16 @@ from worker.scheduler import ScheduledSeq, SchedulerOutput
 from worker.sequence import Sequence
 from worker.types import SamplingParams
 
-TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position=256)
+TINY = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position=256,
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -45,8 +53,9 @@ def test_capture_sizes():
     assert sizes == sorted(set(sizes))
 
 
-@pytest.mark.parametrize("num_seqs, expected", [(1, 1), (3, 4), (8, 8), (9, 16), (17, 32),
-                                                (250, 256), (256, 256), (257, None)])
+@pytest.mark.parametrize(
+    "num_seqs, expected", [(1, 1), (3, 4), (8, 8), (9, 16), (17, 32), (250, 256), (256, 256), (257, None)]
+)
 def test_bucket_for(num_seqs, expected):
     assert bucket_for(num_seqs, capture_sizes(256)) == expected
 
@@ -62,13 +71,19 @@ def test_decode_only():
 def test_build_decode_inputs_pads_rows():
     # Block size 4. "a" decodes position 5 (block 7, row 1); "b" computes the 1st token of a
     # 3-token prompt (a one-token chunk: it does not sample); "c" decodes position 8 (block 2, row 0).
-    plan = SchedulerOutput([ScheduledSeq(seq("a", 6, 5, [9, 7]), 1),
-                            ScheduledSeq(seq("b", 3, 0, [5]), 1),
-                            ScheduledSeq(seq("c", 9, 8, [1, 6, 2]), 1)])
+    plan = SchedulerOutput(
+        [
+            ScheduledSeq(seq("a", 6, 5, [9, 7]), 1),
+            ScheduledSeq(seq("b", 3, 0, [5]), 1),
+            ScheduledSeq(seq("c", 9, 8, [1, 6, 2]), 1),
+        ]
+    )
     inputs = build_decode_inputs(plan, block_size=4, batch_size=4)
-    assert inputs.tokens.tolist() == [[15, 10, 18, 0],          # input_ids; padding token 0
-                                      [5, 0, 8, 0],             # positions
-                                      [29, 20, 8, -1]]          # slots; padding writes nothing
+    assert inputs.tokens.tolist() == [
+        [15, 10, 18, 0],  # input_ids; padding token 0
+        [5, 0, 8, 0],  # positions
+        [29, 20, 8, -1],
+    ]  # slots; padding writes nothing
     assert inputs.seq_lens.tolist() == [6, 1, 9, 1]
     assert inputs.block_tables.tolist() == [[9, 7, 0], [5, 0, 0], [1, 6, 2], [0, 0, 0]]
     assert inputs.logits_rows == [0, 2]
@@ -76,25 +91,46 @@ def test_build_decode_inputs_pads_rows():
     assert inputs.block_tables.dtype == torch.int32
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    torch.cuda.is_available(), reason="runs on CPU tensors, which Triton only takes interpreted; on "
-    "CUDA the replay test below checks the Triton path"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available(),
+                reason="runs on CPU tensors, which Triton only takes interpreted; on "
+                "CUDA the replay test below checks the Triton path",
+            ),
+        ),
+    ],
+)
 def test_static_forward_matches_eager(backend):
     """Every decode step through the static buffers (what a graph records) equals eager.
 
     Four requests of different lengths finish at different steps, so batches shrink (3 rows in a
     4-row bucket, 2 in 2, 1 in 1) and rows keep stale block-table columns from longer sequences.
     """
-    config = EngineConfig(kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4,
-                          max_num_batched_tokens=64)
+    config = EngineConfig(
+        kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=64
+    )
     runner = ModelRunner.from_model(config, tiny_model("cpu"))
-    assert runner.cuda_graphs is None                      # CPU: never captured
+    assert runner.cuda_graphs is None  # CPU: never captured
     engine = LLMEngine(config, runner=runner)
-    graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.backend, capture_sizes(4),
-                             max_blocks=TINY.max_position // config.block_size,
-                             block_size=config.block_size)
-    prompts = [[5, 9, 17, 33, 2, 8, 100, 41, 7, 3, 66, 12, 90, 14, 1, 6, 77, 23, 19],
-               [44, 12], [3] * 37, [120, 110, 100, 90, 80, 70, 60]]
+    graphs = CudaGraphRunner(
+        runner.model,
+        runner.kv_caches,
+        runner.backend,
+        capture_sizes(4),
+        max_blocks=TINY.max_position // config.block_size,
+        block_size=config.block_size,
+    )
+    prompts = [
+        [5, 9, 17, 33, 2, 8, 100, 41, 7, 3, 66, 12, 90, 14, 1, 6, 77, 23, 19],
+        [44, 12],
+        [3] * 37,
+        [120, 110, 100, 90, 80, 70, 60],
+    ]
     for i, (prompt, n) in enumerate(zip(prompts, (3, 9, 5, 12))):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     sizes_seen = []
@@ -131,22 +167,34 @@ def test_prefill_and_oversized_batches_run_eagerly():
     graphs = CudaGraphRunner(tiny_model("cpu"), [], None, [1, 2], max_blocks=2, block_size=4)
     decode = [ScheduledSeq(seq(f"s{i}", 5, 4, [i, i + 1]), 1) for i in range(3)]
     assert graphs.batch_size_for(SchedulerOutput(decode[:2])) == 2
-    assert graphs.batch_size_for(SchedulerOutput(decode)) is None             # 3 > largest graph
+    assert graphs.batch_size_for(SchedulerOutput(decode)) is None  # 3 > largest graph
     assert graphs.batch_size_for(SchedulerOutput([ScheduledSeq(seq("p", 9, 0, [1, 2, 3]), 9)])) is None
-    too_long = ScheduledSeq(seq("l", 10, 9, [1, 2, 3]), 1)                    # 3 blocks > 2
+    too_long = ScheduledSeq(seq("l", 10, 9, [1, 2, 3]), 1)  # 3 blocks > 2
     assert graphs.batch_size_for(SchedulerOutput([too_long])) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graph_replay_matches_eager_on_cuda():
     model = tiny_model("cuda")
-    prompts = [[5, 9, 17, 33, 2, 8, 100, 41, 7, 3], [44, 12], [3] * 37, [120, 110, 100],
-               [1, 2, 3, 4, 5, 6], [9] * 20]
+    prompts = [
+        [5, 9, 17, 33, 2, 8, 100, 41, 7, 3],
+        [44, 12],
+        [3] * 37,
+        [120, 110, 100],
+        [1, 2, 3, 4, 5, 6],
+        [9] * 20,
+    ]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 12, 5, 16, 9, 3)]
     results = {}
     for enforce_eager in (True, False):
-        config = EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.01,
-                              max_num_seqs=8, max_model_len=256, enforce_eager=enforce_eager)
+        config = EngineConfig(
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=0.01,
+            max_num_seqs=8,
+            max_model_len=256,
+            enforce_eager=enforce_eager,
+        )
         runner = ModelRunner.from_model(config, model)
         assert (runner.cuda_graphs is None) == enforce_eager
         replays = []
@@ -155,12 +203,13 @@ def test_graph_replay_matches_eager_on_cuda():
             run = runner.cuda_graphs.run
             runner.cuda_graphs.run = lambda plan: (replays.append(len(plan.scheduled)), run(plan))[1]
         logits = {}
-        runner.logits_observer = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
-                                                    for i, r in zip(ids, rows)]
+        runner.logits_observer = lambda ids, rows: [
+            logits.setdefault(i, []).append(r.clone()) for i, r in zip(ids, rows)
+        ]
         tokens = LLMEngine(config, runner=runner).generate(prompts, params)
         results[enforce_eager] = tokens, {k: torch.stack(v) for k, v in logits.items()}
         if not enforce_eager:
-            assert replays and set(replays) >= {6, 1}, replays   # 6 rows pad to 8; the tail alone
+            assert replays and set(replays) >= {6, 1}, replays  # 6 rows pad to 8; the tail alone
     (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results[True], results[False]
     assert graph_tokens == eager_tokens
     assert eager_logits.keys() == graph_logits.keys()

@@ -4,6 +4,7 @@ Service name and Ray Client port, namespaces, GPU resource names and counts, com
 the real argument parsers accept, and the shared ConfigMap: every LLM_* variable in it is a flag of
 a process that reads it, its values parse, and the OTEL_* telemetry reaches the router and,
 through the launcher, the worker actors."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def k8s() -> dict[tuple[str, str], dict]:
 @pytest.fixture(scope="module")
 def ray_up() -> dict:
     [config] = docs(DEPLOY / "ray-cluster.yaml")
-    return config   # prepare_config below fills defaults into a copy
+    return config  # prepare_config below fills defaults into a copy
 
 
 def one(k8s, kind: str) -> dict:
@@ -90,7 +91,7 @@ def test_one_image_everywhere(k8s, ray_up):
     images.add(ray_up["docker"]["image"])
     assert len(images) == 1, images
     readme = (DEPLOY / "README.md").read_text()
-    assert f"-t {images.pop()} ." in readme            # the build command tags that image
+    assert f"-t {images.pop()} ." in readme  # the build command tags that image
 
 
 def test_one_ray_version(k8s):
@@ -104,7 +105,7 @@ def test_routers_and_launcher_find_the_head_through_ray_client(k8s):
     cluster = one(k8s, "RayCluster")
     head = containers(cluster["spec"]["headGroupSpec"]["template"])[0]
     client_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "client")
-    expected = f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"   # KubeRay's naming
+    expected = f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"  # KubeRay's naming
     router = cmdline(containers(one(k8s, "Deployment")["spec"]["template"])[0])
     launcher = cmdline(containers(one(k8s, "Job")["spec"]["template"])[0])
     assert flag(router, "--ray-address") == flag(launcher, "--ray-address") == expected
@@ -134,7 +135,7 @@ def test_router_ports_probes_and_service_agree(k8s):
 
 def test_gpu_workers_and_launcher_agree(k8s, monkeypatch):
     cluster = one(k8s, "RayCluster")["spec"]
-    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"   # no worker on the head
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no worker on the head
     [group] = cluster["workerGroupSpecs"]
     [worker] = containers(group["template"])
     resources = worker["resources"]
@@ -142,9 +143,10 @@ def test_gpu_workers_and_launcher_agree(k8s, monkeypatch):
     assert gpus >= 1 and resources["requests"][GPU] == resources["limits"][GPU]
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     job = containers(one(k8s, "Job")["spec"]["template"])[0]
-    _, launch = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
-                               module_args(cmdline(job), "deploy.ray_launch"))
-    assert launch.num_workers == group["replicas"] * gpus          # one worker per GPU
+    _, launch = parse_with_env(
+        monkeypatch, env_of(k8s, job), ray_launch.parse_args, module_args(cmdline(job), "deploy.ray_launch")
+    )
+    assert launch.num_workers == group["replicas"] * gpus  # one worker per GPU
     assert launch.cpus_per_worker * gpus <= float(resources["limits"]["cpu"])
     assert launch.detached and launch.use_gpus is None and launch.engine.device == "auto"
 
@@ -161,14 +163,19 @@ def parse_with_env(monkeypatch, env: dict[str, str], parse, argv: list[str]):
 
 def test_command_lines_parse_with_the_real_parsers(k8s, monkeypatch):
     deployment = containers(one(k8s, "Deployment")["spec"]["template"])[0]
-    config = parse_with_env(monkeypatch, env_of(k8s, deployment), router_config.parse_args,
-                            module_args(cmdline(deployment), "router"))
+    config = parse_with_env(
+        monkeypatch,
+        env_of(k8s, deployment),
+        router_config.parse_args,
+        module_args(cmdline(deployment), "router"),
+    )
     assert config.ray_address.startswith("ray://") and config.tenants_file
     # Each router enforces 1/N of the shared limits: N must be the Deployment's replica count.
     assert config.router_replicas == one(k8s, "Deployment")["spec"]["replicas"]
     job = containers(one(k8s, "Job")["spec"]["template"])[0]
-    command, _ = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
-                                module_args(cmdline(job), "deploy.ray_launch"))
+    command, _ = parse_with_env(
+        monkeypatch, env_of(k8s, job), ray_launch.parse_args, module_args(cmdline(job), "deploy.ray_launch")
+    )
     assert not command.stop
 
 
@@ -188,10 +195,15 @@ def test_shared_config_reaches_router_launcher_and_actors(k8s, monkeypatch):
     assert {n for n in data if n.startswith("LLM_")} <= known, sorted(set(data) - known)
     assert all(isinstance(v, str) for v in data.values()), "ConfigMap values must be strings"
 
-    router = parse_with_env(monkeypatch, env_of(k8s, deployment), router_config.parse_args,
-                            module_args(cmdline(deployment), "router"))
-    _, launch = parse_with_env(monkeypatch, env_of(k8s, job), ray_launch.parse_args,
-                               module_args(cmdline(job), "deploy.ray_launch"))
+    router = parse_with_env(
+        monkeypatch,
+        env_of(k8s, deployment),
+        router_config.parse_args,
+        module_args(cmdline(deployment), "router"),
+    )
+    _, launch = parse_with_env(
+        monkeypatch, env_of(k8s, job), ray_launch.parse_args, module_args(cmdline(job), "deploy.ray_launch")
+    )
     endpoint = data["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert router.telemetry.otlp_endpoint == endpoint
     assert router.telemetry.log_format == data["LLM_LOG_FORMAT"]
@@ -206,7 +218,7 @@ def test_shared_config_reaches_router_launcher_and_actors(k8s, monkeypatch):
 def test_ray_up_config(ray_up):
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    validate_config(prepare_config(ray_up))     # what `ray up` runs first (schema + node types)
+    validate_config(prepare_config(ray_up))  # what `ray up` runs first (schema + node types)
     types = ray_up["available_node_types"]
     assert ray_up["head_node_type"] in types
     assert types[ray_up["head_node_type"]]["resources"] == {"CPU": 0}
@@ -221,10 +233,12 @@ def test_ray_up_config(ray_up):
 
 def test_ray_launch_on_node_ips_needs_mutual_tls_or_the_explicit_flag(tmp_path):
     with pytest.raises(SystemExit):
-        ray_launch.parse_args(["--num-workers", "1"])                       # node IPs, no TLS
+        ray_launch.parse_args(["--num-workers", "1"])  # node IPs, no TLS
     with pytest.raises(SystemExit):
         ray_launch.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem"])  # no client CA
-    _, config = ray_launch.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"])
+    _, config = ray_launch.parse_args(
+        ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]
+    )
     assert config.tls == ("c.pem", "k.pem", "ca.pem")
     _, plain = ray_launch.parse_args(["--allow-insecure-public"])
     assert plain.tls is None

@@ -4,17 +4,25 @@ Acceptance 2 (first half): >= 8 concurrent greedy requests with different prompt
 lengths equal each request run alone. Acceptance 4: with a pool too small for all at once,
 preemption happens (counted) and the outputs still equal the unconstrained run.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from worker.types import FinishReason, SamplingParams
 
-QUESTIONS = ["What is the capital of France?", "Name a color.", "Count from one to five.",
-             "Why is the sky blue? Answer in one sentence.", "Say hello in Spanish.",
-             "What is 2 + 2?", "Write the word 'banana' backwards.",
-             "Give me a short motivational quote about learning new things every day.",
-             "What do bees make?", "Translate 'good night' to French."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a color.",
+    "Count from one to five.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Say hello in Spanish.",
+    "What is 2 + 2?",
+    "Write the word 'banana' backwards.",
+    "Give me a short motivational quote about learning new things every day.",
+    "What do bees make?",
+    "Translate 'good night' to French.",
+]
 MAX_TOKENS = [12, 5, 20, 9, 16, 7, 14, 3, 10, 18]
 
 
@@ -61,9 +69,10 @@ def test_stop_conditions(make_engine, requests, alone):
     engine = make_engine()
     first = alone[0]
     stop_at = first[3]
-    [out] = engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=50,
-                                                         stop_token_ids=(stop_at,), ignore_eos=True))
-    assert out == first[:first.index(stop_at) + 1]
+    [out] = engine.generate(
+        [prompts[0]], SamplingParams(temperature=0, max_tokens=50, stop_token_ids=(stop_at,), ignore_eos=True)
+    )
+    assert out == first[: first.index(stop_at) + 1]
     engine.add_request("x", prompts[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.abort("x")

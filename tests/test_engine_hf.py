@@ -4,6 +4,7 @@ Acceptance 1: logits of the paged engine (prompt prefilled in chunks, then decod
 `LlamaForCausalLM` within max relative error 1e-4. Acceptance 2 (second half): greedy generation
 equals transformers' greedy `generate` for >= 32 tokens.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,10 @@ from worker.types import SamplingParams
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "List three prime numbers and explain why 1 is not prime."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "List three prime numbers and explain why 1 is not prime."},
+    ],
 ]
 
 
@@ -42,8 +45,8 @@ def test_logits_match_transformers_chunked_prefill_then_decode(make_engine, toke
     for rid, prompt, output in zip(rids, prompts, outputs):
         full = torch.tensor([prompt + output[:-1]])
         with torch.no_grad():
-            ref = hf_model(full).logits[0, len(prompt) - 1:].float()     # (6, V)
-        ours = torch.stack(captured[rid])                                  # (6, V)
+            ref = hf_model(full).logits[0, len(prompt) - 1 :].float()  # (6, V)
+        ours = torch.stack(captured[rid])  # (6, V)
         assert ours.shape == ref.shape
         err = rel_err(ours, ref)
         assert err <= 1e-4, f"{rid}: max relative error {err:.2e}"
@@ -57,9 +60,14 @@ def test_greedy_matches_transformers_generate(make_engine, tokenizer, hf_model):
         with torch.no_grad():
             # An explicit mask: the prompt holds <|im_end|> (id 2), which HF would take for padding.
             ids = torch.tensor([prompt])
-            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                    do_sample=False, eos_token_id=None,
-                                    pad_token_id=2)[0, len(prompt):].tolist()
+            ref = hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )[0, len(prompt) :].tolist()
         assert len(out) == 32
         assert out == ref, f"engine {out}\nhf     {ref}"
 

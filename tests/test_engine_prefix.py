@@ -3,6 +3,7 @@
 A second request sharing a 64-token prefix computes at most `prompt_len - 64` tokens; the same
 prefix from another tenant (another salt) computes all of them. Outputs are unchanged by hits.
 """
+
 from __future__ import annotations
 
 from worker.types import SamplingParams
@@ -39,4 +40,4 @@ def test_shared_prefix_is_not_recomputed_and_salt_isolates(make_engine, tokenize
     assert engine.block_manager.num_prefix_hits - hits_before >= 64
     n_c, out_c = computed_tokens(engine, "c", b, salt="tenant-2")
     assert n_c == len(b)
-    assert out_c == out_b                 # cached K/V give the same tokens as computed ones
+    assert out_c == out_b  # cached K/V give the same tokens as computed ones

@@ -4,14 +4,14 @@ Fake clock throughout. Where retry-after depends on the measured dispatch rate, 
 meter gets a half-life so long that it does not decay, and a rate of exactly 1000 max_cost units
 per second (10 requests of cost 100 dispatched after one backlogged second).
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from router.admission import (REASONS, AdmissionConfig, AdmissionController, AdmissionError,
-                              TenantLimits)
+from router.admission import REASONS, AdmissionConfig, AdmissionController, AdmissionError, TenantLimits
 from router.fair_queue import FairQueue, QueuedRequest
 from router.rate_limit import TokenBucket
 
@@ -33,7 +33,7 @@ def setup(config: AdmissionConfig = AdmissionConfig(), measured: bool = False):
             queue.push(QueuedRequest("warmup", 1.0, 100, 0))
         clock.now_s += 1.0
         while queue.pop_next(lambda _: True):
-            pass   # drain the warm-up requests
+            pass  # drain the warm-up requests
         assert queue.dispatch_rate() == pytest.approx(1000.0)
     return clock, queue, ctl
 
@@ -186,8 +186,15 @@ def test_refusal_takes_nothing_and_reasons_are_metric_labels():
     acme = TenantLimits("acme", rate_requests_per_s=1.0)
     assert refused(ctl, acme, 100, 100).reason == "token_budget"
     ctl.admit(acme, 50, 50)  # the refused request did not spend the rate limit
-    assert set(REASONS) == {"tenant_queue_full", "global_queue_full", "rate_limited", "token_budget",
-                            "deadline", "concurrency", "no_capacity"}
+    assert set(REASONS) == {
+        "tenant_queue_full",
+        "global_queue_full",
+        "rate_limited",
+        "token_budget",
+        "deadline",
+        "concurrency",
+        "no_capacity",
+    }
     assert all(r.isidentifier() and r.islower() for r in REASONS)
     queue.check_integrity()
 
@@ -203,7 +210,7 @@ def test_default_priority_comes_from_the_tenant():
 def test_precheck_refuses_on_caps_before_tokenizing_and_counts_like_admit():
     clock, queue, ctl = setup(AdmissionConfig(max_queued_total=1))
     acme = TenantLimits("acme", max_concurrency=5)
-    ctl.precheck(acme, 10)                  # room: nothing raised, nothing taken
+    ctl.precheck(acme, 10)  # room: nothing raised, nothing taken
     ctl.admit(acme, 5, 5)
     with pytest.raises(AdmissionError) as err:
         ctl.precheck(acme, 10)

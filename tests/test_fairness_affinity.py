@@ -1,4 +1,5 @@
 """Prefix affinity: shared leading blocks -> the same worker, unless the load is imbalanced."""
+
 from __future__ import annotations
 
 import random

@@ -4,6 +4,7 @@ Room rule under test (router/dispatcher.py): a request of priority p needing n t
 worker when capacity - reserved(priority >= p) >= min(n, capacity) and it has a free sequence
 slot (this router's requests on it < its max_num_seqs).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,11 +25,11 @@ BLOCK_SIZE = 16
 @dataclass
 class FakeWorker:
     address: str
-    num_blocks: int = 16                      # 256 tokens
+    num_blocks: int = 16  # 256 tokens
     healthy: bool = True
     outstanding_tokens: int = 0
     num_inflight: int = 0
-    max_num_seqs: int = 0                     # 0: no slot limit
+    max_num_seqs: int = 0  # 0: no slot limit
     info: SimpleNamespace = field(init=False)
 
     def __post_init__(self):
@@ -56,8 +57,15 @@ def loop():
 
 def setup(loop, *workers, threshold=0.25, grace_s=0.0, clock=None, replicas=1):
     queue = FairQueue()
-    dispatcher = Dispatcher(queue, FakeRegistry(*workers), PrefixAffinity(), threshold, no_worker_grace_s=grace_s,
-                            clock=clock or (lambda: 0.0), replicas=replicas)
+    dispatcher = Dispatcher(
+        queue,
+        FakeRegistry(*workers),
+        PrefixAffinity(),
+        threshold,
+        no_worker_grace_s=grace_s,
+        clock=clock or (lambda: 0.0),
+        replicas=replicas,
+    )
     admission = AdmissionController(queue)
 
     def submit(tenant="a", prompt=32, max_tokens=32, priority=0, hashes=(), model="m"):
@@ -255,8 +263,8 @@ def test_one_of_several_routers_uses_its_share_of_each_worker(loop):
     w = FakeWorker("w0", num_blocks=16, max_num_seqs=3)  # 256 tokens, 3 slots -> 128 tokens, 2 slots
     queue, dispatcher, submit = setup(loop, w, replicas=2)
     assert dispatcher.capacity_tokens(w) == 128
-    reqs = [submit(prompt=32, max_tokens=32) for _ in range(3)]   # 64 tokens each
-    assert dispatcher.dispatch_ready() == 2 and len(queue) == 1   # 128 tokens and 2 slots: full
+    reqs = [submit(prompt=32, max_tokens=32) for _ in range(3)]  # 64 tokens each
+    assert dispatcher.dispatch_ready() == 2 and len(queue) == 1  # 128 tokens and 2 slots: full
     assert dispatcher.reserved_tokens("w0") == 128
     reqs[0][0].future.result().release()
     assert dispatcher.dispatch_ready() == 1

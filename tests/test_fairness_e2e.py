@@ -21,6 +21,7 @@ Acceptance 5: with two workers, requests that share a long system prompt all lan
 (prefix affinity) and show prefix-cache hits there (Finished.usage.cached_prompt_tokens; a probe
 sent straight to each worker afterwards finds the prefix cached on that worker only).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,11 +36,11 @@ from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
 
-QUEUE_P99_RATIO = 1.2         # the issue's bound on the quiet tenant's p99 queue time ...
-QUEUE_P99_SLACK_MS = 25.0      # ... plus this, for scheduling jitter at millisecond scale
-ROUNDS = 2                     # alternating rounds (alone, with noisy) ...
-ROUND_S = 5.0                  # ... of this many seconds each
-PREFIX_LEN = 160               # system prompt tokens: 10 full KV blocks
+QUEUE_P99_RATIO = 1.2  # the issue's bound on the quiet tenant's p99 queue time ...
+QUEUE_P99_SLACK_MS = 25.0  # ... plus this, for scheduling jitter at millisecond scale
+ROUNDS = 2  # alternating rounds (alone, with noisy) ...
+ROUND_S = 5.0  # ... of this many seconds each
+PREFIX_LEN = 160  # system prompt tokens: 10 full KV blocks
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,12 @@ def p99(values: list[float]) -> float:
 
 
 def request(rid: str, prompt_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=prompt_ids),
-                              sampling=pb.SamplingParams(temperature=0.0),
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 async def generate(stub, req, key: str | None = None) -> pb.Finished:
@@ -96,6 +100,7 @@ def limited_router(workers, logs):
 
 async def quiet_client(stub, seconds: float, tag: str, queue_ms: list[float]) -> None:
     """Two closed-loop streams: the worker always has the quiet tenant's work."""
+
     async def stream(j: int) -> None:
         end = time.monotonic() + seconds
         i = 0
@@ -113,6 +118,7 @@ async def noisy_client(stub, seconds: float, tag: str, outcomes: list) -> None:
     """Four senders, each retrying a refusal after min(retry-after, 0.25 s): ~16 requests/s
     against a limit of 0.5 request/s and a queue of 1. (Without any wait, the refusal path itself
     takes enough of this 2-core machine's CPU, in the router and this client, to slow the worker.)"""
+
     async def sender(j: int) -> None:
         end = time.monotonic() + seconds
         i = 0
@@ -142,8 +148,10 @@ def test_noisy_tenant_is_refused_with_retry_after_and_quiet_tenant_unaffected(li
             await quiet_client(stub, 1.0, "warm", [])  # first calls pay one-off costs
             for r in range(ROUNDS):
                 await quiet_client(stub, ROUND_S, f"a{r}", alone)
-                await asyncio.gather(quiet_client(stub, ROUND_S, f"b{r}", beside),
-                                     noisy_client(stub, ROUND_S, f"b{r}", outcomes))
+                await asyncio.gather(
+                    quiet_client(stub, ROUND_S, f"b{r}", beside),
+                    noisy_client(stub, ROUND_S, f"b{r}", outcomes),
+                )
 
     asyncio.run(main())
 
@@ -158,9 +166,11 @@ def test_noisy_tenant_is_refused_with_retry_after_and_quiet_tenant_unaffected(li
     assert served <= ROUNDS * (0.5 * ROUND_S + 1) + 1, served
 
     ratio = p99(beside) / p99(alone)
-    print(f"\nquiet tenant queue_ms: alone n={len(alone)} p50={statistics.median(alone):.1f} "
-          f"p99={p99(alone):.1f}; beside noisy n={len(beside)} p50={statistics.median(beside):.1f} "
-          f"p99={p99(beside):.1f}; p99 ratio {ratio:.2f}; noisy served {served}, refused {len(refused)}")
+    print(
+        f"\nquiet tenant queue_ms: alone n={len(alone)} p50={statistics.median(alone):.1f} "
+        f"p99={p99(alone):.1f}; beside noisy n={len(beside)} p50={statistics.median(beside):.1f} "
+        f"p99={p99(beside):.1f}; p99 ratio {ratio:.2f}; noisy served {served}, refused {len(refused)}"
+    )
     assert p99(beside) <= QUEUE_P99_RATIO * p99(alone) + QUEUE_P99_SLACK_MS, (p99(alone), p99(beside))
 
 
@@ -187,13 +197,15 @@ def test_high_priority_passes_a_full_worker_while_low_priority_waits_in_the_rout
             assert finished.timing.queue_ms > 500
 
             short = request("short-deadline", list(range(4000, 4024)), 8)
-            hog = stub.Generate(request("hog2", list(range(1000, 1024)), 1060), metadata=metadata, timeout=120)
+            hog = stub.Generate(
+                request("hog2", list(range(1000, 1024)), 1060), metadata=metadata, timeout=120
+            )
             async for msg in hog:
                 if msg.HasField("chunk") and msg.chunk.token_ids:
                     break
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Generate(short, metadata=metadata, timeout=1.0):
-                    pass   # only the final status matters
+                    pass  # only the final status matters
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             hog.cancel()
 
@@ -208,9 +220,12 @@ def two_worker_router(workers, logs):
 
 def cached_on(worker_address: str, prompt_ids: list[int]) -> int:
     """Prefix-cache hit of `prompt_ids` on one worker, asked directly (tenant salt 'default')."""
-    req = worker_pb2.WorkerRequest(request_id=f"probe-{time.monotonic_ns()}", prompt_token_ids=prompt_ids,
-                                   sampling=worker_pb2.WorkerSampling(temperature=0.0, top_p=1.0, max_tokens=1),
-                                   cache_salt="default")
+    req = worker_pb2.WorkerRequest(
+        request_id=f"probe-{time.monotonic_ns()}",
+        prompt_token_ids=prompt_ids,
+        sampling=worker_pb2.WorkerSampling(temperature=0.0, top_p=1.0, max_tokens=1),
+        cache_salt="default",
+    )
     with grpc.insecure_channel(worker_address) as channel:
         msgs = list(worker_pb2_grpc.WorkerStub(channel).Generate(req, timeout=60))
     return msgs[-1].num_cached_tokens

@@ -15,6 +15,7 @@ never shrinks. The prompt plus twice the output still to come of everything runn
 any window |W_f - W_g| <= 2U; from a common start (D = 0), |W_f - W_g| <= U.
 Here K = 2 x 256, C_max = 64 + 2 x 64 = 192, w_min = 1: U = 1216 weighted tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,13 @@ class FakeWorker:
 class Sim:
     """Arrivals -> fair queue -> fake workers; `service` is the raw cost each tenant received."""
 
-    def __init__(self, mode: str = "vtc", hold_for_blocked: bool = True, seed: int = 0,
-                 worker_tokens: int = WORKER_TOKENS):
+    def __init__(
+        self,
+        mode: str = "vtc",
+        hold_for_blocked: bool = True,
+        seed: int = 0,
+        worker_tokens: int = WORKER_TOKENS,
+    ):
         self.clock = FakeClock()
         self.queue = FairQueue(self.clock, mode=mode, hold_for_blocked=hold_for_blocked)
         self.workers = [FakeWorker(worker_tokens) for _ in range(NUM_WORKERS)]
@@ -89,7 +95,7 @@ class Sim:
                 self.queue.push(self.request(tenant, weight))
 
     def dispatch(self) -> None:
-        while (item := self.queue.pop_next(lambda it: any(w.has_room(it) for w in self.workers))):
+        while item := self.queue.pop_next(lambda it: any(w.has_room(it) for w in self.workers)):
             worker = max((w for w in self.workers if w.has_room(item)), key=FakeWorker.free)
             worker.running.append([item, item.payload])
             self.service[item.tenant] += item.num_prompt_tokens
@@ -129,17 +135,21 @@ def test_ten_times_the_rate_gets_equal_service_within_the_bound():
     sim = Sim()
     d = gaps(sim, senders, ticks=1500)
     u = bound_u(w_min=1.0)
-    print(f"\nVTC 1:1, 10x rate: max |W_a - W_b| = {max(map(abs, d)):.0f}, window max "
-          f"{max(d) - min(d):.0f}; bound U = {u:.0f} (windows 2U = {2 * u:.0f}); "
-          f"service a={sim.service['a']:.0f} b={sim.service['b']:.0f}")
+    print(
+        f"\nVTC 1:1, 10x rate: max |W_a - W_b| = {max(map(abs, d)):.0f}, window max "
+        f"{max(d) - min(d):.0f}; bound U = {u:.0f} (windows 2U = {2 * u:.0f}); "
+        f"service a={sim.service['a']:.0f} b={sim.service['b']:.0f}"
+    )
     assert max(map(abs, d)) <= u
     assert max(d) - min(d) <= 2 * u
     sim.queue.check_integrity()
 
     fcfs = Sim(mode="fcfs")  # the control: without fairness the heavy sender takes ~10/11
     d_fcfs = gaps(fcfs, senders, ticks=1500)
-    print(f"FCFS control: W_a - W_b = {d_fcfs[-1]:.0f}, "
-          f"service a/b = {fcfs.service['a'] / fcfs.service['b']:.1f}")
+    print(
+        f"FCFS control: W_a - W_b = {d_fcfs[-1]:.0f}, "
+        f"service a/b = {fcfs.service['a'] / fcfs.service['b']:.1f}"
+    )
     assert d_fcfs[-1] > 10 * u
     assert fcfs.service["a"] > 4 * fcfs.service["b"]
 
@@ -149,8 +159,10 @@ def test_weights_two_to_one_split_service_two_to_one():
     sim = Sim(seed=1)
     d = gaps(sim, senders, ticks=4000)
     ratio = sim.service["a"] / sim.service["b"]
-    print(f"\nVTC 2:1: service a/b = {ratio:.3f}, max |W_a - W_b| = {max(map(abs, d)):.0f} "
-          f"(bound {bound_u(w_min=1.0):.0f})")
+    print(
+        f"\nVTC 2:1: service a/b = {ratio:.3f}, max |W_a - W_b| = {max(map(abs, d)):.0f} "
+        f"(bound {bound_u(w_min=1.0):.0f})"
+    )
     assert 1.8 <= ratio <= 2.2
     assert max(map(abs, d)) <= bound_u(w_min=1.0)
 
@@ -168,8 +180,10 @@ def test_returning_tenant_gets_no_banked_credit():
         sim.tick({"a": (1.0, 1.0), "b": (1.0, 1.0)})
         assert sim.queue.num_queued("a") and sim.queue.num_queued("b")
         d.append((sim.service["b"] - before.get("b", 0.0)) - (sim.service["a"] - before["a"]))
-    print(f"\nreturn from idle: b's lead over a after its return peaks at {max(d):.0f} "
-          f"(bound {bound_u(1.0):.0f})")
+    print(
+        f"\nreturn from idle: b's lead over a after its return peaks at {max(d):.0f} "
+        f"(bound {bound_u(1.0):.0f})"
+    )
     assert max(map(abs, d)) <= bound_u(1.0)
 
 
@@ -217,8 +231,9 @@ def test_a_large_request_is_not_starved_by_small_ones():
         return sim
 
     held, free_for_all = run(hold=True), run(hold=False)
-    print(f"\nlarge requests served: with hold {held.dispatched['a']}, "
-          f"without {free_for_all.dispatched['a']}")
+    print(
+        f"\nlarge requests served: with hold {held.dispatched['a']}, without {free_for_all.dispatched['a']}"
+    )
     assert free_for_all.dispatched["a"] <= 2
     assert held.dispatched["a"] >= 20
     assert held.service["a"] >= 0.3 * held.service["b"]

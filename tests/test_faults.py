@@ -6,6 +6,7 @@ A worker killed mid-load is tests/test_grpc_two_workers.py; a worker restarted b
 tests/test_ray_cluster.py. Each test prints its figures for the reliability table in
 docs/benchmarks.md (`pytest -s`).
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,9 @@ ROUTER_ARGS = ("--health-timeout-s", str(PROBE_TIMEOUT_S), "--down-after-probes"
 OK = grpc.StatusCode.OK
 
 
-def request(max_tokens: int, prompt: str = "Tell me a long story about a lighthouse keeper.") -> pb.GenerateRequest:
+def request(
+    max_tokens: int, prompt: str = "Tell me a long story about a lighthouse keeper."
+) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=prompt)
     req.sampling.temperature = 0.0
     req.stopping.max_tokens = max_tokens
@@ -39,8 +42,9 @@ def request(max_tokens: int, prompt: str = "Tell me a long story about a lightho
 class Stream(threading.Thread):
     """One Generate call on its own thread: counts tokens, records how it ended and when."""
 
-    def __init__(self, address: str, req: pb.GenerateRequest, timeout_s: float = 120.0,
-                 wait_for_ready: bool = False):
+    def __init__(
+        self, address: str, req: pb.GenerateRequest, timeout_s: float = 120.0, wait_for_ready: bool = False
+    ):
         super().__init__(daemon=True)
         self.address, self.req, self.timeout_s, self.wait_for_ready = address, req, timeout_s, wait_for_ready
         self.tokens = 0
@@ -53,7 +57,9 @@ class Stream(threading.Thread):
         with grpc.insecure_channel(self.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             try:
-                for msg in stub.Generate(self.req, timeout=self.timeout_s, wait_for_ready=self.wait_for_ready):
+                for msg in stub.Generate(
+                    self.req, timeout=self.timeout_s, wait_for_ready=self.wait_for_ready
+                ):
                     if msg.HasField("chunk") and msg.chunk.token_ids:
                         self.tokens += len(msg.chunk.token_ids)
                         self.first_token.set()
@@ -125,10 +131,12 @@ def test_hung_worker_streams_end_unavailable_and_traffic_moves_to_the_other(work
         procs.wait_for_workers(router.address, 2)
         back_s = time.monotonic() - resumed_at
         _, freed_s = procs.wait_all_blocks_free(a.address, timeout_s=15.0)
-        print(f"\nhung worker: {len(lost)} stream(s) on it ended UNAVAILABLE {detect_s:.2f} s after it hung "
-              f"({lost[0].details!r}); 3 new requests served by the other worker in {served_s:.2f} s; "
-              f"back in rotation {back_s:.2f} s after resuming; its KV blocks all free after "
-              f"{freed_s:.2f} s more")
+        print(
+            f"\nhung worker: {len(lost)} stream(s) on it ended UNAVAILABLE {detect_s:.2f} s after it hung "
+            f"({lost[0].details!r}); 3 new requests served by the other worker in {served_s:.2f} s; "
+            f"back in rotation {back_s:.2f} s after resuming; its KV blocks all free after "
+            f"{freed_s:.2f} s more"
+        )
 
 
 def test_worker_failing_every_call_is_kept_out_by_its_circuit_breaker(workers, logs):
@@ -136,8 +144,15 @@ def test_worker_failing_every_call_is_kept_out_by_its_circuit_breaker(workers, l
     broken = procs.Proc("fake-worker", ["-m", "tests.fake_worker", "--info-from", good.address], logs)
     try:
         procs.ready(broken)
-        with procs.running_router(logs, [good.address, broken.address], *ROUTER_ARGS,
-                                  "--breaker-failures", "2", "--breaker-cooldown-s", "60") as router:
+        with procs.running_router(
+            logs,
+            [good.address, broken.address],
+            *ROUTER_ARGS,
+            "--breaker-failures",
+            "2",
+            "--breaker-cooldown-s",
+            "60",
+        ) as router:
             results = [call(router.address, request(3, f"Say {i} twice:"), timeout_s=60) for i in range(12)]
             assert all(s.code == OK for s in results), [(s.code, s.details) for s in results]
             calls = len(re.findall(r"generate call \d+", broken.log_tail(100_000)))
@@ -145,8 +160,10 @@ def test_worker_failing_every_call_is_kept_out_by_its_circuit_breaker(workers, l
             samples = procs.scrape(router)
             assert samples[("llm_router_worker_circuit_open", (("worker", broken.address),))] == 1
             assert samples[("llm_router_worker_circuit_open", (("worker", good.address),))] == 0
-        print(f"\ncircuit breaker: 12 requests all OK (retried before the first token); the broken worker "
-              f"got {calls} call(s), then its circuit stayed open")
+        print(
+            f"\ncircuit breaker: 12 requests all OK (retried before the first token); the broken worker "
+            f"got {calls} call(s), then its circuit stayed open"
+        )
     finally:
         broken.stop()
 
@@ -168,16 +185,20 @@ def test_router_restart_while_workers_keep_running(workers, logs):
         client_s = stream.ended_at - killed_at
     finally:
         first.stop()
-    freed_s = max(procs.wait_all_blocks_free(a, timeout_s=15.0)[1] for a in addresses)   # the workers saw the connection go
+    freed_s = max(
+        procs.wait_all_blocks_free(a, timeout_s=15.0)[1] for a in addresses
+    )  # the workers saw the connection go
     second = procs.start_router(logs, addresses, *ROUTER_ARGS, "--port", str(port))
     try:
         started_at = time.monotonic()
         again = call(f"127.0.0.1:{port}", request(4), wait_for_ready=True, timeout_s=120)
         assert again.code == OK, again.details
-        print(f"\nrouter restart: open stream ended {stream.code.name} ({stream.details!r}) {client_s:.2f} s "
-              f"after the kill; workers freed its KV blocks within {freed_s:.2f} s; a waiting client was "
-              f"served {again.ended_at - started_at:.1f} s after the new router started "
-              f"({again.ended_at - killed_at:.1f} s after the kill)")
+        print(
+            f"\nrouter restart: open stream ended {stream.code.name} ({stream.details!r}) {client_s:.2f} s "
+            f"after the kill; workers freed its KV blocks within {freed_s:.2f} s; a waiting client was "
+            f"served {again.ended_at - started_at:.1f} s after the new router started "
+            f"({again.ended_at - killed_at:.1f} s after the kill)"
+        )
     finally:
         second.stop()
 
@@ -200,7 +221,7 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(workers, lo
         while len(outcomes) < 3:
             time.sleep(0.05)
         for port, old in list(workers.items()):
-            assert old.stop(timeout_s=60) == 0, old.log_tail()   # SIGTERM: drains, exits 0
+            assert old.stop(timeout_s=60) == 0, old.log_tail()  # SIGTERM: drains, exits 0
             workers[port] = procs.start_worker(logs, "--port", str(port))
             procs.ready(workers[port])
             procs.wait_for_workers(router.address, 2)
@@ -212,5 +233,7 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(workers, lo
             t.join(180)
         failed = [(s.code, s.details) for s in outcomes if s.code != OK]
         assert not failed, failed
-        print(f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s while both "
-              f"workers were restarted one after the other: 0 failed")
+        print(
+            f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s while both "
+            f"workers were restarted one after the other: 0 failed"
+        )

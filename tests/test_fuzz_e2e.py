@@ -12,6 +12,7 @@ truncated varint) ended as UNKNOWN "Unexpected <class DecodeError>" from grpc it
 ErrorInterceptor now answers INVALID_ARGUMENT `request: not a valid protobuf message`.
 In-process property tests and atheris: tests/test_fuzz_input.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,6 @@ from router.validation import CHAT_ROLES
 from router.tenants import hash_key
 from tests import procs
 from tests.test_fuzz_input import FIELD, LIMITS, NASTY, UINT32, VOCAB
-
 
 
 # ---------------------------------------------------------------- 2. end to end
@@ -70,8 +70,10 @@ def rand_text(rng: random.Random, big: bool = False) -> str:
     if r < 0.3:
         return "".join(rng.choice(NASTY) for _ in range(rng.randint(0, 30)))
     if r < 0.5:
-        return "".join(chr(rng.choice([rng.randint(0, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]))
-                       for _ in range(rng.randint(1, 60)))
+        return "".join(
+            chr(rng.choice([rng.randint(0, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]))
+            for _ in range(rng.randint(1, 60))
+        )
     if r < 0.7 or big:
         piece = rng.choice(NASTY + ["ab", "word "])
         limit = 1_200_000 if big else 3000
@@ -80,35 +82,42 @@ def rand_text(rng: random.Random, big: bool = False) -> str:
 
 
 def rand_id(rng: random.Random) -> int:
-    return rng.choice([rng.randrange(VOCAB), rng.randrange(VOCAB), VOCAB - 1, VOCAB, UINT32,
-                       rng.randrange(2**32)])
+    return rng.choice(
+        [rng.randrange(VOCAB), rng.randrange(VOCAB), VOCAB - 1, VOCAB, UINT32, rng.randrange(2**32)]
+    )
 
 
 def hostile_request(rng: random.Random, model: str, i: int) -> pb.GenerateRequest:
     """Each field hostile one time in twenty (the text always may be), so that about half the
     requests pass validation; valid ones ask for at most 4 tokens."""
+
     def field(sane, *hostile):
         return rng.choice(hostile) if rng.random() < 0.05 else sane
 
     req = pb.GenerateRequest(
         request_id=field(f"fuzz-{i}", "", "a b", "x" * 129, "\x00", rand_text(rng)[:150]),
         model=field(rng.choice(["", model]), "gpt-9", rand_text(rng)[:50]),
-        priority=field(rng.randint(-1, 3), 2**31 - 1, -2**31))
+        priority=field(rng.randint(-1, 3), 2**31 - 1, -(2**31)),
+    )
     kind = field(rng.choice(["prompt", "prompt", "chat", "token_ids"]), None)
     if kind == "prompt":
         req.prompt = rand_text(rng, big=rng.random() < 0.05)
     elif kind == "chat":
         req.chat.SetInParent()
         for _ in range(field(rng.randint(1, 4), 0, LIMITS.max_chat_messages + 1)):
-            req.chat.messages.add(role=field(rng.choice(CHAT_ROLES), "", "tool", "User", "\x00"),
-                                  content=rand_text(rng))
+            req.chat.messages.add(
+                role=field(rng.choice(CHAT_ROLES), "", "tool", "User", "\x00"), content=rand_text(rng)
+            )
     elif kind == "token_ids":
         req.token_ids.SetInParent()
         num = field(rng.choice([1, 16, 200, 600]), 0, 1084, 1088, 4000)
         req.token_ids.ids.extend(field(rng.randrange(VOCAB), rand_id(rng)) for _ in range(num))
     s = req.sampling
-    if (temperature := field(rng.choice([None, 0.0, 0.7, 1.0]), -0.0, -1.0, math.nan, math.inf, -math.inf,
-                             3.4e38, 1e-45)) is not None:
+    if (
+        temperature := field(
+            rng.choice([None, 0.0, 0.7, 1.0]), -0.0, -1.0, math.nan, math.inf, -math.inf, 3.4e38, 1e-45
+        )
+    ) is not None:
         s.temperature = temperature
     if (top_p := field(rng.choice([None, 1.0, 0.9]), 0.0, -0.0, 1.5, math.nan, math.inf, 1e-45)) is not None:
         s.top_p = top_p
@@ -120,8 +129,10 @@ def hostile_request(rng: random.Random, model: str, i: int) -> pb.GenerateReques
     if (max_tokens := field(rng.choice([None, 1, 2, 4]), 0, 4097, UINT32)) is not None:
         stop.max_tokens = max_tokens
     num_stops = field(rng.choice([0, 0, 1, 2]), 8, 9, 200)
-    stop.stop.extend(field(rng.choice(["the", "\n", "\x00", "x" * 64, rand_text(rng)[:60] or "a"]),
-                           "", "x" * 65) for _ in range(num_stops))
+    stop.stop.extend(
+        field(rng.choice(["the", "\n", "\x00", "x" * 64, rand_text(rng)[:60] or "a"]), "", "x" * 65)
+        for _ in range(num_stops)
+    )
     num_stop_ids = field(rng.choice([0, 0, 1, 4]), 64, 65)
     stop.stop_token_ids.extend(field(rng.randrange(VOCAB), VOCAB, UINT32) for _ in range(num_stop_ids))
     stop.ignore_eos = rng.random() < 0.5
@@ -130,15 +141,31 @@ def hostile_request(rng: random.Random, model: str, i: int) -> pb.GenerateReques
 
 def hostile_metadata(rng: random.Random) -> tuple[tuple[str, str | bytes], ...]:
     auth = rng.choices(
-        [[f"Bearer {FUZZ_KEY}"], [f"Bearer {TIGHT_KEY}"], [], [f"Bearer {WRONG_KEY}"], ["Bearer"],
-         ["Bearer "], [f"Basic {FUZZ_KEY}"], [f"bearer   {FUZZ_KEY}  "],
-         [f"Bearer {FUZZ_KEY}", f"Bearer {WRONG_KEY}"], ["Bearer " + "k" * 20_000], ["Bearer " + "k" * 3000]],
-        weights=[70, 10, 2, 2, 1, 1, 1, 1, 2, 1, 1])[0]
+        [
+            [f"Bearer {FUZZ_KEY}"],
+            [f"Bearer {TIGHT_KEY}"],
+            [],
+            [f"Bearer {WRONG_KEY}"],
+            ["Bearer"],
+            ["Bearer "],
+            [f"Basic {FUZZ_KEY}"],
+            [f"bearer   {FUZZ_KEY}  "],
+            [f"Bearer {FUZZ_KEY}", f"Bearer {WRONG_KEY}"],
+            ["Bearer " + "k" * 20_000],
+            ["Bearer " + "k" * 3000],
+        ],
+        weights=[70, 10, 2, 2, 1, 1, 1, 1, 2, 1, 1],
+    )[0]
     md = [("authorization", value) for value in auth]
-    extras = [("x-tenant", "tight"), ("tenant", "tight"),
-              ("traceparent", "00-" + "0" * 32 + "-" + "0" * 16 + "-01"), ("traceparent", "ff-zz"),
-              ("traceparent", "x" * 4000), ("tracestate", ",,,=,"),
-              ("x-junk-bin", bytes(rng.randrange(256) for _ in range(64)))]
+    extras = [
+        ("x-tenant", "tight"),
+        ("tenant", "tight"),
+        ("traceparent", "00-" + "0" * 32 + "-" + "0" * 16 + "-01"),
+        ("traceparent", "ff-zz"),
+        ("traceparent", "x" * 4000),
+        ("tracestate", ",,,=,"),
+        ("x-junk-bin", bytes(rng.randrange(256) for _ in range(64))),
+    ]
     md += rng.sample(extras, rng.choice([0, 0, 1, 3]))
     return tuple(md)
 
@@ -151,7 +178,7 @@ def hostile_bytes(rng: random.Random, model: str, i: int) -> bytes:
         return b"\x1a\x04\xff\xfe\xc3\x28"  # prompt (field 3) that is not UTF-8
     data = bytearray(hostile_request(rng, model, i).SerializeToString())
     if r < 0.8 and data:
-        del data[rng.randrange(len(data)):]  # truncated
+        del data[rng.randrange(len(data)) :]  # truncated
     for _ in range(rng.randint(1, 4)):
         if data:
             data[rng.randrange(len(data))] = rng.randrange(256)
@@ -185,32 +212,44 @@ def assert_healthy(router) -> None:
 
 def test_hostile_requests_end_to_end(router, worker):
     with grpc.insecure_channel(router.address) as channel:
-        model = generation_pb2_grpc.GenerationStub(channel).ListModels(
-            pb.ListModelsRequest(), metadata=AUTH, timeout=10).models[0].id
+        model = (
+            generation_pb2_grpc.GenerationStub(channel)
+            .ListModels(pb.ListModelsRequest(), metadata=AUTH, timeout=10)
+            .models[0]
+            .id
+        )
     rng = random.Random(SEED)
     calls = []
     for i in range(NUM_CALLS):
         r = rng.random()
         method = "Generate" if r < 0.95 else "ListModels"
         raw = rng.random() < 0.12
-        payload = (hostile_bytes(rng, model, i) if method == "Generate" else b"\x0a\x01\xff") if raw else (
-            hostile_request(rng, model, i) if method == "Generate" else pb.ListModelsRequest())
+        payload = (
+            (hostile_bytes(rng, model, i) if method == "Generate" else b"\x0a\x01\xff")
+            if raw
+            else (hostile_request(rng, model, i) if method == "Generate" else pb.ListModelsRequest())
+        )
         timeout = rng.uniform(0.001, 0.3) if rng.random() < 0.12 else 30.0
         calls.append((method, raw, payload, hostile_metadata(rng), timeout))
     results: collections.Counter[str] = collections.Counter()
-    fields: collections.Counter[str] = collections.Counter()   # INVALID_ARGUMENT by field
+    fields: collections.Counter[str] = collections.Counter()  # INVALID_ARGUMENT by field
 
     async def main():
         limit = asyncio.Semaphore(4)
         async with grpc.aio.insecure_channel(router.address) as channel:
+
             def callable_for(method, raw):
                 serialize = (lambda b: b) if raw else (lambda m: m.SerializeToString())
                 path = f"/llm.v1.Generation/{method}"
                 if method == "Generate":
-                    return channel.unary_stream(path, request_serializer=serialize,
-                                                response_deserializer=pb.GenerateResponse.FromString)
-                return channel.unary_unary(path, request_serializer=serialize,
-                                           response_deserializer=pb.ListModelsResponse.FromString)
+                    return channel.unary_stream(
+                        path,
+                        request_serializer=serialize,
+                        response_deserializer=pb.GenerateResponse.FromString,
+                    )
+                return channel.unary_unary(
+                    path, request_serializer=serialize, response_deserializer=pb.ListModelsResponse.FromString
+                )
 
             async def one(method, raw, payload, metadata, timeout):
                 async with limit:
@@ -226,8 +265,10 @@ def test_hostile_requests_end_to_end(router, worker):
     start = time.monotonic()
     asyncio.run(main())
     elapsed = time.monotonic() - start
-    print(f"\n{NUM_CALLS} hostile calls in {elapsed:.1f} s (seed {SEED}): {dict(results.most_common())}; "
-          f"INVALID_ARGUMENT by field: {dict(fields.most_common())}")
+    print(
+        f"\n{NUM_CALLS} hostile calls in {elapsed:.1f} s (seed {SEED}): {dict(results.most_common())}; "
+        f"INVALID_ARGUMENT by field: {dict(fields.most_common())}"
+    )
     bad = {k: v for k, v in results.items() if k not in ALLOWED}
     assert not bad, (bad, router.log_tail())
     assert results["OK"] >= 10 and results["INVALID_ARGUMENT"] >= 30, results  # the mix reached both sides
@@ -240,13 +281,18 @@ def test_hostile_requests_end_to_end(router, worker):
 
 # ---------------------------------------------------------------- 3. gRPC max message size
 
+
 def send_prompt(address: str, num_chars: int, timeout_s: float = 60.0) -> grpc.StatusCode:
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            list(stub.Generate(pb.GenerateRequest(prompt="a" * num_chars,
-                                                  stopping=pb.StoppingCriteria(max_tokens=1)),
-                               metadata=AUTH, timeout=timeout_s))
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt="a" * num_chars, stopping=pb.StoppingCriteria(max_tokens=1)),
+                    metadata=AUTH,
+                    timeout=timeout_s,
+                )
+            )
             return grpc.StatusCode.OK
         except grpc.RpcError as exc:
             return exc.code()
@@ -255,12 +301,14 @@ def send_prompt(address: str, num_chars: int, timeout_s: float = 60.0) -> grpc.S
 def test_max_message_size_refuses_larger_requests_and_keeps_serving(router, worker, logs):
     with keyed_router(logs, worker, "--max-message-mb", "1") as small:
         over = send_prompt(small.address, 1_100_000)
-        under = send_prompt(small.address, 900_000)   # fits the message, not the model's context
+        under = send_prompt(small.address, 900_000)  # fits the message, not the model's context
         assert over == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert under == grpc.StatusCode.INVALID_ARGUMENT
         assert_healthy(small)
     default_over = send_prompt(router.address, 17 * 2**20)  # the 16 MiB default
     assert default_over == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_healthy(router)
-    print(f"\n--max-message-mb 1: 1.1 MB prompt -> {over.name}, 0.9 MB -> {under.name}; "
-          f"default router, 17 MiB -> {default_over.name}")
+    print(
+        f"\n--max-message-mb 1: 1.1 MB prompt -> {over.name}, 0.9 MB -> {under.name}; "
+        f"default router, 17 MiB -> {default_over.name}"
+    )

@@ -12,6 +12,7 @@ anything but a `ValidRequest` or a field-named `ValidationError`.
 
 Through real processes (sections 2 and 3): tests/test_fuzz_e2e.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,19 +37,45 @@ from router.stop_strings import StopStringMatcher
 from router.validation import CHAT_ROLES, ModelSpec, ValidRequest, fit_to_context, validate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-VOCAB = 49152                     # the embedded SmolLM2's vocabulary (checked against the tokenizer)
+VOCAB = 49152  # the embedded SmolLM2's vocabulary (checked against the tokenizer)
 MODEL = ModelSpec("smollm", max_model_len=1088, vocab_size=VOCAB)
 MODELS = {MODEL.name: MODEL}
 LIMITS = Limits(max_prompt_chars=20_000)  # tokenizing is the slow part; the checks do not depend on it
-FIELD = re.compile(r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
-                   r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
-                   r"stop_token_ids)): ")
+FIELD = re.compile(
+    r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
+    r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
+    r"stop_token_ids)): "
+)
 
 # ---------------------------------------------------------------- 1. property tests (pure)
 
-NASTY = ["\x00", "\x01", "\x1b[2J", "\r\n", "\t", "\x7f", "\u0085", "\u2028", "\u202e", "\ufeff", "\ufffd",
-         "😀", "中", "\U0010ffff", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "{{ 7*7 }}",
-         "{% for x in y %}", "'", '"', "\\", "%s", " ", "1"]
+NASTY = [
+    "\x00",
+    "\x01",
+    "\x1b[2J",
+    "\r\n",
+    "\t",
+    "\x7f",
+    "\u0085",
+    "\u2028",
+    "\u202e",
+    "\ufeff",
+    "\ufffd",
+    "😀",
+    "中",
+    "\U0010ffff",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "{{ 7*7 }}",
+    "{% for x in y %}",
+    "'",
+    '"',
+    "\\",
+    "%s",
+    " ",
+    "1",
+]
 UINT32 = 2**32 - 1
 any_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # protobuf strings are UTF-8
 nasty_text = st.one_of(
@@ -56,10 +83,14 @@ nasty_text = st.one_of(
     st.lists(st.sampled_from(NASTY), max_size=30).map("".join),
     st.builds(lambda piece, n: piece * n, st.sampled_from(NASTY + ["ab", "word "]), st.integers(0, 25_000)),
 )
-token_id = st.one_of(st.integers(0, VOCAB - 1), st.integers(0, UINT32),
-                     st.sampled_from([0, VOCAB - 1, VOCAB, VOCAB + 1, 2**31, UINT32]))
-odd_float = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-45, 1.0, 3.4e38, -1.0]),
-                      st.floats(width=32))
+token_id = st.one_of(
+    st.integers(0, VOCAB - 1),
+    st.integers(0, UINT32),
+    st.sampled_from([0, VOCAB - 1, VOCAB, VOCAB + 1, 2**31, UINT32]),
+)
+odd_float = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-45, 1.0, 3.4e38, -1.0]), st.floats(width=32)
+)
 roles = st.one_of(st.sampled_from(("", "User", "tool", "system\x00", "<|im_start|>", "assistant ")), any_text)
 
 
@@ -80,7 +111,8 @@ def requests(draw) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=draw(mostly(st.sampled_from(["", "req-1"]), st.one_of(any_text, printable))),
         model=draw(mostly(st.sampled_from(["", MODEL.name]), bad_model)),
-        priority=draw(mostly(st.integers(-1, 5), st.integers(-2**31, 2**31 - 1))))
+        priority=draw(mostly(st.integers(-1, 5), st.integers(-(2**31), 2**31 - 1))),
+    )
     kind = draw(mostly(st.sampled_from(["prompt", "chat", "token_ids"]), st.none()))
     if kind == "prompt":
         req.prompt = draw(nasty_text)
@@ -99,10 +131,15 @@ def requests(draw) -> pb.GenerateRequest:
     for name, sane in (("temperature", st.floats(0, 2)), ("top_p", st.floats(0.01, 1))):
         if (value := draw(mostly(optional(sane), odd_float))) is not None:
             setattr(s, name, value)
-    s.top_k = draw(mostly(st.integers(0, 100), st.one_of(st.sampled_from([VOCAB, VOCAB + 1, UINT32]),
-                                                        st.integers(0, UINT32))))
-    s.logprobs = draw(mostly(st.integers(0, 1), st.one_of(st.sampled_from([2, UINT32]),
-                                                           st.integers(0, UINT32))))
+    s.top_k = draw(
+        mostly(
+            st.integers(0, 100),
+            st.one_of(st.sampled_from([VOCAB, VOCAB + 1, UINT32]), st.integers(0, UINT32)),
+        )
+    )
+    s.logprobs = draw(
+        mostly(st.integers(0, 1), st.one_of(st.sampled_from([2, UINT32]), st.integers(0, UINT32)))
+    )
     if (seed := draw(optional(st.integers(0, 2**64 - 1)))) is not None:
         s.seed = seed
     stop = req.stopping
@@ -155,8 +192,10 @@ def validate_or_field_error(req: pb.GenerateRequest) -> ValidRequest | None:
     return valid
 
 
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                      HealthCheck.large_base_example])
+FUZZ = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 
 
 @settings(FUZZ, max_examples=400)
@@ -166,8 +205,10 @@ def test_validate_returns_a_valid_request_or_names_the_field(req):
 
 
 @settings(FUZZ, max_examples=300)
-@given(raw=st.one_of(st.binary(max_size=300), requests().map(lambda r: r.SerializeToString()[:4000])),
-       flips=st.lists(st.tuples(st.integers(0, 3999), st.integers(0, 255)), max_size=4))
+@given(
+    raw=st.one_of(st.binary(max_size=300), requests().map(lambda r: r.SerializeToString()[:4000])),
+    flips=st.lists(st.tuples(st.integers(0, 3999), st.integers(0, 255)), max_size=4),
+)
 def test_raw_bytes_parse_or_fail_with_decode_error_only(raw, flips):
     data = bytearray(raw)
     for pos, byte in flips:
@@ -206,23 +247,26 @@ def test_tokenize_and_fit_valid_requests(tokenize, req):
 
 
 @settings(FUZZ, max_examples=200)
-@given(ids=st.lists(st.integers(0, VOCAB - 1), max_size=60), cuts=st.lists(st.integers(1, 5), min_size=1),
-       stops=st.lists(st.one_of(st.sampled_from(NASTY).filter(bool), any_text.filter(bool)), max_size=8),
-       stop_from_text=st.tuples(st.integers(0, 200), st.integers(1, 6)))
+@given(
+    ids=st.lists(st.integers(0, VOCAB - 1), max_size=60),
+    cuts=st.lists(st.integers(1, 5), min_size=1),
+    stops=st.lists(st.one_of(st.sampled_from(NASTY).filter(bool), any_text.filter(bool)), max_size=8),
+    stop_from_text=st.tuples(st.integers(0, 200), st.integers(1, 6)),
+)
 def test_detokenizer_and_stop_strings_on_random_ids(tokenizer, ids, cuts, stops, stop_from_text):
     """The relay's path, ids -> IncrementalDetokenizer -> StopStringMatcher, on any ids in the
     vocabulary: deltas join to the full decode; a stop cuts exactly before an occurrence."""
     full = tokenizer.decode(ids, skip_special_tokens=True)
     start, length = stop_from_text
-    if full[start:start + length]:
-        stops.append(full[start:start + length])  # so that stops really occur
+    if full[start : start + length]:
+        stops.append(full[start : start + length])  # so that stops really occur
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     matcher = StopStringMatcher(tuple(stops))
     deltas, out, stopped, i = [], "", False, 0
     for cut in cuts * (len(ids) + 1):
         if i >= len(ids) or stopped:
             break
-        delta = detok.push(ids[i:i + cut])
+        delta = detok.push(ids[i : i + cut])
         deltas.append(delta)
         text, stopped = matcher.push(delta)
         out += text
@@ -237,9 +281,10 @@ def test_detokenizer_and_stop_strings_on_random_ids(tokenizer, ids, cuts, stops,
     assert full.startswith(out)
     assert not any(s in out for s in stops), (out, stops)
     if stopped:
-        assert any(full[len(out):].startswith(s) for s in stops), (out, full, stops)
+        assert any(full[len(out) :].startswith(s) for s in stops), (out, full, stops)
     else:
         assert out == full
+
 
 # ---------------------------------------------------------------- 4. atheris
 
@@ -250,26 +295,45 @@ def test_atheris_harness_runs_clean(tmp_path):
     pytest.importorskip("atheris", reason="atheris is pinned in requirements-dev.txt (cp311 wheel)")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    seeds = [pb.GenerateRequest(prompt="Hello <|im_end|>\x00", stopping=pb.StoppingCriteria(stop=["lo"])),
-             pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]),
-                                sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40, seed=1)),
-             pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[2]))]
+    seeds = [
+        pb.GenerateRequest(prompt="Hello <|im_end|>\x00", stopping=pb.StoppingCriteria(stop=["lo"])),
+        pb.GenerateRequest(
+            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]),
+            sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40, seed=1),
+        ),
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[1, 2, 3]),
+            stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[2]),
+        ),
+    ]
     for n, seed in enumerate(seeds):
         (corpus / f"seed-{n}").write_bytes(b"\x01" + seed.SerializeToString())  # odd first byte: parse mode
     start = time.monotonic()
-    run = subprocess.run([sys.executable, str(REPO / "fuzz" / "fuzz_validation.py"),
-                          f"-atheris_runs={ATHERIS_RUNS}", "-seed=1", "-max_len=4096", "-len_control=0",
-                          # libFuzzer's default 2 GiB RSS limit tripped once in a full-suite run (RSS
-                          # 2.1 GB at input 3,068; not reproduced alone: 108 MB flat over 20,000
-                          # inputs); 8 GiB still stops a runaway on this 24 GiB machine
-                          "-rss_limit_mb=8192",
-                          str(corpus)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "fuzz" / "fuzz_validation.py"),
+            f"-atheris_runs={ATHERIS_RUNS}",
+            "-seed=1",
+            "-max_len=4096",
+            "-len_control=0",
+            # libFuzzer's default 2 GiB RSS limit tripped once in a full-suite run (RSS
+            # 2.1 GB at input 3,068; not reproduced alone: 108 MB flat over 20,000
+            # inputs); 8 GiB still stops a runaway on this 24 GiB machine
+            "-rss_limit_mb=8192",
+            str(corpus),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     tail = (run.stdout + run.stderr)[-3000:]
     assert run.returncode == 0, tail
     assert f"Done {ATHERIS_RUNS}" in tail, tail
     cov = re.findall(r"cov: (\d+)", tail)
-    print(f"\natheris: {ATHERIS_RUNS} inputs in {elapsed:.1f} s, exit 0, "
-          f"coverage {cov[-1] if cov else '?'} edges")
+    print(
+        f"\natheris: {ATHERIS_RUNS} inputs in {elapsed:.1f} s, exit 0, "
+        f"coverage {cov[-1] if cov else '?'} edges"
+    )

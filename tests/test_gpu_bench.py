@@ -7,6 +7,7 @@ runs at tiny size in-process, and is skipped with a reason where the GGUF cannot
 The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2 or safetensors;
 each test runs the script in a subprocess where those imports fail.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,18 +22,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(code: str, blocked: tuple[str, ...], env: dict | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, blocked: tuple[str, ...], env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     block = "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
-    return subprocess.run([sys.executable, "-c", f"import sys\n{block}{code}"], cwd=ROOT,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", f"import sys\n{block}{code}"],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_smoke_run_writes_tables(tmp_path):
-    proc = run_python("import runpy\nsys.argv = ['gpu_bench', '--smoke']\n"
-                      "runpy.run_module('benchmarks.gpu_bench', run_name='__main__')",
-                      blocked=("gguf", "tokenizers", "jinja2"), env={"OUT": str(tmp_path)})
+    proc = run_python(
+        "import runpy\nsys.argv = ['gpu_bench', '--smoke']\n"
+        "runpy.run_module('benchmarks.gpu_bench', run_name='__main__')",
+        blocked=("gguf", "tokenizers", "jinja2"),
+        env={"OUT": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_bench_smoke.json").read_text())
     table = (tmp_path / "gpu_bench_smoke.md").read_text()
@@ -46,13 +56,17 @@ def test_smoke_run_writes_tables(tmp_path):
         assert read[kernel]["gbps"] > 0 and read[kernel]["rel_err"] < 1e-5, read
     assert read["gbps"] == max(read["torch_sum"]["gbps"], read["triton_read"]["gbps"])
 
-    assert [(r["batch_size"], r["context_len"]) for r in res["attention"]] == \
-        [(1, 32), (1, 80), (2, 32), (2, 80)]
+    assert [(r["batch_size"], r["context_len"]) for r in res["attention"]] == [
+        (1, 32),
+        (1, 80),
+        (2, 32),
+        (2, 80),
+    ]
     for row in res["attention"]:
         assert row["paged_us"] > 0 and row["sdpa_us"] > 0 and 0 < row["copy_fraction"]
         assert row["read_fraction"] == row["paged_gbps"] / read["gbps"]
         assert row["kv_bytes"] == 2 * row["batch_size"] * row["context_len"] * 2 * 16 * 4
-        assert row["max_rel_err_vs_sdpa"] < 1e-4        # paged kernel == SDPA on the same K/V
+        assert row["max_rel_err_vs_sdpa"] < 1e-4  # paged kernel == SDPA on the same K/V
     assert "| batch | context | K/V MiB | paged us | paged GB/s | % of read BW | % of copy |" in table
     assert "Read-only bandwidth: **" in table
 
@@ -78,15 +92,23 @@ def test_smoke_run_writes_tables(tmp_path):
             assert row[key]["identical"] == row[key]["requests"] == row["batch_size"], (key, row)
     setup = res["engine_setup"]
     assert not [k for k in setup if k.endswith("_error")], setup
-    assert setup["hf_compiled_dynamo_graphs"] >= 1, setup    # generate really ran a compiled forward
+    assert setup["hf_compiled_dynamo_graphs"] >= 1, setup  # generate really ran a compiled forward
     assert setup["hf_compiled_warmup_s"] > 0
     assert "| batch | graphs decode | eager decode | HF decode | HF compiled decode |" in table
 
     # Roofline: weights (tied embedding once) + K/V at the mean decode context, per batch size.
     cfg = res["model"]
-    weights = 4 * (cfg["vocab_size"] * cfg["hidden_size"] + cfg["hidden_size"] + cfg["num_layers"] * (
-        2 * cfg["hidden_size"] + cfg["hidden_size"] * (cfg["num_heads"] + 2 * cfg["num_kv_heads"]) * cfg["head_dim"]
-        + cfg["num_heads"] * cfg["head_dim"] * cfg["hidden_size"] + 3 * cfg["hidden_size"] * cfg["intermediate_size"]))
+    weights = 4 * (
+        cfg["vocab_size"] * cfg["hidden_size"]
+        + cfg["hidden_size"]
+        + cfg["num_layers"]
+        * (
+            2 * cfg["hidden_size"]
+            + cfg["hidden_size"] * (cfg["num_heads"] + 2 * cfg["num_kv_heads"]) * cfg["head_dim"]
+            + cfg["num_heads"] * cfg["head_dim"] * cfg["hidden_size"]
+            + 3 * cfg["hidden_size"] * cfg["intermediate_size"]
+        )
+    )
     kv_per_token = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4
     roof = res["roofline"]
     assert roof["read_gbps"] == read["gbps"] and roof["mean_context"] == 8 + 4 / 2
@@ -96,7 +118,8 @@ def test_smoke_run_writes_tables(tmp_path):
         for side in ("graphs", "eager"):
             if side in row:
                 assert row[side]["roofline_fraction"] == pytest.approx(
-                    row["bytes_per_step"] / (row[side]["step_ms"] / 1e3) / 1e9 / read["gbps"])
+                    row["bytes_per_step"] / (row[side]["step_ms"] / 1e3) / 1e9 / read["gbps"]
+                )
     assert "**Engine decode vs the HBM roofline**" in table
 
 
@@ -141,10 +164,21 @@ print(len(out), hf is None, why)
 def test_gpu_session_tests_need_no_server_packages():
     """`make gpu-session` runs these test modules (and tests/conftest.py) on the GPU machine,
     which lacks the server-side packages (gRPC health/reflection, OpenTelemetry, Ray, gguf)."""
-    code = ("import tests.conftest, tests.test_kernels, tests.test_cuda_graphs\n"
-            "print('imported')")
-    proc = run_python(code, blocked=("gguf", "opentelemetry", "ray", "grpc_health", "grpc_reflection",
-                                     "cryptography", "tokenizers", "jinja2", "safetensors"),
-                      timeout=120)
+    code = "import tests.conftest, tests.test_kernels, tests.test_cuda_graphs\nprint('imported')"
+    proc = run_python(
+        code,
+        blocked=(
+            "gguf",
+            "opentelemetry",
+            "ray",
+            "grpc_health",
+            "grpc_reflection",
+            "cryptography",
+            "tokenizers",
+            "jinja2",
+            "safetensors",
+        ),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("imported")

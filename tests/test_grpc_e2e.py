@@ -3,6 +3,7 @@
 Acceptance 1 (text == engine output, usage), 3 (cancel frees KV blocks within 1 s), 5 (invalid
 request table), 6 (SIGTERM drain), plus deadline propagation, stop strings, logprobs and ListModels.
 """
+
 import asyncio
 import signal
 import threading
@@ -44,8 +45,9 @@ def worker(worker_started):
 @pytest.fixture(scope="module")
 def router(worker, logs):
     tenants = f"tenants:\n  - name: tests\n    key_sha256: {hash_key(API_KEY)}\n"
-    with procs.running_router(logs, [worker.address], "--max-tokens-limit", "512", tenants=tenants,
-                              metadata=AUTH) as proc:
+    with procs.running_router(
+        logs, [worker.address], "--max-tokens-limit", "512", tenants=tenants, metadata=AUTH
+    ) as proc:
         yield proc
 
 
@@ -71,15 +73,20 @@ def engine(worker_started):
     """The reference: the same engine config in this process, no gRPC in between."""
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    engine = AsyncEngine.from_config(EngineConfig(dtype="float32",
-                                                  kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20)))
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(dtype="float32", kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20))
+    )
     yield engine
     engine.shutdown()
 
 
 def greedy(max_tokens, logprobs=0, stop=(), **kw):
-    return pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, logprobs=logprobs),
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=stop), **kw)
+    return pb.GenerateRequest(
+        sampling=pb.SamplingParams(temperature=0.0, logprobs=logprobs),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=stop),
+        **kw,
+    )
 
 
 def collect(stub, request, **kw):
@@ -100,8 +107,11 @@ def engine_output(engine, tokenizer, prompt_ids, max_tokens):
 
     async def run():
         ids = []
-        async for out in engine.generate(f"ref-{len(prompt_ids)}-{time.monotonic_ns()}", prompt_ids,
-                                         SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+        async for out in engine.generate(
+            f"ref-{len(prompt_ids)}-{time.monotonic_ns()}",
+            prompt_ids,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        ):
             ids.extend(out.new_token_ids)
         return ids
 
@@ -127,8 +137,10 @@ def test_stream_equals_engine_output(engine, stub, tokenizer, kind):
     if kind == "prompt":
         request, prompt_ids = greedy(24, prompt=text_prompt), tokenizer.encode(text_prompt)
     elif kind == "chat":
-        request, prompt_ids = greedy(24, chat=pb.Chat(messages=FRANCE)), tokenizer.encode_chat(
-            [{"role": "user", "content": FRANCE[0].content}])
+        request, prompt_ids = (
+            greedy(24, chat=pb.Chat(messages=FRANCE)),
+            tokenizer.encode_chat([{"role": "user", "content": FRANCE[0].content}]),
+        )
     else:
         prompt_ids = tokenizer.encode(text_prompt)
         request = greedy(24, token_ids=pb.TokenIds(ids=prompt_ids))
@@ -151,10 +163,11 @@ def test_stream_equals_engine_output(engine, stub, tokenizer, kind):
 
 def test_stop_string_truncates_and_finishes_with_stop(engine, stub, tokenizer):
     request = greedy(24, chat=pb.Chat(messages=FRANCE), stop=[" Paris"])
-    _, full_text = engine_output(engine, tokenizer, tokenizer.encode_chat([{"role": "user",
-                                 "content": FRANCE[0].content}]), 24)
+    _, full_text = engine_output(
+        engine, tokenizer, tokenizer.encode_chat([{"role": "user", "content": FRANCE[0].content}]), 24
+    )
     _, text, _, finished = collect(stub, request)
-    assert text == full_text[:full_text.index(" Paris")]
+    assert text == full_text[: full_text.index(" Paris")]
     assert finished.reason == pb.FINISH_REASON_STOP
 
 
@@ -167,8 +180,11 @@ def test_logprobs_parallel_to_tokens(stub):
 
 
 def test_seeded_sampling_is_reproducible(stub):
-    request = pb.GenerateRequest(prompt="My favourite animal is", sampling=pb.SamplingParams(temperature=1.0, seed=7),
-                                 stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt="My favourite animal is",
+        sampling=pb.SamplingParams(temperature=1.0, seed=7),
+        stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True),
+    )
     first = collect(stub, request)[0]
     assert collect(stub, request)[0] == first and len(first) == 12
 
@@ -181,17 +197,21 @@ def test_list_models(stub):
 
 def test_health_and_reflection(router):
     with grpc.insecure_channel(router.address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="llm.v1.Generation"))
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="llm.v1.Generation")
+        )
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
         names = {s.name for reply in replies for s in reply.list_services_response.service}
     assert {"llm.v1.Generation", "grpc.health.v1.Health"} <= names
 
 
 def test_cancel_frees_kv_blocks_within_one_second(stub, worker_stub):
-    request = pb.GenerateRequest(prompt="Count to one thousand:", stopping=pb.StoppingCriteria(
-        max_tokens=400, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt="Count to one thousand:", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
+    )
     call = stub.Generate(request, metadata=AUTH)
     got = 0
     for msg in call:
@@ -205,8 +225,9 @@ def test_cancel_frees_kv_blocks_within_one_second(stub, worker_stub):
 
 
 def test_deadline_propagates_to_worker(stub, worker_stub):
-    request = pb.GenerateRequest(prompt="Write a long story:", stopping=pb.StoppingCriteria(
-        max_tokens=400, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt="Write a long story:", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
+    )
     with pytest.raises(grpc.RpcError) as info:
         collect(stub, request, timeout=1.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -217,43 +238,127 @@ def _invalid_table(max_model_len):
     ok = {"prompt": "hello"}
     return [
         ("missing key", {**ok}, (), grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
-        ("wrong key", {**ok}, (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED,
-         "invalid API key"),
+        (
+            "wrong key",
+            {**ok},
+            (("authorization", "Bearer nope"),),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "invalid API key",
+        ),
         ("no input", {}, AUTH, grpc.StatusCode.INVALID_ARGUMENT, "input:"),
         ("empty prompt", {"prompt": ""}, AUTH, grpc.StatusCode.INVALID_ARGUMENT, "prompt:"),
-        ("prompt over context", {"prompt": "hello " * (max_model_len + 10)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "do not fit the model's context"),
-        ("prompt that no tokenization fits", {"prompt": "x" * (max_model_len * 100)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "characters cannot fit the model's"),
-        ("chat that no tokenization fits",
-         {"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="y" * (max_model_len * 100))])}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: "),
-        ("negative temperature", {**ok, "sampling": pb.SamplingParams(temperature=-1)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
-        ("top_p 0", {**ok, "sampling": pb.SamplingParams(top_p=0)}, AUTH, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling.top_p"),
-        ("top_p 2", {**ok, "sampling": pb.SamplingParams(top_p=2)}, AUTH, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling.top_p"),
-        ("top_k huge", {**ok, "sampling": pb.SamplingParams(top_k=10**6)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
-        ("max_tokens 0", {**ok, "stopping": pb.StoppingCriteria(max_tokens=0)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "stopping.max_tokens"),
-        ("max_tokens over limit", {**ok, "stopping": pb.StoppingCriteria(max_tokens=513)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "stopping.max_tokens"),
-        ("too many stops", {**ok, "stopping": pb.StoppingCriteria(stop=[str(i) for i in range(9)])}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "stopping.stop"),
-        ("unknown model", {**ok, "model": "no-such-model"}, AUTH, grpc.StatusCode.INVALID_ARGUMENT,
-         "model: unknown model"),
-        ("token id out of vocab", {"token_ids": pb.TokenIds(ids=[1, 10**6])}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids"),
-        ("empty token ids", {"token_ids": pb.TokenIds()}, AUTH, grpc.StatusCode.INVALID_ARGUMENT,
-         "token_ids.ids"),
-        ("bad chat role", {"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].role"),
-        ("logprobs 5", {**ok, "sampling": pb.SamplingParams(logprobs=5)}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs"),
-        ("stop id out of vocab", {**ok, "stopping": pb.StoppingCriteria(stop_token_ids=[10**6])}, AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "stopping.stop_token_ids"),
+        (
+            "prompt over context",
+            {"prompt": "hello " * (max_model_len + 10)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "do not fit the model's context",
+        ),
+        (
+            "prompt that no tokenization fits",
+            {"prompt": "x" * (max_model_len * 100)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "characters cannot fit the model's",
+        ),
+        (
+            "chat that no tokenization fits",
+            {"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="y" * (max_model_len * 100))])},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat.messages: ",
+        ),
+        (
+            "negative temperature",
+            {**ok, "sampling": pb.SamplingParams(temperature=-1)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.temperature",
+        ),
+        (
+            "top_p 0",
+            {**ok, "sampling": pb.SamplingParams(top_p=0)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.top_p",
+        ),
+        (
+            "top_p 2",
+            {**ok, "sampling": pb.SamplingParams(top_p=2)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.top_p",
+        ),
+        (
+            "top_k huge",
+            {**ok, "sampling": pb.SamplingParams(top_k=10**6)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.top_k",
+        ),
+        (
+            "max_tokens 0",
+            {**ok, "stopping": pb.StoppingCriteria(max_tokens=0)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stopping.max_tokens",
+        ),
+        (
+            "max_tokens over limit",
+            {**ok, "stopping": pb.StoppingCriteria(max_tokens=513)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stopping.max_tokens",
+        ),
+        (
+            "too many stops",
+            {**ok, "stopping": pb.StoppingCriteria(stop=[str(i) for i in range(9)])},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stopping.stop",
+        ),
+        (
+            "unknown model",
+            {**ok, "model": "no-such-model"},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model: unknown model",
+        ),
+        (
+            "token id out of vocab",
+            {"token_ids": pb.TokenIds(ids=[1, 10**6])},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids.ids",
+        ),
+        (
+            "empty token ids",
+            {"token_ids": pb.TokenIds()},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids.ids",
+        ),
+        (
+            "bad chat role",
+            {"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat.messages[0].role",
+        ),
+        (
+            "logprobs 5",
+            {**ok, "sampling": pb.SamplingParams(logprobs=5)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.logprobs",
+        ),
+        (
+            "stop id out of vocab",
+            {**ok, "stopping": pb.StoppingCriteria(stop_token_ids=[10**6])},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stopping.stop_token_ids",
+        ),
     ]
 
 
@@ -278,8 +383,9 @@ def test_sigterm_drains_router(worker, logs):
         procs.wait_for_workers(proc.address, 1)
         with grpc.insecure_channel(proc.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = pb.GenerateRequest(prompt="List some fruits:", stopping=pb.StoppingCriteria(
-                max_tokens=24, ignore_eos=True))
+            request = pb.GenerateRequest(
+                prompt="List some fruits:", stopping=pb.StoppingCriteria(max_tokens=24, ignore_eos=True)
+            )
             started = threading.Barrier(3)
             results = [None, None]
 

@@ -2,6 +2,7 @@
 are queued or running (acceptance 4): queued ones complete on the other worker, streaming ones
 end with UNAVAILABLE, nothing hangs. The router fills only free sequence slots (each worker
 reports max_num_seqs), so requests beyond them wait in the router's queue, not the workers'."""
+
 import concurrent.futures as cf
 import signal
 import threading
@@ -39,8 +40,11 @@ def stub(router):
 
 
 def long_request(i, max_tokens):
-    return pb.GenerateRequest(request_id=f"r{i}", prompt=f"Story number {i}:",
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=f"r{i}",
+        prompt=f"Story number {i}:",
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def test_concurrent_requests_spread_across_both_workers(stub, workers):
@@ -57,7 +61,9 @@ def test_concurrent_requests_spread_across_both_workers(stub, workers):
     poller.start()
     try:
         with cf.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: list(stub.Generate(long_request(i, 16), timeout=120)), range(4)))
+            results = list(
+                pool.map(lambda i: list(stub.Generate(long_request(i, 16), timeout=120)), range(4))
+            )
     finally:
         stop_polling.set()
         poller.join()
@@ -93,8 +99,12 @@ def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers, rout
         streaming = sum(e.is_set() for e in first_token)
         loads = [procs.worker_load(w.address) for w in workers]
         queued = procs.scrape(router)[("llm_router_queue_length", ())]
-        if (streaming == 2 * MAX_NUM_SEQS and all(l.num_running == MAX_NUM_SEQS for l in loads)
-                and sum(l.num_waiting for l in loads) == 0 and queued == 2):
+        if (
+            streaming == 2 * MAX_NUM_SEQS
+            and all(l.num_running == MAX_NUM_SEQS for l in loads)
+            and sum(l.num_waiting for l in loads) == 0
+            and queued == 2
+        ):
             break
         assert time.monotonic() < deadline, (streaming, loads, queued)
         time.sleep(0.02)

@@ -3,6 +3,7 @@ input preparation and sampler around a no-math model stub, every measured step a
 sequences; its last line has the promised format with positive numbers; its docs section is added
 to docs/benchmarks.md or replaces its own earlier version, leaving other sections alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,34 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_run_last_line_and_json(tmp_path):
     out = tmp_path / "host.json"
     docs = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--batch-sizes", "1", "16", "32",
-                           "--context", "16", "48", "--steps", "10", "--breakdown-steps", "5", "--warmup", "2",
-                           "--out", str(out), "--write-docs", str(docs)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.host_overhead",
+            "--batch-sizes",
+            "1",
+            "16",
+            "32",
+            "--context",
+            "16",
+            "48",
+            "--steps",
+            "10",
+            "--breakdown-steps",
+            "5",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+            "--write-docs",
+            str(docs),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = LAST_LINE.match(last)
@@ -29,8 +54,14 @@ def test_tiny_run_last_line_and_json(tmp_path):
     batch, step_ms, per_seq_us = int(m[1]), float(m[2]), float(m[3])
     assert batch == 32 and step_ms > 0 and per_seq_us > 0, last
     res = json.loads(out.read_text())
-    assert [(r["temperature"] > 0, r["batch_size"]) for r in res["rows"]] == \
-        [(False, 1), (False, 16), (False, 32), (True, 1), (True, 16), (True, 32)]
+    assert [(r["temperature"] > 0, r["batch_size"]) for r in res["rows"]] == [
+        (False, 1),
+        (False, 16),
+        (False, 32),
+        (True, 1),
+        (True, 16),
+        (True, 32),
+    ]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["prepare_ms"] > 0 and r["graph_inputs_ms"] > 0
     text = docs.read_text()

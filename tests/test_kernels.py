@@ -13,6 +13,7 @@ contexts and larger batches.
 Relative error is max|a - b| / max|b| against the reference. Bounds: fp32 1e-5, fp16/bf16 1e-2.
 Every output buffer is poisoned with NaN before the call, so a row the kernel forgets fails.
 """
+
 import os
 import sys
 
@@ -22,8 +23,10 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
-                           "cannot run on CPU: set it in the environment or in tests/conftest.py")
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
+            "cannot run on CPU: set it in the environment or in tests/conftest.py"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 from tests import attention_batches  # noqa: E402
@@ -124,8 +127,7 @@ def test_paged_attention_host_lengths_and_odd_shapes():
     """Host-passed max lengths, head_dim 80 (padded inside), block size 8 (tiles span blocks)."""
     seqs = BATCHES["mixed"]
     batch = make_batch(seqs, 2, 2, 80, torch.float32, seed=8, block_size=8)
-    out = run_triton(batch, max_query_len=max(n for _, n in seqs),
-                     max_seq_len=max(c + n for c, n in seqs))
+    out = run_triton(batch, max_query_len=max(n for _, n in seqs), max_seq_len=max(c + n for c, n in seqs))
     assert rel_error(out, reference.paged_attention(**batch)) < TOLERANCE[torch.float32]
 
 
@@ -136,10 +138,14 @@ def test_choose_num_splits():
     assert choose(num_seqs=512, num_kv_heads=8, max_query_len=1, max_seq_len=8192, num_sms=132) == 1
     assert choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=100, num_sms=132) == 1
     # 8 programs on 132 SMs: split as far as the minimum split length allows.
-    assert choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=2048, num_sms=132) \
+    assert (
+        choose(num_seqs=4, num_kv_heads=2, max_query_len=1, max_seq_len=2048, num_sms=132)
         == 2048 // triton_attention.MIN_SPLIT_LEN
-    assert choose(num_seqs=1, num_kv_heads=1, max_query_len=1, max_seq_len=10**6, num_sms=132) \
+    )
+    assert (
+        choose(num_seqs=1, num_kv_heads=1, max_query_len=1, max_seq_len=10**6, num_sms=132)
         == triton_attention.MAX_SPLITS
+    )
 
 
 def test_paged_attention_empty_batch():
@@ -149,9 +155,19 @@ def test_paged_attention_empty_batch():
     assert triton_attention.paged_attention(**batch).shape == (0, 2, 64)
 
 
-@pytest.mark.parametrize("breakage", [
-    "dtype", "kv_heads", "head_dim", "batch", "metadata_dtype", "strided_q", "num_splits", "out",
-])
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        "dtype",
+        "kv_heads",
+        "head_dim",
+        "batch",
+        "metadata_dtype",
+        "strided_q",
+        "num_splits",
+        "out",
+    ],
+)
 def test_paged_attention_rejects_bad_arguments(breakage):
     batch = make_batch(BATCHES["mixed"], 2, 3, 64, torch.float32, seed=10)
     kwargs = {}
@@ -184,8 +200,10 @@ def test_store_kv(dtype):
     v_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
     # key/value are views into a fused qkv projection; some tokens are padding (slot -1).
     kv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen).to(DEVICE, dtype)
-    key = kv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = kv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    key = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    value = kv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens]
     slots[[2, 7, 11]] = -1
     slot_mapping = slots.to(DEVICE)
@@ -214,8 +232,7 @@ def test_store_kv_rejects_bad_arguments():
     with pytest.raises(ValueError):
         triton_store_kv.store_kv(key, key, cache, cache, slots.float())
     with pytest.raises(ValueError):
-        triton_store_kv.store_kv(key.transpose(0, 2).contiguous().transpose(0, 2), key, cache,
-                                 cache, slots)
+        triton_store_kv.store_kv(key.transpose(0, 2).contiguous().transpose(0, 2), key, cache, cache, slots)
 
 
 def rms_norm_reference(x, weight, eps):
@@ -263,9 +280,10 @@ def test_rotary_embedding(dtype):
     cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     qkv = qkv.to(DEVICE, dtype)
-    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
-        num_tokens, num_kv_heads, head_dim)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     positions = torch.randint(0, max_position, (num_tokens,), generator=gen).to(DEVICE)
     q_before, k_before = q.clone(), k.clone()
     q_out, k_out = triton_norm.rotary_embedding(positions, q, k, cos, sin)

@@ -1,5 +1,6 @@
 """Arrival processes: mean rate and coefficient of variation of the gaps within tolerance,
 reproducible from the seed, and the merged schedule's bounds."""
+
 import itertools
 import random
 import statistics
@@ -44,26 +45,27 @@ def test_same_seed_same_stream():
     assert gaps(p, seed=7) != gaps(p, seed=8)
 
 
-@pytest.mark.parametrize("kwargs", [{"kind": "uniform"}, {"rate_per_s": 0},
-                                    {"kind": "gamma", "burstiness": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"kind": "uniform"}, {"rate_per_s": 0}, {"kind": "gamma", "burstiness": 0}]
+)
 def test_invalid_processes(kwargs):
     with pytest.raises(ValueError):
         ArrivalProcess(**kwargs)
 
 
 def test_schedule_merges_tenants_in_time_order_until_the_duration():
-    fast = arrival_times(ArrivalProcess("constant", 4.0), random.Random(0))   # 0.25, 0.5, ...
-    slow = arrival_times(ArrivalProcess("constant", 1.0), random.Random(0))   # 1, 2, ...
+    fast = arrival_times(ArrivalProcess("constant", 4.0), random.Random(0))  # 0.25, 0.5, ...
+    slow = arrival_times(ArrivalProcess("constant", 1.0), random.Random(0))  # 1, 2, ...
     plan = schedule([fast, slow], warmup_s=1.0, duration_s=2.0, num_requests=None)
     times = [t for t, _ in plan]
     assert times == sorted(times) and max(times) < 3.0
-    assert [i for _, i in plan].count(0) == 11 and [i for _, i in plan].count(1) == 2   # 0.25..2.75; 1, 2
+    assert [i for _, i in plan].count(0) == 11 and [i for _, i in plan].count(1) == 2  # 0.25..2.75; 1, 2
 
 
 def test_schedule_counts_only_measured_requests():
     stream = arrival_times(ArrivalProcess("constant", 10.0), random.Random(0))  # 0.1, 0.2, ...
     plan = schedule([stream], warmup_s=0.5, duration_s=None, num_requests=5)
-    assert len(plan) == 4 + 5                      # 0.1..0.4 are warm-up, then 5 measured
+    assert len(plan) == 4 + 5  # 0.1..0.4 are warm-up, then 5 measured
     assert sum(t >= 0.5 for t, _ in plan) == 5
     with pytest.raises(ValueError):
         schedule([stream], 0.0, None, None)

@@ -11,6 +11,7 @@ completion counts equal the token ids the client received (and max_tokens, with 
 server's prompt counts equal the client's synthetic prompt lengths; the summary's totals equal
 the sums over requests.jsonl.
 """
+
 import json
 import re
 
@@ -30,9 +31,13 @@ OUTPUT_LEN = 8
 def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     tenants = logs / "tenants.yaml"
-    tenants.write_text("tenants:\n" + "".join(
-        f"  - name: {name}\n    key_sha256: {hash_key(key)}\n    weight: {2.0 if name == 'alice' else 1.0}\n"
-        for name, key in KEYS.items()))
+    tenants.write_text(
+        "tenants:\n"
+        + "".join(
+            f"  - name: {name}\n    key_sha256: {hash_key(key)}\n    weight: {2.0 if name == 'alice' else 1.0}\n"
+            for name, key in KEYS.items()
+        )
+    )
     worker = procs.start_worker(logs)
     router = None
     try:
@@ -52,16 +57,32 @@ def test_two_tenant_load_report_agrees_with_the_server(server, tmp_path):
     out = tmp_path / "report"
     announced = re.search(r"metrics at (http://\S+/metrics)", router.log_tail(100_000))
     metrics = ["--metrics-url", announced.group(1)] if announced else []
-    argv = [*metrics, "--target", router.address, "--duration-s", "17", "--warmup-s", "3", "--seed", "7",
-            "--tenant", f"name=alice,key={KEYS['alice']},weight=2,rate=0.7,input_len=uniform:16:48",
-            "--tenant", f"name=bob,key={KEYS['bob']},arrival=gamma,burstiness=0.5,rate=0.4,input_len=24,"
-                        "prefix_len=32",
-            "--output-len", str(OUTPUT_LEN), "--slo", "ttft=3s,tpot=500ms", "--out-dir", str(out),
-            "--no-progress"]
+    argv = [
+        *metrics,
+        "--target",
+        router.address,
+        "--duration-s",
+        "17",
+        "--warmup-s",
+        "3",
+        "--seed",
+        "7",
+        "--tenant",
+        f"name=alice,key={KEYS['alice']},weight=2,rate=0.7,input_len=uniform:16:48",
+        "--tenant",
+        f"name=bob,key={KEYS['bob']},arrival=gamma,burstiness=0.5,rate=0.4,input_len=24,prefix_len=32",
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--slo",
+        "ttft=3s,tpot=500ms",
+        "--out-dir",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
 
     report_text = (out / "report.json").read_text()
-    assert not any(key in report_text for key in KEYS.values())      # keys are never written out
+    assert not any(key in report_text for key in KEYS.values())  # keys are never written out
     report = json.loads(report_text)
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert "| TTFT |" in (out / "report.md").read_text()

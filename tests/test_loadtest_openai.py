@@ -1,6 +1,7 @@
 """The OpenAI-compatible SSE client and the whole CLI (reports, comparison mode) against a tiny fake
 `/v1/completions` server on 127.0.0.1 (stdlib http.server; chunked transfer, events split across
 writes, CRLF line ends)."""
+
 import asyncio
 import json
 import threading
@@ -23,7 +24,7 @@ class FakeCompletions(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
-        pass   # keep test output free of request lines
+        pass  # keep test output free of request lines
 
     def _send_json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -56,7 +57,7 @@ class FakeCompletions(BaseHTTPRequestHandler):
             choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
             event = json.dumps({"choices": [choice]})
             data = f"data: {event}\r\n\r\n".encode()
-            self._chunk(data[:7])                 # an event split across two writes
+            self._chunk(data[:7])  # an event split across two writes
             self._chunk(data[7:])
             threading.Event().wait(GAP_S)
         usage = {"prompt_tokens": num_prompt, "completion_tokens": body["max_tokens"]}
@@ -104,7 +105,7 @@ def test_client_records_chunks_usage_and_errors(fake_server):
     assert info["models"] == [{"id": "fake-model"}] and info["model_used"] == "fake-model"
     assert ok.status == "OK" and ok.finish_reason == "length"
     assert (len(ok.chunk_ns), ok.prompt_tokens, ok.completion_tokens, ok.output_tokens) == (5, 3, 5, 5)
-    assert FIRST_TOKEN_S <= ok.ttft_s <= ok.e2e_s < 5.0     # the server waits before the first token
+    assert FIRST_TOKEN_S <= ok.ttft_s <= ok.e2e_s < 5.0  # the server waits before the first token
     assert len(ok.itl_s) == 4
     sent = server.received[0]
     assert sent["stream"] and sent["max_tokens"] == 5 and sent["ignore_eos"] and sent["model"] == "fake-model"
@@ -126,9 +127,29 @@ def test_connection_refused_is_a_status(fake_server):
 def test_cli_writes_reports_and_compares_two_targets(fake_server, tmp_path):
     a, b = fake_server(), fake_server()
     out = tmp_path / "run"
-    status = main(["--target", f"a=http://127.0.0.1:{a.server_port}", "--target", f"b=http://127.0.0.1:{b.server_port}",
-                   "--num-requests", "6", "--rate", "20", "--input-len", "8", "--output-len", "4",
-                   "--slo", "ttft=2s,tpot=1s", "--seed", "11", "--out-dir", str(out), "--no-progress"])
+    status = main(
+        [
+            "--target",
+            f"a=http://127.0.0.1:{a.server_port}",
+            "--target",
+            f"b=http://127.0.0.1:{b.server_port}",
+            "--num-requests",
+            "6",
+            "--rate",
+            "20",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--slo",
+            "ttft=2s,tpot=1s",
+            "--seed",
+            "11",
+            "--out-dir",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert status == 0
     report = json.loads((out / "report.json").read_text())
     assert report["seed"] == 11 and report["config"]["tenants"][0]["input_len"] == "8"

@@ -1,5 +1,6 @@
 """The runner against an in-process fake client: closed-loop concurrency, open-loop timing and
 warm-up, request-count bounds, the client-side cap, the drain timeout, seeded reproducibility."""
+
 import asyncio
 
 import pytest
@@ -68,29 +69,43 @@ def test_open_loop_sends_on_schedule_and_flags_warmup():
     assert [r.warmup for r in records] == [True] * 3 + [False] * 6
     for k, r in enumerate(records, start=1):
         assert r.scheduled_ns == int(k / 32 * 1e9)
-        assert 0 <= r.sent_ns - r.scheduled_ns < 50_000_000      # sent on time (loose: shared CPU)
+        assert 0 <= r.sent_ns - r.scheduled_ns < 50_000_000  # sent on time (loose: shared CPU)
     assert summarize_point(records, (tenant(),), {})["num_requests"] == 6
 
 
 def test_client_cap_makes_requests_wait():
-    records, client = run_point([tenant(arrival="constant", rate_per_s=1000.0)], {"ttft_s": 0.05},
-                                duration_s=None, num_requests=6, max_concurrency=2)
+    records, client = run_point(
+        [tenant(arrival="constant", rate_per_s=1000.0)],
+        {"ttft_s": 0.05},
+        duration_s=None,
+        num_requests=6,
+        max_concurrency=2,
+    )
     assert client.peak == 2 and len(records) == 6
     assert max(r.client_wait_s for r in records) >= 0.05
 
 
 def test_drain_timeout_cancels_what_is_left():
-    records, _ = run_point([tenant(arrival="closed", concurrency=2)], {"hang_index": 1},
-                           duration_s=0.2, drain_timeout_s=0.2)
+    records, _ = run_point(
+        [tenant(arrival="closed", concurrency=2)], {"hang_index": 1}, duration_s=0.2, drain_timeout_s=0.2
+    )
     hung = [r for r in records if r.index == 1]
     assert hung[0].status == "CLIENT_DRAIN_TIMEOUT" and hung[0].end_ns >= hung[0].sent_ns
     assert all(r.ok for r in records if r.index != 1)
 
 
 def test_same_seed_same_request_stream():
-    tenants = [tenant(name="a", api_key="ka", rate_per_s=30.0),
-               tenant(name="b", api_key="kb", arrival="gamma", rate_per_s=40.0, burstiness=0.5,
-                      output_len=LengthDist.parse("uniform:1:4"))]
+    tenants = [
+        tenant(name="a", api_key="ka", rate_per_s=30.0),
+        tenant(
+            name="b",
+            api_key="kb",
+            arrival="gamma",
+            rate_per_s=40.0,
+            burstiness=0.5,
+            output_len=LengthDist.parse("uniform:1:4"),
+        ),
+    ]
     first = run_point(tenants, seed=5, duration_s=0.3)[1].sent
     again = run_point(tenants, seed=5, duration_s=0.3)[1].sent
     other = run_point(tenants, seed=6, duration_s=0.3)[1].sent

@@ -1,5 +1,6 @@
 """Workloads and configuration: length distributions, exact synthetic prompt lengths in our
 tokenizer, shared prefixes, seeded reproducibility, tenants and targets from the command line."""
+
 import random
 
 import pytest
@@ -43,8 +44,9 @@ def test_synthetic_prompts_have_exact_lengths_and_a_shared_prefix(synthetic, tok
 
 
 def test_same_seed_same_request_stream(synthetic):
-    tenant = TenantSpec(name="t", input_len=LengthDist.parse("normal:30:8"),
-                        output_len=LengthDist.parse("uniform:1:9"))
+    tenant = TenantSpec(
+        name="t", input_len=LengthDist.parse("normal:30:8"), output_len=LengthDist.parse("uniform:1:9")
+    )
 
     def stream(seed, name="t"):
         w = Workload(TenantSpec(**{**tenant.__dict__, "name": name}), seed, synthetic)
@@ -52,7 +54,7 @@ def test_same_seed_same_request_stream(synthetic):
 
     assert stream(1) == stream(1)
     assert stream(1) != stream(2)
-    assert [s.prompt for s in stream(1)] != [s.prompt for s in stream(1, name="u")]   # tenants differ
+    assert [s.prompt for s in stream(1)] != [s.prompt for s in stream(1, name="u")]  # tenants differ
 
 
 def test_bundled_and_file_prompts(tmp_path):
@@ -69,8 +71,14 @@ def test_bundled_and_file_prompts(tmp_path):
 def test_tenant_fields_override_defaults():
     base = TenantSpec(rate_per_s=3.0, output_len=LengthDist.parse("8"))
     t = TenantSpec.from_fields(parse_kv("name=a,key=k1,weight=2,input_len=uniform:4:8"), base)
-    assert (t.name, t.api_key, t.weight, t.rate_per_s, t.output_len.spec, t.input_len.spec) == \
-        ("a", "k1", 2.0, 3.0, "8", "uniform:4:8")
+    assert (t.name, t.api_key, t.weight, t.rate_per_s, t.output_len.spec, t.input_len.spec) == (
+        "a",
+        "k1",
+        2.0,
+        3.0,
+        "8",
+        "uniform:4:8",
+    )
     assert t.to_json()["api_key"] == "<set>"
     with pytest.raises(ValueError):
         TenantSpec.from_fields({"colour": "red"}, base)
@@ -79,7 +87,9 @@ def test_tenant_fields_override_defaults():
 def test_targets_and_remote_guard():
     assert Target.parse("127.0.0.1:50051", 0) == Target("target", "grpc", "127.0.0.1:50051")
     assert Target.parse("local", 0).name == "local" and Target.parse("grpc://[::1]:5", 1).name == "target1"
-    assert Target.parse("llama=http://localhost:8080/", 1) == Target("llama", "openai", "http://localhost:8080")
+    assert Target.parse("llama=http://localhost:8080/", 1) == Target(
+        "llama", "openai", "http://localhost:8080"
+    )
     local = Target.parse("small=local:--max-num-seqs 2", 0)
     assert local.local and local.local_args == ("--max-num-seqs", "2")
     with pytest.raises(ValueError, match="loopback"):
@@ -88,14 +98,27 @@ def test_targets_and_remote_guard():
 
 
 def test_command_line_to_config():
-    c = parse_args(["--target", "127.0.0.1:1", "--concurrencies", "1,2,4", "--num-requests", "10",
-                    "--tenant", "name=a,key=ka", "--tenant", "name=b,key=kb,arrival=poisson,rate=2",
-                    "--slo", "ttft=1s"])
+    c = parse_args(
+        [
+            "--target",
+            "127.0.0.1:1",
+            "--concurrencies",
+            "1,2,4",
+            "--num-requests",
+            "10",
+            "--tenant",
+            "name=a,key=ka",
+            "--tenant",
+            "name=b,key=kb,arrival=poisson,rate=2",
+            "--slo",
+            "ttft=1s",
+        ]
+    )
     assert (c.sweep, c.sweep_values) == ("concurrency", (1.0, 2.0, 4.0))
     assert (c.duration_s, c.num_requests) == (None, 10)
     assert [t.arrival for t in c.tenants] == ["closed", "poisson"]
     at4 = c.tenants_at(4.0)
-    assert (at4[0].concurrency, at4[1].rate_per_s) == (4, 2.0)      # the sweep moves closed-loop tenants only
+    assert (at4[0].concurrency, at4[1].rate_per_s) == (4, 2.0)  # the sweep moves closed-loop tenants only
     assert dict(c.slo_s) == {"ttft": 1.0}
     assert parse_args(["--target", "127.0.0.1:1"]).duration_s == 30.0
     with pytest.raises(ValueError):
@@ -106,5 +129,12 @@ def test_command_line_to_config():
 
 def test_keys_are_redacted_from_the_recorded_command():
     argv = ["--api-key", "s1", "--tenant", "name=a,key=s2,rate=1", "--tenant", "key=s3", "--api-key=s4"]
-    assert redact(argv) == ["--api-key", "<set>", "--tenant", "name=a,key=<set>,rate=1",
-                            "--tenant", "key=<set>", "--api-key=<set>"]
+    assert redact(argv) == [
+        "--api-key",
+        "<set>",
+        "--tenant",
+        "name=a,key=<set>,rate=1",
+        "--tenant",
+        "key=<set>",
+        "--api-key=<set>",
+    ]

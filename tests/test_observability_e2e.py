@@ -6,6 +6,7 @@ Acceptance 1 (one trace across both processes, worker spans children of the rout
 equals the request count), plus /targets service discovery, admission refusals by tenant and
 reason, and the JSON request log line carrying the trace id.
 """
+
 import contextlib
 import json
 import time
@@ -20,8 +21,8 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
 
-SERVER, CLIENT = 2, 3            # opentelemetry.proto.trace.v1.Span.SpanKind
-TOKEN_BUDGET = 600               # --max-tokens-in-flight: a request asking for more is refused
+SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+TOKEN_BUDGET = 600  # --max-tokens-in-flight: a request asking for more is refused
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def sink():
 @pytest.fixture(scope="module")
 def worker(logs, sink):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")   # export within 50 ms, not the default 5 s
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not the default 5 s
         proc = procs.start_worker(logs, "--num-threads", "1", "--otlp-endpoint", sink.endpoint)
     try:
         procs.ready(proc)
@@ -46,11 +47,22 @@ def worker(logs, sink):
 @pytest.fixture(scope="module")
 def router(worker, logs, sink):
     with contextlib.ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as mp:      # the router process inherits the setting
+        with pytest.MonkeyPatch.context() as mp:  # the router process inherits the setting
             mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-            proc = stack.enter_context(procs.running_router(
-                logs, [worker.address], "--otlp-endpoint", sink.endpoint, "--metrics-port", "0",
-                "--log-format", "json", "--max-tokens-in-flight", str(TOKEN_BUDGET)))
+            proc = stack.enter_context(
+                procs.running_router(
+                    logs,
+                    [worker.address],
+                    "--otlp-endpoint",
+                    sink.endpoint,
+                    "--metrics-port",
+                    "0",
+                    "--log-format",
+                    "json",
+                    "--max-tokens-in-flight",
+                    str(TOKEN_BUDGET),
+                )
+            )
         yield proc
 
 
@@ -73,9 +85,12 @@ def worker_metrics(worker):
 
 
 def generate(stub, prompt_ids, max_tokens, request_id, metadata=()):
-    request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt_ids),
-                                 sampling=pb.SamplingParams(temperature=0.0),
-                                 stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
     finished = None
     for msg in stub.Generate(request, metadata=metadata, timeout=120):
         if msg.HasField("finished"):
@@ -89,8 +104,14 @@ def request_trace(sink, request_id):
     last = {("llm-router", "route"), ("llm-worker", "llm.v1.Worker/Generate"), ("llm-worker", "decode")}
 
     def root_of(spans):
-        return next((s for s in spans if s.service == "llm-router"
-                     and s.attributes.get("llm.request_id") == request_id), None)
+        return next(
+            (
+                s
+                for s in spans
+                if s.service == "llm-router" and s.attributes.get("llm.request_id") == request_id
+            ),
+            None,
+        )
 
     def complete(spans):
         root = root_of(spans)
@@ -104,8 +125,11 @@ def request_trace(sink, request_id):
 
 def scrape(address):
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples, name, **labels):
@@ -135,7 +159,7 @@ def test_one_trace_spans_router_and_worker(stub, sink):
     assert route.kind == CLIENT
     worker_span = by_name[("llm-worker", "llm.v1.Worker/Generate")]
     assert worker_span.kind == SERVER
-    assert worker_span.parent_span_id == route.span_id          # the trace crosses the process boundary
+    assert worker_span.parent_span_id == route.span_id  # the trace crosses the process boundary
     for child in ("queue", "prefill", "decode"):
         span = by_name[("llm-worker", child)]
         assert span.parent_span_id == worker_span.span_id
@@ -192,15 +216,19 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
         generate(stub, prompts[0], TOKEN_BUDGET, "metrics-refused")
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    want = {"llm_requests_total": len(prompts), "llm_prompt_tokens_total": sum(map(len, prompts)),
-            "llm_generation_tokens_total": max_tokens * len(prompts),
-            "llm_time_to_first_token_seconds_count": len(prompts),
-            "llm_e2e_request_latency_seconds_count": len(prompts),
-            "llm_queue_time_seconds_count": len(prompts),
-            "llm_inter_token_latency_seconds_count": (max_tokens - 1) * len(prompts),
-            "llm_request_prompt_tokens_sum": sum(map(len, prompts)),
-            "llm_request_generation_tokens_sum": max_tokens * len(prompts)}
+    want = {
+        "llm_requests_total": len(prompts),
+        "llm_prompt_tokens_total": sum(map(len, prompts)),
+        "llm_generation_tokens_total": max_tokens * len(prompts),
+        "llm_time_to_first_token_seconds_count": len(prompts),
+        "llm_e2e_request_latency_seconds_count": len(prompts),
+        "llm_queue_time_seconds_count": len(prompts),
+        "llm_inter_token_latency_seconds_count": (max_tokens - 1) * len(prompts),
+        "llm_request_prompt_tokens_sum": sum(map(len, prompts)),
+        "llm_request_generation_tokens_sum": max_tokens * len(prompts),
+    }
     for side, address in sides:
+
         def delta(samples, name, **labels):
             return value(samples, name, **labels) - value(before[side], name, **labels)
 
@@ -208,8 +236,10 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
             return delta(samples, "llm_requests_total", status="length") >= len(prompts)
 
         after = wait_metrics(address, done)
-        got = {name: delta(after, name, **({"status": "length"} if name == "llm_requests_total" else {}))
-               for name in want}
+        got = {
+            name: delta(after, name, **({"status": "length"} if name == "llm_requests_total" else {}))
+            for name in want
+        }
         assert got == want, side
         assert value(after, "llm_num_requests_running") == 0
         assert value(after, "llm_num_requests_waiting") == 0
@@ -227,5 +257,9 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
 
 def test_targets_list_worker_metrics(router_metrics, worker_metrics, worker):
     groups = json.loads(urllib.request.urlopen(f"http://{router_metrics}/targets", timeout=5).read())
-    assert groups == [{"targets": [worker_metrics], "labels": {
-        "job": "llm-worker", "worker": worker.address, "model": groups[0]["labels"]["model"]}}]
+    assert groups == [
+        {
+            "targets": [worker_metrics],
+            "labels": {"job": "llm-worker", "worker": worker.address, "model": groups[0]["labels"]["model"]},
+        }
+    ]

@@ -1,6 +1,7 @@
 """Observability parts in process, in milliseconds: trace-context propagation, telemetry config,
 the /metrics + /targets HTTP server, the JSON log line, and the router's and worker's per-request
 observations (span trees from an in-memory exporter, metric values from the registry)."""
+
 import argparse
 import json
 import logging
@@ -41,8 +42,11 @@ def spans(monkeypatch):
 
 
 def samples(registry):
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in registry.collect() for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+    }
 
 
 def test_traceparent_round_trip_through_metadata():
@@ -72,11 +76,23 @@ def test_config_from_flags_and_environment():
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
     assert telemetry.from_args(p.parse_args([]), environ={}) == telemetry.TelemetryConfig()
     assert telemetry.from_args(p.parse_args([]), environ=env).otlp_endpoint == "http://collector:4317"
-    flags = ["--otlp-endpoint", "http://x:1", "--trace-sample-ratio", "0.1", "--metrics-port", "0",
-             "--log-format", "json"]
+    flags = [
+        "--otlp-endpoint",
+        "http://x:1",
+        "--trace-sample-ratio",
+        "0.1",
+        "--metrics-port",
+        "0",
+        "--log-format",
+        "json",
+    ]
     flagged = telemetry.from_args(p.parse_args(flags), environ=env)
-    assert (flagged.otlp_endpoint, flagged.sample_ratio, flagged.metrics_port, flagged.log_format) == \
-        ("http://x:1", 0.1, 0, "json")
+    assert (flagged.otlp_endpoint, flagged.sample_ratio, flagged.metrics_port, flagged.log_format) == (
+        "http://x:1",
+        0.1,
+        0,
+        "json",
+    )
     assert flagged.tracing
     with pytest.raises(ValueError, match="sample ratio"):
         telemetry.TelemetryConfig(sample_ratio=1.5)
@@ -130,8 +146,20 @@ def test_request_log_line_is_json_with_fields():
 
 def _output(tokens, finished=False, preemptions=0, queue_s=0.01, ttft_s=0.05, num_out=1):
     from worker.types import FinishReason, RequestOutput
-    return RequestOutput("w1", tokens, None, finished, FinishReason.LENGTH if finished else None, 5, num_out,
-                         2, queue_s=queue_s, ttft_s=ttft_s, num_preemptions=preemptions)
+
+    return RequestOutput(
+        "w1",
+        tokens,
+        None,
+        finished,
+        FinishReason.LENGTH if finished else None,
+        5,
+        num_out,
+        2,
+        queue_s=queue_s,
+        ttft_s=ttft_s,
+        num_preemptions=preemptions,
+    )
 
 
 def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
@@ -143,11 +171,22 @@ def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
     monkeypatch.setattr(worker.observe, "time", clock)
     registry = CollectorRegistry()
     metrics = SimpleNamespace(requests=RequestMetrics(registry, "worker"))
-    obs = RequestObservation(metrics, worker_id="127.0.0.1:1", model="m", request_id="w1", tenant="t",
-                             num_prompt_tokens=5, max_tokens=3, temperature=0.0,
-                             metadata=[("traceparent", TRACEPARENT)])
-    for t, out in ((100.06, _output([7])), (100.1, _output([8], preemptions=1, num_out=2)),
-                   (100.15, _output([9], finished=True, preemptions=1, num_out=3))):
+    obs = RequestObservation(
+        metrics,
+        worker_id="127.0.0.1:1",
+        model="m",
+        request_id="w1",
+        tenant="t",
+        num_prompt_tokens=5,
+        max_tokens=3,
+        temperature=0.0,
+        metadata=[("traceparent", TRACEPARENT)],
+    )
+    for t, out in (
+        (100.06, _output([7])),
+        (100.1, _output([8], preemptions=1, num_out=2)),
+        (100.15, _output([9], finished=True, preemptions=1, num_out=3)),
+    ):
         now[0] = t
         obs.output(out)
     now[0] = 100.2
@@ -155,7 +194,7 @@ def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
 
     by_name = {s.name: s for s in spans.get_finished_spans()}
     root = by_name["llm.v1.Worker/Generate"]
-    assert root.parent.span_id == 0x00f067aa0ba902b7 and root.parent.is_remote
+    assert root.parent.span_id == 0x00F067AA0BA902B7 and root.parent.is_remote
     assert [e.name for e in root.events] == ["first_token", "preempted"]
     assert root.attributes["gen_ai.usage.output_tokens"] == 3
     assert root.attributes["gen_ai.response.finish_reasons"] == ("length",)
@@ -168,7 +207,7 @@ def test_worker_observation_derives_queue_prefill_decode(spans, monkeypatch):
     # queue ends at first token (60 ms) - engine prefill (ttft_s - queue_s = 40 ms)
     assert (queue.start_time, queue.end_time) == (10**18, 10**18 + 20 * ms)
     assert (prefill.end_time, decode.end_time) == (10**18 + 60 * ms, 10**18 + 200 * ms)
-    assert prefill.attributes["llm.prefill.num_tokens"] == 3                        # 5 prompt - 2 cached
+    assert prefill.attributes["llm.prefill.num_tokens"] == 3  # 5 prompt - 2 cached
 
     got = samples(registry)
     assert got[("llm_requests_total", (("status", "length"),))] == 1
@@ -201,8 +240,10 @@ def test_router_observation_stages_and_failure(spans):
     by_name = {s.name: s for s in spans.get_finished_spans()}
     root, route = by_name["llm.v1.Generation/Generate"], by_name["route"]
     assert root.parent is None and root.kind == trace.SpanKind.SERVER
-    assert all(by_name[n].parent.span_id == root.context.span_id
-               for n in ("auth", "validate", "admission", "queue", "route"))
+    assert all(
+        by_name[n].parent.span_id == root.context.span_id
+        for n in ("auth", "validate", "admission", "queue", "route")
+    )
     assert route.kind == trace.SpanKind.CLIENT and route.attributes["llm.worker.id"] == "127.0.0.1:2"
     assert dict(obs.metadata)["traceparent"].split("-")[2] == f"{route.context.span_id:016x}"
     assert root.attributes["gen_ai.request.temperature"] == 0.7
@@ -218,7 +259,7 @@ def test_router_observation_stages_and_failure(spans):
     got = samples(metrics.registry)
     assert got[("llm_requests_total", (("status", "length"),))] == 1
     assert got[("llm_requests_total", (("status", "resource_exhausted"),))] == 1
-    assert got[("llm_prompt_tokens_total", ())] == 5              # the refused request was never served
+    assert got[("llm_prompt_tokens_total", ())] == 5  # the refused request was never served
     assert got[("llm_generation_tokens_total", ())] == 2
     assert got[("llm_num_requests_running", ())] == got[("llm_num_requests_waiting", ())] == 0
     assert got[("llm_queue_time_seconds_count", ())] == 1
@@ -239,9 +280,17 @@ def test_dashboard_reads_only_exported_metrics():
     router.requests.requests.labels("stop").inc()
     worker.requests.requests.labels("stop").inc()
     exported = {s.name for m in (router, worker) for family in m.registry.collect() for s in family.samples}
-    exported |= {f"{h}_bucket" for h in ("llm_time_to_first_token_seconds", "llm_inter_token_latency_seconds",
-                                         "llm_e2e_request_latency_seconds", "llm_queue_time_seconds",
-                                         "llm_request_prompt_tokens", "llm_request_generation_tokens")}
+    exported |= {
+        f"{h}_bucket"
+        for h in (
+            "llm_time_to_first_token_seconds",
+            "llm_inter_token_latency_seconds",
+            "llm_e2e_request_latency_seconds",
+            "llm_queue_time_seconds",
+            "llm_request_prompt_tokens",
+            "llm_request_generation_tokens",
+        )
+    }
     dashboard = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "llm-serve.json"
     used = set(re.findall(r"\bllm_[a-z0-9_]+", dashboard.read_text()))
     assert used and used <= exported, used - exported

@@ -7,6 +7,7 @@ discovery, restarts and routing, not text, and four SmolLM2 loads would take min
 machine. Routers are real `python -m router --ray-address ...` processes: one a driver of the
 cluster (GCS address), the second through Ray Client (`ray://`), as KubeRay's router Deployment.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,28 +34,46 @@ NUM_NODES, GPUS_PER_NODE = 2, 2
 NUM_WORKERS = NUM_NODES * GPUS_PER_NODE
 # One running sequence per worker: a second request to the same worker waits in its queue.
 MAX_NUM_SEQS = 1
-REDISCOVERY_S = 5.0   # restarted worker serving -> the router routes to it again
+REDISCOVERY_S = 5.0  # restarted worker serving -> the router routes to it again
 
 
 @pytest.fixture(scope="module")
 def sim():
-    with SimulatedCluster(NUM_NODES, GPUS_PER_NODE, cpus_per_node=1, client_port=procs.free_port()) as cluster:
+    with SimulatedCluster(
+        NUM_NODES, GPUS_PER_NODE, cpus_per_node=1, client_port=procs.free_port()
+    ) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def workers(sim, tmp_path_factory):
     model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-    engine = EngineConfig(model=str(model), device="cpu", kv_cache_bytes=8 * 2**20, num_threads=1,
-                          max_num_seqs=MAX_NUM_SEQS)
+    engine = EngineConfig(
+        model=str(model), device="cpu", kv_cache_bytes=8 * 2**20, num_threads=1, max_num_seqs=MAX_NUM_SEQS
+    )
     # Half a CPU each: four fit the two one-CPU nodes; the GPU bundle decides placement.
-    return launch_workers(LaunchConfig(num_workers=NUM_WORKERS, engine=engine, cpus_per_worker=0.5,
-                                       drain_grace_s=1.0))
+    return launch_workers(
+        LaunchConfig(num_workers=NUM_WORKERS, engine=engine, cpus_per_worker=0.5, drain_grace_s=1.0)
+    )
 
 
 def start_router(ray_address: str, logs) -> procs.Proc:
-    proc = procs.Proc("router", ["-m", "router", "--port", "0", "--ray-address", ray_address,
-                                 "--health-poll-s", "0.2", "--drain-grace-s", "20"], logs)
+    proc = procs.Proc(
+        "router",
+        [
+            "-m",
+            "router",
+            "--port",
+            "0",
+            "--ray-address",
+            ray_address,
+            "--health-poll-s",
+            "0.2",
+            "--drain-grace-s",
+            "20",
+        ],
+        logs,
+    )
     try:
         procs.ready(proc)
         procs.wait_for_workers(proc.address, NUM_WORKERS, timeout_s=60)
@@ -67,7 +86,7 @@ def start_router(ray_address: str, logs) -> procs.Proc:
 
 @pytest.fixture(scope="module")
 def router(sim, workers, logs):
-    proc = start_router(sim.address, logs)      # a driver of the cluster
+    proc = start_router(sim.address, logs)  # a driver of the cluster
     yield proc
     proc.stop()
 
@@ -79,8 +98,11 @@ def stub(router):
 
 
 def request(i: int, max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=f"r{i}", prompt=f"Story number {i}:",
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=f"r{i}",
+        prompt=f"Story number {i}:",
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def generate_all(stub, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
@@ -97,8 +119,10 @@ class Streams:
     def __init__(self, stub, num_requests: int, max_tokens: int):
         self.first_token = [threading.Event() for _ in range(num_requests)]
         self.outcomes: list = [None] * num_requests
-        self._threads = [threading.Thread(target=self._run, args=(stub, i, max_tokens), daemon=True)
-                         for i in range(num_requests)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(stub, i, max_tokens), daemon=True)
+            for i in range(num_requests)
+        ]
         for t in self._threads:
             t.start()
 
@@ -121,8 +145,14 @@ class Streams:
         assert not any(t.is_alive() for t in self._threads), "a request hung"
 
 
-def wait_all_busy(addrs: list[str], streams: Streams, num_streaming: int, router: procs.Proc,
-                  num_queued: int, timeout_s: float = 60.0):
+def wait_all_busy(
+    addrs: list[str],
+    streams: Streams,
+    num_streaming: int,
+    router: procs.Proc,
+    num_queued: int,
+    timeout_s: float = 60.0,
+):
     """Until `num_streaming` requests stream, every worker runs one (its only slot) and the
     router's queue holds `num_queued` (the router fills only free sequence slots)."""
     deadline = time.monotonic() + timeout_s
@@ -130,8 +160,11 @@ def wait_all_busy(addrs: list[str], streams: Streams, num_streaming: int, router
         loads = [procs.worker_load(a) for a in addrs]
         streaming = sum(e.is_set() for e in streams.first_token)
         queued = procs.scrape(router)[("llm_router_queue_length", ())]
-        if (streaming == num_streaming and queued == num_queued
-                and all(l.num_running == 1 and l.num_waiting == 0 for l in loads)):
+        if (
+            streaming == num_streaming
+            and queued == num_queued
+            and all(l.num_running == 1 and l.num_waiting == 0 for l in loads)
+        ):
             return
         assert time.monotonic() < deadline, (streaming, queued, loads, streams.outcomes)
         time.sleep(0.02)
@@ -140,14 +173,14 @@ def wait_all_busy(addrs: list[str], streams: Streams, num_streaming: int, router
 def test_four_workers_placed_two_per_node_discovered_and_all_serve(sim, workers, stub, router):
     nodes = collections.Counter(ray.get([h.node_id.remote() for h in workers.handles.values()]))
     assert sorted(nodes.values()) == [2, 2], nodes
-    head = ray.get_runtime_context().get_node_id()   # this driver is attached to the head
+    head = ray.get_runtime_context().get_node_id()  # this driver is attached to the head
     assert head not in nodes
-    assert ray.available_resources().get("GPU", 0) == 0    # each worker holds one (fake) GPU
+    assert ray.available_resources().get("GPU", 0) == 0  # each worker holds one (fake) GPU
 
     # 2 requests per worker: the balancer gives each idle worker one; the rest wait in the router.
     addrs = list(addresses(workers).values())
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(addrs, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)   # every worker serves one
+    wait_all_busy(addrs, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)  # every worker serves one
     streams.join(120)
     assert streams.outcomes == [("ok", 200, 200)] * (2 * NUM_WORKERS)
 
@@ -179,15 +212,17 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
             if new_pid != old_pid:
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            pass   # still restarting: ask again until the bound below
+            pass  # still restarting: ask again until the bound below
         assert time.monotonic() - killed_s < 120, "Ray did not restart the worker"
         time.sleep(0.1)
     new_address = ray.get(victim.address.remote())
     restarted_s = time.monotonic()
     assert new_address != before[victim_name]
     procs.wait_for_workers(router.address, NUM_WORKERS, timeout_s=REDISCOVERY_S)
-    print(f"restart took {restarted_s - killed_s:.1f} s; rediscovered "
-          f"{time.monotonic() - restarted_s:.1f} s after it served")
+    print(
+        f"restart took {restarted_s - killed_s:.1f} s; rediscovered "
+        f"{time.monotonic() - restarted_s:.1f} s after it served"
+    )
 
     # and it takes requests again
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
@@ -197,18 +232,19 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
 
 
 def test_two_routers_serve_the_same_workers_and_stopping_one_spares_the_other(sim, router, stub, logs):
-    second = start_router(sim.client_address, logs)   # through Ray Client, as from outside
+    second = start_router(sim.client_address, logs)  # through Ray Client, as from outside
     try:
         with grpc.insecure_channel(second.address) as channel:
             second_stub = generation_pb2_grpc.GenerationStub(channel)
-            with cf.ThreadPoolExecutor(2) as pool:    # both serve at once
-                both = [pool.submit(generate_all, s, request(i, 32))
-                        for i, s in enumerate((stub, second_stub))]
+            with cf.ThreadPoolExecutor(2) as pool:  # both serve at once
+                both = [
+                    pool.submit(generate_all, s, request(i, 32)) for i, s in enumerate((stub, second_stub))
+                ]
                 assert [f.result()[-1].finished.usage.completion_tokens for f in both] == [32, 32]
 
-            on_first = Streams(stub, 1, max_tokens=300)   # in flight on the router that stays
+            on_first = Streams(stub, 1, max_tokens=300)  # in flight on the router that stays
             assert on_first.first_token[0].wait(30)
-            assert second.stop() == 0                     # drains (nothing in flight), exits 0
+            assert second.stop() == 0  # drains (nothing in flight), exits 0
             on_first.join(60)
             assert on_first.outcomes == [("ok", 300, 300)]
             msgs = list(stub.Generate(request(7, 16), timeout=60))

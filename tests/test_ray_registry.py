@@ -1,6 +1,7 @@
 """RayRegistry's discovery rules against a fake `ray` module (milliseconds, no cluster): who is asked
 for an address and when, restarting and dead actors, static addresses, Ray outages; and the router
 loads Ray only when told to discover through it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +38,15 @@ class FakeRay:
     """The slice of the Ray API that discovery uses."""
 
     def __init__(self):
-        self.names: list[tuple[str, str]] = []       # (namespace, name)
+        self.names: list[tuple[str, str]] = []  # (namespace, name)
         self.answers: dict[str, Ref] = {}
         self.calls: list[str] = []
         self.listing_fails = False
         self.exceptions = types.SimpleNamespace(RayError=RayError)
         self.util = types.SimpleNamespace(
             list_named_actors=self._list,
-            client=types.SimpleNamespace(ray=types.SimpleNamespace(is_connected=lambda: False)))
+            client=types.SimpleNamespace(ray=types.SimpleNamespace(is_connected=lambda: False)),
+        )
 
     def _list(self, all_namespaces: bool):
         assert all_namespaces
@@ -77,12 +79,12 @@ def fake() -> FakeRay:
 
 def registry_on(fake: FakeRay, **kwargs) -> RayRegistry:
     registry = RayRegistry("auto", **kwargs)
-    registry._ray = fake          # what start() -> _connect() sets to the real module
+    registry._ray = fake  # what start() -> _connect() sets to the real module
     return registry
 
 
 def discover(registry: RayRegistry, unhealthy: set[str] = frozenset()) -> list[str]:
-    for handle in registry._handles.values():   # the base registry's probe results
+    for handle in registry._handles.values():  # the base registry's probe results
         handle.healthy = handle.address not in unhealthy
     return asyncio.run(registry.discover())
 
@@ -96,12 +98,12 @@ def test_asks_new_and_unhealthy_actors_only(fake):
     fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref("10.0.0.2:7000")}
     registry = registry_on(fake)
     assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7000"]
-    assert sorted(fake.calls) == ["worker-0", "worker-1"]     # other namespaces and names ignored
+    assert sorted(fake.calls) == ["worker-0", "worker-1"]  # other namespaces and names ignored
 
     with_handles(registry, ["10.0.0.1:7000", "10.0.0.2:7000"])
     fake.calls.clear()
     assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7000"]
-    assert fake.calls == []                                     # healthy workers cost no Ray call
+    assert fake.calls == []  # healthy workers cost no Ray call
 
     fake.calls.clear()
     discover(registry, unhealthy={"10.0.0.2:7000"})
@@ -120,7 +122,7 @@ def test_restarting_actor_is_left_out_until_it_answers_at_its_new_port(fake):
     assert discover(registry, unhealthy={"10.0.0.2:7000"}) == ["10.0.0.1:7000"]
     fake.calls.clear()
     assert discover(registry) == ["10.0.0.1:7000"]
-    assert fake.calls == []                        # the pending call is reused, not repeated
+    assert fake.calls == []  # the pending call is reused, not repeated
 
     restarting.value, restarting.ready = "10.0.0.2:7100", True
     assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7100"]
@@ -146,6 +148,8 @@ def test_static_addresses_come_first_and_ray_outage_keeps_known_workers(fake):
 
 
 def test_router_loads_ray_only_for_ray_discovery():
-    code = ("import sys, router.__main__, router.server, router.ray_registry, deploy.ray_launch; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')]; assert not bad, bad")
+    code = (
+        "import sys, router.__main__, router.server, router.ray_registry, deploy.ray_launch; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,4 +1,5 @@
 """Least-outstanding-tokens choice and lease accounting."""
+
 from dataclasses import dataclass
 
 from router.balancer import LeastOutstandingTokens, Lease
@@ -50,10 +51,10 @@ def test_lease_progress_and_release_are_exact():
     w = W("a")
     lease = Lease(w, num_prompt_tokens=10, max_tokens=5)
     assert w.outstanding_tokens == 15
-    lease.progress(1, first=True)          # prefill done + one token
+    lease.progress(1, first=True)  # prefill done + one token
     assert w.outstanding_tokens == 4
-    lease.progress(10, first=False)        # never below zero for this lease
+    lease.progress(10, first=False)  # never below zero for this lease
     assert w.outstanding_tokens == 0
     lease.release()
-    lease.release()                        # idempotent
+    lease.release()  # idempotent
     assert (w.outstanding_tokens, w.num_inflight) == (0, 0)

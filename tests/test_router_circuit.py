@@ -1,4 +1,5 @@
 """Circuit breaker rules (router/circuit.py) on a fake clock."""
+
 import pytest
 
 from router.circuit import CircuitBreaker
@@ -37,15 +38,15 @@ def test_failure_when_half_open_reopens_with_doubled_cooldown_up_to_the_cap():
     b = CircuitBreaker(failure_threshold=1, base_cooldown_s=1.0, max_cooldown_s=5.0, clock=clock)
     cooldowns = []
     for _ in range(5):
-        assert b.record_failure("x")      # opens (first) or re-opens from half-open
+        assert b.record_failure("x")  # opens (first) or re-opens from half-open
         cooldowns.append(b.cooldown_s)
-        clock.t += b.cooldown_s           # cool-down over: half-open
+        clock.t += b.cooldown_s  # cool-down over: half-open
         assert b.state == "half_open"
     assert cooldowns == [1.0, 2.0, 4.0, 5.0, 5.0]
     b.record_success()
     assert b.state == "closed" and b.trips == 0
     b.record_failure("x")
-    assert b.cooldown_s == 1.0            # back to the base after a success
+    assert b.cooldown_s == 1.0  # back to the base after a success
 
 
 def test_failures_while_open_do_not_extend_it():
@@ -58,8 +59,9 @@ def test_failures_while_open_do_not_extend_it():
     assert b.state == "half_open"
 
 
-@pytest.mark.parametrize("kwargs", [dict(failure_threshold=0), dict(base_cooldown_s=0),
-                                    dict(base_cooldown_s=5, max_cooldown_s=1)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(failure_threshold=0), dict(base_cooldown_s=0), dict(base_cooldown_s=5, max_cooldown_s=1)]
+)
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         CircuitBreaker(**kwargs)

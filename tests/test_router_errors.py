@@ -1,4 +1,5 @@
 """ErrorInterceptor: domain errors -> their status codes (never UNKNOWN), retry-after-ms metadata."""
+
 import asyncio
 
 import grpc
@@ -6,11 +7,21 @@ import pytest
 
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.errors import (AuthError, DeadlineExceeded, ErrorInterceptor, Overloaded, Unavailable,
-                           ValidationError)
+from router.errors import (
+    AuthError,
+    DeadlineExceeded,
+    ErrorInterceptor,
+    Overloaded,
+    Unavailable,
+    ValidationError,
+)
 
 RAISES = {
-    "invalid": (ValidationError("sampling.top_p", "bad"), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p: bad"),
+    "invalid": (
+        ValidationError("sampling.top_p", "bad"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sampling.top_p: bad",
+    ),
     "auth": (AuthError("invalid API key"), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
     "busy": (Overloaded("queue full", retry_after_ms=250), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"),
     "down": (Unavailable("no healthy worker"), grpc.StatusCode.UNAVAILABLE, "no healthy worker"),
@@ -43,7 +54,12 @@ async def _run() -> dict:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for msg in call:
                         texts.append(msg.chunk.text)
-                results[name] = (texts, info.value.code(), info.value.details(), info.value.trailing_metadata())
+                results[name] = (
+                    texts,
+                    info.value.code(),
+                    info.value.details(),
+                    info.value.trailing_metadata(),
+                )
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ListModels(pb.ListModelsRequest())
             results["unary"] = (None, info.value.code(), info.value.details(), info.value.trailing_metadata())

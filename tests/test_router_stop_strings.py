@@ -1,4 +1,5 @@
 """StopStringMatcher: held-back text, earliest match, flush, no stops."""
+
 import pytest
 
 from router.stop_strings import StopStringMatcher

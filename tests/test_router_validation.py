@@ -1,4 +1,5 @@
 """Validation table (pure): each invalid request names its field; defaults are applied."""
+
 import math
 
 import pytest
@@ -10,8 +11,15 @@ from router.validation import ModelSpec, fit_to_context, validate
 
 MODEL = ModelSpec("m", max_model_len=100, vocab_size=1000)
 MODELS = {"m": MODEL}
-LIMITS = Limits(default_max_tokens=16, max_tokens_limit=64, max_stop_strings=2, max_stop_string_len=8,
-                max_stop_token_ids=2, max_chat_messages=3, max_prompt_chars=50)
+LIMITS = Limits(
+    default_max_tokens=16,
+    max_tokens_limit=64,
+    max_stop_strings=2,
+    max_stop_string_len=8,
+    max_stop_token_ids=2,
+    max_chat_messages=3,
+    max_prompt_chars=50,
+)
 
 
 def req(**kw) -> pb.GenerateRequest:
@@ -24,10 +32,16 @@ INVALID = [
     ("empty prompt", req(prompt=""), "prompt"),
     ("huge prompt", req(prompt="x" * 51), "prompt"),
     ("empty chat", pb.GenerateRequest(chat=pb.Chat()), "chat.messages"),
-    ("bad role", pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="x")])),
-     "chat.messages[0].role"),
-    ("too many messages", pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")] * 4)),
-     "chat.messages"),
+    (
+        "bad role",
+        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="x")])),
+        "chat.messages[0].role",
+    ),
+    (
+        "too many messages",
+        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")] * 4)),
+        "chat.messages",
+    ),
     ("empty token ids", pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids"),
     ("token id out of vocab", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 1000])), "token_ids.ids"),
     ("unknown model", req(model="gpt-9"), "model"),
@@ -42,8 +56,16 @@ INVALID = [
     ("too many stops", req(stopping=pb.StoppingCriteria(stop=["a", "b", "c"])), "stopping.stop"),
     ("empty stop", req(stopping=pb.StoppingCriteria(stop=[""])), "stopping.stop[0]"),
     ("long stop", req(stopping=pb.StoppingCriteria(stop=["ok", "x" * 9])), "stopping.stop[1]"),
-    ("stop id out of vocab", req(stopping=pb.StoppingCriteria(stop_token_ids=[5000])), "stopping.stop_token_ids"),
-    ("too many stop ids", req(stopping=pb.StoppingCriteria(stop_token_ids=[1, 2, 3])), "stopping.stop_token_ids"),
+    (
+        "stop id out of vocab",
+        req(stopping=pb.StoppingCriteria(stop_token_ids=[5000])),
+        "stopping.stop_token_ids",
+    ),
+    (
+        "too many stop ids",
+        req(stopping=pb.StoppingCriteria(stop_token_ids=[1, 2, 3])),
+        "stopping.stop_token_ids",
+    ),
     ("request id with space", req(request_id="a b"), "request_id"),
     ("request id too long", req(request_id="x" * 129), "request_id"),
 ]
@@ -59,17 +81,38 @@ def test_invalid_requests_name_their_field(case, message, field):
 
 def test_defaults_applied():
     v = validate(req(), LIMITS, MODELS)
-    assert (v.temperature, v.top_p, v.top_k, v.seed, v.logprobs, v.max_tokens) == (1.0, 1.0, 0, None, False, None)
+    assert (v.temperature, v.top_p, v.top_k, v.seed, v.logprobs, v.max_tokens) == (
+        1.0,
+        1.0,
+        0,
+        None,
+        False,
+        None,
+    )
     assert v.model is MODEL and len(v.request_id) == 32
 
 
 def test_explicit_values_kept():
-    v = validate(req(request_id="r-1", model="m", priority=3,
-                     sampling=pb.SamplingParams(temperature=0.0, top_p=0.5, top_k=7, seed=42, logprobs=1),
-                     stopping=pb.StoppingCriteria(max_tokens=9, stop=["\n"], stop_token_ids=[2], ignore_eos=True)),
-                 LIMITS, MODELS)
-    assert (v.request_id, v.priority, v.temperature, v.top_p, v.top_k, v.seed, v.logprobs) == \
-        ("r-1", 3, 0.0, 0.5, 7, 42, True)
+    v = validate(
+        req(
+            request_id="r-1",
+            model="m",
+            priority=3,
+            sampling=pb.SamplingParams(temperature=0.0, top_p=0.5, top_k=7, seed=42, logprobs=1),
+            stopping=pb.StoppingCriteria(max_tokens=9, stop=["\n"], stop_token_ids=[2], ignore_eos=True),
+        ),
+        LIMITS,
+        MODELS,
+    )
+    assert (v.request_id, v.priority, v.temperature, v.top_p, v.top_k, v.seed, v.logprobs) == (
+        "r-1",
+        3,
+        0.0,
+        0.5,
+        7,
+        42,
+        True,
+    )
     assert (v.max_tokens, v.stop, v.stop_token_ids, v.ignore_eos) == (9, ("\n",), (2,), True)
 
 
@@ -82,15 +125,16 @@ def test_model_required_when_several_served():
 
 def test_fit_to_context():
     v = validate(req(), LIMITS, MODELS)
-    assert fit_to_context(v, 10, LIMITS) == 16            # server default
-    assert fit_to_context(v, 90, LIMITS) == 10            # default shrinks to the room left
+    assert fit_to_context(v, 10, LIMITS) == 16  # server default
+    assert fit_to_context(v, 90, LIMITS) == 10  # default shrinks to the room left
     with pytest.raises(ValidationError, match="^prompt: 100 tokens do not fit"):
         fit_to_context(v, 100, LIMITS)
     explicit = validate(req(stopping=pb.StoppingCriteria(max_tokens=20)), LIMITS, MODELS)
     assert fit_to_context(explicit, 80, LIMITS) == 20
     with pytest.raises(ValidationError, match="^stopping.max_tokens: prompt \\(81 tokens\\)"):
         fit_to_context(explicit, 81, LIMITS)
-    chat = validate(pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")])),
-                    LIMITS, MODELS)
+    chat = validate(
+        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")])), LIMITS, MODELS
+    )
     with pytest.raises(ValidationError, match="^chat.messages: "):
         fit_to_context(chat, 0, LIMITS)

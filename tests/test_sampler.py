@@ -1,5 +1,6 @@
 """Sampling (acceptance 6): seeded reproducibility, and temperature / top-k / top-p shape the
 distribution as they should (statistical checks on a known distribution, not snapshots)."""
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def test_top_k_and_top_p_truncate():
     freq = draw(SamplingParams(top_k=2))
     assert freq[2:].sum() == 0
     assert abs(freq[0] - 0.4 / 0.65) < 0.03
-    freq = draw(SamplingParams(top_p=0.7))          # 0.4 + 0.25 < 0.7 <= 0.4 + 0.25 + 0.15
+    freq = draw(SamplingParams(top_p=0.7))  # 0.4 + 0.25 < 0.7 <= 0.4 + 0.25 + 0.15
     assert freq[3:].sum() == 0 and freq[2] > 0
     assert abs(freq[0] - 0.4 / 0.8) < 0.03
 
@@ -59,9 +60,14 @@ def test_greedy_and_logprobs():
 def test_same_seed_same_tokens_different_seed_differs():
     logits = torch.randn(1, 1000)
     p = SamplingParams(temperature=1.0)
-    runs = [[sample(logits, [p], [g])[0][0] for _ in range(20)]
-            for g in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7),
-                      torch.Generator().manual_seed(8))]
+    runs = [
+        [sample(logits, [p], [g])[0][0] for _ in range(20)]
+        for g in (
+            torch.Generator().manual_seed(7),
+            torch.Generator().manual_seed(7),
+            torch.Generator().manual_seed(8),
+        )
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
@@ -77,8 +83,17 @@ def test_engine_seed_reproducible_regardless_of_batch(make_engine, tokenizer):
     assert other_seed != alone
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                 dict(top_k=-1), dict(max_tokens=0), dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(max_tokens=0),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

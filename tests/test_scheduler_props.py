@@ -3,6 +3,7 @@
 Acceptance 3: random add / step / abort sequences (with preemption forced by tiny pools) keep
 `check_integrity()` true after every operation, and every block is free once all requests end.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,26 +23,33 @@ def fake_step(sched: Scheduler, rng: random.Random) -> list[Sequence]:
     plan = sched.schedule()
     assert plan.num_batched_tokens <= sched.max_num_batched_tokens
     assert len({id(s.seq) for s in plan.scheduled}) == len(plan.scheduled)
-    for s in plan.scheduled:       # every token to compute has a slot in the block table
+    for s in plan.scheduled:  # every token to compute has a slot in the block table
         assert len(s.seq.block_table) * sched.bm.block_size >= s.seq.num_computed_tokens + s.num_new_tokens
     sampled = {s.seq.request_id: (rng.randrange(0, 5), None) for s in plan.scheduled if s.samples}
     return sched.update(plan, sampled)
 
 
 request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.sampled_from("ab"))
-op = st.one_of(st.tuples(st.just("add"), request), st.tuples(st.just("step"), st.integers(1, 3)),
-               st.tuples(st.just("abort"), st.integers(0, 50)))
+op = st.one_of(
+    st.tuples(st.just("add"), request),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(op, min_size=1, max_size=60), num_blocks=st.integers(4, 24),
-       block_size=st.sampled_from([2, 4, 16]), max_num_seqs=st.integers(1, 6),
-       budget=st.integers(1, 48), seed=st.integers(0, 2**16))
+@given(
+    ops=st.lists(op, min_size=1, max_size=60),
+    num_blocks=st.integers(4, 24),
+    block_size=st.sampled_from([2, 4, 16]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+    seed=st.integers(0, 2**16),
+)
 def test_random_operations_keep_integrity(ops, num_blocks, block_size, max_num_seqs, budget, seed):
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len=num_blocks * block_size,
-                      eos_token_ids=(EOS,))
+    sched = Scheduler(bm, max_num_seqs, budget, max_model_len=num_blocks * block_size, eos_token_ids=(EOS,))
     ids: list[str] = []
     for kind, arg in ops:
         if kind == "add":
@@ -60,7 +68,7 @@ def test_random_operations_keep_integrity(ops, num_blocks, block_size, max_num_s
             seq = sched.abort(ids[arg % len(ids)])
             assert seq is None or seq.finish_reason is FinishReason.ABORT
         sched.check_integrity()
-    for _ in range(10_000):         # run everything to completion: it must terminate
+    for _ in range(10_000):  # run everything to completion: it must terminate
         if not sched.has_unfinished():
             break
         fake_step(sched, rng)
@@ -79,8 +87,8 @@ def test_preemption_picks_lowest_priority_then_newest():
     for seq in (old_low, new_low, high):
         sched.add(seq)
     rng = random.Random(0)
-    fake_step(sched, rng)          # 3 one-block prompts; 1 block left
-    plan = sched.schedule()        # each needs a second block: one must go
+    fake_step(sched, rng)  # 3 one-block prompts; 1 block left
+    plan = sched.schedule()  # each needs a second block: one must go
     assert [s.request_id for s in plan.preempted] == ["new-low"]
     assert sched.num_preemptions == 1
     sched.check_integrity()
@@ -93,7 +101,7 @@ def test_high_priority_waiting_request_preempts_lower_running():
     sched.add(low)
     plan = sched.schedule()
     assert [s.seq.request_id for s in plan.scheduled] == ["low"]
-    sched.update(plan, {"low": (5, None)})            # low now holds both blocks
+    sched.update(plan, {"low": (5, None)})  # low now holds both blocks
     urgent = Sequence("urgent", [2] * 6, SamplingParams(max_tokens=1), priority=9)
     sched.add(urgent)
     plan = sched.schedule()
@@ -105,7 +113,7 @@ def test_high_priority_waiting_request_preempts_lower_running():
 def test_prefix_blocks_are_shared_and_salted():
     bm = BlockManager(num_blocks=16, block_size=4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    prompt = list(range(1, 14))                       # 13 tokens: 3 full blocks
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     rng = random.Random(0)
     sched.add(Sequence("a", prompt, SamplingParams(max_tokens=2), salt="t1"))
     fake_step(sched, rng)
@@ -113,8 +121,8 @@ def test_prefix_blocks_are_shared_and_salted():
     sched.add(Sequence("c", prompt, SamplingParams(max_tokens=2), salt="t2"))
     plan = sched.schedule()
     new = {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
-    assert new["b"] == 1                              # 12 of 13 tokens from the cache
-    assert new["c"] == 13                             # another tenant: nothing shared
+    assert new["b"] == 1  # 12 of 13 tokens from the cache
+    assert new["c"] == 13  # another tenant: nothing shared
     a, b = sched.requests["a"], sched.requests["b"]
     assert a.block_table[:3] == b.block_table[:3]
     assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:3])

@@ -3,6 +3,7 @@ the standard OTEL_* environment and the LLM_* variables: with OTEL_EXPORTER_OTLP
 at an OTLP/gRPC sink in this process, one request yields a trace with spans from both the router
 and the worker actor; LLM_MAX_MODEL_LEN reaches the worker's engine. (Before, such a stack
 exported no spans: only python -m router/worker read the variable.)"""
+
 from __future__ import annotations
 
 import re
@@ -30,33 +31,55 @@ def wait_router(proc: procs.Proc, timeout_s: float) -> str:
         if found:
             return found.group(1)
         assert proc.popen.poll() is None, proc.log_tail()
-        time.sleep(0.1)   # polling a log file; no event to wait on across processes
+        time.sleep(0.1)  # polling a log file; no event to wait on across processes
     raise TimeoutError(f"no router within {timeout_s} s:\n{proc.log_tail()}")
 
 
 def test_make_serve_exports_spans_from_router_and_workers(tmp_path, monkeypatch):
     sink = OtlpSink()
     try:
-        with monkeypatch.context() as m:   # the stack inherits these; this process does not keep them
+        with monkeypatch.context() as m:  # the stack inherits these; this process does not keep them
             m.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
-            m.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")    # export within 50 ms, not the default 5 s
+            m.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not the default 5 s
             m.setenv("LLM_MAX_MODEL_LEN", str(MAX_MODEL_LEN))
-            m.setenv("LLM_ENFORCE_EAGER", "true")        # no compiled-decode warm-up: a quick start
+            m.setenv("LLM_ENFORCE_EAGER", "true")  # no compiled-decode warm-up: a quick start
             m.delenv("LLM_OTLP_ENDPOINT", raising=False)
-            proc = procs.Proc("serve", ["-m", "deploy.local", "--port", "0", "--num-workers", "1",
-                                        "--kv-cache-mb", "16", "--max-num-seqs", "4",
-                                        "--worker-drain-announce-s", "0.2"], tmp_path)
+            proc = procs.Proc(
+                "serve",
+                [
+                    "-m",
+                    "deploy.local",
+                    "--port",
+                    "0",
+                    "--num-workers",
+                    "1",
+                    "--kv-cache-mb",
+                    "16",
+                    "--max-num-seqs",
+                    "4",
+                    "--worker-drain-announce-s",
+                    "0.2",
+                ],
+                tmp_path,
+            )
         try:
             address = wait_router(proc, procs.START_TIMEOUT_S)
             procs.wait_for_workers(address, 1, timeout_s=60)
             with grpc.insecure_channel(address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 [model] = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
-                assert model.max_model_len == MAX_MODEL_LEN        # LLM_MAX_MODEL_LEN reached the engine
-                msgs = list(stub.Generate(pb.GenerateRequest(
-                    request_id="serve-traced", token_ids=pb.TokenIds(ids=[1, 2, 3, 4, 5]),
-                    sampling=pb.SamplingParams(temperature=0.0),
-                    stopping=pb.StoppingCriteria(max_tokens=3, ignore_eos=True)), timeout=120))
+                assert model.max_model_len == MAX_MODEL_LEN  # LLM_MAX_MODEL_LEN reached the engine
+                msgs = list(
+                    stub.Generate(
+                        pb.GenerateRequest(
+                            request_id="serve-traced",
+                            token_ids=pb.TokenIds(ids=[1, 2, 3, 4, 5]),
+                            sampling=pb.SamplingParams(temperature=0.0),
+                            stopping=pb.StoppingCriteria(max_tokens=3, ignore_eos=True),
+                        ),
+                        timeout=120,
+                    )
+                )
             assert msgs[-1].HasField("finished")
 
             def one_trace_from_both(spans) -> bool:
@@ -68,9 +91,9 @@ def test_make_serve_exports_spans_from_router_and_workers(tmp_path, monkeypatch)
             spans = sink.wait_for(one_trace_from_both, timeout_s=60)
             worker_spans = [s for s in spans if s.service == "llm-worker"]
             # the router's worker call carries "<request id>/<attempt suffix>"
-            assert any(str(s.attributes.get("llm.request_id", "")).startswith("serve-traced/")
-                       for s in worker_spans), \
-                [(s.name, s.attributes) for s in worker_spans]
+            assert any(
+                str(s.attributes.get("llm.request_id", "")).startswith("serve-traced/") for s in worker_spans
+            ), [(s.name, s.attributes) for s in worker_spans]
 
             proc.signal(signal.SIGTERM)
             assert proc.popen.wait(90) == 0, proc.log_tail()

@@ -7,6 +7,7 @@ measured capacity, 1,000 cancelled streams over two workers) also check the issu
 memory targets; they are marked slow (`--runslow`); `make soak` runs them as a benchmark that
 writes docs/reliability/*.json.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,7 @@ def check_overload(result: dict) -> None:
 def check_storm(result: dict) -> None:
     print(f"\ncancellation storm: {result}")
     assert result["hung"] == 0
-    assert result["idle"], result["not_idle"]      # every KV block free, every router gauge 0
+    assert result["idle"], result["not_idle"]  # every KV block free, every router gauge 0
     assert result["served_afterwards"] == "OK"
     assert result["peak_router"]["queue_length"] > 0 and result["peak_router"]["worker_streams"] > 0
     phases = result["phases"]
@@ -53,8 +54,11 @@ def check_storm(result: dict) -> None:
 
 
 def test_overload_short(overload_stack):
-    result = asyncio.run(run_overload(overload_stack, OverloadArgs(
-        duration_s=12, capacity_s=6, clients=2, unloaded_requests=8, seed=1)))
+    result = asyncio.run(
+        run_overload(
+            overload_stack, OverloadArgs(duration_s=12, capacity_s=6, clients=2, unloaded_requests=8, seed=1)
+        )
+    )
     check_overload(result)
     # Shedding is immediate, not a wait in a queue: generous bound for a shared 2-core machine.
     assert result["refusal_latency"]["p99_ms"] < 1000, result["refusal_latency"]

@@ -16,6 +16,7 @@ JSON and exporting spans over OTLP to a receiver in this process.
    worker's log, in any exported OTLP span (the raw export bytes are searched), or on either
    /metrics page; an UNAUTHENTICATED message does not echo the presented key.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +38,19 @@ from router.errors import AuthError
 from router.tenants import Tenant, Tenants, hash_key
 from tests import procs
 
-KEYS = {"alice": "sk-alice-3f9c2e71d4b8a605", "bob": "sk-bob-8e1a47c0b29d5f36",
-        "limited": "sk-limited-c5d2f08e93a1b74"}
+KEYS = {
+    "alice": "sk-alice-3f9c2e71d4b8a605",
+    "bob": "sk-bob-8e1a47c0b29d5f36",
+    "limited": "sk-limited-c5d2f08e93a1b74",
+}
 WRONG_KEY = "sk-wrong-71be0d6a2c94f853"
 TENANTS = "tenants:\n" + "".join(
     f"  - name: {name}\n    key_sha256: {hash_key(key)}\n"
-    + ("    max_concurrency: 2\n" if name == "limited" else "") for name, key in KEYS.items())
-PROMPT_LEN = 480                # 30 KV blocks of 16 tokens
-NUM_PROMPTS = 3                 # distinct prompts: medians beat this shared machine's noise
+    + ("    max_concurrency: 2\n" if name == "limited" else "")
+    for name, key in KEYS.items()
+)
+PROMPT_LEN = 480  # 30 KV blocks of 16 tokens
+NUM_PROMPTS = 3  # distinct prompts: medians beat this shared machine's noise
 
 
 def auth(tenant: str) -> tuple[tuple[str, str], ...]:
@@ -75,9 +81,18 @@ def sink():
 @pytest.fixture(scope="module")
 def worker(logs, sink):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")   # export within 50 ms
-        proc = procs.start_worker(logs, "--num-threads", "1", "--otlp-endpoint", sink.endpoint,
-                                  "--log-format", "json", "--metrics-port", "0")
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms
+        proc = procs.start_worker(
+            logs,
+            "--num-threads",
+            "1",
+            "--otlp-endpoint",
+            sink.endpoint,
+            "--log-format",
+            "json",
+            "--metrics-port",
+            "0",
+        )
     try:
         procs.ready(proc)
         yield proc
@@ -88,11 +103,22 @@ def worker(logs, sink):
 @pytest.fixture(scope="module")
 def router(worker, logs, sink):
     with contextlib.ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as mp:      # the router process inherits the setting
+        with pytest.MonkeyPatch.context() as mp:  # the router process inherits the setting
             mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-            proc = stack.enter_context(procs.running_router(
-                logs, [worker.address], "--otlp-endpoint", sink.endpoint, "--log-format", "json",
-                "--metrics-port", "0", tenants=TENANTS, metadata=auth("alice")))
+            proc = stack.enter_context(
+                procs.running_router(
+                    logs,
+                    [worker.address],
+                    "--otlp-endpoint",
+                    sink.endpoint,
+                    "--log-format",
+                    "json",
+                    "--metrics-port",
+                    "0",
+                    tenants=TENANTS,
+                    metadata=auth("alice"),
+                )
+            )
         yield proc
 
 
@@ -113,9 +139,12 @@ def worker_metrics(worker):
 
 
 def request(prompt_ids: list[int], max_tokens: int = 1, request_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt_ids),
-                              sampling=pb.SamplingParams(temperature=0.0),
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def generate(stub, req: pb.GenerateRequest, metadata) -> pb.Finished:
@@ -148,8 +177,9 @@ def prompt(n: int) -> list[int]:
 
 
 def test_duplicate_authorization_is_refused_whatever_the_order():
-    tenants = Tenants([Tenant("alice", hash_key(KEYS["alice"])), Tenant("bob", hash_key(KEYS["bob"]))],
-                      require_key=True)
+    tenants = Tenants(
+        [Tenant("alice", hash_key(KEYS["alice"])), Tenant("bob", hash_key(KEYS["bob"]))], require_key=True
+    )
     peer = "ipv4:127.0.0.1:5000"
     spoofed = auth("alice") + (("x-tenant", "bob"), ("tenant", "bob"))
     assert tenants.authenticate(spoofed, peer).name == "alice"
@@ -166,24 +196,27 @@ def test_no_cache_hit_across_tenants(stub):
     rows = []
     for n in range(NUM_PROMPTS):
         ids = prompt(n)
-        a_cold, a_warm, b_cross, b_warm = (generate(stub, request(ids), auth(tenant))
-                                           for tenant in ("alice", "alice", "bob", "bob"))
+        a_cold, a_warm, b_cross, b_warm = (
+            generate(stub, request(ids), auth(tenant)) for tenant in ("alice", "alice", "bob", "bob")
+        )
         rows.append((a_cold, a_warm, b_cross, b_warm))
         assert a_cold.usage.cached_prompt_tokens == 0
         assert a_warm.usage.cached_prompt_tokens >= PROMPT_LEN - 16
-        assert b_cross.usage.cached_prompt_tokens == 0          # A's blocks are not B's
+        assert b_cross.usage.cached_prompt_tokens == 0  # A's blocks are not B's
         assert b_warm.usage.cached_prompt_tokens >= PROMPT_LEN - 16
 
     def median(i):
         return statistics.median(r[i].timing.ttft_ms for r in rows)
 
     cold, warm, cross, b_warm = median(0), median(1), median(2), median(3)
-    print(f"\nTTFT medians over {NUM_PROMPTS} prompts of {PROMPT_LEN} tokens: A cold {cold:.1f} ms, "
-          f"A warm {warm:.1f} ms (cached {rows[0][1].usage.cached_prompt_tokens}), B same prompt "
-          f"{cross:.1f} ms (cached 0), B warm {b_warm:.1f} ms; B/A-cold {cross / cold:.2f}, "
-          f"A-warm/A-cold {warm / cold:.2f}")
+    print(
+        f"\nTTFT medians over {NUM_PROMPTS} prompts of {PROMPT_LEN} tokens: A cold {cold:.1f} ms, "
+        f"A warm {warm:.1f} ms (cached {rows[0][1].usage.cached_prompt_tokens}), B same prompt "
+        f"{cross:.1f} ms (cached 0), B warm {b_warm:.1f} ms; B/A-cold {cross / cold:.2f}, "
+        f"A-warm/A-cold {warm / cold:.2f}"
+    )
     assert warm < 0.5 * cold, (cold, warm)
-    assert cross > 0.5 * cold, (cold, cross)   # B paid a full prefill
+    assert cross > 0.5 * cold, (cold, cross)  # B paid a full prefill
     assert cross > 2 * warm, (warm, cross)
 
 
@@ -198,7 +231,7 @@ async def fire_at_once(address: str, tenant: str, num: int) -> list[str]:
             try:
                 req = request(prompt(100 + i)[:32], max_tokens=48)
                 async for _ in stub.Generate(req, metadata=auth(tenant), timeout=120):
-                    pass   # only the final status matters
+                    pass  # only the final status matters
                 return "OK"
             except grpc.aio.AioRpcError as exc:
                 assert tenant in exc.details(), exc.details()
@@ -231,14 +264,17 @@ def test_many_connections_do_not_bypass_max_concurrency(router, worker, router_m
         done.set()
         watcher.join()
     after = scrape_text(router_metrics)
+
     def delta(name, **labels):
         return sample(after, name, **labels) - sample(before, name, **labels)
 
     refused = delta("llm_admission_rejections_total", tenant="limited", reason="concurrency")
     admitted = delta("llm_admitted_requests_total", tenant="limited")
-    print(f"\n{num} requests over {num} channels, max_concurrency 2: OK {outcomes.count('OK')}, "
-          f"RESOURCE_EXHAUSTED {outcomes.count('RESOURCE_EXHAUSTED')}; /metrics admitted {admitted:g}, "
-          f"rejections{{reason=concurrency}} {refused:g}; peak running on the worker {peak['running']}")
+    print(
+        f"\n{num} requests over {num} channels, max_concurrency 2: OK {outcomes.count('OK')}, "
+        f"RESOURCE_EXHAUSTED {outcomes.count('RESOURCE_EXHAUSTED')}; /metrics admitted {admitted:g}, "
+        f"rejections{{reason=concurrency}} {refused:g}; peak running on the worker {peak['running']}"
+    )
     assert sorted(set(outcomes)) == ["OK", "RESOURCE_EXHAUSTED"], outcomes
     assert outcomes.count("OK") == 2 and admitted == 2
     assert outcomes.count("RESOURCE_EXHAUSTED") == refused == num - 2
@@ -248,8 +284,16 @@ def test_many_connections_do_not_bypass_max_concurrency(router, worker, router_m
 def test_one_of_two_routers_enforces_half_of_the_limit(worker, logs):
     # --router-replicas 2: the file's max_concurrency 4 is 2 on this router (docs/fairness.md 6).
     tenants = TENANTS.replace("max_concurrency: 2", "max_concurrency: 4")
-    with procs.running_router(logs, [worker.address], "--router-replicas", "2", "--metrics-port",
-                              "0", tenants=tenants, metadata=auth("alice")) as half_router:
+    with procs.running_router(
+        logs,
+        [worker.address],
+        "--router-replicas",
+        "2",
+        "--metrics-port",
+        "0",
+        tenants=tenants,
+        metadata=auth("alice"),
+    ) as half_router:
         outcomes = asyncio.run(fire_at_once(half_router.address, "limited", 8))
     assert outcomes.count("OK") == 2 and outcomes.count("RESOURCE_EXHAUSTED") == 6, outcomes
 
@@ -260,21 +304,31 @@ def test_metadata_and_fields_cannot_spoof_another_tenant(stub, router, router_me
     assert generate(stub, request(ids), auth("bob")).usage.cached_prompt_tokens >= PROMPT_LEN - 16  # B's own
 
     before = scrape_text(router_metrics)
-    spoof = auth("alice") + (("x-tenant", "bob"), ("tenant", "bob"), ("x-api-tenant", "bob"),
-                             ("baggage", "tenant=bob"), ("x-forwarded-user", "bob"))
+    spoof = auth("alice") + (
+        ("x-tenant", "bob"),
+        ("tenant", "bob"),
+        ("x-api-tenant", "bob"),
+        ("baggage", "tenant=bob"),
+        ("x-forwarded-user", "bob"),
+    )
     finished = generate(stub, request(ids, request_id="bob"), spoof)
     after = scrape_text(router_metrics)
-    assert finished.usage.cached_prompt_tokens == 0                 # none of B's blocks
-    assert sample(after, "llm_admitted_requests_total", tenant="alice") - sample(
-        before, "llm_admitted_requests_total", tenant="alice") == 1
+    assert finished.usage.cached_prompt_tokens == 0  # none of B's blocks
+    assert (
+        sample(after, "llm_admitted_requests_total", tenant="alice")
+        - sample(before, "llm_admitted_requests_total", tenant="alice")
+        == 1
+    )
     assert sample(after, "llm_admitted_requests_total", tenant="bob") == sample(
-        before, "llm_admitted_requests_total", tenant="bob")
+        before, "llm_admitted_requests_total", tenant="bob"
+    )
 
     def logged():  # the router writes the line just after the last message
         text = router.log_path.read_text()
         entries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-        return next((e for e in entries if e["msg"] == "request finished" and e.get("request_id") == "bob"),
-                    None)
+        return next(
+            (e for e in entries if e["msg"] == "request finished" and e.get("request_id") == "bob"), None
+        )
 
     deadline = time.monotonic() + 10
     while (entry := logged()) is None and time.monotonic() < deadline:
@@ -288,15 +342,23 @@ def test_metadata_and_fields_cannot_spoof_another_tenant(stub, router, router_me
             err = refusal(stub, request(ids[:16]), metadata)
             statuses.append(err.code())
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
-    print(f"\nspoofed metadata + request_id='bob' with alice's key: admitted as alice, cached_prompt_tokens "
-          f"{finished.usage.cached_prompt_tokens} on bob's cached prompt; two authorization entries: "
-          f"{sorted({s.name for s in statuses})} x{len(statuses)}")
+    print(
+        f"\nspoofed metadata + request_id='bob' with alice's key: admitted as alice, cached_prompt_tokens "
+        f"{finished.usage.cached_prompt_tokens} on bob's cached prompt; two authorization entries: "
+        f"{sorted({s.name for s in statuses})} x{len(statuses)}"
+    )
 
 
-def test_keys_never_appear_in_logs_spans_or_metrics(stub, router, worker, sink, router_metrics,
-                                                    worker_metrics):
-    presented = [f"Bearer {WRONG_KEY}", WRONG_KEY, f"Basic {WRONG_KEY}",
-                 f"Bearer {WRONG_KEY} {KEYS['alice']}", f"Bearer {KEYS['alice']}x"]
+def test_keys_never_appear_in_logs_spans_or_metrics(
+    stub, router, worker, sink, router_metrics, worker_metrics
+):
+    presented = [
+        f"Bearer {WRONG_KEY}",
+        WRONG_KEY,
+        f"Basic {WRONG_KEY}",
+        f"Bearer {WRONG_KEY} {KEYS['alice']}",
+        f"Bearer {KEYS['alice']}x",
+    ]
     for header in presented:
         err = refusal(stub, request([1, 2, 3]), (("authorization", header),))
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -309,19 +371,32 @@ def test_keys_never_appear_in_logs_spans_or_metrics(stub, router, worker, sink, 
         return last == {"llm-router", "llm-worker"}
 
     spans = sink.wait_for(exported, timeout_s=30)
-    unauthenticated = [s for s in spans if s.service == "llm-router" and "llm.request_id" not in s.attributes
-                       and s.name == "llm.v1.Generation/Generate"]
+    unauthenticated = [
+        s
+        for s in spans
+        if s.service == "llm-router"
+        and "llm.request_id" not in s.attributes
+        and s.name == "llm.v1.Generation/Generate"
+    ]
     assert len(unauthenticated) >= len(presented)  # the refused calls were exported too
-    places = {"router log": router.log_path.read_bytes(), "worker log": worker.log_path.read_bytes(),
-              "OTLP export": b"".join(sink.raw), "router /metrics": scrape_text(router_metrics).encode(),
-              "worker /metrics": scrape_text(worker_metrics).encode()}
+    places = {
+        "router log": router.log_path.read_bytes(),
+        "worker log": worker.log_path.read_bytes(),
+        "OTLP export": b"".join(sink.raw),
+        "router /metrics": scrape_text(router_metrics).encode(),
+        "worker /metrics": scrape_text(worker_metrics).encode(),
+    }
     for name in KEYS:  # the search does find what is meant to be there: tenant names
         assert name.encode() in places["router log"] and name.encode() in places["OTLP export"], name
     secrets = {**KEYS, "wrong": WRONG_KEY}
     needles = {f"{name} key": key.encode() for name, key in secrets.items()}
     needles |= {f"{name} key sha256": hash_key(key).encode() for name, key in secrets.items()}
-    found = [(needle, place) for needle, value in needles.items()
-             for place, data in places.items() if value in data]
+    found = [
+        (needle, place)
+        for needle, value in needles.items()
+        for place, data in places.items()
+        if value in data
+    ]
     sizes = ", ".join(f"{place} {len(data)} B" for place, data in places.items())
     print(f"\nsearched {len(needles)} secrets (4 keys and their sha256) in {sizes}: {len(found)} found")
     assert not found, found

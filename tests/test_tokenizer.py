@@ -17,7 +17,7 @@ TEXTS = [
     "  leading spaces and trailing spaces   ",
     "tabs\tand\nnewlines\n\n\nand\r\nCRLF",
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "1234567890 and 3.14159, 1e-5, 42nd, 2024-11-30",
     "Emoji: 😀🤗👍🏽 and family 👨‍👩‍👧",
     "中文分词测试：你好，世界！",
@@ -158,7 +158,7 @@ def test_max_chars_per_token_bounds_the_token_count_from_below(tokenizer: Tokeni
     per_token = tokenizer.max_chars_per_token
     assert per_token is not None and per_token > 1
     vocab = tokenizer._backend.get_vocab(with_added_tokens=True)
-    longest = sorted(vocab, key=len, reverse=True)[:20]          # the worst case: the longest entries
+    longest = sorted(vocab, key=len, reverse=True)[:20]  # the worst case: the longest entries
     texts = [tokenizer.decode([vocab[t]]) * 50 for t in longest]
     texts += ["x" * 5000, " " * 5000, "\n" * 5000, "é" * 3000, "日本語" * 1000, "<|im_start|>" * 300]
     for text in texts:

@@ -5,6 +5,7 @@ that end mid-block, GQA 1/3/8, blocks scattered over a shuffled pool, q a stride
 buffers are checked for NaN (every row must be written) and a plan built once must serve every
 call of a step, as the layers share it.
 """
+
 import subprocess
 import sys
 
@@ -42,8 +43,9 @@ def test_half_precision(dtype):
 
 def test_plan_is_reused_across_calls():
     batch = make_batch(SERVING, 3, 3, 64, torch.float32, seed=2)
-    plan = torch_attention.plan_attention(batch["block_tables"], batch["seq_lens"],
-                                          batch["query_start_loc"], batch["k_cache"].shape[1])
+    plan = torch_attention.plan_attention(
+        batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], batch["k_cache"].shape[1]
+    )
     assert [p.q_len for p in plan] == [new for _, new in SERVING]
     assert [p.mask is not None for p in plan] == [new > 1 and ctx > 0 for ctx, new in SERVING]
     first = torch_attention.paged_attention(**batch, plan=plan)
@@ -75,10 +77,19 @@ def test_backend_forward_writes_then_attends():
     batch = make_batch([(5, 1), (0, 4)], 1, 2, 64, torch.float32, seed=5)
     seq_lens = batch["seq_lens"].tolist()
     block_size = batch["k_cache"].shape[1]
-    slots = [int(batch["block_tables"][i, p // block_size]) * block_size + p % block_size
-             for i, n in enumerate(seq_lens) for p in range(n - (1 if i == 0 else 4), n)]
-    meta = AttentionMetadata(torch.tensor(slots), batch["block_tables"], batch["seq_lens"],
-                             batch["query_start_loc"], max_query_len=4, max_seq_len=max(seq_lens))
+    slots = [
+        int(batch["block_tables"][i, p // block_size]) * block_size + p % block_size
+        for i, n in enumerate(seq_lens)
+        for p in range(n - (1 if i == 0 else 4), n)
+    ]
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        max_query_len=4,
+        max_seq_len=max(seq_lens),
+    )
     k = torch.randn(5, 1, 64)
     v = torch.randn(5, 1, 64)
     out = backend.forward(batch["q"], k, v, batch["k_cache"], batch["v_cache"], meta, batch["scale"])
@@ -105,8 +116,13 @@ def test_rejects_bad_arguments():
 
 def test_benchmark_command_runs():
     """`make bench-attention` at a tiny size: it checks both paths agree before timing them."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_attention", "--batch-sizes", "1", "3",
-                          "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_attention", "--batch-sizes", "1", "3", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:]]
     assert [row[0] for row in rows] == ["1", "3"]

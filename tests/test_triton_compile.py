@@ -6,6 +6,7 @@ ptxas, without register spills, with tensor cores for 16-bit attention and witho
 The compile runs in a subprocess because this pytest process has TRITON_INTERPRET=1 (conftest.py),
 and kernels imported under it are interpreter objects that cannot be compiled.
 """
+
 import json
 import os
 import subprocess
@@ -16,8 +17,13 @@ import pytest
 from worker.kernels import compile_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = {"paged_attention_kernel", "merge_splits_kernel", "store_kv_kernel", "rms_norm_kernel",
-           "rope_kernel"}
+KERNELS = {
+    "paged_attention_kernel",
+    "merge_splits_kernel",
+    "store_kv_kernel",
+    "rms_norm_kernel",
+    "rope_kernel",
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +31,24 @@ def compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_compile")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "worker.kernels.compile_check", "--quick",
-                           "--targets", "sm_80", "sm_90", "--json", str(tmp / "out.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.kernels.compile_check",
+            "--quick",
+            "--targets",
+            "sm_80",
+            "sm_90",
+            "--json",
+            str(tmp / "out.json"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "register spills: 0" in proc.stdout
     with open(tmp / "out.json") as f:
@@ -35,16 +56,22 @@ def compiled(tmp_path_factory):
 
 
 def attention(results, target, case):
-    [r] = [r for r in results if r["target"] == target and r["case"] == case
-           and r["kernel"] == "paged_attention_kernel"]
+    [r] = [
+        r
+        for r in results
+        if r["target"] == target and r["case"] == case and r["kernel"] == "paged_attention_kernel"
+    ]
     return r
 
 
 def test_every_kernel_compiles_for_each_target(compiled):
     for target in ("sm_80", "sm_90"):
         assert {r["kernel"] for r in compiled if r["target"] == target} == KERNELS
-        splits = {r["constexprs"]["SPLIT_KV"] for r in compiled
-                  if r["target"] == target and r["kernel"] == "paged_attention_kernel"}
+        splits = {
+            r["constexprs"]["SPLIT_KV"]
+            for r in compiled
+            if r["target"] == target and r["kernel"] == "paged_attention_kernel"
+        }
         assert splits == {True, False}
     # CPU tensors, compiled (not interpreted): the launcher must pick the GPU variant.
     attention_rows = [r for r in compiled if r["kernel"] == "paged_attention_kernel"]
@@ -79,27 +106,34 @@ def test_fp32_head_dim_128_prefill_takes_the_spill_free_tile(compiled):
 
 
 def test_ptxas_log_parsing():
-    log = ("ptxas info    : Function properties for k\n    8 bytes stack frame, 24 bytes spill "
-           "stores, 16 bytes spill loads\nptxas info    : Used 255 registers")
+    log = (
+        "ptxas info    : Function properties for k\n    8 bytes stack frame, 24 bytes spill "
+        "stores, 16 bytes spill loads\nptxas info    : Used 255 registers"
+    )
     assert compile_check._spill_bytes(log) == 40
     assert compile_check._spill_bytes(log.replace("24", "0").replace("16", "0")) == 0
 
 
 def test_tensor_core_detection():
-    assert compile_check._tensor_core_use("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") \
-        == ("wgmma", False)
-    assert compile_check._tensor_core_use("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") \
-        == ("mma", True)
+    assert compile_check._tensor_core_use("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == (
+        "wgmma",
+        False,
+    )
+    assert compile_check._tensor_core_use("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == (
+        "mma",
+        True,
+    )
     assert compile_check._tensor_core_use("fma.rn.f32 %f1, %f2, %f3, %f4;") == ("none", False)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="this process compiles its kernels (CUDA present): nothing to refuse")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="this process compiles its kernels (CUDA present): nothing to refuse",
+)
 def test_refuses_interpreted_kernels_and_bad_targets():
     # This process imported the kernels under TRITON_INTERPRET=1 (tests/conftest.py).
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        compile_check.capture_launches(compile_check.parse_target("sm_90"), [""], [], set()) \
-            .__enter__()
+        compile_check.capture_launches(compile_check.parse_target("sm_90"), [""], [], set()).__enter__()
     with pytest.raises(SystemExit):
         compile_check.main(["--quick"])
     with pytest.raises(ValueError, match="sm_90"):

@@ -1,4 +1,5 @@
 """`python -m worker` flags reach the engine config; bad values are usage errors, not tracebacks."""
+
 import os
 import subprocess
 import sys
@@ -17,8 +18,20 @@ def clean_env(monkeypatch):
 
 
 def test_engine_flags():
-    config = parse_args(["--attention-backend", "reference", "--enforce-eager", "--no-prefix-caching",
-                         "--gpu-memory-utilization", "0.5", "--kv-cache-mb", "64", "--max-num-seqs", "8"])
+    config = parse_args(
+        [
+            "--attention-backend",
+            "reference",
+            "--enforce-eager",
+            "--no-prefix-caching",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--kv-cache-mb",
+            "64",
+            "--max-num-seqs",
+            "8",
+        ]
+    )
     engine = config.engine
     assert engine.attention_backend == "reference" and engine.enforce_eager
     assert not engine.enable_prefix_caching and engine.gpu_memory_utilization == 0.5
@@ -36,8 +49,13 @@ def test_bad_choice_is_a_usage_error(capsys):
 
 
 def test_bad_value_exits_with_a_message():
-    out = subprocess.run([sys.executable, "-m", "worker", "--gpu-memory-utilization", "1.5"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "worker", "--gpu-memory-utilization", "1.5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "gpu_memory_utilization must be in (0, 1], got 1.5" in out.stderr
     assert "Traceback" not in out.stderr
@@ -60,7 +78,13 @@ def test_defaults_are_engine_configs_and_variables_apply(monkeypatch):
 
 def test_bad_variable_exits_naming_it():
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_")}
-    out = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**env, "LLM_ATTENTION_BACKEND": "cuda"})
+    out = subprocess.run(
+        [sys.executable, "-m", "worker"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "LLM_ATTENTION_BACKEND": "cuda"},
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "LLM_ATTENTION_BACKEND='cuda': must be one of auto, cpu, torch, reference, triton" in out.stderr

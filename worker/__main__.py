@@ -4,6 +4,7 @@ Contract: every flag comes from the field metadata of `WorkerServerConfig` and `
 (common.config_cli), and each can also be set as an `LLM_*` variable (`--help` names it); a bad
 value or a refused config (e.g. a public bind without mutual TLS) is a usage error, exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("worker", config.telemetry.log_format)
-    from worker.server import serve   # torch and the engine load only once the flags are good
+    from worker.server import serve  # torch and the engine load only once the flags are good
 
     return asyncio.run(serve(config))
 

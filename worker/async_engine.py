@@ -15,6 +15,7 @@ Contract:
 - Proven by tests/test_grpc_e2e.py (it drives an AsyncEngine directly) and the other gRPC
   end-to-end tests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,14 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, salt: str = "") -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        salt: str = "",
+    ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"duplicate request_id {request_id!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -114,7 +121,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:                  # a bug or OOM: fail in-flight, keep serving
+            except Exception as exc:  # a bug or OOM: fail in-flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
@@ -147,5 +154,5 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put(RuntimeError(f"engine step failed: {exc}"))
-        self.engine.step()                            # drain the abort outputs
+        self.engine.step()  # drain the abort outputs
         self._stats = self.engine.stats()

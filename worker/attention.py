@@ -18,6 +18,7 @@ when it builds, else "auto" falls back to "torch" with one warning naming why);
 kernels (CUDA, or CPU under TRITON_INTERPRET=1 for tests). Proven by tests/test_kernels.py,
 tests/test_torch_attention.py, tests/test_cpu_attention.py and the engine-vs-HF tests.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,12 +35,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    prepared: object = None      # backend-specific per-step index work, built by the first layer
+    prepared: object = None  # backend-specific per-step index work, built by the first layer
 
 
 class AttentionBackend:
-    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None,
-                 fused=None):
+    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None, fused=None):
         self.name = name
         self.fused = fused
         self._store_kv = store_kv
@@ -47,8 +47,16 @@ class AttentionBackend:
         self._takes_max_lens = takes_max_lens
         self._prepare = prepare
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it. A KV cache
         of another dtype than the activations (--kv-cache-dtype) gets q cast to it, and the output
         cast back."""
@@ -57,17 +65,28 @@ class AttentionBackend:
             return self.forward_q(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
         return self.forward_q(q, k_cache, v_cache, meta, scale)
 
-    def forward_q(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        extra = (dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-                 if self._takes_max_lens else {})
+    def forward_q(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        extra = (
+            dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+            if self._takes_max_lens
+            else {}
+        )
         if self._prepare is not None:
             if meta.prepared is None:
-                meta.prepared = self._prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                              k_cache.shape[1])
+                meta.prepared = self._prepare(
+                    meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1]
+                )
             extra["plan"] = meta.prepared
-        return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, scale, **extra)
+        return self._paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
+        )
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -75,29 +94,39 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" else _auto_cpu_backend()
     if name == "cpu":
         from worker.kernels import cpu_attention, reference
-        cpu_attention.load()                 # RuntimeError naming why, if it cannot build
+
+        cpu_attention.load()  # RuntimeError naming why, if it cannot build
         return AttentionBackend("cpu", reference.store_kv, cpu_attention.paged_attention, False)
     if name == "torch":
         from worker.kernels import reference, torch_attention
-        return AttentionBackend("torch", reference.store_kv, torch_attention.paged_attention, False,
-                                torch_attention.plan_attention)
+
+        return AttentionBackend(
+            "torch",
+            reference.store_kv,
+            torch_attention.paged_attention,
+            False,
+            torch_attention.plan_attention,
+        )
     if name == "reference":
         from worker.kernels import reference
+
         return AttentionBackend("reference", reference.store_kv, reference.paged_attention, False)
     if name == "triton":
         from worker.kernels import triton_attention, triton_norm, triton_store_kv
-        return AttentionBackend("triton", triton_store_kv.store_kv,
-                                triton_attention.paged_attention, True, fused=triton_norm)
+
+        return AttentionBackend(
+            "triton", triton_store_kv.store_kv, triton_attention.paged_attention, True, fused=triton_norm
+        )
     raise ValueError(f"unknown attention backend {name!r} (expected auto, cpu, torch, reference or triton)")
 
 
 def _auto_cpu_backend() -> str:
-    """"cpu" (the C++ op of worker/kernels/cpu_attention.py) when it builds, else "torch"."""
+    """ "cpu" (the C++ op of worker/kernels/cpu_attention.py) when it builds, else "torch"."""
     from worker.kernels import cpu_attention
+
     if cpu_attention.available():
         return "cpu"
-    logging.getLogger(__name__).warning("attention backend auto: using torch, %s",
-                                        cpu_attention.unavailable_reason())
+    logging.getLogger(__name__).warning(
+        "attention backend auto: using torch, %s", cpu_attention.unavailable_reason()
+    )
     return "torch"
-
-

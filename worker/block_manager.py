@@ -14,6 +14,7 @@ Contract:
 - Proven by: `check_integrity()` after every step in tests/test_scheduler_props.py; prefix tests in
   tests/test_engine_prefix.py.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,8 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        self.num_prefix_queries = 0     # prompt tokens looked up
-        self.num_prefix_hits = 0        # of those, found in the cache
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # of those, found in the cache
 
     @property
     def num_blocks(self) -> int:
@@ -72,7 +73,7 @@ class BlockManager:
         bs = self.block_size
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
-            h = hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.salt)
+            h = hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.salt)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -92,10 +93,10 @@ class BlockManager:
         if need > len(self.free_queue):
             return False
         for _ in range(need):
-            block_id, _ = self.free_queue.popitem(last=False)      # least recently freed
+            block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
             block = self.blocks[block_id]
             assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
-            if block.block_hash is not None:                       # evict its cached content
+            if block.block_hash is not None:  # evict its cached content
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = None
@@ -108,7 +109,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.salt)
+            h = hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.salt)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if self.enable_prefix_caching and h not in self.cached and block.block_hash is None:
@@ -136,14 +137,17 @@ class BlockManager:
         refs = [0] * len(self.blocks)
         for seq in live:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id}: repeated block"
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, \
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, (
                 f"{seq.request_id}: {seq.num_computed_tokens} computed tokens in {len(seq.block_table)} blocks"
+            )
             for block_id in seq.block_table:
                 refs[block_id] += 1
         for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], \
+            assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, used by {refs[block.block_id]}"
-            assert (block.ref_count == 0) == (block.block_id in self.free_queue), \
+            )
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
                 f"block {block.block_id}: ref_count {block.ref_count} vs free queue membership"
+            )
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == h, f"hash map points at stale block {block_id}"

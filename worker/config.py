@@ -4,6 +4,7 @@
 `EngineConfig` holds the serving knobs. Measured runtime values (the number of KV blocks that fit
 the byte budget) live on `CacheLayout`, computed by the model runner, not here.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "reference", "triton")
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; anything else is returned as given."""
+    """ "auto" -> "cuda" when torch sees a GPU, else "cpu"; anything else is returned as given."""
     if device != "auto":
         return device
     import torch
@@ -28,7 +29,7 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" -> bfloat16 on every device: on GPU the tensor cores' type, on CPU the activation
+    """ "auto" -> bfloat16 on every device: on GPU the tensor cores' type, on CPU the activation
     type the int4/int8 weight kernels need (with float32 activations they fall back to a path
     10-60x slower) and half the KV bytes. "float32" stays the exact reference path."""
     if dtype != "auto":
@@ -48,6 +49,7 @@ def default_num_threads() -> int:
 @dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (Llama 3.1+); `factor == 1` means none."""
+
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -73,59 +75,105 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Serving knobs. Field metadata (`common.config_cli.option`) makes each a flag of every entry
     point and launcher, and an `LLM_*` variable; defaults and checks live only here."""
-    model: str | None = field(default=None, metadata=option(
-        "GGUF file or HF directory (default: the embedded SmolLM2)", metavar="PATH"))
-    dtype: str = field(default="auto", metadata=option(
-        "weights and activations: auto = bfloat16 on every device; float32 is the exact reference path",
-        choices=("auto",) + DTYPES))
-    device: str = field(default="auto", metadata=option(
-        "auto | cpu | cuda[:N]: auto = cuda when torch sees a GPU, else cpu"))
+
+    model: str | None = field(
+        default=None,
+        metadata=option("GGUF file or HF directory (default: the embedded SmolLM2)", metavar="PATH"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=option(
+            "weights and activations: auto = bfloat16 on every device; float32 is the exact reference path",
+            choices=("auto",) + DTYPES,
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=option("auto | cpu | cuda[:N]: auto = cuda when torch sees a GPU, else cpu")
+    )
     block_size: int = field(default=16, metadata=option("tokens per KV-cache block (a power of two)"))
-    kv_cache_bytes: int | None = field(default=None, metadata=option(
-        "KV-cache budget on CPU (default: --kv-cache-memory-fraction of the available RAM)",
-        flag="kv-cache-mb", unit=MIB))
-    kv_cache_memory_fraction: float = field(default=0.25, metadata=option(
-        "CPU: share of the RAM available after loading the weights that the KV pool takes, when "
-        "--kv-cache-mb is unset"))
-    kv_cache_dtype: str = field(default="auto", metadata=option(
-        "KV-cache element type: auto = --dtype", choices=KV_CACHE_DTYPES))
-    quantization: str = field(default="auto", metadata=option(
-        "auto: quantized GGUF tensors (Q4_0/Q4_1/Q8_0) run quantized with bfloat16, dense weights stay "
-        "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load",
-        choices=QUANTIZATIONS))
-    dense_weights_min_rows: int | None = field(default=None, metadata=option(
-        "CPU, quantized weights: also keep a bfloat16 copy of each and use it for inputs of at least "
-        "this many rows (prefill chunks, big decode batches), where the int4/int8 kernels are slower; "
-        "costs 2 bytes per weight (+257 MiB for SmolLM2, ~3.9x the GGUF in all). Default: off"))
-    gpu_memory_utilization: float = field(default=0.85, metadata=option(
-        "CUDA: fraction of the memory free after loading the weights that the KV pool takes"))
-    num_kv_blocks: int | None = field(default=None, metadata=option(
-        "use only this many blocks of the KV pool (tests, tuning; default: all)"))
+    kv_cache_bytes: int | None = field(
+        default=None,
+        metadata=option(
+            "KV-cache budget on CPU (default: --kv-cache-memory-fraction of the available RAM)",
+            flag="kv-cache-mb",
+            unit=MIB,
+        ),
+    )
+    kv_cache_memory_fraction: float = field(
+        default=0.25,
+        metadata=option(
+            "CPU: share of the RAM available after loading the weights that the KV pool takes, when "
+            "--kv-cache-mb is unset"
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto", metadata=option("KV-cache element type: auto = --dtype", choices=KV_CACHE_DTYPES)
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=option(
+            "auto: quantized GGUF tensors (Q4_0/Q4_1/Q8_0) run quantized with bfloat16, dense weights stay "
+            "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load",
+            choices=QUANTIZATIONS,
+        ),
+    )
+    dense_weights_min_rows: int | None = field(
+        default=None,
+        metadata=option(
+            "CPU, quantized weights: also keep a bfloat16 copy of each and use it for inputs of at least "
+            "this many rows (prefill chunks, big decode batches), where the int4/int8 kernels are slower; "
+            "costs 2 bytes per weight (+257 MiB for SmolLM2, ~3.9x the GGUF in all). Default: off"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.85,
+        metadata=option("CUDA: fraction of the memory free after loading the weights that the KV pool takes"),
+    )
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=option("use only this many blocks of the KV pool (tests, tuning; default: all)"),
+    )
     max_num_seqs: int = field(default=64, metadata=option("sequences scheduled together at most"))
-    max_num_batched_tokens: int = field(default=512, metadata=option(
-        "tokens per engine step (chunked-prefill budget)"))
-    max_model_len: int | None = field(default=None, metadata=option(
-        "longest prompt + output in tokens (default: the model's context)"))
-    enable_prefix_caching: bool = field(default=True, metadata=option(
-        "reuse cached KV blocks of shared prompt prefixes",
-        aliases=("prefix-caching",), negative=("no-prefix-caching", "no-enable-prefix-caching")))
-    attention_backend: str = field(default="auto", metadata=option(
-        "auto: triton on CUDA; on CPU the compiled cpu op when it builds, else torch; reference: the "
-        "slow float32 oracle the others are tested against", choices=ATTENTION_BACKENDS))
+    max_num_batched_tokens: int = field(
+        default=512, metadata=option("tokens per engine step (chunked-prefill budget)")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=option("longest prompt + output in tokens (default: the model's context)")
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=option(
+            "reuse cached KV blocks of shared prompt prefixes",
+            aliases=("prefix-caching",),
+            negative=("no-prefix-caching", "no-enable-prefix-caching"),
+        ),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=option(
+            "auto: triton on CUDA; on CPU the compiled cpu op when it builds, else torch; reference: the "
+            "slow float32 oracle the others are tested against",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
     seed: int = field(default=0, metadata=option("sampling seed of the engine"))
-    num_threads: int | None = field(default=None, metadata=option(
-        "torch intra-op threads (default: the cores this process is given: OMP_NUM_THREADS, else the "
-        "CPU affinity mask)"))
-    enforce_eager: bool = field(default=False, metadata=option(
-        "never replay CUDA graphs (GPU) or compiled decode (CPU)"))
+    num_threads: int | None = field(
+        default=None,
+        metadata=option(
+            "torch intra-op threads (default: the cores this process is given: OMP_NUM_THREADS, else the "
+            "CPU affinity mask)"
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=option("never replay CUDA graphs (GPU) or compiled decode (CPU)")
+    )
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,14 +184,17 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dense_weights_min_rows is not None and self.dense_weights_min_rows < 1:

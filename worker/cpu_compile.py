@@ -24,6 +24,7 @@ Contract:
 - Proven by tests/test_cpu_compile.py: padded compiled forward == eager forward on mixed plans, and
   the engine's greedy tokens with compile == with --enforce-eager.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,35 +40,46 @@ from worker.attention import AttentionBackend, AttentionMetadata
 log = logging.getLogger(__name__)
 
 # Set before inductor first asks for its cache directory (it then pins the variable itself).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                      str(Path.home() / ".cache" / "llm-serve" / "inductor"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "llm-serve" / "inductor"))
 
-_BACKENDS: dict[int, AttentionBackend] = {}     # id -> backend, for the custom op's eager body
+_BACKENDS: dict[int, AttentionBackend] = {}  # id -> backend, for the custom op's eager body
 
 
 @torch.library.custom_op("llm::store_attend", mutates_args=("k_cache", "v_cache"))
-def store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                 backend_id: int) -> torch.Tensor:
+def store_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    backend_id: int,
+) -> torch.Tensor:
     """Store k/v (T, Hkv, D) at `slot_mapping`, then attend q (T, H, D); returns (T, H, D)."""
     backend = _BACKENDS[backend_id]
     if backend._prepare is None and not backend._takes_max_lens and q.dtype == k_cache.dtype:
         # The "cpu" op needs no host-side plan or lengths: skip building them (30x a step).
         backend._store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return backend._paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, scale)
+        return backend._paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
-    meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc,
-                             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-                             max_seq_len=max(lens))
+    meta = AttentionMetadata(
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+        max_seq_len=max(lens),
+    )
     return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
 @store_attend.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-      backend_id):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, backend_id):
     return torch.empty_like(q)
 
 
@@ -80,13 +92,24 @@ class _OpBackend(AttentionBackend):
         _BACKENDS[self.inner_id] = inner
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        return torch.ops.llm.store_attend(q, k, v, k_cache, v_cache, meta.slot_mapping,
-                                          meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                          scale, self.inner_id)
+        return torch.ops.llm.store_attend(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            self.inner_id,
+        )
 
 
-def pad_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               min_size: int = 2) -> tuple[torch.Tensor, ...]:
+def pad_inputs(
+    input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, min_size: int = 2
+) -> tuple[torch.Tensor, ...]:
     """Pad a step's flat inputs so T, S and W are all >= `min_size` (see the module contract)."""
     t, (s, w) = input_ids.shape[0], meta.block_tables.shape
     pad_t, pad_s, pad_w = max(min_size - t, 0), max(min_size - s, 0), max(min_size - w, 0)
@@ -117,8 +140,14 @@ def _layer_step(layer, x, residual, rope_in, k_cache, v_cache, meta, backend):
 class CompiledCpuForward:
     _count = 0
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, block_size: int, warm_sizes: tuple[int, ...] = (2,)):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        block_size: int,
+        warm_sizes: tuple[int, ...] = (2,),
+    ):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         # Token counts warm-up compiles for. One size means one graph for every step, and the
         # per-call guard check is skipped after warm-up; several (a model whose modules branch on
@@ -149,25 +178,25 @@ class CompiledCpuForward:
 
     def _forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
         model = self.model
-        meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc,
-                                 max_query_len=0, max_seq_len=0)
-        x = model.embed_tokens(input_ids)                                       # (T, C)
+        meta = AttentionMetadata(
+            slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=0, max_seq_len=0
+        )
+        x = model.embed_tokens(input_ids)  # (T, C)
         rope_in = model.layers[0].self_attn.rope.tables(positions)
         residual = None
         for layer, (k_cache, v_cache) in zip(model.layers, self.kv_caches):
-            x, residual = self._layer(layer, x, residual, rope_in, k_cache, v_cache, meta,
-                                      self.op_backend)
+            x, residual = self._layer(layer, x, residual, rope_in, k_cache, v_cache, meta, self.op_backend)
         return model.norm(x)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """hidden (T, C) for the step's real tokens; runs compiled unless compilation failed."""
         t = input_ids.shape[0]
         with torch.inference_mode():
             # The graph was traced on inference tensors (the engine's steps run in inference
             # mode); a caller's ordinary tensor would fail a guard, so it is copied once.
-            args = tuple(a if a.is_inference() else a.clone()
-                         for a in pad_inputs(input_ids, positions, meta))
+            args = tuple(a if a.is_inference() else a.clone() for a in pad_inputs(input_ids, positions, meta))
         if not self._warm or len(self.warm_sizes) > 1:
             return self._forward(*args)[:t]
         # After warm-up the one graph covers every layer and step (all sizes symbolic, same
@@ -191,15 +220,23 @@ class CompiledCpuForward:
                         block_tables=torch.zeros(2, width, dtype=torch.int32),
                         seq_lens=torch.tensor([n - 1, 1], dtype=torch.int32),
                         query_start_loc=torch.tensor([0, n - 1, n], dtype=torch.int32),
-                        max_query_len=n - 1, max_seq_len=n - 1)
+                        max_query_len=n - 1,
+                        max_seq_len=n - 1,
+                    )
                     self(ids, ids.clone(), meta)
-        except Exception as exc:     # noqa: BLE001 - any compiler failure means: serve eagerly
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: serve eagerly
             self.failed = True
-            log.warning("compiling the CPU model step failed; serving eagerly: %s: %s",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning(
+                "compiling the CPU model step failed; serving eagerly: %s: %s",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
             return False
         self.compile_s = time.perf_counter() - start
         self._warm = True
-        log.info("CPU model step compiled in %.1fs (cache %s)", self.compile_s,
-                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        log.info(
+            "CPU model step compiled in %.1fs (cache %s)",
+            self.compile_s,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
         return True

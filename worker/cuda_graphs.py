@@ -27,6 +27,7 @@ Contract:
 - Proven by tests/test_cuda_graphs.py: bucket choice and padding, padded static forward ==
   unpadded eager forward (CPU), replayed logits and greedy tokens == eager (CUDA only).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,10 +60,10 @@ def is_decode_only(plan: SchedulerOutput) -> bool:
 
 @dataclass
 class DecodeInputs:
-    tokens: torch.Tensor        # (3, B) int64: input_ids, positions, slot_mapping
-    seq_lens: torch.Tensor      # (B,) int32
+    tokens: torch.Tensor  # (3, B) int64: input_ids, positions, slot_mapping
+    seq_lens: torch.Tensor  # (B,) int32
     block_tables: torch.Tensor  # (B, W) int32, W = longest block table in the plan
-    logits_rows: list[int]      # rows whose sequence samples this step
+    logits_rows: list[int]  # rows whose sequence samples this step
 
 
 def build_decode_inputs(plan: SchedulerOutput, block_size: int, batch_size: int) -> DecodeInputs:
@@ -81,16 +82,27 @@ def build_decode_inputs(plan: SchedulerOutput, block_size: int, batch_size: int)
         tables.append(table + [0] * (width - len(table)))
         if s.samples:
             logits_rows.append(row)
-    tokens = torch.tensor([ids + [0] * num_pad, positions + [0] * num_pad, slots + [-1] * num_pad],
-                          dtype=torch.int64)
-    return DecodeInputs(tokens, torch.tensor(seq_lens + [1] * num_pad, dtype=torch.int32),
-                        torch.tensor(tables + [[0] * width] * num_pad, dtype=torch.int32),
-                        logits_rows)
+    tokens = torch.tensor(
+        [ids + [0] * num_pad, positions + [0] * num_pad, slots + [-1] * num_pad], dtype=torch.int64
+    )
+    return DecodeInputs(
+        tokens,
+        torch.tensor(seq_lens + [1] * num_pad, dtype=torch.int32),
+        torch.tensor(tables + [[0] * width] * num_pad, dtype=torch.int32),
+        logits_rows,
+    )
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, batch_sizes: list[int], max_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        batch_sizes: list[int],
+        max_blocks: int,
+        block_size: int,
+    ):
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.sizes = sorted(batch_sizes)
         max_batch_size = self.sizes[-1]
@@ -98,7 +110,7 @@ class CudaGraphRunner:
         self.max_seq_len = max_blocks * block_size
         dev = model.embed_tokens.weight.device
         self.tokens = torch.zeros(3, max_batch_size, dtype=torch.int64, device=dev)
-        self.tokens[2].fill_(-1)            # warm-up runs before capture write no K/V
+        self.tokens[2].fill_(-1)  # warm-up runs before capture write no K/V
         self.seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_batch_size, max_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=dev)
@@ -113,11 +125,17 @@ class CudaGraphRunner:
     def forward_static(self, batch_size: int) -> torch.Tensor:
         """The step a graph records: the model over the first `batch_size` rows of the buffers."""
         b = batch_size
-        meta = AttentionMetadata(slot_mapping=self.tokens[2, :b], block_tables=self.block_tables[:b],
-                                 seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-                                 max_query_len=1, max_seq_len=self.max_seq_len)
-        return self.model(self.tokens[0, :b], self.tokens[1, :b], self.kv_caches, meta,
-                          self.backend)                                            # (B, C)
+        meta = AttentionMetadata(
+            slot_mapping=self.tokens[2, :b],
+            block_tables=self.block_tables[:b],
+            seq_lens=self.seq_lens[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+        return self.model(
+            self.tokens[0, :b], self.tokens[1, :b], self.kv_caches, meta, self.backend
+        )  # (B, C)
 
     def capture(self) -> None:
         """Record one graph per batch size; run() needs this, the rest of the class does not."""
@@ -125,14 +143,18 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so the smaller graphs fit in the memory the pool already holds.
         for b in reversed(self.sizes):
-            self.forward_static(b)      # warm-up: Triton compiles outside the capture
+            self.forward_static(b)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self.forward_static(b)
             self.graphs[b] = graph
-        log.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.sizes), self.sizes,
-                 time.perf_counter() - start)
+        log.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1fs",
+            len(self.sizes),
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     def batch_size_for(self, plan: SchedulerOutput) -> int | None:
         """The graph this plan replays in, or None when it must run eagerly."""
@@ -154,4 +176,4 @@ class CudaGraphRunner:
         inputs = build_decode_inputs(plan, self.block_size, batch_size)
         self.load(inputs)
         self.graphs[batch_size].replay()
-        return self.outputs[batch_size][:len(plan.scheduled)], inputs.logits_rows
+        return self.outputs[batch_size][: len(plan.scheduled)], inputs.logits_rows

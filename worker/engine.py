@@ -10,6 +10,7 @@ Contract:
 - State: everything lives here and is touched by one thread only (AsyncEngine's loop thread).
 - Proven by tests/test_engine_*.py; `stats()` exposes counters for metrics.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,21 +33,37 @@ class LLMEngine:
         mc = self.runner.model_config
         num_blocks = min(config.num_kv_blocks or self.runner.num_blocks, self.runner.num_blocks)
         # A sequence must fit the pool alone, or preempting everyone else could not save it.
-        max_model_len = min(config.max_model_len or mc.max_position, mc.max_position,
-                            num_blocks * config.block_size)
+        max_model_len = min(
+            config.max_model_len or mc.max_position, mc.max_position, num_blocks * config.block_size
+        )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, max_model_len,
-                                   self.runner.eos_token_ids)
-        self.info = ModelInfo(name=self.runner.model_name, block_size=config.block_size,
-                              max_model_len=max_model_len, vocab_size=mc.vocab_size,
-                              eos_token_ids=self.runner.eos_token_ids, max_num_seqs=config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            self.runner.eos_token_ids,
+        )
+        self.info = ModelInfo(
+            name=self.runner.model_name,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=self.runner.eos_token_ids,
+            max_num_seqs=config.max_num_seqs,
+        )
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.step_s_total = 0.0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    priority: int = 0, salt: str = "") -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        salt: str = "",
+    ) -> None:
         vocab = self.info.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -81,24 +98,42 @@ class LLMEngine:
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.output_token_ids[seq.num_emitted_tokens:]
-        new_lp = seq.logprobs[seq.num_emitted_tokens:] if seq.sampling.logprobs else None
+        new = seq.output_token_ids[seq.num_emitted_tokens :]
+        new_lp = seq.logprobs[seq.num_emitted_tokens :] if seq.sampling.logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
         queue_s = (seq.first_scheduled_s - seq.arrival_s) if seq.first_scheduled_s else 0.0
         ttft_s = (seq.first_token_s - seq.arrival_s) if seq.first_token_s else 0.0
-        return RequestOutput(seq.request_id, new, new_lp, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                             queue_s, ttft_s, seq.num_preemptions)
+        return RequestOutput(
+            seq.request_id,
+            new,
+            new_lp,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+            queue_s,
+            ttft_s,
+            seq.num_preemptions,
+        )
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.block_manager.num_free_blocks,
-                           self.block_manager.num_blocks, s.num_preemptions,
-                           self.block_manager.num_prefix_queries, self.block_manager.num_prefix_hits,
-                           s.num_prompt_tokens, s.num_generation_tokens)
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            self.block_manager.num_free_blocks,
+            self.block_manager.num_blocks,
+            s.num_preemptions,
+            self.block_manager.num_prefix_queries,
+            self.block_manager.num_prefix_hits,
+            s.num_prompt_tokens,
+            s.num_generation_tokens,
+        )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 salt: str = "") -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], salt: str = ""
+    ) -> list[list[int]]:
         """Offline helper: run prompts to completion, return output token ids in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"offline-{self.num_steps}-{i}" for i in range(len(prompts))]

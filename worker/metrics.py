@@ -11,6 +11,7 @@ Contract
 - state: the registry (one per worker process).
 - proven by: tests/test_observability_e2e.py (counters equal a known workload).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
@@ -28,21 +29,32 @@ class EngineCollector:
 
     def collect(self):
         s = self._engine.stats()
-        yield GaugeMetricFamily("llm_num_requests_running", "Sequences in the running batch",
-                                value=s.num_running)
-        yield GaugeMetricFamily("llm_num_requests_waiting", "Sequences waiting for their first schedule "
-                                "(or preempted)", value=s.num_waiting)
-        yield GaugeMetricFamily("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
-                                value=s.kv_usage)
+        yield GaugeMetricFamily(
+            "llm_num_requests_running", "Sequences in the running batch", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            "llm_num_requests_waiting",
+            "Sequences waiting for their first schedule (or preempted)",
+            value=s.num_waiting,
+        )
+        yield GaugeMetricFamily(
+            "llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", value=s.kv_usage
+        )
         yield GaugeMetricFamily("llm_kv_cache_free_blocks", "Free KV-cache blocks", value=s.num_free_blocks)
-        yield GaugeMetricFamily("llm_kv_cache_total_blocks", "KV-cache blocks in the pool",
-                                value=s.num_total_blocks)
-        yield CounterMetricFamily("llm_preemptions", "Sequences preempted (KV blocks recomputed later)",
-                                  value=s.num_preemptions)
-        yield CounterMetricFamily("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=s.num_prefix_queries)
-        yield CounterMetricFamily("llm_prefix_cache_hits", "Prompt tokens served from the prefix cache",
-                                  value=s.num_prefix_hits)
+        yield GaugeMetricFamily(
+            "llm_kv_cache_total_blocks", "KV-cache blocks in the pool", value=s.num_total_blocks
+        )
+        yield CounterMetricFamily(
+            "llm_preemptions", "Sequences preempted (KV blocks recomputed later)", value=s.num_preemptions
+        )
+        yield CounterMetricFamily(
+            "llm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.num_prefix_queries,
+        )
+        yield CounterMetricFamily(
+            "llm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=s.num_prefix_hits
+        )
 
 
 class WorkerMetrics:

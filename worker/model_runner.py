@@ -14,6 +14,7 @@ Contract:
 - CUDA: decode-only steps replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`.
 - Proven by tests/test_engine_hf.py (logits vs transformers) and tests/test_engine_batching.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,12 @@ log = logging.getLogger(__name__)
 def resolved_config(config: EngineConfig) -> EngineConfig:
     """`auto` device, dtype and thread count made concrete: the one place they are decided."""
     device = resolve_device(config.device)
-    return dataclasses.replace(config, device=device, dtype=resolve_dtype(config.dtype, device),
-                               num_threads=config.num_threads or default_num_threads())
+    return dataclasses.replace(
+        config,
+        device=device,
+        dtype=resolve_dtype(config.dtype, device),
+        num_threads=config.num_threads or default_num_threads(),
+    )
 
 
 def available_memory_bytes() -> int:
@@ -74,21 +79,30 @@ class ModelRunner:
 
         config = resolved_config(config)
         torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, torch.device(config.device),
-                            quantization=config.quantization)
+        loaded = load_model(
+            config.model, config.dtype, torch.device(config.device), quantization=config.quantization
+        )
         if config.dense_weights_min_rows and config.device == "cpu":
             from worker.model.quant import keep_dense_copies
 
             added = keep_dense_copies(loaded.model, config.dense_weights_min_rows)
-            log.info("dense bfloat16 weight copies for inputs of >= %d rows: +%.0f MiB",
-                     config.dense_weights_min_rows, added / 2**20)
+            log.info(
+                "dense bfloat16 weight copies for inputs of >= %d rows: +%.0f MiB",
+                config.dense_weights_min_rows,
+                added / 2**20,
+            )
         self._setup(config, loaded.model, loaded.name, loaded.eos_token_ids, loaded.load_s)
 
     @classmethod
-    def from_model(cls, config: EngineConfig, model: LlamaModel, eos_token_ids: tuple[int, ...] = (),
-                   name: str = "in-memory") -> ModelRunner:
+    def from_model(
+        cls,
+        config: EngineConfig,
+        model: LlamaModel,
+        eos_token_ids: tuple[int, ...] = (),
+        name: str = "in-memory",
+    ) -> ModelRunner:
         """A runner over an already built model (on config.device), e.g. random weights."""
-        dtype = str(model.dtype).removeprefix("torch.")        # not embed_tokens': int8 if quantized
+        dtype = str(model.dtype).removeprefix("torch.")  # not embed_tokens': int8 if quantized
         device = str(model.embed_tokens.weight.device) if config.device == "auto" else config.device
         config = resolved_config(dataclasses.replace(config, dtype=dtype, device=device))
         torch.set_num_threads(config.num_threads)
@@ -96,8 +110,14 @@ class ModelRunner:
         runner._setup(config, model, name, tuple(eos_token_ids), 0.0)
         return runner
 
-    def _setup(self, config: EngineConfig, model: LlamaModel, name: str,
-               eos_token_ids: tuple[int, ...], load_s: float) -> None:
+    def _setup(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        name: str,
+        eos_token_ids: tuple[int, ...],
+        load_s: float,
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.model, self.model_config = model, model.config
@@ -109,23 +129,39 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # torch.empty: pages are committed as blocks are first written, so RSS follows the tokens
         # held, not the pool's size (kernels never read a slot before it is written).
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=self.device),
-                           torch.empty(shape, dtype=dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
         self.seed_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
-        log.info("model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
-                 self.model_name, self.load_s, self.num_blocks, self.num_blocks * self.block_size,
-                 self.num_blocks * self.kv_bytes_per_block / 2**20, self.backend.name)
+        log.info(
+            "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
+            self.model_name,
+            self.load_s,
+            self.num_blocks,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.kv_bytes_per_block / 2**20,
+            self.backend.name,
+        )
         # Decode-only steps replay CUDA graphs (worker/cuda_graphs.py); all others run eagerly.
         self.cuda_graphs: CudaGraphRunner | None = None
         if not config.enforce_eager and CudaGraphRunner.supported(self.device, self.backend):
-            max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
-                                self.num_blocks * self.block_size)
-            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend,
-                                               capture_sizes(config.max_num_seqs),
-                                               -(-max_model_len // self.block_size), self.block_size)
+            max_model_len = min(
+                config.max_model_len or cfg.max_position, cfg.max_position, self.num_blocks * self.block_size
+            )
+            self.cuda_graphs = CudaGraphRunner(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                capture_sizes(config.max_num_seqs),
+                -(-max_model_len // self.block_size),
+                self.block_size,
+            )
             with torch.inference_mode():
                 self.cuda_graphs.capture()
         # CPU: every step runs one inductor-compiled forward (worker/cpu_compile.py).
@@ -134,8 +170,9 @@ class ModelRunner:
             # With dense weight copies the layer has two branches (below / above the row
             # threshold): both are compiled, and guards stay on to pick between them.
             warm_sizes = (2, config.dense_weights_min_rows) if config.dense_weights_min_rows else (2,)
-            self.cpu_compiled = CompiledCpuForward(self.model, self.kv_caches, self.backend,
-                                                   self.block_size, warm_sizes)
+            self.cpu_compiled = CompiledCpuForward(
+                self.model, self.kv_caches, self.backend, self.block_size, warm_sizes
+            )
             if not self.cpu_compiled.warmup():
                 self.cpu_compiled = None
 
@@ -159,8 +196,9 @@ class ModelRunner:
             budget = int(available_memory_bytes() * self.config.kv_cache_memory_fraction)
         num_blocks = budget // self.kv_bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget} bytes is smaller than one block "
-                             f"({self.kv_bytes_per_block} bytes)")
+            raise ValueError(
+                f"KV budget of {budget} bytes is smaller than one block ({self.kv_bytes_per_block} bytes)"
+            )
         return int(num_blocks)
 
     def release(self, request_id: str) -> None:
@@ -175,7 +213,9 @@ class ModelRunner:
             self.generators[request_id] = gen
         return gen
 
-    def prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(
+        self, plan: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -204,9 +244,14 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(s.num_new_tokens for s in plan.scheduled),
-            max_seq_len=max(seq_lens))
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logits_rows)
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            logits_rows,
+        )
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
@@ -215,28 +260,30 @@ class ModelRunner:
             # step also guards on it.
             torch.set_num_threads(self.config.num_threads)
         if self.cuda_graphs is not None and self.cuda_graphs.batch_size_for(plan) is not None:
-            hidden, logits_rows = self.cuda_graphs.run(plan)                               # (S, C)
+            hidden, logits_rows = self.cuda_graphs.run(plan)  # (S, C)
         elif self.cpu_compiled is not None:
             input_ids, positions, meta, logits_rows = self.prepare(plan)
-            hidden = self.cpu_compiled(input_ids, positions, meta)                         # (T, C)
+            hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
         else:
             input_ids, positions, meta, logits_rows = self.prepare(plan)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
         sampling = [s.seq for s in plan.scheduled if s.samples]
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[logits_rows])                            # (S, V)
+        logits = self.model.compute_logits(hidden[logits_rows])  # (S, V)
         if self.logits_observer is not None:
             self.logits_observer([seq.request_id for seq in sampling], logits)
         params = [seq.sampling for seq in sampling]
-        gens = [None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
-                for seq in sampling]
+        gens = [
+            None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
+            for seq in sampling
+        ]
         tokens, logprobs = sample(logits, params, gens)
-        return {seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
-                for i, seq in enumerate(sampling)}
+        return {
+            seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
+            for i, seq in enumerate(sampling)
+        }
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-

@@ -12,6 +12,7 @@ Contract
 - state: per request only. Status vocabulary: stop | length | cancelled | invalid_argument | internal.
 - proven by: tests/test_observability_e2e.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,19 @@ OK_STATUSES = ("stop", "length", "cancelled")
 
 
 class RequestObservation:
-    def __init__(self, metrics: WorkerMetrics | None, *, worker_id: str, model: str, request_id: str,
-                 tenant: str, num_prompt_tokens: int, max_tokens: int, temperature: float, metadata):
+    def __init__(
+        self,
+        metrics: WorkerMetrics | None,
+        *,
+        worker_id: str,
+        model: str,
+        request_id: str,
+        tenant: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        temperature: float,
+        metadata,
+    ):
         self.start_s = time.monotonic()
         self._start_ns = time.time_ns()
         self.request_id = request_id
@@ -46,13 +58,21 @@ class RequestObservation:
         self._first_token_s: float | None = None
         self._num_preemptions = 0
         self.status = "cancelled"  # until the engine says otherwise: the call ended early
-        self.span = tracer.start_span("llm.v1.Worker/Generate", context=extract(metadata),
-                                      kind=SpanKind.SERVER, start_time=self._start_ns)
+        self.span = tracer.start_span(
+            "llm.v1.Worker/Generate",
+            context=extract(metadata),
+            kind=SpanKind.SERVER,
+            start_time=self._start_ns,
+        )
         if self.span.is_recording():
-            self.span.set_attributes({
-                **genai_request_attributes(request_id, tenant, model, max_tokens, temperature,
-                                           num_prompt_tokens),
-                "llm.worker.id": worker_id})
+            self.span.set_attributes(
+                {
+                    **genai_request_attributes(
+                        request_id, tenant, model, max_tokens, temperature, num_prompt_tokens
+                    ),
+                    "llm.worker.id": worker_id,
+                }
+            )
 
     def _ns(self, t_s: float) -> int:
         return self._start_ns + round((t_s - self.start_s) * 1e9)
@@ -65,8 +85,9 @@ class RequestObservation:
             self.span.add_event("first_token", timestamp=self._ns(now_s))
         if out.num_preemptions > self._num_preemptions:
             self._num_preemptions = out.num_preemptions
-            self.span.add_event("preempted", {"llm.num_preemptions": out.num_preemptions},
-                                timestamp=self._ns(now_s))
+            self.span.add_event(
+                "preempted", {"llm.num_preemptions": out.num_preemptions}, timestamp=self._ns(now_s)
+            )
         if self._clock is not None:
             self._clock.tokens(n, now_s)
         self._last = out
@@ -91,28 +112,39 @@ class RequestObservation:
         ttft_s = None if self._first_token_s is None else self._first_token_s - self.start_s
         if self.span.is_recording():
             self._child_spans(queue_end_s, end_s, cached, num_out)
-            self.span.set_attributes({"gen_ai.usage.output_tokens": num_out,
-                                      "gen_ai.usage.cache_read.input_tokens": cached,
-                                      "gen_ai.response.finish_reasons": [self.status],
-                                      "llm.num_preemptions": self._num_preemptions})
+            self.span.set_attributes(
+                {
+                    "gen_ai.usage.output_tokens": num_out,
+                    "gen_ai.usage.cache_read.input_tokens": cached,
+                    "gen_ai.response.finish_reasons": [self.status],
+                    "llm.num_preemptions": self._num_preemptions,
+                }
+            )
             if ttft_s is not None:
                 self.span.set_attribute("llm.time_to_first_token_s", ttft_s)
         trace_id = trace_id_of(self.span)
         self.span.end(end_time=self._ns(end_s))
-        log_request(requests_log, request_id=self.request_id, tenant=self.tenant, status=self.status,
-                    prompt_tokens=self.num_prompt_tokens, completion_tokens=num_out,
-                    cached_prompt_tokens=cached,
-                    queue_ms=None if queue_end_s is None else round((queue_end_s - self.start_s) * 1e3, 1),
-                    ttft_ms=None if ttft_s is None else round(ttft_s * 1e3, 1),
-                    total_ms=round((end_s - self.start_s) * 1e3, 1), preemptions=self._num_preemptions,
-                    trace_id=trace_id or None)
+        log_request(
+            requests_log,
+            request_id=self.request_id,
+            tenant=self.tenant,
+            status=self.status,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=num_out,
+            cached_prompt_tokens=cached,
+            queue_ms=None if queue_end_s is None else round((queue_end_s - self.start_s) * 1e3, 1),
+            ttft_ms=None if ttft_s is None else round(ttft_s * 1e3, 1),
+            total_ms=round((end_s - self.start_s) * 1e3, 1),
+            preemptions=self._num_preemptions,
+            trace_id=trace_id or None,
+        )
 
     def _queue_end_s(self, out: RequestOutput | None, end_s: float) -> float | None:
         """When the engine first scheduled the request, on this side's clock (None: never)."""
         if self._first_token_s is not None and out is not None:
             prefill_s = max(0.0, out.ttft_s - out.queue_s)  # engine clock: first schedule -> first token
             return max(self.start_s, self._first_token_s - prefill_s)
-        if out is not None and out.queue_s > 0:              # scheduled, ended before its first token
+        if out is not None and out.queue_s > 0:  # scheduled, ended before its first token
             return min(end_s, self.start_s + out.queue_s)
         return None
 
@@ -120,16 +152,23 @@ class RequestObservation:
         parent = trace.set_span_in_context(self.span)
 
         def child(name: str, start_s: float, stop_s: float, **attributes) -> None:
-            span = tracer.start_span(name, context=parent, start_time=self._ns(start_s),
-                                     attributes=attributes)
+            span = tracer.start_span(
+                name, context=parent, start_time=self._ns(start_s), attributes=attributes
+            )
             span.end(end_time=self._ns(max(start_s, stop_s)))
 
         child("queue", self.start_s, end_s if queue_end_s is None else queue_end_s)
         if queue_end_s is None:
             return
         prefill_end_s = end_s if self._first_token_s is None else self._first_token_s
-        child("prefill", queue_end_s, prefill_end_s, **{
-            "llm.prefill.num_tokens": self.num_prompt_tokens - cached,
-            "gen_ai.usage.cache_read.input_tokens": cached})
+        child(
+            "prefill",
+            queue_end_s,
+            prefill_end_s,
+            **{
+                "llm.prefill.num_tokens": self.num_prompt_tokens - cached,
+                "gen_ai.usage.cache_read.input_tokens": cached,
+            },
+        )
         if self._first_token_s is not None:
             child("decode", self._first_token_s, end_s, **{"gen_ai.usage.output_tokens": num_out})

@@ -9,6 +9,7 @@ same seed gives the same tokens whatever else is in the batch. Logprobs are log-
 logits (before temperature and truncation), as vLLM reports them.
 Proven by tests/test_sampler.py (reproducibility and distribution tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,7 @@ from worker.types import SamplingParams
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what lies outside each row's top-k and top-p sets. top_k 0 = off."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)                 # (S, V)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))[:, None]
@@ -31,14 +32,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[float] | None]:
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        sub = logits[idx] / torch.tensor([params[i].temperature for i in random_rows],
-                                         device=logits.device)[:, None]
+        sub = (
+            logits[idx]
+            / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
+        )
         needs_trunc = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows)
         if needs_trunc:
             top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)

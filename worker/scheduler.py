@@ -14,6 +14,7 @@ Contract:
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
   at the end) and tests/test_engine_batching.py (batched == alone, token for token).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -51,8 +52,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,8 +69,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
-        self.num_prompt_tokens = 0         # cumulative, counted when a request is first scheduled
-        self.num_generation_tokens = 0     # cumulative sampled tokens
+        self.num_prompt_tokens = 0  # cumulative, counted when a request is first scheduled
+        self.num_generation_tokens = 0  # cumulative sampled tokens
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -72,8 +79,10 @@ class Scheduler:
         if not seq.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if seq.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens; the limit is "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+            raise ValueError(
+                f"prompt has {seq.num_prompt_tokens} tokens; the limit is "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
+            )
         self.requests[seq.request_id] = seq
         self._enqueue(seq)
 
@@ -101,7 +110,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
-                victim = self.running[-1]          # lowest priority, newest
+                victim = self.running[-1]  # lowest priority, newest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -132,7 +141,7 @@ class Scheduler:
                         break
             else:
                 self.waiting.pop(0)
-                if seq.first_scheduled_s is None:          # first admission: queue time ends here
+                if seq.first_scheduled_s is None:  # first admission: queue time ends here
                     seq.first_scheduled_s = time.monotonic()
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.num_prompt_tokens += seq.num_prompt_tokens
@@ -143,7 +152,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 continue
-            self.bm.free(seq)                      # hit blocks go back (hashes kept) until later
+            self.bm.free(seq)  # hit blocks go back (hashes kept) until later
             break
         return budget
 

@@ -5,6 +5,7 @@ cache. There is no prefill or decode phase: each step computes some of the
 `num_tokens - num_computed_tokens` outstanding tokens (a prompt chunk, or the one newest token).
 `block_table` lists the physical KV blocks backing positions 0.., block_size tokens each.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,21 +26,21 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0                 # higher = more urgent
-    salt: str = ""                    # prefix-cache namespace (the tenant)
+    priority: int = 0  # higher = more urgent
+    salt: str = ""  # prefix-cache namespace (the tenant)
     arrival_s: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0        # prompt tokens served from the prefix cache (first schedule)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)   # of full blocks, chained
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
-    num_emitted_tokens: int = 0       # output tokens already handed to the caller
+    num_emitted_tokens: int = 0  # output tokens already handed to the caller
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -58,7 +59,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:

@@ -17,6 +17,7 @@ Contract
 - proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_two_workers.py (worker killed),
   tests/test_observability_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,18 +46,33 @@ FINISH_REASONS = {
 
 def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
     return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
-        max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=s.logprobs,
+        max_tokens=s.max_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def to_response(out: RequestOutput) -> wpb.WorkerResponse:
-    msg = wpb.WorkerResponse(token_ids=out.new_token_ids, logprobs=out.new_logprobs or (),
-                             num_cached_tokens=out.num_cached_tokens, queue_ms=out.queue_s * 1e3)
+    msg = wpb.WorkerResponse(
+        token_ids=out.new_token_ids,
+        logprobs=out.new_logprobs or (),
+        num_cached_tokens=out.num_cached_tokens,
+        queue_ms=out.queue_s * 1e3,
+    )
     if out.finished:
-        msg.finished.CopyFrom(wpb.WorkerFinished(
-            reason=FINISH_REASONS[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens,
-            num_output_tokens=out.num_output_tokens, ttft_ms=out.ttft_s * 1e3))
+        msg.finished.CopyFrom(
+            wpb.WorkerFinished(
+                reason=FINISH_REASONS[out.finish_reason],
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_output_tokens=out.num_output_tokens,
+                ttft_ms=out.ttft_s * 1e3,
+            )
+        )
     return msg
 
 
@@ -64,23 +80,34 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics | None = None):
         self._engine = engine
         self._metrics = metrics
-        self.worker_id = ""           # this worker's gRPC address, once bound
-        self.metrics_address = ""     # host:port of /metrics, reported in WorkerInfo
+        self.worker_id = ""  # this worker's gRPC address, once bound
+        self.metrics_address = ""  # host:port of /metrics, reported in WorkerInfo
 
     async def Generate(self, request: wpb.WorkerRequest, context: grpc.aio.ServicerContext):
         obs = RequestObservation(
-            self._metrics, worker_id=self.worker_id, model=self._engine.info.name,
-            request_id=request.request_id, tenant=request.cache_salt,
-            num_prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
-            temperature=request.sampling.temperature, metadata=context.invocation_metadata())
+            self._metrics,
+            worker_id=self.worker_id,
+            model=self._engine.info.name,
+            request_id=request.request_id,
+            tenant=request.cache_salt,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            max_tokens=request.sampling.max_tokens,
+            temperature=request.sampling.temperature,
+            metadata=context.invocation_metadata(),
+        )
         try:
             try:
                 sampling = to_sampling(request.sampling)
             except ValueError as exc:
                 obs.fail("invalid_argument", str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
-            outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
-                                            priority=request.priority, salt=request.cache_salt)
+            outputs = self._engine.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling,
+                priority=request.priority,
+                salt=request.cache_salt,
+            )
             try:
                 async for out in outputs:
                     obs.output(out)
@@ -98,28 +125,47 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context) -> wpb.LoadReport:
         s = self._engine.stats()
-        return wpb.LoadReport(num_running=s.num_running, num_waiting=s.num_waiting,
-                              num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks)
+        return wpb.LoadReport(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+        )
 
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
-        return wpb.WorkerInfo(model=i.name, block_size=i.block_size, max_model_len=i.max_model_len,
-                              vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
-                              metrics_address=self.metrics_address, max_num_seqs=i.max_num_seqs)
+        return wpb.WorkerInfo(
+            model=i.name,
+            block_size=i.block_size,
+            max_model_len=i.max_model_len,
+            vocab_size=i.vocab_size,
+            eos_token_ids=i.eos_token_ids,
+            metrics_address=self.metrics_address,
+            max_num_seqs=i.max_num_seqs,
+        )
 
 
-async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
-                on_listening: Callable[[int], None] | None = None) -> int:
+async def serve(
+    config: WorkerServerConfig,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], None] | None = None,
+) -> int:
     """Serves until SIGTERM/SIGINT, or until `stop` is set when one is given (a server on a thread
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
     `on_listening(port)` runs once the server is SERVING."""
     engine = AsyncEngine.from_config(config.engine)
     metrics = WorkerMetrics(engine)
     try:
-        base = GrpcServer(component="worker", service_names=(SERVICE_NAME,), host=config.host, port=config.port,
-                          telemetry=config.telemetry, metrics_registry=metrics.registry,
-                          tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
-                          options=message_options(config.max_message_bytes))
+        base = GrpcServer(
+            component="worker",
+            service_names=(SERVICE_NAME,),
+            host=config.host,
+            port=config.port,
+            telemetry=config.telemetry,
+            metrics_registry=metrics.registry,
+            tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
+            options=message_options(config.max_message_bytes),
+        )
         service = WorkerService(engine, metrics)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, base.server)
         port = base.bind()
@@ -135,14 +181,23 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     if on_listening is not None:
         on_listening(port)
     info = engine.info
-    log.info("model %s, block size %d, max model len %d, %d KV blocks", info.name, info.block_size,
-             info.max_model_len, engine.stats().num_total_blocks)
+    log.info(
+        "model %s, block size %d, max model len %d, %d KV blocks",
+        info.name,
+        info.block_size,
+        info.max_model_len,
+        engine.stats().num_total_blocks,
+    )
     await stop.wait()
 
     # Drain: health NOT_SERVING first while still accepting calls, so that routers stop routing
     # here before the port refuses anything; then refuse new calls and let open streams finish.
-    log.info("draining: NOT_SERVING, accepting calls for %.1f s more, then grace %.1f s for %d open stream(s)",
-             config.drain_announce_s, config.drain_grace_s, engine.stats().num_running)
+    log.info(
+        "draining: NOT_SERVING, accepting calls for %.1f s more, then grace %.1f s for %d open stream(s)",
+        config.drain_announce_s,
+        config.drain_grace_s,
+        engine.stats().num_running,
+    )
     await base.not_serving()
     await asyncio.sleep(config.drain_announce_s)
     await base.stop(config.drain_grace_s)

@@ -9,6 +9,7 @@ Contract
   without mutual TLS, unless `allow_insecure_public` (common.public_bind, the one copy of the rule).
 - Imports neither torch nor grpc, so that launchers can build the flags without loading the engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,24 +24,44 @@ from worker.config import EngineConfig
 @dataclass(frozen=True)
 class WorkerServerConfig:
     engine: EngineConfig = field(metadata=section("engine"))
-    host: str = field(default="127.0.0.1", metadata=option(
-        "bind address; a non-loopback one needs mutual TLS (--tls-*) or --allow-insecure-public"))
+    host: str = field(
+        default="127.0.0.1",
+        metadata=option(
+            "bind address; a non-loopback one needs mutual TLS (--tls-*) or --allow-insecure-public"
+        ),
+    )
     port: int = field(default=0, metadata=option("gRPC port; 0 = ephemeral (printed at start-up)"))
-    drain_grace_s: float = field(default=10.0, metadata=option(
-        "SIGTERM: how long open streams may finish"))
-    drain_announce_s: float = field(default=2.0, metadata=option(
-        "SIGTERM: report NOT_SERVING but keep accepting calls this long first, so that routers stop "
-        "routing here (set above the routers' --health-poll-s)"))
-    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=option(
-        "largest gRPC message received or sent", flag="max-message-mb", unit=MIB))
+    drain_grace_s: float = field(default=10.0, metadata=option("SIGTERM: how long open streams may finish"))
+    drain_announce_s: float = field(
+        default=2.0,
+        metadata=option(
+            "SIGTERM: report NOT_SERVING but keep accepting calls this long first, so that routers stop "
+            "routing here (set above the routers' --health-poll-s)"
+        ),
+    )
+    max_message_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata=option("largest gRPC message received or sent", flag="max-message-mb", unit=MIB),
+    )
     telemetry: TelemetryConfig = field(default=TelemetryConfig(), metadata=section("observability"))
-    tls_cert: str | None = field(default=None, metadata=option(
-        "PEM: TLS certificate chain of this worker", metavar="FILE"))
-    tls_key: str | None = field(default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE"))
-    tls_client_ca: str | None = field(default=None, metadata=option(
-        "PEM: require client (router) certificates signed by this CA: mutual TLS", metavar="FILE"))
-    allow_insecure_public: bool = field(default=False, metadata=option(
-        "bind a non-loopback address without mutual TLS (a private network only)", negative=()))
+    tls_cert: str | None = field(
+        default=None, metadata=option("PEM: TLS certificate chain of this worker", metavar="FILE")
+    )
+    tls_key: str | None = field(
+        default=None, metadata=option("PEM: private key of --tls-cert", metavar="FILE")
+    )
+    tls_client_ca: str | None = field(
+        default=None,
+        metadata=option(
+            "PEM: require client (router) certificates signed by this CA: mutual TLS", metavar="FILE"
+        ),
+    )
+    allow_insecure_public: bool = field(
+        default=False,
+        metadata=option(
+            "bind a non-loopback address without mutual TLS (a private network only)", negative=()
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -50,7 +71,12 @@ class WorkerServerConfig:
             raise ValueError("drain_grace_s and drain_announce_s must be >= 0")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        problem = refusal(self.host, worker_missing(self.host, self.allow_insecure_public, self.tls_cert,
-                                                    self.tls_key, self.tls_client_ca), "worker")
+        problem = refusal(
+            self.host,
+            worker_missing(
+                self.host, self.allow_insecure_public, self.tls_cert, self.tls_key, self.tls_client_ca
+            ),
+            "worker",
+        )
         if problem:
             raise ValueError(problem)

@@ -5,6 +5,7 @@ Contract: the engine is token-in / token-out. A request is `prompt_token_ids: li
 tokens or finished in that step. `new_token_ids` are the tokens produced since the last output
 (usually one); `new_logprobs` (natural log, float) are parallel to it when requested.
 """
+
 from __future__ import annotations
 
 import enum
@@ -13,19 +14,19 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"          # EOS or a stop token id
-    LENGTH = "length"      # max_tokens reached or context full
-    ABORT = "abort"        # aborted by the caller (cancellation, deadline)
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens reached or context full
+    ABORT = "abort"  # aborted by the caller (cancellation, deadline)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0          # 0 = greedy
-    top_p: float = 1.0                # (0, 1]
-    top_k: int = 0                    # 0 = off
-    seed: int | None = None           # per-request generator; same seed -> same tokens
-    logprobs: bool = False            # return the logprob of each chosen token
-    max_tokens: int = 16              # >= 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request generator; same seed -> same tokens
+    logprobs: bool = False  # return the logprob of each chosen token
+    max_tokens: int = 16  # >= 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -53,10 +54,10 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int            # prompt tokens served from the prefix cache
-    queue_s: float = 0.0              # arrival -> first scheduled
-    ttft_s: float = 0.0               # arrival -> first output token (0 until then)
-    num_preemptions: int = 0          # times this sequence was preempted so far
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    queue_s: float = 0.0  # arrival -> first scheduled
+    ttft_s: float = 0.0  # arrival -> first output token (0 until then)
+    num_preemptions: int = 0  # times this sequence was preempted so far
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,11 @@ class EngineStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
-    num_preemptions: int              # cumulative
-    num_prefix_queries: int           # cumulative prompt tokens looked up in the prefix cache
-    num_prefix_hits: int              # cumulative prompt tokens found there
-    num_prompt_tokens: int            # cumulative
-    num_generation_tokens: int        # cumulative
+    num_preemptions: int  # cumulative
+    num_prefix_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    num_prefix_hits: int  # cumulative prompt tokens found there
+    num_prompt_tokens: int  # cumulative
+    num_generation_tokens: int  # cumulative
 
     @property
     def kv_usage(self) -> float:
@@ -83,4 +84,4 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    max_num_seqs: int = 0                 # sequences one step runs at most (0: unknown)
+    max_num_seqs: int = 0  # sequences one step runs at most (0: unknown)

@@ -27,6 +27,7 @@ Contract:
   and asserts: every kernel compiles, none spills, 16-bit attention uses tensor cores, fp32
   attention does not use tf32).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,17 +74,17 @@ class CompiledLaunch:
     case: str
     constexprs: dict
     registers: int
-    spill_bytes: int         # ptxas -v: spill stores + spill loads
-    stack_bytes: int         # per-thread stack frame (spills, or locals ptxas keeps there)
+    spill_bytes: int  # ptxas -v: spill stores + spill loads
+    stack_bytes: int  # per-thread stack frame (spills, or locals ptxas keeps there)
     shared_bytes: int
     num_warps: int
-    tensor_cores: str        # "wgmma", "mma" or "none"
-    tf32: bool               # an mma on tf32 operands appears in the PTX
+    tensor_cores: str  # "wgmma", "mma" or "none"
+    tf32: bool  # an mma on tf32 operands appears in the PTX
     compile_s: float
 
     def resident_warps(self, capability: int) -> int:
         """Warps one SM can hold, limited by registers, shared memory and the hardware cap."""
-        regs = -(-max(self.registers, 1) // 8) * 8        # allocated per warp in units of 256
+        regs = -(-max(self.registers, 1) // 8) * 8  # allocated per warp in units of 256
         blocks = REGISTERS_PER_SM // (regs * 32 * self.num_warps)
         if self.shared_bytes:
             blocks = min(blocks, SHARED_LIMIT.get(capability, 99 * 1024) // self.shared_bytes)
@@ -102,8 +103,12 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                              check=True, capture_output=True, text=True).stdout
+        text = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
@@ -113,8 +118,7 @@ def _spill_bytes(ptxas_log: str) -> int:
 
 
 def _tensor_core_use(ptx: str) -> tuple[str, bool]:
-    kind = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) \
-        else "none"
+    kind = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) else "none"
     tf32 = bool(re.search(r"mma[.\w]*\.tf32", ptx))
     return kind, tf32
 
@@ -127,8 +131,9 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
     """
     kernels = (triton_attention._paged_attention_kernel, triton_store_kv._store_kv_kernel)
     if not all(isinstance(k, triton_jit.JITFunction) for k in kernels):
-        raise RuntimeError("the Triton kernels were imported under TRITON_INTERPRET=1; run this "
-                           "in a process without it")
+        raise RuntimeError(
+            "the Triton kernels were imported under TRITON_INTERPRET=1; run this in a process without it"
+        )
     backend = make_backend(target)
     original = triton_jit.JITFunction.run
 
@@ -137,10 +142,10 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
         kwargs["debug"] = kwargs.get("debug", self.debug) or triton.knobs.runtime.debug
         binder = triton_jit.create_function_from_signature(self.signature, self.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
-                                                                specialization, options)
-        key = (target.arch, self.__name__, repr(signature), repr(constexprs), repr(attrs),
-               repr(options))
+        options, signature, constexprs, attrs = self._pack_args(
+            backend, kwargs, bound_args, specialization, options
+        )
+        key = (target.arch, self.__name__, repr(signature), repr(constexprs), repr(attrs), repr(options))
         if key in seen:
             return None
         seen.add(key)
@@ -149,29 +154,38 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
         # Triton runs ptxas -v and prints its log (registers, stack, spills) only with this knob.
         with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             triton.knobs.nvidia.dump_ptxas_log = True
-            compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = triton_compile(
+                ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
         elapsed = time.perf_counter() - start
         if "bytes spill" not in log.getvalue():
             raise RuntimeError(f"no ptxas -v log for {self.__name__}: {log.getvalue()[:200]!r}")
         usage = _resource_usage(compiled.asm["cubin"])
         cores, tf32 = _tensor_core_use(compiled.asm["ptx"])
         names = [p.name for p in self.params]
-        named = {names[path[0]]: value for path, value in constexprs.items()
-                 if names[path[0]].isupper()}
+        named = {names[path[0]]: value for path, value in constexprs.items() if names[path[0]].isupper()}
         pointer_types = sorted({t for t in signature.values() if t.startswith("*")})
         named["dtypes"] = ",".join(pointer_types)
-        out.append(CompiledLaunch(
-            target=f"sm_{target.arch}", kernel=self.__name__.lstrip("_"), case=case[0],
-            constexprs=named, registers=usage.get("REG", 0),
-            spill_bytes=_spill_bytes(log.getvalue()), stack_bytes=usage.get("STACK", 0),
-            shared_bytes=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-            tensor_cores=cores, tf32=tf32, compile_s=elapsed))
+        out.append(
+            CompiledLaunch(
+                target=f"sm_{target.arch}",
+                kernel=self.__name__.lstrip("_"),
+                case=case[0],
+                constexprs=named,
+                registers=usage.get("REG", 0),
+                spill_bytes=_spill_bytes(log.getvalue()),
+                stack_bytes=usage.get("STACK", 0),
+                shared_bytes=compiled.metadata.shared,
+                num_warps=compiled.metadata.num_warps,
+                tensor_cores=cores,
+                tf32=tf32,
+                compile_s=elapsed,
+            )
+        )
         return None
 
     # A fresh cache: a cached kernel comes back without the ptxas log that reports spills.
-    with tempfile.TemporaryDirectory(prefix="triton-compile-check-") as cache_dir, \
-            triton.knobs.cache.scope():
+    with tempfile.TemporaryDirectory(prefix="triton-compile-check-") as cache_dir, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache_dir
         triton_jit.JITFunction.run = compile_instead
         try:
@@ -186,26 +200,31 @@ def _attention_batch(model: str, dtype: torch.dtype, mode: str) -> tuple[dict, d
     # Decode: 8 sequences of one new token; prefill: a 512-token chunk after 100 cached tokens
     # next to two decodes (a mixed batch, as the scheduler builds).
     query_lens = [1] * 8 if mode != "prefill" else [512, 1, 1]
-    seq_lens = [300 + 7 * i for i in range(len(query_lens))] if mode != "prefill" \
-        else [612, 40, 900]
+    seq_lens = [300 + 7 * i for i in range(len(query_lens))] if mode != "prefill" else [612, 40, 900]
     blocks_per_seq = -(-max(seq_lens) // BLOCK_SIZE)
     num_seqs = len(query_lens)
     num_tokens = sum(query_lens)
     # q as the model produces it: a view of the fused qkv projection (row stride > H * D).
     qkv = torch.zeros(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     cache = torch.zeros(num_seqs * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    batch = dict(q=q, k_cache=cache, v_cache=cache.clone(),
-                 block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32)
-                 .view(num_seqs, blocks_per_seq),
-                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                 scale=head_dim ** -0.5)
-    extra = dict(max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-                 num_splits=8 if mode == "split" else 1)
+    batch = dict(
+        q=q,
+        k_cache=cache,
+        v_cache=cache.clone(),
+        block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(
+            num_seqs, blocks_per_seq
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        scale=head_dim**-0.5,
+    )
+    extra = dict(
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_splits=8 if mode == "split" else 1
+    )
     return batch, extra
 
 
@@ -219,10 +238,11 @@ def _launch_all(model: str, dtype_name: str, modes, case: list[str]) -> None:
         triton_attention.paged_attention(**batch, **extra)
     case[0] = f"{model} {dtype_name} store_kv"
     tokens = 4
-    kv = torch.zeros(tokens, 2, num_kv_heads, head_dim, dtype=dtype)   # k and v from one tensor
+    kv = torch.zeros(tokens, 2, num_kv_heads, head_dim, dtype=dtype)  # k and v from one tensor
     cache = torch.zeros(8, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
-    triton_store_kv.store_kv(kv[:, 0], kv[:, 1], cache, cache.clone(),
-                             torch.arange(tokens, dtype=torch.int64))
+    triton_store_kv.store_kv(
+        kv[:, 0], kv[:, 1], cache, cache.clone(), torch.arange(tokens, dtype=torch.int64)
+    )
     case[0] = f"{model} {dtype_name} rms_norm"
     x = torch.zeros(tokens, hidden, dtype=dtype)
     weight = torch.ones(hidden, dtype=dtype)
@@ -230,15 +250,22 @@ def _launch_all(model: str, dtype_name: str, modes, case: list[str]) -> None:
     triton_norm.rms_norm(x, weight, 1e-5, residual=x.clone())
     case[0] = f"{model} {dtype_name} rope"
     cos = torch.zeros(64, head_dim // 2, dtype=torch.float32)
-    triton_norm.rotary_embedding(torch.arange(tokens), torch.zeros(tokens, num_heads, head_dim,
-                                 dtype=dtype), torch.zeros(tokens, num_kv_heads, head_dim,
-                                 dtype=dtype), cos, cos.clone())
+    triton_norm.rotary_embedding(
+        torch.arange(tokens),
+        torch.zeros(tokens, num_heads, head_dim, dtype=dtype),
+        torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype),
+        cos,
+        cos.clone(),
+    )
 
 
 def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[CompiledLaunch]:
     """Compile every distinct specialization of the case list for each target."""
-    plan = [("smollm2-135m", "bf16"), ("mha-d128", "fp32")] if quick \
+    plan = (
+        [("smollm2-135m", "bf16"), ("mha-d128", "fp32")]
+        if quick
         else [(m, d) for m in MODELS for d in DTYPES]
+    )
     results: list[CompiledLaunch] = []
     seen: set = set()
     steps = [(t, m, d) for t in targets for m, d in plan]
@@ -252,54 +279,73 @@ def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[
 
 
 def format_table(results: list[CompiledLaunch]) -> str:
-    lines = ["| target | kernel | case | specialization | regs | spill B | stack B | shared KiB "
-             "| warps | resident warps/SM | tensor cores | compile s |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        "| target | kernel | case | specialization | regs | spill B | stack B | shared KiB "
+        "| warps | resident warps/SM | tensor cores | compile s |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in results:
-        spec = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
-                        if k in ("GROUP", "BLOCK_M", "HEAD_DIM", "SPLIT_KV", "BLOCK_C", "HAS_RESIDUAL",
-                                 "dtypes"))
+        spec = " ".join(
+            f"{k}={v}"
+            for k, v in r.constexprs.items()
+            if k in ("GROUP", "BLOCK_M", "HEAD_DIM", "SPLIT_KV", "BLOCK_C", "HAS_RESIDUAL", "dtypes")
+        )
         cores = r.tensor_cores + (" (tf32!)" if r.tf32 else "")
         cap = int(r.target.removeprefix("sm_"))
-        lines.append(f"| {r.target} | {r.kernel} | {r.case} | {spec} | {r.registers} | "
-                     f"{r.spill_bytes} | {r.stack_bytes} | {r.shared_bytes / 1024:.1f} | {r.num_warps} | "
-                     f"{r.resident_warps(cap)} | {cores} | {r.compile_s:.2f} |")
+        lines.append(
+            f"| {r.target} | {r.kernel} | {r.case} | {spec} | {r.registers} | "
+            f"{r.spill_bytes} | {r.stack_bytes} | {r.shared_bytes / 1024:.1f} | {r.num_warps} | "
+            f"{r.resident_warps(cap)} | {cores} | {r.compile_s:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", nargs="+", default=["sm_80", "sm_90"])
-    parser.add_argument("--quick", action="store_true",
-                        help="two head layouts: SmolLM2 in bf16, head_dim 128 MHA in fp32")
+    parser.add_argument(
+        "--quick", action="store_true", help="two head layouts: SmolLM2 in bf16, head_dim 128 MHA in fp32"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--markdown", help="also write the table and summary to this file")
     args = parser.parse_args(argv)
     for name in args.targets:
         parse_target(name)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("TRITON_INTERPRET=1 is set: unset it, the kernels must be compiled, "
-                     "not interpreted")
+        parser.error("TRITON_INTERPRET=1 is set: unset it, the kernels must be compiled, not interpreted")
     start = time.perf_counter()
-    results = compile_all(args.targets, args.quick,
-                          progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = compile_all(
+        args.targets, args.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True)
+    )
     spills = [r for r in results if r.spill_bytes]
     # Case labels are "model dtype mode"; 16-bit split-KV kernels also take fp32 scratch pointers.
-    no_cores = [r for r in results if r.kernel == "paged_attention_kernel"
-                and r.case.split()[1] != "fp32" and r.tensor_cores == "none"]
+    no_cores = [
+        r
+        for r in results
+        if r.kernel == "paged_attention_kernel" and r.case.split()[1] != "fp32" and r.tensor_cores == "none"
+    ]
     tf32 = [r for r in results if r.tf32]
-    report = (f"{format_table(results)}\n\n{len(results)} specializations compiled for "
-              f"{', '.join(args.targets)} in {time.perf_counter() - start:.1f} s (triton "
-              f"{triton.__version__}); register spills: {len(spills)}; 16-bit attention without "
-              f"tensor cores: {len(no_cores)}; fp32 dots on tf32: {len(tf32)}")
+    report = (
+        f"{format_table(results)}\n\n{len(results)} specializations compiled for "
+        f"{', '.join(args.targets)} in {time.perf_counter() - start:.1f} s (triton "
+        f"{triton.__version__}); register spills: {len(spills)}; 16-bit attention without "
+        f"tensor cores: {len(no_cores)}; fp32 dots on tf32: {len(tf32)}"
+    )
     print(report)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(report + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"triton": triton.__version__, "targets": args.targets,
-                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "triton": triton.__version__,
+                    "targets": args.targets,
+                    "results": [dataclasses.asdict(r) for r in results],
+                },
+                f,
+                indent=1,
+            )
     return 1 if spills or no_cores or tf32 else 0
 
 

@@ -31,6 +31,7 @@ raise RuntimeError and `available()` return False with `unavailable_reason()` na
 Proven by tests/test_cpu_attention.py (against the reference, the AVX2 build, concurrent builds,
 torch.compile fullgraph, the engine's greedy tokens vs the torch backend).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -58,12 +59,13 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 SDPA_MIN_QUERY_LEN = 0
 
 _lock = threading.Lock()
-_state: dict = {}          # "path" and "build_s" once loaded, or "error" once a load failed
+_state: dict = {}  # "path" and "build_s" once loaded, or "error" once a load failed
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("LLM_CPU_EXT_DIR")
-                or Path.home() / ".cache" / "llm-serve" / "torch_extensions")
+    return Path(
+        os.environ.get("LLM_CPU_EXT_DIR") or Path.home() / ".cache" / "llm-serve" / "torch_extensions"
+    )
 
 
 def march() -> str:
@@ -79,14 +81,16 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     import platform
+
     return platform.machine() + " " + platform.processor()
 
 
 def _compiler_version() -> str:
     cxx = os.environ.get("CXX", "c++")
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout.split("\n")[0]
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split(
+            "\n"
+        )[0]
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{cxx}: {exc}"
 
@@ -95,9 +99,14 @@ def build_name() -> str:
     """llm_cpu_attention_<key>: one build per source x torch x compiler x -march x CPU flags."""
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), importlib.metadata.version("torch").encode(),
-                 str(torch_dir).encode(), _compiler_version().encode(), march().encode(),
-                 _cpu_flags().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        importlib.metadata.version("torch").encode(),
+        str(torch_dir).encode(),
+        _compiler_version().encode(),
+        march().encode(),
+        _cpu_flags().encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return "llm_cpu_attention_" + h.hexdigest()[:16]
@@ -132,7 +141,8 @@ def _ensure_ninja_on_path() -> None:
     if shutil.which("ninja"):
         return
     try:
-        import ninja                          # the pip package ships the binary
+        import ninja  # the pip package ships the binary
+
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         bindir = os.path.dirname(sys.executable)
@@ -154,14 +164,20 @@ def _build(verbose: bool) -> tuple[str, float]:
         try:
             # Holding the flock, no live builder of ours holds torch's baton: one left behind is stale.
             (build_dir / "lock").unlink(missing_ok=True)
-            source = build_dir / SOURCE.name   # a stable path: ninja rebuilds when a command changes
+            source = build_dir / SOURCE.name  # a stable path: ninja rebuilds when a command changes
             if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
                 tmp = build_dir / (SOURCE.name + ".tmp")
                 shutil.copyfile(SOURCE, tmp)
                 os.replace(tmp, source)
-            path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
-                                      extra_ldflags=ldflags, build_directory=str(build_dir),
-                                      is_python_module=False, verbose=verbose)
+            path = cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
     return str(path), time.perf_counter() - start
@@ -170,7 +186,7 @@ def _build(verbose: bool) -> tuple[str, float]:
 def _register_fake() -> None:
     @torch.library.register_fake("llm_cpu::paged_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sdpa_min_query_len):
-        return q.new_empty(q.shape)            # contiguous (T, H, D), q's dtype
+        return q.new_empty(q.shape)  # contiguous (T, H, D), q's dtype
 
 
 def _reason(exc: BaseException) -> str:
@@ -192,7 +208,7 @@ def load(verbose: bool = False) -> str:
         try:
             path, build_s = _build(verbose)
             _register_fake()
-        except Exception as exc:   # noqa: BLE001 - any build or load failure: record why
+        except Exception as exc:  # noqa: BLE001 - any build or load failure: record why
             _state["error"] = f"the llm_cpu attention extension did not build or load: {_reason(exc)}"
             raise RuntimeError(_state["error"]) from exc
         _state.update(path=path, build_s=build_s)
@@ -217,10 +233,16 @@ def build_info() -> str:
     return torch.ops.llm_cpu.build_info()
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float,
-                    sdpa_min_query_len: int = SDPA_MIN_QUERY_LEN) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sdpa_min_query_len: int = SDPA_MIN_QUERY_LEN,
+) -> torch.Tensor:
     """Paged attention over the whole batch in one op call; `sdpa_min_query_len=0` keeps every
     prefill chunk in the paged kernel."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
@@ -232,5 +254,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         seq_lens = seq_lens.to(torch.int32)
     if query_start_loc.dtype != torch.int32:
         query_start_loc = query_start_loc.to(torch.int32)
-    return torch.ops.llm_cpu.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                             query_start_loc, float(scale), int(sdpa_min_query_len))
+    return torch.ops.llm_cpu.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), int(sdpa_min_query_len)
+    )

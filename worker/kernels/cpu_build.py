@@ -8,6 +8,7 @@ loads, 1 with the reason on stderr when it does not. `make install` runs it and 
 failure: the "auto" backend then serves with "torch".
 Proven by tests/test_cpu_attention.py (runs this module and checks its line).
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,7 @@ def main() -> int:
     except RuntimeError as exc:
         print(f"cpu attention op: not built: {exc}", file=sys.stderr)
         return 1
-    print(f"cpu attention op: {path} ({cpu_attention._state['build_s']:.1f}s, "
-          f"{cpu_attention.build_info()})")
+    print(f"cpu attention op: {path} ({cpu_attention._state['build_s']:.1f}s, {cpu_attention.build_info()})")
     return 0
 
 

@@ -19,6 +19,7 @@ Contract (shared with worker/kernels/triton_*.py):
 - Proven by: tests/test_kernels.py (Triton vs this), tests/test_torch_attention.py (CPU fast path
   vs this) and tests/test_engine_hf.py (engine logits vs transformers).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,26 +28,38 @@ import torch.nn.functional as F
 
 def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"head layout mismatch: q heads {num_heads}x{head_dim}, "
-                         f"kv heads {num_kv_heads}x{k_cache.shape[3]}")
+        raise ValueError(
+            f"head layout mismatch: q heads {num_heads}x{head_dim}, "
+            f"kv heads {num_kv_heads}x{k_cache.shape[3]}"
+        )
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"batch mismatch: seq_lens {num_seqs}, query_start_loc "
-                         f"{query_start_loc.shape[0]}, block_tables {block_tables.shape[0]}")
+        raise ValueError(
+            f"batch mismatch: seq_lens {num_seqs}, query_start_loc "
+            f"{query_start_loc.shape[0]}, block_tables {block_tables.shape[0]}"
+        )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
-        raise ValueError(f"store_kv shapes: key {tuple(key.shape)}, value {tuple(value.shape)}, "
-                         f"cache {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"store_kv shapes: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"cache {tuple(k_cache.shape)}"
+        )
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
     slot_mapping = slot_mapping.long()
@@ -59,28 +72,38 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The oracle: gather each sequence's blocks into contiguous K/V, attend in float32."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
-        blocks = block_tables[i, :-(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]                                     # (L, Hkv, D)
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # (L, Hkv, D)
         v = v_cache[blocks].flatten(0, 1)[:seq_len]
-        out[starts[i]:starts[i + 1]] = contiguous_attention(q[starts[i]:starts[i + 1]], k, v, scale)
+        out[starts[i] : starts[i + 1]] = contiguous_attention(q[starts[i] : starts[i + 1]], k, v, scale)
     return out
 
 
-def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence over contiguous K/V: q (T, H, D), k/v (L, Hkv, D), T <= L."""
     t, length = q.shape[0], k.shape[0]
     mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float()[None], k.transpose(0, 1).float()[None], v.transpose(0, 1).float()[None],
-        attn_mask=mask, scale=scale, enable_gqa=True)                                   # (1, H, T, D)
+        q.transpose(0, 1).float()[None],
+        k.transpose(0, 1).float()[None],
+        v.transpose(0, 1).float()[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # (1, H, T, D)
     return out[0].transpose(0, 1).to(q.dtype)

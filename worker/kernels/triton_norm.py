@@ -14,6 +14,7 @@ Contract (the plain-torch twins are `RMSNorm` and `RotaryEmbedding` in worker/mo
 - Proven by: tests/test_kernels.py::test_rms_norm and ::test_rotary_embedding (vs the torch
   formulas of worker/model/llama.py); compiled for sm_80/sm_90 by tests/test_triton_compile.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     # One program per token row; the whole row fits in one tile.
     row = tl.program_id(0)
@@ -41,21 +52,25 @@ def _rms_norm_kernel(
     # Round to x's dtype before the weight multiply, as the torch module does.
     normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    if x.dim() != 2 or weight.shape != (x.shape[1],) or \
-            (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"rms_norm shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"residual {None if residual is None else tuple(residual.shape)}")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"rms_norm shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"residual {None if residual is None else tuple(residual.shape)}"
+        )
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if not all(t.is_floating_point() for t in tensors) or len({t.device for t in tensors}) != 1 \
-            or (residual is not None and residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm needs float tensors on one device, residual in x's dtype: "
-                         f"{[(t.dtype, str(t.device)) for t in tensors]}")
+    if (
+        not all(t.is_floating_point() for t in tensors)
+        or len({t.device for t in tensors}) != 1
+        or (residual is not None and residual.dtype != x.dtype)
+    ):
+        raise ValueError(
+            f"rms_norm needs float tensors on one device, residual in x's dtype: "
+            f"{[(t.dtype, str(t.device)) for t in tensors]}"
+        )
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("rms_norm needs x, weight and residual contiguous in the last dim")
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -64,25 +79,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0] > 0:
         # Without a residual, x stands in for the residual pointers (HAS_RESIDUAL skips them).
         _rms_norm_kernel[(x.shape[0],)](
-            x, x if residual is None else residual, weight, out,
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
             x if new_residual is None else new_residual,
-            x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-            0 if new_residual is None else new_residual.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_C=block_c,
+            x.stride(0),
+            0 if residual is None else residual.stride(0),
+            out.stride(0),
+            0 if new_residual is None else new_residual.stride(0),
+            x.shape[1],
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_C=block_c,
             num_warps=max(1, min(16, block_c // 256)),  # about 8 fp32 values of the row per thread
         )
     return out if residual is None else (out, new_residual)
 
 
 @triton.jit
-def _rope_rotate(src_ptr, dst_ptr, token, stride_s_t, stride_s_h, stride_d_t, stride_d_h,
-                 num_heads, cos, sin, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
-                 HALF_PAD: tl.constexpr):
+def _rope_rotate(
+    src_ptr,
+    dst_ptr,
+    token,
+    stride_s_t,
+    stride_s_h,
+    stride_d_t,
+    stride_d_h,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HALF_PAD)[None, :]
     ok = (h < num_heads) & (d < HALF)
     src = src_ptr + token * stride_s_t + h * stride_s_h + d
-    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)                   # (H, D/2)
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # (H, D/2)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     dst = dst_ptr + token * stride_d_t + h * stride_d_h + d
     tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
@@ -91,10 +126,27 @@ def _rope_rotate(src_ptr, dst_ptr, token, stride_s_t, stride_s_h, stride_d_t, st
 
 @triton.jit
 def _rope_kernel(
-    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_qo_t, stride_qo_h,
-    stride_ko_t, stride_ko_h, stride_cs, num_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_qo_t,
+    stride_qo_h,
+    stride_ko_t,
+    stride_ko_h,
+    stride_cs,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
 ):
     # One program per token: its position's cos/sin row is loaded once for all q and k heads.
@@ -103,38 +155,96 @@ def _rope_kernel(
     d = tl.arange(0, HALF_PAD)[None, :]
     cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
-    _rope_rotate(q_ptr, q_out_ptr, token, stride_q_t, stride_q_h, stride_qo_t, stride_qo_h,
-                 num_heads, cos, sin, HALF, HEADS_PAD, HALF_PAD)
-    _rope_rotate(k_ptr, k_out_ptr, token, stride_k_t, stride_k_h, stride_ko_t, stride_ko_h,
-                 num_kv_heads, cos, sin, HALF, KV_HEADS_PAD, HALF_PAD)
+    _rope_rotate(
+        q_ptr,
+        q_out_ptr,
+        token,
+        stride_q_t,
+        stride_q_h,
+        stride_qo_t,
+        stride_qo_h,
+        num_heads,
+        cos,
+        sin,
+        HALF,
+        HEADS_PAD,
+        HALF_PAD,
+    )
+    _rope_rotate(
+        k_ptr,
+        k_out_ptr,
+        token,
+        stride_k_t,
+        stride_k_h,
+        stride_ko_t,
+        stride_ko_h,
+        num_kv_heads,
+        cos,
+        sin,
+        HALF,
+        KV_HEADS_PAD,
+        HALF_PAD,
+    )
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] \
-            or q.shape[2] % 2 or positions.shape != (q.shape[0],) or cos.dim() != 2 \
-            or cos.shape != sin.shape or cos.shape[1] != q.shape[2] // 2:
-        raise ValueError(f"rotary_embedding shapes: positions {tuple(positions.shape)}, q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, "
-                         f"sin {tuple(sin.shape)}")
-    if positions.dtype not in (torch.int32, torch.int64) or not q.is_floating_point() \
-            or not k.is_floating_point() or cos.dtype != sin.dtype:
-        raise ValueError(f"rotary_embedding dtypes: positions {positions.dtype}, q {q.dtype}, "
-                         f"k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}")
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] != k.shape[2]
+        or q.shape[2] % 2
+        or positions.shape != (q.shape[0],)
+        or cos.dim() != 2
+        or cos.shape != sin.shape
+        or cos.shape[1] != q.shape[2] // 2
+    ):
+        raise ValueError(
+            f"rotary_embedding shapes: positions {tuple(positions.shape)}, q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}"
+        )
+    if (
+        positions.dtype not in (torch.int32, torch.int64)
+        or not q.is_floating_point()
+        or not k.is_floating_point()
+        or cos.dtype != sin.dtype
+    ):
+        raise ValueError(
+            f"rotary_embedding dtypes: positions {positions.dtype}, q {q.dtype}, "
+            f"k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}"
+        )
     tensors = (positions, q, k, cos, sin)
     if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"rotary_embedding tensors on several devices: "
-                         f"{[str(t.device) for t in tensors]}")
+        raise ValueError(f"rotary_embedding tensors on several devices: {[str(t.device) for t in tensors]}")
     if any(t.stride(-1) != 1 for t in tensors) or cos.stride() != sin.stride():
         raise ValueError("rotary_embedding needs contiguous last dims and equal cos/sin strides")
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     half = q.shape[2] // 2
     if q.shape[0] > 0:
         _rope_kernel[(q.shape[0],)](
-            positions, q, k, q_out, k_out, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
-            k_out.stride(0), k_out.stride(1), cos.stride(0), q.shape[1], k.shape[1],
-            HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            positions,
+            q,
+            k,
+            q_out,
+            k_out,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos.stride(0),
+            q.shape[1],
+            k.shape[1],
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
             HEADS_PAD=triton.next_power_of_2(q.shape[1]),
             KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
         )

@@ -13,6 +13,7 @@ Contract (same as `worker.kernels.reference.store_kv`):
 - Proven by: tests/test_kernels.py::test_store_kv (bit-exact vs the reference, skipped slots
   untouched); compiled for sm_80/sm_90 by tests/test_triton_compile.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,12 +23,26 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_key_t, stride_key_h, stride_value_t, stride_value_h,
-    stride_kc_b, stride_kc_r, stride_kc_h,
-    stride_vc_b, stride_vc_r, stride_vc_h,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_kc_b,
+    stride_kc_r,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_r,
+    stride_vc_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # One program per token: copies all of its kv heads for K and V.
     token = tl.program_id(0)
@@ -41,26 +56,43 @@ def _store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
 
     k = tl.load(key_ptr + token * stride_key_t + h * stride_key_h + d, mask=mask)
-    tl.store(k_cache_ptr + block * stride_kc_b + row * stride_kc_r + h * stride_kc_h + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + block * stride_kc_b + row * stride_kc_r + h * stride_kc_h + d,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
     v = tl.load(value_ptr + token * stride_value_t + h * stride_value_h + d, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vc_b + row * stride_vc_r + h * stride_vc_h + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        v_cache_ptr + block * stride_vc_b + row * stride_vc_r + h * stride_vc_h + d,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    if key.dim() != 3 or key.shape != value.shape or k_cache.dim() != 4 \
-            or k_cache.shape != v_cache.shape or key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"store_kv shapes: key {tuple(key.shape)}, value {tuple(value.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if (
+        key.dim() != 3
+        or key.shape != value.shape
+        or k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or key.shape[1:] != k_cache.shape[2:]
+    ):
+        raise ValueError(
+            f"store_kv shapes: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} for {key.shape[0]} tokens")
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
-    if not all(t.is_floating_point() for t in (key, value, k_cache, v_cache)) \
-            or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"store_kv dtypes: key {key.dtype}, value {value.dtype}, "
-                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if (
+        not all(t.is_floating_point() for t in (key, value, k_cache, v_cache))
+        or k_cache.dtype != v_cache.dtype
+    ):
+        raise ValueError(
+            f"store_kv dtypes: key {key.dtype}, value {value.dtype}, "
+            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
     tensors = (key, value, k_cache, v_cache, slot_mapping)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"store_kv tensors on several devices: {[str(t.device) for t in tensors]}")
@@ -68,18 +100,35 @@ def _check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError("store_kv needs key, value and caches contiguous in the last dim")
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],

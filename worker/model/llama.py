@@ -11,6 +11,7 @@ tied lm_head) for an int8 one (worker/model/quant.py); they take and return bflo
 Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4);
 the quantized forms by tests/test_quant.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
     out = torch.where(wavelen < high_wavelen, inv_freq, out)
@@ -66,7 +68,7 @@ class RotaryEmbedding(nn.Module):
         head_dim, max_position, theta, scaling = self.args
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.cos = freqs.cos().to(self.cos.device)                      # (P, D/2)
+        self.cos = freqs.cos().to(self.cos.device)  # (P, D/2)
         self.sin = freqs.sin().to(self.sin.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         cos, sin = cos_sin
-        x1, x2 = x.float().chunk(2, dim=-1)                            # (T, H, D/2)
+        x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
@@ -89,21 +91,27 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope_in, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_in,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         """`rope_in`: the step's (cos, sin) tables, or its positions when the backend fuses RoPE."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)                           # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if backend.fused is not None:
             q, k = backend.fused.rotary_embedding(rope_in, q, k, self.rope.cos, self.rope.sin)
         else:
             q, k = self.rope.apply(rope_in, q), self.rope.apply(rope_in, k)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)                        # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))                        # (T, C)
+        return self.o_proj(out.reshape(-1, self.q_size))  # (T, C)
 
 
 class MLP(nn.Module):
@@ -113,7 +121,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                        # (T, F) each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, F) each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -152,10 +160,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                        # (T, C)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, C)
         rope = self.layers[0].self_attn.rope
         rope_in = positions if backend.fused is not None else rope.tables(positions)
         residual = None
@@ -175,18 +188,23 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()                                 # (S, V)
+            return self.lm_head(hidden).float()  # (S, V)
         if isinstance(self.embed_tokens, nn.Embedding):
             return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.embed_tokens.linear(hidden).float()                         # Int8Embedding
+        return self.embed_tokens.linear(hidden).float()  # Int8Embedding
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named tensors ("model.layers.0.self_attn.q_proj.weight", ...)."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         loaded: set[str] = set()
         for name, tensor in weights.items():
             if "rotary_emb" in name:
@@ -203,7 +221,9 @@ class LlamaModel(nn.Module):
                 if name not in params:
                     raise KeyError(f"unexpected weight {name!r}")
                 if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}"
+                    )
                 params[name].copy_(tensor)
                 loaded.add(name)
         expected = set()

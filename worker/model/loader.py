@@ -35,6 +35,7 @@ a GGUF tensor type outside GGUF_SUPPORTED_TYPES (IQ*, TQ*, ...) -> ValueError na
 Proven by tests/test_engine_hf.py (float32 logits equal transformers' on the same GGUF) and
 tests/test_quant.py (quantized modules, decoding, the whole quantized model vs float32).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,14 @@ import torch.nn as nn
 from common.model_files import _HeaderReader, default_model_path, read_gguf_metadata
 from worker.config import ModelConfig, RopeScaling
 from worker.model.llama import LlamaModel
-from worker.model.quant import (GGUF_INT4_TYPES, Int4Linear, Int8Embedding, Int8Linear,
-                                quantize_int4, quantize_int8)
+from worker.model.quant import (
+    GGUF_INT4_TYPES,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +69,30 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 _PERMUTED_ARCHS = ("llama", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 DENSE_TYPES = ("F32", "F16", "BF16")
 # Dequantized by gguf.quants (and the 4-bit ones decoded exactly by worker/model/quant.py).
-GGUF_SUPPORTED_TYPES = DENSE_TYPES + ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_SUPPORTED_TYPES = DENSE_TYPES + (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 _ROW_CHUNK = 2048
 
 
@@ -81,7 +103,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     name: str
     load_s: float
-    plan: dict[str, str] = field(default_factory=dict)   # module path -> dense | int4 | int4x2 | int8
+    plan: dict[str, str] = field(default_factory=dict)  # module path -> dense | int4 | int4x2 | int8
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -99,25 +121,36 @@ def gguf_model_config(meta: dict) -> ModelConfig:
     hidden = int(g("embedding_length"))
     scaling = None
     if g("rope.scaling.type") == "llama3" or g("rope.scaling.factor"):
-        scaling = RopeScaling(factor=float(g("rope.scaling.factor", 1.0)),
-                              original_max_position=int(g("rope.scaling.original_context_length", 8192)))
+        scaling = RopeScaling(
+            factor=float(g("rope.scaling.factor", 1.0)),
+            original_max_position=int(g("rope.scaling.original_context_length", 8192)),
+        )
     vocab = g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     return ModelConfig(
-        vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
-        num_heads=num_heads, num_kv_heads=int(g("attention.head_count_kv", num_heads)),
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(g("attention.head_count_kv", num_heads)),
         head_dim=int(g("rope.dimension_count", hidden // num_heads)),
-        max_position=int(g("context_length", 4096)), rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position=int(g("context_length", 4096)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings=True, qkv_bias=arch == "qwen2", rope_scaling=scaling,
-        name=str(meta.get("general.name", arch)))
+        tie_embeddings=True,
+        qkv_bias=arch == "qwen2",
+        rope_scaling=scaling,
+        name=str(meta.get("general.name", arch)),
+    )
 
 
 # --- checkpoint tensors, read on demand ----------------------------------------------------------
 
+
 class CheckpointTensor:
     """One weight in torch layout (`shape`: (out, in) or (n,)), read when asked: `dense(start,
     stop)` -> float32 rows; `int4()` -> (q, scale, zero) when `type_name` is a 4-bit GGUF type."""
+
     name: str
     type_name: str
     shape: tuple[int, ...]
@@ -136,8 +169,8 @@ class CheckpointTensor:
 class GGUFTensorInfo:
     name: str
     type_name: str
-    shape: tuple[int, ...]     # torch order: (rows, cols); GGUF lists ne0 (cols) first
-    offset: int                # absolute byte offset in the file
+    shape: tuple[int, ...]  # torch order: (rows, cols); GGUF lists ne0 (cols) first
+    offset: int  # absolute byte offset in the file
     nbytes: int
 
 
@@ -172,8 +205,11 @@ def read_gguf_tensor_infos(path: str | Path) -> list[GGUFTensorInfo]:
             raise ValueError(f"GGUF tensor {name!r} has unknown type id {type_id}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         numel = int(np.prod(dims)) if dims else 1
-        infos.append(GGUFTensorInfo(name, qtype.name, tuple(reversed(dims)), data_start + offset,
-                                    numel // block * type_size))
+        infos.append(
+            GGUFTensorInfo(
+                name, qtype.name, tuple(reversed(dims)), data_start + offset, numel // block * type_size
+            )
+        )
     return infos
 
 
@@ -195,7 +231,7 @@ class GGUFTensor(CheckpointTensor):
     def _raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """The tensor's bytes as [rows, row_bytes] (1-D tensors: one row), rows start:stop."""
         rows = self.shape[0] if len(self.shape) == 2 else 1
-        raw = self.data[self.info.offset:self.info.offset + self.info.nbytes].reshape(rows, -1)
+        raw = self.data[self.info.offset : self.info.offset + self.info.nbytes].reshape(rows, -1)
         if self.row_perm is not None:
             return raw[self.row_perm][start:stop]
         return raw[start:stop]
@@ -205,7 +241,7 @@ class GGUFTensor(CheckpointTensor):
 
         raw = self._raw(start, stop)
         out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[self.type_name])
-        out = np.array(out, dtype=np.float32, copy=True)    # own memory: never a view of the map
+        out = np.array(out, dtype=np.float32, copy=True)  # own memory: never a view of the map
         return torch.from_numpy(out.reshape(-1) if len(self.shape) == 1 else out)
 
     def int4x2(self):
@@ -231,8 +267,10 @@ class SafetensorsTensor(CheckpointTensor):
         self.shape = tuple(sl.get_shape())
         self.type_name = sl.get_dtype()
         if self.type_name not in DENSE_TYPES:
-            raise ValueError(f"safetensors tensor {key!r} has dtype {self.type_name}; only "
-                             f"{', '.join(DENSE_TYPES)} checkpoints are supported")
+            raise ValueError(
+                f"safetensors tensor {key!r} has dtype {self.type_name}; only "
+                f"{', '.join(DENSE_TYPES)} checkpoints are supported"
+            )
 
     def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if start == 0 and stop is None:
@@ -261,8 +299,10 @@ def gguf_tensors(path: Path, cfg: ModelConfig, arch: str) -> dict[str, Checkpoin
         else:
             continue
         if info.type_name not in GGUF_SUPPORTED_TYPES:
-            raise ValueError(f"GGUF tensor {info.name!r} has type {info.type_name}, which this loader "
-                             f"does not support (supported: {', '.join(GGUF_SUPPORTED_TYPES)})")
+            raise ValueError(
+                f"GGUF tensor {info.name!r} has type {info.type_name}, which this loader "
+                f"does not support (supported: {', '.join(GGUF_SUPPORTED_TYPES)})"
+            )
         perm = None
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
@@ -288,19 +328,28 @@ def hf_model_config(config: dict) -> ModelConfig:
     rope_theta = rs.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = None
     if rs.get("rope_type", rs.get("type")) == "llama3":
-        scaling = RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                              high_freq_factor=rs["high_freq_factor"],
-                              original_max_position=rs["original_max_position_embeddings"])
+        scaling = RopeScaling(
+            factor=rs["factor"],
+            low_freq_factor=rs["low_freq_factor"],
+            high_freq_factor=rs["high_freq_factor"],
+            original_max_position=rs["original_max_position_embeddings"],
+        )
     return ModelConfig(
-        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
-        num_heads=num_heads, num_kv_heads=config.get("num_key_value_heads", num_heads),
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads", num_heads),
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
         max_position=config.get("max_position_embeddings", 4096),
-        rope_theta=rope_theta, rms_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta,
+        rms_eps=config.get("rms_norm_eps", 1e-5),
         tie_embeddings=config.get("tie_word_embeddings", False),
-        qkv_bias=config.get("attention_bias", arch == "qwen2"), rope_scaling=scaling,
-        name=config.get("_name_or_path") or arch)
+        qkv_bias=config.get("attention_bias", arch == "qwen2"),
+        rope_scaling=scaling,
+        name=config.get("_name_or_path") or arch,
+    )
 
 
 def safetensors_tensors(path: Path) -> tuple[ModelConfig, dict[str, CheckpointTensor], tuple[int, ...]]:
@@ -328,23 +377,29 @@ def safetensors_tensors(path: Path) -> tuple[ModelConfig, dict[str, CheckpointTe
 
 # --- building the model --------------------------------------------------------------------------
 
+
 def quantization_mode(quantization: str, dtype: str, device: torch.device) -> str:
-    """"dense", "auto", "int8" or "int4": what load_model does with (quantization, dtype, device)."""
+    """ "dense", "auto", "int8" or "int4": what load_model does with (quantization, dtype, device)."""
     if quantization == "none":
         return "dense"
     if quantization not in ("auto", "int8", "int4"):
         raise ValueError(f"quantization must be auto, none, int8 or int4, got {quantization!r}")
     if device.type != "cpu" or dtype != "bfloat16":
         if quantization != "auto":
-            log.warning("quantization=%s ignored: weight-only kernels run on CPU with bfloat16 "
-                        "activations (device %s, dtype %s); weights are dequantized to %s",
-                        quantization, device, dtype, dtype)
+            log.warning(
+                "quantization=%s ignored: weight-only kernels run on CPU with bfloat16 "
+                "activations (device %s, dtype %s); weights are dequantized to %s",
+                quantization,
+                device,
+                dtype,
+                dtype,
+            )
         return "dense"
     return quantization
 
 
 def _form(role: str, parts: list[CheckpointTensor], mode: str, n: int, k: int) -> str:
-    """"dense", "int4", "int4x2" (Q8_0 as two int4 halves) or "int8" for a module built from
+    """ "dense", "int4", "int4x2" (Q8_0 as two int4 halves) or "int8" for a module built from
     `parts` (see the module docstring)."""
     if mode == "dense":
         return "dense"
@@ -370,9 +425,9 @@ def _form(role: str, parts: list[CheckpointTensor], mode: str, n: int, k: int) -
 
 @dataclass
 class _Target:
-    path: str                      # module path in LlamaModel ("layers.0.self_attn.qkv_proj")
-    role: str                      # "linear" | "head" | "embedding"
-    parts: list[str]               # checkpoint names of the weight's row blocks, in order
+    path: str  # module path in LlamaModel ("layers.0.self_attn.qkv_proj")
+    role: str  # "linear" | "head" | "embedding"
+    parts: list[str]  # checkpoint names of the weight's row blocks, in order
     bias_parts: list[str]
 
 
@@ -381,12 +436,22 @@ def _targets(cfg: ModelConfig) -> list[_Target]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}"
         qkv = [f"{p}.self_attn.{x}_proj" for x in "qkv"]
-        out += [_Target(f"{p}.self_attn.qkv_proj", "linear", [f"{x}.weight" for x in qkv],
-                        [f"{x}.bias" for x in qkv] if cfg.qkv_bias else []),
-                _Target(f"{p}.self_attn.o_proj", "linear", [f"{p}.self_attn.o_proj.weight"], []),
-                _Target(f"{p}.mlp.gate_up_proj", "linear",
-                        [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], []),
-                _Target(f"{p}.mlp.down_proj", "linear", [f"{p}.mlp.down_proj.weight"], [])]
+        out += [
+            _Target(
+                f"{p}.self_attn.qkv_proj",
+                "linear",
+                [f"{x}.weight" for x in qkv],
+                [f"{x}.bias" for x in qkv] if cfg.qkv_bias else [],
+            ),
+            _Target(f"{p}.self_attn.o_proj", "linear", [f"{p}.self_attn.o_proj.weight"], []),
+            _Target(
+                f"{p}.mlp.gate_up_proj",
+                "linear",
+                [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"],
+                [],
+            ),
+            _Target(f"{p}.mlp.down_proj", "linear", [f"{p}.mlp.down_proj.weight"], []),
+        ]
     if not cfg.tie_embeddings:
         out.append(_Target("lm_head", "head", ["lm_head.weight"], []))
     return out
@@ -411,12 +476,13 @@ def _copy_rows(dst: torch.Tensor, src: CheckpointTensor) -> None:
     rows = dst.shape[0]
     step = rows if dst.dim() == 1 else _ROW_CHUNK
     for a in range(0, rows, step):
-        dst[a:a + step].copy_(src.dense(a, min(a + step, rows)) if dst.dim() == 2 else src.dense())
+        dst[a : a + step].copy_(src.dense(a, min(a + step, rows)) if dst.dim() == 2 else src.dense())
 
 
 @torch.no_grad()
-def build_model(cfg: ModelConfig, tensors: dict[str, CheckpointTensor], dtype: torch.dtype,
-                mode: str, strict: bool = True) -> tuple[LlamaModel, dict[str, str]]:
+def build_model(
+    cfg: ModelConfig, tensors: dict[str, CheckpointTensor], dtype: torch.dtype, mode: str, strict: bool = True
+) -> tuple[LlamaModel, dict[str, str]]:
     """The model on CPU with every weight in its planned form, and the plan {module path: form}.
     `tensors` is consumed; `strict`: a checkpoint tensor the model has no place for is an error."""
     tensors = dict(tensors)
@@ -440,9 +506,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, CheckpointTensor], dtype: t
         biases = [_take(tensors, name, (s,)) for name, s in zip(t.bias_parts, sizes)]
         form = plan[t.path] = _form(t.role, parts, mode, n, k)
         if form != "dense":
-            _set_module(model, t.path, nn.Identity())         # keeps to_empty from allocating it
+            _set_module(model, t.path, nn.Identity())  # keeps to_empty from allocating it
         pending.append((t, parts, biases, form))
-    model.to_empty(device="cpu")                              # the dense parameters, uninitialized
+    model.to_empty(device="cpu")  # the dense parameters, uninitialized
     for t, parts, biases, form in pending:
         if form == "dense":
             _fill_dense(model.get_submodule(t.path), parts, biases)
@@ -451,9 +517,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, CheckpointTensor], dtype: t
         for src in parts + biases:
             src.release()
         if form != "dense" and not t.path.endswith(("qkv_proj", "o_proj", "gate_up_proj")):
-            release_freed_memory(collect=False)   # once per layer: else transients pile up under new weights
+            release_freed_memory(collect=False)  # once per layer: else transients pile up under new weights
     filled = tuple(f"{t.path}." for t, *_ in pending)
-    for name, param in model.named_parameters():              # the norms
+    for name, param in model.named_parameters():  # the norms
         if not name.startswith(filled):
             src = _take(tensors, name, tuple(param.shape))
             param.copy_(src.dense())
@@ -475,8 +541,9 @@ def _fill_dense(module: nn.Module, parts: list[CheckpointTensor], biases: list[C
         offset += src.shape[0]
 
 
-def _quantized_module(t: _Target, parts: list[CheckpointTensor], biases: list[CheckpointTensor],
-                      form: str) -> nn.Module:
+def _quantized_module(
+    t: _Target, parts: list[CheckpointTensor], biases: list[CheckpointTensor], form: str
+) -> nn.Module:
     bias = torch.cat([b.dense() for b in biases]) if biases else None
     if t.role == "embedding":
         src = parts[0]
@@ -522,8 +589,12 @@ def release_freed_memory(collect: bool = True) -> None:
 _malloc_trim = None
 
 
-def load_model(path: str | Path | None, dtype: str = "float32",
-               device: str | torch.device = "cpu", quantization: str = "none") -> LoadedModel:
+def load_model(
+    path: str | Path | None,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    quantization: str = "none",
+) -> LoadedModel:
     start = time.perf_counter()
     device = torch.device(device)
     path = Path(path) if path else default_model_path()
@@ -537,12 +608,12 @@ def load_model(path: str | Path | None, dtype: str = "float32",
         tensors = gguf_tensors(path, cfg, meta["general.architecture"])
         eos_ids = tuple(i for i in (meta.get("tokenizer.ggml.eos_token_id"),) if i is not None)
         cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": "lm_head.weight" not in tensors})
-        strict = False                         # GGUF blocks the model has no use for are skipped
+        strict = False  # GGUF blocks the model has no use for are skipped
     else:
         raise ValueError(f"model path {path} is neither a .gguf file nor a directory")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # ~600 small conversion ops: OpenMP fork/join per op cost more
-    try:                            # than it saved (2 threads: 12 s vs 2-4 s on 2 busy vCPUs)
+    torch.set_num_threads(1)  # ~600 small conversion ops: OpenMP fork/join per op cost more
+    try:  # than it saved (2 threads: 12 s vs 2-4 s on 2 busy vCPUs)
         model, plan = build_model(cfg, tensors, _DTYPES[dtype], mode, strict=strict)
     finally:
         torch.set_num_threads(threads)
@@ -550,6 +621,6 @@ def load_model(path: str | Path | None, dtype: str = "float32",
     forms = {f: sum(1 for v in plan.values() if v == f) for f in sorted(set(plan.values()))}
     log.info("loaded %s: quantization %s -> %s (modules per form: %s)", cfg.name, quantization, mode, forms)
     model = model.to(device=device).eval()
-    model.reset_rope()                        # float32 tables, whatever the weights' dtype
+    model.reset_rope()  # float32 tables, whatever the weights' dtype
     release_freed_memory()
     return LoadedModel(model, cfg, eos_ids, cfg.name, time.perf_counter() - start, plan)

@@ -35,6 +35,7 @@ Contract:
   the bfloat16 rounding of d, at 1.25 bytes per weight (Q8_0 itself: 1.0625).
 Proven by tests/test_quant.py (kernels vs dequantize, decoders vs gguf.quants.dequantize).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -88,7 +89,7 @@ class _QuantLinearBase(nn.Module):
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"bias: expected ({self.out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous())
-        self.dense: torch.Tensor | None = None      # opt-in bf16 copy (keep_dense_copy)
+        self.dense: torch.Tensor | None = None  # opt-in bf16 copy (keep_dense_copy)
         self.dense_min_rows = 0
 
     def keep_dense_copy(self, min_rows: int) -> None:
@@ -113,8 +114,9 @@ class _QuantLinearBase(nn.Module):
         return out.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 def _int4_nibble_sources(n: int, k: int) -> torch.Tensor:
@@ -138,8 +140,15 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(_QuantLinearBase):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None = None, group_size: int = 32, input_repeats: int = 1):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        group_size: int = 32,
+        input_repeats: int = 1,
+    ):
         super().__init__()
         if q.dim() != 2:
             raise ValueError(f"q must be [N, K], got {tuple(q.shape)}")
@@ -151,28 +160,31 @@ class Int4Linear(_QuantLinearBase):
         if n % 16 or k % group_size:
             raise ValueError(f"int4 weight [{n}, {k}]: needs N % 16 == 0 and K % {group_size} == 0")
         if scale.shape != (n, k // group_size) or zero.shape != scale.shape:
-            raise ValueError(f"scale/zero must be [{n}, {k // group_size}], got {tuple(scale.shape)}, "
-                             f"{tuple(zero.shape)}")
+            raise ValueError(
+                f"scale/zero must be [{n}, {k // group_size}], got {tuple(scale.shape)}, {tuple(zero.shape)}"
+            )
         q = q.to(torch.int32)
         if int(q.min()) < 0 or int(q.max()) > 15:
             raise ValueError("int4 values must lie in 0..15")
         self.in_features, self.out_features, self.group_size = k // input_repeats, n, group_size
         self.input_repeats = input_repeats
         self.register_buffer("weight_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
-        sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1)      # [K/G, N, 2]
+        sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1)  # [K/G, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())
         self._init_bias_and_dense(bias)
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
-                   group_size: int = 32) -> Int4Linear:
+    def from_float(
+        cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
+    ) -> Int4Linear:
         return cls(*quantize_int4(w, group_size), bias=bias, group_size=group_size)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.input_repeats > 1:
             x2 = torch.cat([x2] * self.input_repeats, dim=1)
-        return torch._weight_int4pack_mm_for_cpu(x2, self.weight_packed, self.group_size,
-                                                 self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(
+            x2, self.weight_packed, self.group_size, self.scales_and_zeros
+        )
 
     def unpacked(self) -> torch.Tensor:
         """The int4 values q [N, K * input_repeats] (uint8), recovered from the packed bytes (slow)."""
@@ -183,15 +195,18 @@ class Int4Linear(_QuantLinearBase):
 
     def dequantize(self) -> torch.Tensor:
         g = self.group_size
-        sz = self.scales_and_zeros.float()                                    # [K/G, N, 2]
-        scale = sz[..., 0].t().repeat_interleave(g, dim=1)                    # [N, K]
+        sz = self.scales_and_zeros.float()  # [K/G, N, 2]
+        scale = sz[..., 0].t().repeat_interleave(g, dim=1)  # [N, K]
         zero = sz[..., 1].t().repeat_interleave(g, dim=1)
         full = (self.unpacked().float() - 8) * scale + zero
-        return sum(full.split(self.in_features, dim=1))                       # the repeats' weights add
+        return sum(full.split(self.in_features, dim=1))  # the repeats' weights add
 
     def extra_repr(self) -> str:
-        return (super().extra_repr() + f", group_size={self.group_size}"
-                + (f", input_repeats={self.input_repeats}" if self.input_repeats > 1 else ""))
+        return (
+            super().extra_repr()
+            + f", group_size={self.group_size}"
+            + (f", input_repeats={self.input_repeats}" if self.input_repeats > 1 else "")
+        )
 
 
 class Int8Linear(_QuantLinearBase):
@@ -227,14 +242,15 @@ class Int8Embedding(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         if q.dim() != 2 or q.dtype != torch.int8 or scale.shape != (q.shape[0],):
-            raise ValueError(f"expected int8 [V, C] and scale [V], got {q.dtype} {tuple(q.shape)}, "
-                             f"{tuple(scale.shape)}")
+            raise ValueError(
+                f"expected int8 [V, C] and scale [V], got {q.dtype} {tuple(q.shape)}, {tuple(scale.shape)}"
+            )
         if q.shape[1] % 16:
             raise ValueError(f"embedding width {q.shape[1]}: the int8 kernel needs a multiple of 16")
         self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scales", scale.to(torch.bfloat16).contiguous())
-        self.dense: torch.Tensor | None = None      # opt-in bf16 copy (keep_dense_copy)
+        self.dense: torch.Tensor | None = None  # opt-in bf16 copy (keep_dense_copy)
         self.dense_min_rows = 0
 
     @classmethod
@@ -310,6 +326,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- GGUF 4-bit blocks -------------------------------------------------------------------------
 
+
 def _f16(b: np.ndarray) -> np.ndarray:
     """Little-endian float16 from a [..., 2] uint8 array, as float32 [...]."""
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
@@ -323,21 +340,21 @@ def decode_gguf_int4(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, tor
     n = raw.shape[0]
     if type_name in ("Q4_0", "Q4_1"):
         head = 2 if type_name == "Q4_0" else 4
-        blocks = raw.reshape(n, -1, head + 16)                                # [N, K/32, bytes]
+        blocks = raw.reshape(n, -1, head + 16)  # [N, K/32, bytes]
         d = _f16(blocks[..., 0:2])
         qs = blocks[..., head:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)                       # byte j: values j, j+16
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # byte j: values j, j+16
         zero = np.zeros_like(d) if type_name == "Q4_0" else _f16(blocks[..., 2:4]) + 8 * d
         return torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(d), torch.from_numpy(zero)
     if type_name == "Q4_K":
-        blocks = raw.reshape(n, -1, 144)                                      # 256 values per block
+        blocks = raw.reshape(n, -1, 144)  # 256 values per block
         nb = blocks.shape[1]
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         sc_bytes = blocks[..., 4:16].reshape(n, nb, 3, 4)
         a, b, c = sc_bytes[..., 0, :], sc_bytes[..., 1, :], sc_bytes[..., 2, :]
         sc = np.concatenate([a & 63, (c & 15) | ((a >> 2) & 48)], axis=-1).astype(np.float32)  # 6-bit
         mn = np.concatenate([b & 63, (c >> 4) | ((b >> 2) & 48)], axis=-1).astype(np.float32)
-        qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32)                        # chunk c: sub-blocks 2c, 2c+1
+        qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32)  # chunk c: sub-blocks 2c, 2c+1
         q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nb * 256)
         scale = (d[..., None] * sc).reshape(n, nb * 8)
         zero = 8 * scale - (dmin[..., None] * mn).reshape(n, nb * 8)
@@ -354,10 +371,10 @@ def decode_gguf_q8_0_int4x2(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     raw = np.asarray(raw, dtype=np.uint8)
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, 34)
-    d = _f16(blocks[..., 0:2])                                                # [N, K/32]
-    q = blocks[..., 2:].view(np.int8).astype(np.int16)                        # [N, K/32, 32]
+    d = _f16(blocks[..., 0:2])  # [N, K/32]
+    q = blocks[..., 2:].view(np.int8).astype(np.int16)  # [N, K/32, 32]
     lo = (q & 15).astype(np.uint8)
-    hi = ((q >> 4) + 8).astype(np.uint8)                                      # >> 4: floor(q / 16)
+    hi = ((q >> 4) + 8).astype(np.uint8)  # >> 4: floor(q / 16)
     q4 = np.concatenate([hi.reshape(n, -1), lo.reshape(n, -1)], axis=1)
     scale = np.concatenate([16 * d, d], axis=1)
     zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
