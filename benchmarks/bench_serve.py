@@ -680,7 +680,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def table_rows(points: list[Point]) -> list[list[str]]:
     rows = []
     for p in points:
-        ours, theirs, r = p.sides.get("ours", {}), p.sides.get("llama.cpp", {}), p.ratios()
+        ours, theirs = p.sides.get("ours", {}), p.sides.get("llama.cpp", {})
         rows.append(
             [
                 str(p.concurrency),
@@ -836,7 +836,7 @@ def worker_log_lines(log_text: str, limit: int = 6) -> list[str]:
 
 
 def print_point(p: Point, log, threads: int) -> None:
-    ours, theirs, r = p.sides.get("ours", {}), p.sides.get("llama.cpp", {}), p.ratios()
+    ours, theirs = p.sides.get("ours", {}), p.sides.get("llama.cpp", {})
     log(
         f"concurrency {p.concurrency}: output tok/s ours {_fmt(ours.get('output_tok_s'))} vs llama.cpp "
         f"{_fmt(theirs.get('output_tok_s'))} "

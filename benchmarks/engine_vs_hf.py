@@ -301,8 +301,8 @@ def main() -> None:
             continue
         print(
             f"  transformers: batch size {r['batch_size']} (calibration tok/s, length-sorted: "
-            f"{r['calibration_tok_s']}), peak RSS {r['peak_rss_mib']:.0f} MiB, {r.get('torch_threads')} torch "
-            "threads",
+            f"{r['calibration_tok_s']}), peak RSS {r['peak_rss_mib']:.0f} MiB, "
+            f"{r.get('torch_threads')} torch threads",
             flush=True,
         )
         for name, run in r["runs"].items():

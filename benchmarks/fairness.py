@@ -238,7 +238,8 @@ def markdown(figures: list[dict], tenants: list[BenchTenant]) -> str:
                 f"Light tenant c, TTFT p99: fcfs / vtc = {c_fcfs['ttft_p99_s'] / c_vtc['ttft_p99_s']:.1f}×.",
             ]
         a_b = [
-            f"{f['mode']} {f['tenants']['b']['output_tokens_per_s'] / f['tenants']['a']['output_tokens_per_s']:.2f}"
+            f"{f['mode']} "
+            f"{f['tenants']['b']['output_tokens_per_s'] / f['tenants']['a']['output_tokens_per_s']:.2f}"
             for f in figures
             if f["tenants"]["a"]["output_tokens_per_s"]
         ]

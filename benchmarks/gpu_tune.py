@@ -2,10 +2,11 @@
 
 The split-KV heuristic (worker/kernels/triton_attention.py: PROGRAMS_PER_SM, MIN_SPLIT_LEN) and
 the decode key tile (DECODE_TILE_N) were first chosen without a GPU; this sweep picked the
-current ones (2026-11-30, H200: PROGRAMS_PER_SM 16, MIN_SPLIT_LEN 128, DECODE_TILE_N 64). This times the decode kernel of the
-`make bench-gpu` model (Llama-3.2-1B shape, bf16) at small batches and long contexts, where the
-split count decides how full the GPU is, for each setting, with `gpu_bench.attention_case` (CUDA
-graph replay, median, output checked against SDPA). Prints one markdown table: K/V GB/s per case.
+current ones (2026-11-30, H200: PROGRAMS_PER_SM 16, MIN_SPLIT_LEN 128, DECODE_TILE_N 64). This
+times the decode kernel of the `make bench-gpu` model (Llama-3.2-1B shape, bf16) at small batches
+and long contexts, where the split count decides how full the GPU is, for each setting, with
+`gpu_bench.attention_case` (CUDA graph replay, median, output checked against SDPA). Prints one
+markdown table: K/V GB/s per case.
 """
 
 from __future__ import annotations

@@ -265,7 +265,6 @@ def headline(res: dict) -> str:
 
 
 def docs_section(res: dict) -> str:
-    g = res["greedy"]
     lines = [
         SECTION,
         "",
@@ -364,8 +363,8 @@ def main() -> None:
     }
     print(
         f"host overhead per engine step: {res['machine']}, git {res['git']}, contexts "
-        f"{args.context[0]}-{args.context[1]}, {args.steps} timed + {args.breakdown_steps} instrumented decode "
-        "steps per batch size; thread CPU time",
+        f"{args.context[0]}-{args.context[1]}, {args.steps} timed + {args.breakdown_steps} instrumented "
+        "decode steps per batch size; thread CPU time",
         flush=True,
     )
     for temperature in [0.0] + ([args.temperature] if args.temperature else []):
@@ -375,10 +374,11 @@ def main() -> None:
             row = measure(b, args, temperature)
             rows.append(row)
             print(
-                f"  {kind:7s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU ({row['step_wall_ms']:.3f} ms wall); "
-                f"schedule {row['schedule_ms']:.3f}, "
-                f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, update {row['update_ms']:.3f}, "
-                f"other {row['other_ms']:.3f}; graph-path inputs {row['graph_inputs_ms']:.3f} ms",
+                f"  {kind:7s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU "
+                f"({row['step_wall_ms']:.3f} ms wall); schedule {row['schedule_ms']:.3f}, "
+                f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, "
+                f"update {row['update_ms']:.3f}, other {row['other_ms']:.3f}; "
+                f"graph-path inputs {row['graph_inputs_ms']:.3f} ms",
                 flush=True,
             )
         res["rows"] += rows
@@ -396,7 +396,8 @@ def main() -> None:
         print(f'wrote the section "{SECTION[3:]}" of {args.write_docs}')
     g = res["greedy"]
     print(
-        f"host overhead: B={g['batch_size']} step {g['step_ms']:.3f} ms, per sequence {g['per_sequence_us']:.2f} us"
+        f"host overhead: B={g['batch_size']} step {g['step_ms']:.3f} ms, "
+        f"per sequence {g['per_sequence_us']:.2f} us"
     )
 
 

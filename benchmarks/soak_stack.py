@@ -136,10 +136,10 @@ class Stack:
             loads = await asyncio.to_thread(self.worker_loads)
             gauges = await asyncio.to_thread(self.router_gauges)
             busy = [
-                f"{a}: {l.num_running} running, {l.num_waiting} waiting, {l.num_free_blocks}/"
-                f"{l.num_total_blocks} blocks free"
-                for a, l in zip(self.worker_addresses, loads)
-                if l.num_running or l.num_waiting or l.num_free_blocks != l.num_total_blocks
+                f"{a}: {load.num_running} running, {load.num_waiting} waiting, {load.num_free_blocks}/"
+                f"{load.num_total_blocks} blocks free"
+                for a, load in zip(self.worker_addresses, loads)
+                if load.num_running or load.num_waiting or load.num_free_blocks != load.num_total_blocks
             ]
             busy += [f"{k} = {v:g}" for k, v in gauges.items() if v]
             waited = time.monotonic() - start
@@ -148,7 +148,7 @@ class Stack:
                     "idle": not busy,
                     "idle_after_s": round(waited, 3),
                     "not_idle": busy,
-                    "kv_blocks": [f"{l.num_free_blocks}/{l.num_total_blocks}" for l in loads],
+                    "kv_blocks": [f"{load.num_free_blocks}/{load.num_total_blocks}" for load in loads],
                 }
             await asyncio.sleep(0.1)
 

@@ -8,12 +8,12 @@ Contract
   the grpc.aio server with health and reflection (the given services + health + reflection);
   the caller adds its servicers to `.server`, then `bind()` -> the bound port (`.address` is
   `host:port`), `await start()` (tracing, with the bound address as the service instance, unless
-  `start_tracing()` ran already; then the server), `await set_serving(bool)` (health of "" and every service), `stop_event(stop,
-  extra_signals)` (SIGTERM/SIGINT set it, unless the caller passes its own event, as a server on a
-  non-main thread must), `announce()` (the machine-read "<component> listening on HOST:PORT" line
-  and the log lines), and for the drain `await not_serving()` (health NOT_SERVING for good: a
-  graceful-shutdown health servicer), `await stop(grace_s)`, then `close()` (flushes tracing,
-  closes /metrics).
+  `start_tracing()` ran already; then the server), `await set_serving(bool)` (health of "" and
+  every service), `stop_event(stop, extra_signals)` (SIGTERM/SIGINT set it, unless the caller
+  passes its own event, as a server on a non-main thread must), `announce()` (the machine-read
+  "<component> listening on HOST:PORT" line and the log lines), and for the drain
+  `await not_serving()` (health NOT_SERVING for good: a graceful-shutdown health servicer),
+  `await stop(grace_s)`, then `close()` (flushes tracing, closes /metrics).
 - failure modes: a /metrics port that cannot be bound or a gRPC address that cannot be bound ->
   SystemExit with the reason (the caller releases what it holds first: `close()` is safe then).
 """

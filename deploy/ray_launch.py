@@ -21,11 +21,11 @@ Contract
   parallel) is out of scope: the engine runs one device.
 - state: in Ray only (named actors, one placement group per launch call); none here.
 - failure modes: a non-loopback host (node-ip) without mutual TLS or --allow-insecure-public ->
-  ValueError (common.public_bind), before anything starts. A worker process that dies is restarted by Ray (`max_restarts`, default
-  unlimited) in the same bundle; it reloads the model and serves on a new port, which routers
-  learn from `address()`. A failing constructor (bad model path, cannot bind) is final: Ray does
-  not restart failed constructors. Bundles that cannot be placed within `ready_timeout_s` ->
-  TimeoutError naming the bundle, the strategy and the cluster's resources.
+  ValueError (common.public_bind), before anything starts. A worker process that dies is restarted
+  by Ray (`max_restarts`, default unlimited) in the same bundle; it reloads the model and serves on
+  a new port, which routers learn from `address()`. A failing constructor (bad model path, cannot
+  bind) is final: Ray does not restart failed constructors. Bundles that cannot be placed within
+  `ready_timeout_s` -> TimeoutError naming the bundle, the strategy and the cluster's resources.
 - proven by: tests/test_ray_cluster.py (placement 2 per node on fake GPUs, restart, discovery),
   tests/test_config_cli.py (every worker flag and variable reaches the actors' config),
   tests/test_serve_telemetry.py (actors export spans from the launcher's OTEL_* environment).

@@ -1,10 +1,11 @@
 """Client for our gRPC API (`llm.v1.Generation`): one grpc.aio channel, one stream per request.
 
 Contract
-- `GrpcClient(address, options)` (TLS when `options.tls_ca` names a CA file); `await send(spec, record, request_id, api_key, priority)` runs
-  one `Generate` call and fills `record` (see `loadtest.record`): sent time just before the call,
-  each `TokenChunk` with token ids as it arrives, the `Finished` message's usage, reason and queue
-  time; failures become the gRPC status name. It never raises for a failed request.
+- `GrpcClient(address, options)` (TLS when `options.tls_ca` names a CA file);
+  `await send(spec, record, request_id, api_key, priority)` runs one `Generate` call and fills
+  `record` (see `loadtest.record`): sent time just before the call, each `TokenChunk` with token ids
+  as it arrives, the `Finished` message's usage, reason and queue time; failures become the gRPC
+  status name. It never raises for a failed request.
 - `await server_info(api_key)`: the served models (`ListModels`) for the report.
 - Prompts go as text (the router tokenizes, as a real client's would) or, with
   `prompt_format="tokens"`, as token ids when the workload knows them. Output length is fixed by

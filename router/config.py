@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from common.config_cli import MIB, Flags, comma_list, new_parser, option, parse_or_exit, section
 from common.net import is_loopback_host
 from common.public_bind import refusal, router_missing
-from common.tls import check_files, check_server_files
-from common.telemetry import TelemetryConfig
 from common.ray_names import DEFAULT_NAMESPACE
+from common.telemetry import TelemetryConfig
+from common.tls import check_files, check_server_files
 
 DEFAULT_METRICS_PORT = 9464  # Prometheus /metrics and /targets; taken -> an ephemeral port
 WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")

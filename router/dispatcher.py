@@ -13,7 +13,8 @@ Contract
   where capacity(w) is this router's share of w's KV tokens (1/`replicas` of its blocks when
   several routers share the workers; sequence slots likewise, rounded up)
   and w has a free sequence slot (this router's requests on it < its reported max_num_seqs, so
-  requests wait in the router's queue, where admission sees them, not in the worker's), where `reserved` sums prompt + max_tokens of this router's open requests on w. Reservations of
+  requests wait in the router's queue, where admission sees them, not in the worker's), where
+  `reserved` sums prompt + max_tokens of this router's open requests on w. Reservations of
   lower priority do not count: the worker's scheduler preempts its lowest-priority running
   sequences (by recompute) when a higher-priority one needs their KV blocks, so a high-priority
   request leaves the router at once for a worker busy with lower-priority work, while requests of
@@ -39,7 +40,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from router.affinity import PrefixAffinity
-from router.balancer import LeastOutstandingTokens, Lease
+from router.balancer import Lease, LeastOutstandingTokens
 from router.errors import DeadlineExceeded, Unavailable
 from router.fair_queue import FairQueue, QueuedRequest
 from router.registry import WorkerHandle, WorkerRegistry

@@ -7,7 +7,8 @@ Contract
   handled case never surfaces as UNKNOWN. Request bytes that do not parse as the method's message
   become INVALID_ARGUMENT `request: ...` (grpc itself would answer UNKNOWN).
 - state: none.
-- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_e2e.py (invalid-request table) (end to end),
+- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_e2e.py (invalid-request table)
+  (end to end),
   tests/test_fuzz_e2e.py (hostile requests and raw bytes end to end: never UNKNOWN or INTERNAL).
 """
 

@@ -9,10 +9,12 @@ Contract
   Stage order: drain check -> auth -> validate -> early shedding (admission caps; with
   `queue_requests=False` also "no worker has a free slot") -> tokenize -> fit to context -> admit
   (refusal: RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a
-  worker with room (with `queue_requests=False`: placed at once or refused, never queued) -> relay. A request's priority 0 means the tenant's `default_priority`.
+  worker with room (with `queue_requests=False`: placed at once or refused, never queued) -> relay.
+  A request's priority 0 means the tenant's `default_priority`.
 - observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
   hands the route span's trace context to the worker call, records metrics and the log line.
-- proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table), tests/test_observability_e2e.py.
+- proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table),
+  tests/test_observability_e2e.py.
 """
 
 from __future__ import annotations

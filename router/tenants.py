@@ -28,9 +28,9 @@ Contract
   the `Tenant` they authenticated as; a bad new file is logged and the old table kept.
 - failure modes: malformed file -> ValueError at start-up; keys are compared in constant time
   against every tenant, so timing does not reveal which digest prefix matched.
-- proven by: tests/test_router_tenants.py, tests/test_grpc_e2e.py (invalid-request table) (missing / wrong key),
-  tests/test_tenant_isolation.py (spoofing through metadata and fields, keys absent from logs,
-  spans and metrics).
+- proven by: tests/test_router_tenants.py, tests/test_grpc_e2e.py (invalid-request table)
+  (missing / wrong key), tests/test_tenant_isolation.py (spoofing through metadata and fields, keys
+  absent from logs, spans and metrics).
 """
 
 from __future__ import annotations

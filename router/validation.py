@@ -7,7 +7,8 @@ Contract
   prompt length against the model's context and resolves `max_tokens`.
 - state: none (pure; no grpc, no I/O).
 - failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`.
-- proven by: tests/test_router_validation.py (table), tests/test_grpc_e2e.py (invalid-request table) (end to end).
+- proven by: tests/test_router_validation.py (table), tests/test_grpc_e2e.py (invalid-request table)
+  (end to end).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ def logs(tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def runner():
-    """The embedded SmolLM2 in float32 (the exact reference path) with a 256 MiB KV pool, shared by the engine tests."""
+    """The embedded SmolLM2 in float32 (the exact reference path) with a 256 MiB KV pool, shared by
+    the engine tests."""
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 

@@ -9,7 +9,6 @@ that serves TLS; None = plaintext.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import pathlib
 import re

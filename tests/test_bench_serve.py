@@ -18,7 +18,6 @@ from benchmarks import bench_serve as bs
 from benchmarks import eval_ppl as ev
 from benchmarks import llamacpp as lc
 
-
 # ------------------------------------------------------------------ docs sections
 
 

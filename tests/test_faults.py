@@ -234,6 +234,6 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(workers, lo
         failed = [(s.code, s.details) for s in outcomes if s.code != OK]
         assert not failed, failed
         print(
-            f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s while both "
-            f"workers were restarted one after the other: 0 failed"
+            f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s "
+            "while both workers were restarted one after the other: 0 failed"
         )

@@ -26,11 +26,10 @@ import pytest
 
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.validation import CHAT_ROLES
 from router.tenants import hash_key
+from router.validation import CHAT_ROLES
 from tests import procs
 from tests.test_fuzz_input import FIELD, LIMITS, NASTY, UINT32, VOCAB
-
 
 # ---------------------------------------------------------------- 2. end to end
 

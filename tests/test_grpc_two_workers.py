@@ -101,8 +101,8 @@ def test_killing_a_worker_retries_queued_and_fails_streaming(stub, workers, rout
         queued = procs.scrape(router)[("llm_router_queue_length", ())]
         if (
             streaming == 2 * MAX_NUM_SEQS
-            and all(l.num_running == MAX_NUM_SEQS for l in loads)
-            and sum(l.num_waiting for l in loads) == 0
+            and all(load.num_running == MAX_NUM_SEQS for load in loads)
+            and sum(load.num_waiting for load in loads) == 0
             and queued == 2
         ):
             break

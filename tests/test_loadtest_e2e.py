@@ -34,7 +34,8 @@ def server(tmp_path_factory):
     tenants.write_text(
         "tenants:\n"
         + "".join(
-            f"  - name: {name}\n    key_sha256: {hash_key(key)}\n    weight: {2.0 if name == 'alice' else 1.0}\n"
+            f"  - name: {name}\n    key_sha256: {hash_key(key)}\n"
+            f"    weight: {2.0 if name == 'alice' else 1.0}\n"
             for name, key in KEYS.items()
         )
     )

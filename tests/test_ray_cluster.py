@@ -163,7 +163,7 @@ def wait_all_busy(
         if (
             streaming == num_streaming
             and queued == num_queued
-            and all(l.num_running == 1 and l.num_waiting == 0 for l in loads)
+            and all(load.num_running == 1 and load.num_waiting == 0 for load in loads)
         ):
             return
         assert time.monotonic() < deadline, (streaming, queued, loads, streams.outcomes)

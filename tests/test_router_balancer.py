@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from router.balancer import LeastOutstandingTokens, Lease
+from router.balancer import Lease, LeastOutstandingTokens
 
 
 @dataclass

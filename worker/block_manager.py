@@ -138,7 +138,8 @@ class BlockManager:
         for seq in live:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id}: repeated block"
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, (
-                f"{seq.request_id}: {seq.num_computed_tokens} computed tokens in {len(seq.block_table)} blocks"
+                f"{seq.request_id}: {seq.num_computed_tokens} computed tokens in "
+                f"{len(seq.block_table)} blocks"
             )
             for block_id in seq.block_table:
                 refs[block_id] += 1

@@ -14,8 +14,8 @@ Contract
   streams get `drain_grace_s` to finish, then the engine shuts down.
 - observability: each Generate is a span continuing the router's trace (`worker.observe`);
   Prometheus `/metrics` (`worker.metrics`) on --metrics-port, its address in `WorkerInfo`.
-- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report), tests/test_grpc_two_workers.py (worker killed),
-  tests/test_observability_e2e.py.
+- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report),
+  tests/test_grpc_two_workers.py (worker killed), tests/test_observability_e2e.py.
 """
 
 from __future__ import annotations
