@@ -4,7 +4,7 @@ place that turns a setting's field metadata (help, flag name, choices, unit) int
 Contract
 - A dataclass field takes part when its metadata comes from `option(...)` (one setting) or
   `section(...)` (a nested config dataclass, whose own options become flags of the same parser).
-  Fields with neither are not settable from outside (e.g. `EngineConfig.extra`).
+  Fields with neither are not settable from outside.
 - `Flags(parser, cls, prefix=..., exclude=..., defaults=..., aliases=...)` adds one flag per
   option (booleans get `--X` and `--no-X`), with help naming the default and the variable.
   Every flag has an environment variable: `LLM_` + the flag without dashes, upper-cased, `-` ->

@@ -4,7 +4,7 @@ Contract
 - input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`.
 - output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`.
 - state: none of its own (drain counter, registry, tenants, admission and dispatcher are
-  injected); `admission_rejections` is admission's Counter of refusals by (tenant, reason).
+  injected).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
   Stage order: drain check -> auth -> validate -> early shedding (admission caps; with
   `queue_requests=False` also "no worker has a free slot") -> tokenize -> fit to context -> admit
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import Counter
 from contextlib import aclosing
 
 import jinja2
@@ -93,7 +92,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._dispatcher = dispatcher
         self._relay = Relay(registry, tokenizer)
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
-        self.admission_rejections: Counter[tuple[str, str]] = admission.refusals
 
     async def Generate(self, request: pb.GenerateRequest, context):
         obs = RequestObservation(self._metrics, context.invocation_metadata())

@@ -84,10 +84,6 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= len(self.free_queue)
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > len(self.free_queue):

@@ -174,7 +174,6 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata=option("never replay CUDA graphs (GPU) or compiled decode (CPU)")
     )
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto",) + DTYPES:

@@ -283,7 +283,3 @@ class ModelRunner:
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
             for i, seq in enumerate(sampling)
         }
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
