@@ -25,6 +25,7 @@ import grpc
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
+from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.local import LocalProcess
@@ -55,11 +56,6 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return [
         f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 80))) for i in range(n)
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def run_in_process(
@@ -105,8 +101,8 @@ def summarize(rounds: list[Round]) -> dict:
     tokens = sum(len(o) for r in rounds for o in r.outputs)
     return {
         "tok_s": tokens / sum(r.wall_s for r in rounds),
-        "ttft_p50": percentile(ttft, 0.5),
-        "ttft_p90": percentile(ttft, 0.9),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
         "wall_s": sum(r.wall_s for r in rounds),
     }
 
@@ -215,7 +211,7 @@ def report(a: argparse.Namespace, rounds: dict[str, list[Round]], single: dict[s
         f"\nthroughput ratio grpc / in-process: {ratio:.3f} (gRPC layers cost {100 * (1 - ratio):.1f}%; "
         f"target < 10%)"
     )
-    single_p50 = {side: percentile(values, 0.5) for side, values in single.items()}
+    single_p50 = {side: percentile(values, 50) for side, values in single.items()}
     print(
         f"added TTFT p50 at saturation: {(via_grpc['ttft_p50'] - inproc['ttft_p50']) * 1e3:+.0f} ms; "
         f"one request at a time: {(single_p50['grpc'] - single_p50['in-process']) * 1e3:+.1f} ms "

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 import worker.model_runner as model_runner_module
+from loadtest.stats import percentile
 from worker.config import EngineConfig, ModelConfig
 from worker.cuda_graphs import bucket_for, build_decode_inputs, capture_sizes
 from worker.engine import LLMEngine
@@ -204,7 +205,7 @@ def measure(batch: int, args, temperature: float) -> dict:
         "context_len_mean": sum(map(len, prompts)) / batch,
         "step_ms": statistics.median(cpu) * 1e3,
         "step_wall_ms": statistics.median(wall) * 1e3,
-        "step_wall_p90_ms": sorted(wall)[int(0.9 * (len(wall) - 1))] * 1e3,
+        "step_wall_p90_ms": percentile(wall, 90) * 1e3,
         "breakdown_step_ms": statistics.median(s["step"] for s in phases) * 1e3,
     }
     for k in PHASES + ["graph_inputs"]:

@@ -40,8 +40,9 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from benchmarks.grpc_overhead import git_revision, percentile
+from benchmarks.grpc_overhead import git_revision
 from benchmarks.soak_stack import Outcome, Stack, generate_request, one_call, quantiles_ms, rss_mib
+from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 
@@ -129,7 +130,7 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
     for o in outcomes:
         statuses[o.status] = statuses.get(o.status, 0) + 1
     idle = await stack.wait_idle()
-    unloaded_p99 = percentile(unloaded_ttft, 0.99)
+    unloaded_p99 = percentile(unloaded_ttft, 99)
     accepted_ttft = [o.ttft_s for o in accepted if o.ttft_s is not None]
     growth = {name: round(100 * (end_rss[name] / baseline[name] - 1), 2) for name in end_rss}
     result = {
@@ -141,7 +142,7 @@ async def run_overload(stack: Stack, a: OverloadArgs) -> dict:
         "hung": len(unfinished),
         "unloaded_ttft": quantiles_ms(unloaded_ttft),
         "accepted_ttft": quantiles_ms(accepted_ttft),
-        "ttft_p99_ratio": round(percentile(accepted_ttft, 0.99) / unloaded_p99, 2) if accepted_ttft else None,
+        "ttft_p99_ratio": round(percentile(accepted_ttft, 99) / unloaded_p99, 2) if accepted_ttft else None,
         "refusal_latency": quantiles_ms([o.end_s - o.sent_s for o in refused]),
         "rss_mib_after_warmup": {k: round(v, 1) for k, v in baseline.items()},
         "rss_mib_end": {k: round(v, 1) for k, v in end_rss.items()},

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.grpc_overhead import percentile
 from common.net import free_port
+from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.local import LocalProcess
@@ -195,7 +195,7 @@ def quantiles_ms(values: list[float]) -> dict:
         return {"n": 0}
     return {
         "n": len(values),
-        "p50_ms": round(percentile(values, 0.5) * 1e3, 1),
-        "p99_ms": round(percentile(values, 0.99) * 1e3, 1),
+        "p50_ms": round(percentile(values, 50) * 1e3, 1),
+        "p99_ms": round(percentile(values, 99) * 1e3, 1),
         "max_ms": round(max(values) * 1e3, 1),
     }

@@ -2,8 +2,9 @@
 
 Contract
 - `percentile(values, q)`: linear interpolation between closest ranks (numpy's default method):
-  rank = q/100 * (n - 1). `summarize(values)` -> `Summary` (n, mean, population std, min, p50,
-  p90, p95, p99, p99.9, max) or None for no values.
+  rank = q/100 * (n - 1). The repo's one percentile definition: the load tester, the benchmarks,
+  the soaks and the tests all call it. `summarize(values)` -> `Summary` (n, mean, population std,
+  min, p50, p90, p95, p99, p99.9, max) or None for no values.
 - `parse_slo("ttft=500ms,tpot=50ms")` -> {"ttft": 0.5, "tpot": 0.05} (seconds; units us/ms/s, a
   bare number is ms). `meets_slo(record, slo)`: the request succeeded and met every bound; a TPOT
   bound is met by a request with <= 1 output token (TPOT undefined), an `itl` bound is on the
@@ -43,6 +44,16 @@ class Summary:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (q in [0, 100]) of `values`, by linear interpolation between the two
+    closest ranks: sort the values, rank = q/100 * (n - 1), and return
+    ordered[floor(rank)] + (ordered[floor(rank) + 1] - ordered[floor(rank)]) * frac(rank).
+    This is numpy's default (`np.percentile(values, q)`, method "linear", Hyndman & Fan type 7);
+    p50 equals `statistics.median`. One value: that value. Raises ValueError for no values or a
+    q outside [0, 100].
+
+    >>> percentile([15, 20, 35, 40, 50], 40)  # rank 1.6: 20 + 0.6 * (35 - 20)
+    29.0
+    """
     if not values:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:

@@ -2,6 +2,8 @@
 goodput, Jain's fairness index, throughput peaks and the per-point summary."""
 
 import math
+import random
+import statistics
 
 import pytest
 
@@ -54,6 +56,26 @@ def test_percentile_interpolates_between_closest_ranks():
     assert percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+def test_percentile_method_is_pinned_on_a_known_sample():
+    """The one percentile definition (benchmarks, soaks and tests call it too) is linear
+    interpolation between closest ranks, numpy's default, Hyndman & Fan type 7. Pinned by hand on
+    a known sample, so a switch to nearest rank or another method fails here."""
+    sample = [50, 15, 40, 20, 35]  # sorted: 15 20 35 40 50, ranks 0..4
+    expected = {0: 15, 10: 17, 25: 20, 40: 29, 50: 35, 75: 40, 90: 46, 99: 49.6, 100: 50}
+    for q, value in expected.items():  # rank = q/100 * 4; 40 -> 1.6: 20 + 0.6 * 15
+        assert percentile(sample, q) == pytest.approx(value), q
+    assert percentile(sample, 50) == statistics.median(sample)
+    assert percentile([1, 2, 3, 4], 50) == statistics.median([1, 2, 3, 4]) == 2.5
+    with pytest.raises(ValueError):
+        percentile(sample, 101)
+    np = pytest.importorskip("numpy")
+    rng = random.Random(7)
+    for n in (1, 2, 3, 16, 101):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 1, 37.5, 50, 90, 95, 99, 99.9, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12), (n, q)
 
 
 def test_summary_fields():
