@@ -46,8 +46,16 @@ def runner():
 
     # One intra-op thread: on these shared 2-vCPU machines OpenMP barriers under CPU steal made
     # two threads 1-5x slower than one (measured), and test processes run side by side.
+    # cpu_compile: the engine tests (logits vs transformers included) run the compiled step;
+    # tests/test_cpu_compile.py checks it against the eager forward.
     return ModelRunner(
-        EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20, attention_backend="torch", num_threads=1)
+        EngineConfig(
+            dtype="float32",
+            kv_cache_bytes=256 * 2**20,
+            attention_backend="torch",
+            num_threads=1,
+            cpu_compile=True,
+        )
     )
 
 

@@ -112,7 +112,9 @@ def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
-    quant = ModelRunner(EngineConfig(kv_cache_bytes=32 * 2**20, num_threads=1, dense_weights_min_rows=8))
+    quant = ModelRunner(
+        EngineConfig(kv_cache_bytes=32 * 2**20, num_threads=1, dense_weights_min_rows=8, cpu_compile=True)
+    )
     assert quant.cpu_compiled is not None and quant.cpu_compiled.warm_sizes == (2, 8)
     assert quant.model.dtype == torch.bfloat16 and quant.kv_cache_dtype == torch.bfloat16
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])

@@ -172,7 +172,16 @@ class EngineConfig:
         ),
     )
     enforce_eager: bool = field(
-        default=False, metadata=option("never replay CUDA graphs (GPU) or compiled decode (CPU)")
+        default=False,
+        metadata=option("never replay CUDA graphs (GPU) or a compiled step (CPU, --cpu-compile)"),
+    )
+    cpu_compile: bool = field(
+        default=False,
+        metadata=option(
+            "CPU: run every step through torch.compile (inductor; one graph shared by the decoder "
+            "layers). Off by default: measured slower than eager for the quantized SmolLM2 at batch "
+            "1-8 and equal at 32 (benchmarks/cpu_steps.py, docs/cpu-serving.md)"
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -164,9 +164,9 @@ class ModelRunner:
             )
             with torch.inference_mode():
                 self.cuda_graphs.capture()
-        # CPU: every step runs one inductor-compiled forward (worker/cpu_compile.py).
+        # CPU with --cpu-compile: every step runs the inductor-compiled forward (worker/cpu_compile.py).
         self.cpu_compiled: CompiledCpuForward | None = None
-        if not config.enforce_eager and CompiledCpuForward.supported(self.device):
+        if config.cpu_compile and not config.enforce_eager and CompiledCpuForward.supported(self.device):
             # With dense weight copies the layer has two branches (below / above the row
             # threshold): both are compiled, and guards stay on to pick between them.
             warm_sizes = (2, config.dense_weights_min_rows) if config.dense_weights_min_rows else (2,)
