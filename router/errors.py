@@ -103,7 +103,17 @@ def _check_decoded(request) -> None:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code, message, trailing = status_of(exc)
-    await context.abort(code, message, trailing_metadata=trailing)
+    if context.done():
+        return  # the client's deadline or cancel already ended the call: no status to send
+    try:
+        await context.abort(code, message, trailing_metadata=trailing)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as send_error:  # noqa: BLE001
+        # The call ended (deadline, cancel) between the check above and the send: grpc's core
+        # refuses the status batch (ExecuteBatchError). Anything else is a real failure.
+        if type(send_error).__name__ != "ExecuteBatchError" and not context.done():
+            raise
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
