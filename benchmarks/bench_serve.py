@@ -192,7 +192,7 @@ def read_status_kib(pid: int, key: str) -> int | None:
                 if line.startswith(key + ":"):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
-        pass
+        pass  # unreadable /proc entry (process gone, not Linux): no figure
     return None
 
 

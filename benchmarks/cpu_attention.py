@@ -92,7 +92,7 @@ def cpu_model() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo (not Linux): fall through to the platform's name
     return platform.processor() or platform.machine()
 
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from benchmarks.cpu_attention import cpu_model
 
 STEPS = [
     (
@@ -45,16 +46,6 @@ STEPS = [
     ("3 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
     ("4 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
 ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_config(overrides: dict, batches: list[int], tokens: int, threads: int) -> dict:

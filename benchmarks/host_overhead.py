@@ -229,7 +229,7 @@ def cpu_model() -> str:
             if line.startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.CalledProcessError):
-        pass
+        pass  # neither /proc/cpuinfo nor lscpu: fall through to the platform's name
     return platform.processor() or platform.machine()
 
 

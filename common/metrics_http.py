@@ -43,7 +43,7 @@ class _QuietHandler(WSGIRequestHandler):
     timeout = 30.0  # seconds a connection may sit idle (or mid-handshake) before its thread gives up
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds would flood the log
-        pass
+        pass  # deliberately silent (see the comment above)
 
 
 class MetricsServer:

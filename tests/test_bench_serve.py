@@ -223,7 +223,7 @@ def test_cpu_meter_counts_this_process_as_the_client():
     meter = bs.CpuMeter([])
     before = bs.proc_cpu_s(os.getpid())
     while time.process_time() - cpu0 < 0.2:
-        pass
+        pass  # burn 0.2 s of CPU on purpose: the figure under test
     usage = meter.stop()
     share = (time.process_time() - cpu0) / (time.monotonic() - start)  # cores this process used
     assert bs.proc_cpu_s(os.getpid()) - before >= 0.15

@@ -57,7 +57,7 @@ def available_memory_bytes() -> int:
                     avail = int(line.split()[1]) * 1024
                     break
     except OSError:
-        pass
+        pass  # no /proc/meminfo (not Linux): total physical memory below
     if avail is None:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
@@ -68,7 +68,7 @@ def available_memory_bytes() -> int:
                 used = int(f.read().strip())
             avail = min(avail, max(int(limit) - used, 0))
     except OSError:
-        pass
+        pass  # no cgroup v2 memory files: no container limit to apply
     return avail
 
 

@@ -79,7 +79,7 @@ def _cpu_flags() -> str:
                 if line.startswith(("flags", "Features")):
                     return " ".join(sorted(line.split(":", 1)[1].split()))
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo (not Linux): the build key then lacks CPU flags
     import platform
 
     return platform.machine() + " " + platform.processor()
