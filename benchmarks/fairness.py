@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 import grpc
 import yaml
 
+from devtools.local import LocalProcess
 from loadtest.cli import load_tokenizer
 from loadtest.config import RunConfig, Target, TenantSpec
 from loadtest.environment import git_revision, machine
@@ -52,7 +53,6 @@ from loadtest.summary import OUTPUT_WEIGHT, summarize_point
 from loadtest.sweep import PointResult, point_seed
 from loadtest.workload import SyntheticText, Workload
 from protos.llm.v1 import worker_pb2, worker_pb2_grpc
-from router.local import LocalProcess
 from router.tenants import hash_key
 
 MODES = ("vtc", "fcfs")

@@ -25,10 +25,10 @@ import grpc
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
+from devtools.local import LocalProcess
 from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.local import LocalProcess
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.types import SamplingParams

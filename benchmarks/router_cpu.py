@@ -24,9 +24,9 @@ import grpc
 
 from deploy.ray_launch import LaunchConfig, launch_workers
 from deploy.sim_cluster import SimulatedCluster, write_tiny_llama
+from devtools.local import LocalProcess
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.local import LocalProcess
 from worker.config import EngineConfig
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")

@@ -24,10 +24,10 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.net import free_port
+from devtools.local import LocalProcess
 from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.local import LocalProcess
 
 WORDS = (
     "river stone lantern harbor meadow signal copper orchard winter falcon canyon ember "

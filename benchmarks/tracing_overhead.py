@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from benchmarks.grpc_overhead import git_revision, make_prompts, wait_for_worker
-from common.otlp_sink import OtlpSink
+from devtools.local import LocalProcess
+from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.local import LocalProcess
 
 SIDES = ("off", "on")
 

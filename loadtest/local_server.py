@@ -6,7 +6,7 @@ Contract
 - When the tenants carry API keys, the router gets a tenants file with their sha256 digests and
   weights, so the same keys authenticate; without keys it serves the keyless default tenant.
 - failure modes: ValueError when only some tenants have keys (the router needs all or none);
-  RuntimeError / TimeoutError from `router.local.LocalProcess` when a process fails to start.
+  RuntimeError / TimeoutError from `devtools.local.LocalProcess` when a process fails to start.
   `stop()` always stops every process it started (router first, so it drains).
 """
 
@@ -18,8 +18,8 @@ import tempfile
 
 import yaml
 
+from devtools.local import LocalProcess
 from loadtest.config import TenantSpec
-from router.local import LocalProcess
 
 
 def tenants_yaml(tenants: tuple[TenantSpec, ...]) -> str | None:

@@ -17,8 +17,8 @@ from common.config_cli import MIB, Flags, comma_list, option, section
 from common.telemetry import TelemetryConfig
 from deploy import local as deploy_local
 from deploy import ray_launch
+from devtools import local as devtools_local
 from router import config as router_config
-from router import local as router_local
 from router.config import RouterConfig
 from worker import __main__ as worker_main
 from worker.config import EngineConfig
@@ -170,13 +170,13 @@ def expected(s, argv) -> EngineConfig:
 
 def engine_of_every_launcher(argv: list[str]) -> dict[str, EngineConfig]:
     """The EngineConfig that each entry point builds from the same engine flags."""
-    worker_args = router_local.plan(argv).worker_args
+    worker_args = devtools_local.plan(argv).worker_args
     assert worker_args[:2] == ["-m", "worker"]
     return {
         "python -m worker": worker_main.parse_args(argv).engine,
         "deploy.ray_launch": ray_launch.parse_args(["--allow-insecure-public", *argv])[1].engine,
         "deploy.local (make serve)": deploy_local.parse_args(argv).engine,
-        "router.local -> python -m worker": worker_main.parse_args(worker_args[2:]).engine,
+        "devtools.local -> python -m worker": worker_main.parse_args(worker_args[2:]).engine,
     }
 
 
@@ -212,7 +212,7 @@ def test_defaults_are_the_same_everywhere():
     plan = deploy_local.parse_args([])
     assert plan.router == RouterConfig() and plan.worker_options == {"telemetry": {}}
     assert router_config.parse_args([]) == RouterConfig()
-    assert router_local.plan([]).router_args == ["-m", "router"]
+    assert devtools_local.plan([]).router_args == ["-m", "router"]
 
 
 def test_worker_server_flags_reach_ray_actors_and_make_serve_workers(monkeypatch):
@@ -291,7 +291,7 @@ def test_router_flags_and_variables(monkeypatch):
     assert config.workers == ("10.0.0.1:1", "10.0.0.2:2") and config.max_tokens_in_flight == 5000
     assert not config.queue_requests and config.max_queued is None and config.max_message_bytes == 2**20
     assert router_config.parse_args(["--queue"]).queue_requests
-    plan = router_local.plan(
+    plan = devtools_local.plan(
         [
             "--port",
             "0",
@@ -347,7 +347,7 @@ def test_router_flags_and_variables(monkeypatch):
         router_config.parse_args,
         deploy_local.parse_args,
         lambda argv: ray_launch.parse_args(["--allow-insecure-public", *argv]),
-        router_local.plan,
+        devtools_local.plan,
     ],
 )
 def test_bad_variables_are_usage_errors_naming_them(parse, monkeypatch, capsys):

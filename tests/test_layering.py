@@ -16,8 +16,8 @@ Two checks, because each sees what the other misses:
 - runtime: one subprocess per group imports every module of the group and checks sys.modules,
   which catches a third-party package that pulls torch in.
 
-A deliberate exception is listed in ALLOWED with its reason; an entry no import uses any more fails
-the test, so the list cannot go stale.
+A deliberate exception would be listed in ALLOWED with its reason (there is none now); an entry
+no import uses any more fails the test, so the list cannot go stale.
 """
 
 from __future__ import annotations
@@ -34,16 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "transformers", "accelerate")
 WORKER_CORE = ("worker.scheduler", "worker.block_manager", "worker.sequence")
 
-# (importer, imported): why this router -> worker import is allowed. Only the worker-free rule skips
-# it (with the parent packages the import loads); the torch rule still follows it.
-ALLOWED = {
-    ("router.local", "worker.config"): (
-        "router.local is the loopback launcher for worker and router processes (python -m "
-        "router.local); plan() imports EngineConfig, torch-free, to forward the engine's flags to "
-        "the workers, inside the function so that `import router.local` (used by benchmarks and "
-        "loadtest for LocalProcess) stays worker-free"
-    ),
-}
+# (importer, imported): why a router -> worker import is allowed. Only the worker-free rule skips
+# it (with the parent packages the import loads); the torch rule still follows it. None today: the
+# loopback launcher that needed worker.config moved out of the router, to devtools/local.py.
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def is_torch(module: str) -> bool:
@@ -208,3 +202,10 @@ def test_group_imports_without_torch_at_runtime(group, modules, forbidden):
         timeout=120,
     )
     assert out.returncode == 0, f"{group}: {out.stderr.strip()[-2000:]}"
+
+
+@pytest.mark.parametrize("module", [*ROUTER, *COMMON, *modules_of("worker"), *modules_of("deploy")])
+def test_production_code_never_imports_devtools(module):
+    """devtools/ (the loopback launcher, the test OTLP sink, the CLI client) is not deployed."""
+    bad = [m for m in imports_of(module) if m.split(".")[0] == "devtools"]
+    assert not bad, f"{module} imports {bad}"

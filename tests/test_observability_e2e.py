@@ -16,7 +16,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.otlp_sink import OtlpSink
+from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs

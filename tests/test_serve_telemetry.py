@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from common.otlp_sink import OtlpSink
+from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs

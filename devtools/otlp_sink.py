@@ -1,5 +1,5 @@
 """A minimal OTLP/gRPC trace receiver that keeps spans in memory: the collector end of tests and
-benchmarks, and `python -m common.otlp_sink [--port 4317]` prints spans while developing.
+benchmarks, and `python -m devtools.otlp_sink [--port 4317]` prints spans while developing.
 
 Contract
 - input: OTLP `ExportTraceServiceRequest`s on `opentelemetry.proto.collector.trace.v1.TraceService`.
@@ -102,7 +102,7 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m common.otlp_sink", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devtools.otlp_sink", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4317)
     a = p.parse_args()

@@ -5,7 +5,7 @@ Contract
 - `LocalProcess(name, args)` starts `python <args>` in its own session (so a terminal Ctrl-C reaches
   only the launcher, which then stops children in order), forwards its output with a name prefix,
   and `wait_listening()` returns the address from its "... listening on HOST:PORT" line.
-- `main()` (`python -m router.local`): N workers on ephemeral loopback ports, then the router
+- `main()` (`python -m devtools.local`): N workers on ephemeral loopback ports, then the router
   (127.0.0.1:50051 unless --host/--port); prints how to try it; on Ctrl-C / SIGTERM stops the
   router (drain) then the workers, and exits 0. It takes every router flag but --workers and every
   engine flag (common.config_cli; --model is the workers' model and the router's tokenizer) and
@@ -84,13 +84,13 @@ def plan(argv: list[str] | None = None) -> Plan:
     """The children's command lines from this command line (a bad value: usage error, exit 2)."""
     from common.config_cli import Flags, new_parser, option, parse_or_exit
     from router.config import RouterConfig
-    from worker.config import EngineConfig  # imported here: `import router.local` stays worker-free
+    from worker.config import EngineConfig  # imported here: `import devtools.local` stays worker-free
 
     @dataclass(frozen=True)
     class Stack:
         num_workers: int = field(default=1, metadata=option("worker processes"))
 
-    p = new_parser("python -m router.local", "worker(s) + router on loopback, as plain processes")
+    p = new_parser("python -m devtools.local", "worker(s) + router on loopback, as plain processes")
     stack = Flags(p, Stack, title="stack")
     router_flags = Flags(p, RouterConfig, exclude=("workers", "model"), title="router")
     engine_flags = Flags(p, EngineConfig, title="engine (every worker)")
