@@ -97,3 +97,124 @@ def test_engine_seed_reproducible_regardless_of_batch(make_engine, tokenizer):
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+# -- every sampling step against the pure-Python reference (worker/sampler_reference.py) --------
+
+from worker.sampler import adjust_logits, sampling_logits  # noqa: E402
+from worker.sampler_reference import (  # noqa: E402
+    reference_adjusted,
+    reference_choice,
+    reference_sampling_logits,
+    reference_top_logprobs,
+)
+from worker.types import Logprob  # noqa: E402
+
+VOCAB = 40
+CASES = [
+    dict(min_p=0.1),
+    dict(min_p=0.5, temperature=0.7),
+    dict(presence_penalty=1.5),
+    dict(presence_penalty=-1.0),
+    dict(frequency_penalty=0.8),
+    dict(frequency_penalty=-2.0, presence_penalty=0.5),
+    dict(repetition_penalty=1.3),
+    dict(repetition_penalty=0.6),
+    dict(logit_bias=((3, 5.0), (7, -100.0), (VOCAB - 1, 2.5))),
+    dict(
+        min_p=0.05, top_k=10, top_p=0.8, repetition_penalty=1.2, frequency_penalty=0.3, logit_bias=((0, 1.0),)
+    ),
+    dict(temperature=0, presence_penalty=2.0, logit_bias=((5, 3.0),)),
+    dict(top_k=1, repetition_penalty=2.0),
+]
+
+
+def _history(rng: torch.Generator) -> tuple[list[int], list[int]]:
+    prompt = torch.randint(0, VOCAB, (12,), generator=rng).tolist()
+    output = torch.randint(0, VOCAB // 2, (9,), generator=rng).tolist()  # repeats: counts > 1
+    return prompt, prompt + output
+
+
+@pytest.mark.parametrize("case", CASES, ids=[",".join(sorted(c)) for c in CASES])
+def test_sampling_steps_match_the_reference(case):
+    rng = torch.Generator().manual_seed(11)
+    rows = 6
+    logits = torch.randn(rows, VOCAB, generator=rng) * 3
+    params = [SamplingParams(**case)] * rows
+    histories = [_history(rng) for _ in range(rows)]
+    adjusted = adjust_logits(logits, params, histories)
+    for i, (prompt, tokens) in enumerate(histories):
+        expect = reference_adjusted(logits[i].tolist(), params[i], prompt, tokens)
+        assert adjusted[i].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-5)
+    if not params[0].greedy:
+        final = sampling_logits(adjusted, params)
+        for i in range(rows):
+            expect = reference_sampling_logits(adjusted[i].tolist(), params[i])
+            got = final[i].tolist()
+            assert [x == float("-inf") for x in got] == [x == float("-inf") for x in expect]
+            kept = [(a, b) for a, b in zip(got, expect) if b != float("-inf")]
+            assert [a for a, _ in kept] == pytest.approx([b for _, b in kept], rel=1e-5, abs=1e-5)
+    # The drawn tokens: the same per-row generators give the reference the same noise.
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(rows)]
+    tokens, _ = sample(logits, params, gens, histories)
+    for i, (prompt, tokens_so_far) in enumerate(histories):
+        noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(100 + i)).tolist()
+        assert tokens[i] == reference_choice(logits[i].tolist(), params[i], prompt, tokens_so_far, noise)
+
+
+def test_penalties_change_what_is_drawn():
+    """Not vacuous: a strong presence penalty keeps greedy decoding off the tokens already output."""
+    logits = torch.tensor([[5.0, 4.5, 4.0, 2.0]])
+    history = [([3], [3, 0, 1])]
+    plain, _ = sample(logits, [SamplingParams(temperature=0)], [None], history)
+    penalized, _ = sample(logits, [SamplingParams(temperature=0, presence_penalty=2.0)], [None], history)
+    biased, _ = sample(logits, [SamplingParams(temperature=0, logit_bias=((3, 100.0),))], [None])
+    assert (plain, penalized, biased) == ([0], [2], [3])
+
+
+def test_min_p_truncates_the_distribution():
+    freq = draw(SamplingParams(min_p=0.5))  # keeps p >= 0.2: tokens 0 and 1
+    assert freq[2:].sum() == 0
+    assert abs(freq[0] - 0.4 / 0.65) < 0.03
+
+
+def test_top_logprobs_match_the_reference():
+    rng = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, VOCAB, generator=rng)
+    params = [
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(temperature=1.0, logprobs=True, top_logprobs=1, logit_bias=((9, 50.0),)),
+    ]
+    tokens, logprobs = sample(logits, params, [None, None, torch.Generator().manual_seed(1)])
+    assert tokens[2] == 9  # the bias decides the draw, the logprobs stay those of the raw logits
+    for i in (0, 2):
+        assert isinstance(logprobs[i], Logprob)
+        expect = reference_top_logprobs(logits[i].tolist(), params[i].top_logprobs)
+        assert [t for t, _ in logprobs[i].top] == [t for t, _ in expect]
+        assert [v for _, v in logprobs[i].top] == pytest.approx([v for _, v in expect], abs=1e-5)
+        chosen = reference_top_logprobs(logits[i].tolist(), VOCAB)
+        assert float(logprobs[i]) == pytest.approx(dict(chosen)[tokens[i]], abs=1e-5)
+    assert not isinstance(logprobs[1], Logprob)
+
+
+def test_penalties_without_history_are_refused():
+    with pytest.raises(ValueError, match="history"):
+        sample(torch.randn(1, 5), [SamplingParams(presence_penalty=1.0)], [None])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(min_p=-0.1),
+        dict(min_p=1.5),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=float("nan")),
+        dict(repetition_penalty=0),
+        dict(logit_bias=((1, 101.0),)),
+        dict(top_logprobs=2),  # without logprobs
+    ],
+)
+def test_invalid_new_params_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

@@ -278,7 +278,8 @@ class ModelRunner:
             None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
             for seq in sampling
         ]
-        tokens, logprobs = sample(logits, params, gens)
+        histories = [(seq.prompt_token_ids, seq.token_ids) for seq in sampling]  # for penalties
+        tokens, logprobs = sample(logits, params, gens, histories)
         return {
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
             for i, seq in enumerate(sampling)

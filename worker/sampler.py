@@ -1,20 +1,34 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprobs.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, penalties, logit bias, per-request
+seeds, chosen-token and top-N logprobs.
 
-Contract: `sample(logits [S, V] float32, params, generators) -> (token_ids [S], logprobs [S] | None)`.
-Rows with temperature 0 (or top_k 1) take the argmax. Others sample from softmax(logits / T)
-restricted to the top-k tokens and then to the smallest set whose probability reaches top_p, by
-the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. Each row has its own
-`torch.Generator` (seeded from the request's seed, or from the engine's seeded generator), so the
-same seed gives the same tokens whatever else is in the batch. Logprobs are log-softmax of the raw
-logits (before temperature and truncation), as vLLM reports them.
-Proven by tests/test_sampler.py (reproducibility and distribution tests).
+Contract: `sample(logits [S, V] float32, params, generators, histories) -> (token_ids [S],
+logprobs [S] | None)`; `histories[i]` = (prompt token ids, prompt + output token ids so far) of
+row i, needed only by rows with penalties (`SamplingParams.needs_history`).
+Order of the steps, as vLLM applies them:
+1. `adjust_logits`: logit bias added; repetition penalty over prompt + output tokens (a positive
+   logit divided by it, a negative one multiplied); frequency penalty x count and presence penalty
+   (once) subtracted for the tokens of the output so far. Greedy rows take the argmax here.
+2. `sampling_logits` (other rows): / temperature, then min-p (drop tokens with probability below
+   min_p x the largest), then top-k, then top-p (the smallest set whose mass reaches top_p).
+3. Draw by the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. Each row
+   has its own `torch.Generator` (the request's seed, or one from the engine's seeded generator),
+   so the same seed gives the same tokens whatever else is in the batch.
+Logprobs are log-softmax of the raw logits (before bias, penalties, temperature and truncation), as
+vLLM reports them; with `top_logprobs` N each is a `worker.types.Logprob` carrying the N most
+likely tokens.
+Proven by tests/test_sampler.py: reproducibility and distribution tests, and every step against
+the pure-Python reference in worker/sampler_reference.py (logits, drawn tokens, top-N logprobs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from worker.types import SamplingParams
+from worker.types import Logprob, SamplingParams
+
+History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, prompt + output ids)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -32,23 +46,72 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p x the row's largest probability."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[History] | None
+) -> torch.Tensor:
+    """Logit bias and penalties, row by row (a copy when any row has them; else `logits` itself)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.needs_history]
+    if not rows:
+        return logits
+    if any(params[i].needs_history for i in rows) and histories is None:
+        raise ValueError("penalties need each row's token history")
+    out = logits.clone()
+    vocab, dev = logits.shape[-1], logits.device
+    for i in rows:
+        p, row = params[i], out[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=dev)
+            keep = ids < vocab
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=dev)
+            row.index_add_(0, ids[keep], bias[keep])
+        if not p.needs_history:
+            continue
+        prompt, tokens = histories[i]
+        if p.repetition_penalty != 1.0 and len(tokens):
+            seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seen[torch.tensor(list(tokens), dtype=torch.long, device=dev)] = True
+            r = p.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / r, row * r), row))
+        output = list(tokens[len(prompt) :])
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=dev), minlength=vocab)
+            counts = counts[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return out
+
+
+def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits the random draw uses for these (non-greedy) rows: temperature, min-p, top-k, top-p."""
+    dev = logits.device
+    out = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    if any(p.min_p > 0 for p in params):
+        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=dev))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        out = apply_top_k_top_p(out, top_k, top_p)
+    return out
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: Sequence[History] | None = None,
 ) -> tuple[list[int], list[float] | None]:
-    tokens = logits.argmax(dim=-1)
+    adjusted = adjust_logits(logits, params, histories)
+    tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        sub = (
-            logits[idx]
-            / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
-        )
-        needs_trunc = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows)
-        if needs_trunc:
-            top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-            sub = apply_top_k_top_p(sub, top_k, top_p)
-        probs = sub.softmax(dim=-1)
+        probs = sampling_logits(adjusted[idx], [params[i] for i in random_rows]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(random_rows):
             noise[row].exponential_(generator=generators[i])
@@ -56,5 +119,11 @@ def sample(
     token_list = tokens.tolist()
     if not any(p.logprobs for p in params):
         return token_list, None
-    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return token_list, logprobs.tolist()
+    all_logprobs = logits.log_softmax(dim=-1)
+    chosen = all_logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    out: list[float] = list(chosen)
+    for i, p in enumerate(params):
+        if p.top_logprobs > 0:
+            values, ids = all_logprobs[i].topk(min(p.top_logprobs, logits.shape[-1]))
+            out[i] = Logprob(chosen[i], tuple(zip(ids.tolist(), values.tolist())))
+    return token_list, out

@@ -3,7 +3,8 @@
 Contract: the engine is token-in / token-out. A request is `prompt_token_ids: list[int]` plus
 `SamplingParams`; each `LLMEngine.step()` returns one `RequestOutput` per sequence that produced
 tokens or finished in that step. `new_token_ids` are the tokens produced since the last output
-(usually one); `new_logprobs` (natural log, float) are parallel to it when requested.
+(usually one); `new_logprobs` (natural log, float) are parallel to it when requested; with
+`top_logprobs` N > 0 each is a `Logprob`, a float that also carries the N most likely tokens there.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class SamplingParams:
     max_tokens: int = 16  # >= 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from tokens the output already holds
+    frequency_penalty: float = 0.0  # [-2, 2]: x how often the output holds the token
+    repetition_penalty: float = 1.0  # (0, 2]: divides (>0) or multiplies (<0) seen tokens' logits
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    top_logprobs: int = 0  # also the N most likely tokens at each position (needs logprobs)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -39,10 +46,39 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
+        if self.top_logprobs < 0 or (self.top_logprobs and not self.logprobs):
+            raise ValueError(f"top_logprobs must be >= 0 and needs logprobs, got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties read the tokens generated so far (and the prompt, for repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class Logprob(float):
+    """A chosen token's logprob (it is that float) plus `top`: the N most likely (token id,
+    logprob) pairs at that position, most likely first."""
+
+    __slots__ = ("top",)
+
+    def __new__(cls, value: float, top: tuple[tuple[int, float], ...] = ()):
+        obj = super().__new__(cls, value)
+        obj.top = top
+        return obj
 
 
 @dataclass
