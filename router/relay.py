@@ -70,6 +70,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[float]
+    top_logprobs: list = ()  # worker_pb2.WorkerTopLogprobs per token when asked for
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Done:
     queue_ms: float
     ttft_ms: float
     total_ms: float
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
 
 
 class WorkerLost(Exception):
@@ -102,6 +104,12 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
         max_tokens=max_tokens,
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=dict(req.logit_bias),
+        top_logprobs=req.top_logprobs,
     )
     if req.seed is not None:
         sampling.seed = req.seed
@@ -191,7 +199,7 @@ class Relay:
                     if first_token_s is None and ids:
                         first_token_s = time.monotonic()
                     num_out += len(ids)
-                    yield Chunk(ids, text, list(msg.logprobs))
+                    yield Chunk(ids, text, list(msg.logprobs), list(msg.top_logprobs))
                 if stopped or finished:
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")
@@ -204,6 +212,11 @@ class Relay:
                         queue_ms=(dispatch_s - arrival_s) * 1e3 + msg.queue_ms,
                         ttft_ms=((first_token_s or now) - arrival_s) * 1e3,
                         total_ms=(now - arrival_s) * 1e3,
+                        stop_reason=stops.matched
+                        if stopped
+                        else (
+                            ids[-1] if reason == "stop" and ids and ids[-1] in req.stop_token_ids else None
+                        ),
                     )
                     self._registry.call_succeeded(worker)
                     return

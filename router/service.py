@@ -53,10 +53,21 @@ FINISH_REASONS = {
 def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
     if isinstance(event, Chunk):
         return pb.GenerateResponse(
-            chunk=pb.TokenChunk(token_ids=event.token_ids, text=event.text, logprobs=event.logprobs)
+            chunk=pb.TokenChunk(
+                token_ids=event.token_ids,
+                text=event.text,
+                logprobs=event.logprobs,
+                top_logprobs=[
+                    pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in event.top_logprobs
+                ],
+            )
         )
+    stop = {"stop_string": event.stop_reason} if isinstance(event.stop_reason, str) else {}
+    if isinstance(event.stop_reason, int):
+        stop = {"stop_token_id": event.stop_reason}
     return pb.GenerateResponse(
         finished=pb.Finished(
+            **stop,
             reason=FINISH_REASONS[event.reason],
             request_id=event.request_id,
             usage=pb.Usage(

@@ -20,17 +20,19 @@ class StopStringMatcher:
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, delta: str) -> tuple[str, bool]:
         assert not self.stopped, "push after a stop string matched"
         if not self._stops:
             return delta, False
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, n, s) for n, s in enumerate(self._stops) if (i := text.find(s)) >= 0]
         if hits:
+            at, _, self.matched = min(hits)
             self.stopped = True
             self._held = ""
-            return text[: min(hits)], True
+            return text[:at], True
         hold = self._partial_suffix_len(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

@@ -23,6 +23,8 @@ from router.config import Limits
 from router.errors import ValidationError
 
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class ValidRequest:
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by token id
     max_tokens: int | None = None  # None = server default, fitted to the context
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -140,6 +148,54 @@ def _sampling(s: pb.SamplingParams, model: ModelSpec) -> dict:
     out.update(top_k=s.top_k, logprobs=s.logprobs == 1)
     if s.HasField("seed"):
         out["seed"] = s.seed
+    return out | _sampling_extras(s, model)
+
+
+def _sampling_extras(s: pb.SamplingParams, model: ModelSpec) -> dict:
+    """min_p, penalties, logit_bias, top_logprobs (issue 16 item 6; the sampler's own ranges)."""
+    out: dict = {}
+    _check(
+        s.top_logprobs <= MAX_TOP_LOGPROBS,
+        "sampling.top_logprobs",
+        f"must be 0 to {MAX_TOP_LOGPROBS}, got {s.top_logprobs}",
+    )
+    _check(s.top_logprobs == 0 or s.logprobs == 1, "sampling.top_logprobs", "needs sampling.logprobs = 1")
+    out["top_logprobs"] = s.top_logprobs
+    if s.HasField("min_p"):
+        _check(
+            math.isfinite(s.min_p) and 0 <= s.min_p <= 1,
+            "sampling.min_p",
+            f"must be in [0, 1], got {s.min_p}",
+        )
+        out["min_p"] = float(s.min_p)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        _check(
+            math.isfinite(value) and -2 <= value <= 2, f"sampling.{name}", f"must be in [-2, 2], got {value}"
+        )
+        out[name] = float(value)
+    if s.HasField("repetition_penalty"):
+        r = s.repetition_penalty
+        _check(math.isfinite(r) and 0 < r <= 2, "sampling.repetition_penalty", f"must be in (0, 2], got {r}")
+        out["repetition_penalty"] = float(r)
+    bias = s.logit_bias
+    _check(
+        len(bias) <= MAX_LOGIT_BIAS,
+        "sampling.logit_bias",
+        f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+    )
+    for token, value in sorted(bias.items()):
+        _check(
+            token < model.vocab_size,
+            "sampling.logit_bias",
+            f"token id {token} is outside the vocabulary (size {model.vocab_size})",
+        )
+        _check(
+            math.isfinite(value) and -100 <= value <= 100,
+            "sampling.logit_bias",
+            f"bias of token {token} must be in [-100, 100], got {value}",
+        )
+    out["logit_bias"] = tuple(sorted((t, float(v)) for t, v in bias.items()))
     return out
 
 

@@ -61,3 +61,14 @@ def test_push_after_stop_is_a_bug():
     assert m.push("x") == ("", True)
     with pytest.raises(AssertionError):
         m.push("more")
+
+
+def test_matched_names_the_stop_that_ended_the_text():
+    m = StopStringMatcher(["zz", "END", "EN"])
+    assert m.matched is None
+    assert m.push("abc E") == ("abc ", False)
+    assert m.push("ND zz") == ("", True)
+    assert m.matched == "END"  # earliest in the text; "EN" matches there too but is listed later
+    m = StopStringMatcher(["stop"])
+    m.push("no match here")
+    assert m.matched is None

@@ -66,6 +66,25 @@ INVALID = [
         req(stopping=pb.StoppingCriteria(stop_token_ids=[1, 2, 3])),
         "stopping.stop_token_ids",
     ),
+    (
+        "top_logprobs 21",
+        req(sampling=pb.SamplingParams(logprobs=1, top_logprobs=21)),
+        "sampling.top_logprobs",
+    ),
+    ("top_logprobs alone", req(sampling=pb.SamplingParams(top_logprobs=2)), "sampling.top_logprobs"),
+    ("min_p above one", req(sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p"),
+    ("min_p nan", req(sampling=pb.SamplingParams(min_p=math.nan)), "sampling.min_p"),
+    ("presence 3", req(sampling=pb.SamplingParams(presence_penalty=3)), "sampling.presence_penalty"),
+    ("frequency -2.5", req(sampling=pb.SamplingParams(frequency_penalty=-2.5)), "sampling.frequency_penalty"),
+    ("repetition 0", req(sampling=pb.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
+    (
+        "repetition inf",
+        req(sampling=pb.SamplingParams(repetition_penalty=math.inf)),
+        "sampling.repetition_penalty",
+    ),
+    ("bias id out of vocab", req(sampling=pb.SamplingParams(logit_bias={1000: 1.0})), "sampling.logit_bias"),
+    ("bias 101", req(sampling=pb.SamplingParams(logit_bias={5: 101.0})), "sampling.logit_bias"),
+    ("bias nan", req(sampling=pb.SamplingParams(logit_bias={5: math.nan})), "sampling.logit_bias"),
     ("request id with space", req(request_id="a b"), "request_id"),
     ("request id too long", req(request_id="x" * 129), "request_id"),
 ]
@@ -138,3 +157,32 @@ def test_fit_to_context():
     )
     with pytest.raises(ValidationError, match="^chat.messages: "):
         fit_to_context(chat, 0, LIMITS)
+
+
+def test_new_sampling_params_kept():
+    sampling = pb.SamplingParams(
+        logprobs=1,
+        top_logprobs=3,
+        min_p=0.25,
+        presence_penalty=-1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias={9: -100.0, 2: 4.5},
+    )
+    v = validate(req(sampling=sampling), LIMITS, MODELS)
+    assert (v.top_logprobs, v.min_p, v.presence_penalty, v.frequency_penalty, v.repetition_penalty) == (
+        3,
+        0.25,
+        -1.5,
+        0.5,
+        1.25,
+    )
+    assert v.logit_bias == ((2, 4.5), (9, -100.0))
+    d = validate(req(), LIMITS, MODELS)
+    assert (d.top_logprobs, d.min_p, d.presence_penalty, d.repetition_penalty, d.logit_bias) == (
+        0,
+        0,
+        0,
+        1,
+        (),
+    )

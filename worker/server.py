@@ -54,6 +54,12 @@ def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
         max_tokens=s.max_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -64,6 +70,9 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
         num_cached_tokens=out.num_cached_tokens,
         queue_ms=out.queue_s * 1e3,
     )
+    for lp in out.new_logprobs or ():  # worker.types.Logprob carries the top-N (sampler.py)
+        if top := getattr(lp, "top", None):
+            msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
     if out.finished:
         msg.finished.CopyFrom(
             wpb.WorkerFinished(
