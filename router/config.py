@@ -19,6 +19,7 @@ from common.telemetry import TelemetryConfig
 from common.tls import check_files, check_server_files
 
 DEFAULT_METRICS_PORT = 9464  # Prometheus /metrics and /targets; taken -> an ephemeral port
+DEFAULT_HTTP_PORT = 8000  # OpenAI-compatible HTTP API (router/openai); taken -> an ephemeral port
 WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
 
 
@@ -62,6 +63,20 @@ class RouterConfig:
         ),
     )
     port: int = field(default=50051, metadata=option("client port; 0 = ephemeral (printed at start-up)"))
+    http_host: str = field(
+        default="127.0.0.1",
+        metadata=option(
+            "OpenAI-compatible HTTP API address (docs/openai.md); a non-loopback one needs what --host "
+            "needs: --tenants and --tls-cert/--tls-key (served over HTTPS), or --allow-insecure-public"
+        ),
+    )
+    http_port: int | None = field(
+        default=None,
+        metadata=option(
+            f"OpenAI-compatible HTTP API port (default {DEFAULT_HTTP_PORT}; taken default -> ephemeral; "
+            "0 = ephemeral; -1 = off); printed at start-up"
+        ),
+    )
     workers: tuple[str, ...] = field(
         default=(),
         metadata=option(
@@ -209,6 +224,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not -1 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
         if self.drain_grace_s < 0:
             raise ValueError("drain_grace_s must be >= 0")
         if self.tenants_poll_s < 0:
@@ -259,8 +276,13 @@ class RouterConfig:
         return router_missing(self.host, self.allow_insecure_public, self.tenants_file, self.tls_cert)
 
     def public_bind_refusal(self) -> str | None:
-        """The error `serve` stops with when `missing_for_public_bind()` is not empty."""
-        return refusal(self.host, self.missing_for_public_bind(), "router")
+        """The error `serve` stops with when `missing_for_public_bind()` is not empty, or when the
+        HTTP API (unless off) binds a non-loopback address without the same."""
+        problem = refusal(self.host, self.missing_for_public_bind(), "router")
+        if problem or self.http_port == -1:
+            return problem
+        missing = router_missing(self.http_host, self.allow_insecure_public, self.tenants_file, self.tls_cert)
+        return refusal(self.http_host, missing, "router")
 
 
 def parser() -> tuple[argparse.ArgumentParser, Flags]:
