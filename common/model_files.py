@@ -8,8 +8,20 @@ Contract:
 - `read_gguf_metadata(path)` -> `{key: value}` of every metadata field as plain Python values
   (`str`, `int`, `float`, `bool`, or lists of them). Reads the header only, never tensor data.
   State: none. Fails with `ValueError` on a file that is not GGUF v2/v3 or holds an unknown type.
-- Proven by tests/test_tokenizer.py: the file is found, and the tokenizer built from this
-  metadata encodes exactly as transformers' own GGUF loader does.
+- `resolve_model_source(spec, allow_download=False)` -> a local path for `--model`: None = the
+  embedded GGUF; an existing file or directory as is; otherwise `org/name` is a Hugging Face hub
+  id looked up in the local Hugging Face cache (huggingface_hub, offline); it is downloaded only
+  when `allow_download` is set. Fails with `FileNotFoundError` saying which of these it tried.
+- `model_id(spec)` -> the id a model is served under when none is given: a hub id as written, a
+  GGUF's `general.name`, a directory's `_name_or_path` from config.json or its name (the rule the
+  worker's loader names models by).
+- `generation_defaults(path)` -> sampling defaults of the model (`temperature`, `top_p`, `top_k`,
+  `min_p`, `repetition_penalty` when set): a directory's generation_config.json; for a GGUF a
+  `generation_config.json` beside the file, else the defaults its model card documents
+  (`DOCUMENTED_GGUF_DEFAULTS`), else none.
+- Proven by tests/test_tokenizer.py (the file is found, the tokenizer built from this metadata
+  encodes exactly as transformers' own GGUF loader does) and tests/test_tokenizer_models.py (hub
+  id from a local cache, ids, defaults).
 
 Why not `gguf.GGUFReader`: it builds a numpy view per array element, so the 49,152 tokens and
 48,900 merges take ~4.7 s on this machine; walking the header with `struct` takes ~0.1 s.
@@ -17,8 +29,10 @@ Why not `gguf.GGUFReader`: it builds a numpy view per array element, so the 49,1
 
 import importlib.metadata
 import importlib.util
+import json
 import mmap
 import pathlib
+import re
 import struct
 from typing import Any
 
@@ -70,6 +84,91 @@ def default_model_path() -> pathlib.Path:
         f"The package {MODEL_DISTRIBUTION!r} is installed but holds no .gguf file; "
         f"reinstall it: {_INSTALL_HINT}."
     )
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files a tokenizer needs (what the router fetches of a hub repository).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# GGUF files carry no generation config; these are the sampling settings the model cards give.
+# (organization, basename) from the GGUF's general.* fields -> defaults.
+DOCUMENTED_GGUF_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
+    # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use": temperature=0.2, top_p=0.9
+    ("huggingfacetb", "smollm2"): {"temperature": 0.2, "top_p": 0.9},
+}
+
+
+def is_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID.match(spec)) and not pathlib.Path(spec).exists()
+
+
+def resolve_model_source(
+    spec: str | None,
+    allow_download: bool = False,
+    cache_dir: str | None = None,
+    tokenizer_only: bool = False,
+) -> pathlib.Path:
+    """A local path for a --model value (file, directory, or hub id in the local HF cache)."""
+    if not spec:
+        return default_model_path()
+    path = pathlib.Path(spec).expanduser()
+    if path.exists():
+        return path
+    if not _HUB_ID.match(spec):
+        raise FileNotFoundError(f"model {spec!r}: no such file or directory, and not a hub id (org/name).")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return pathlib.Path(
+            snapshot_download(
+                spec,
+                cache_dir=cache_dir,
+                local_files_only=not allow_download,
+                allow_patterns=list(TOKENIZER_FILES) if tokenizer_only else None,
+            )
+        )
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {spec!r} is not in the local Hugging Face cache and downloads are off: "
+            "fetch it first (`hf download " + spec + "`) or pass --allow-download."
+        ) from None
+
+
+def model_id(spec: str | None, path: pathlib.Path | None = None) -> str:
+    """The id a model is served under by default (see the module docstring)."""
+    if spec and is_hub_id(spec):
+        return spec
+    path = path or resolve_model_source(spec)
+    if path.is_dir():
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        name = config.get("_name_or_path")
+        return name if name and name not in (config.get("model_type"), "llama") else path.name
+    return str(read_gguf_metadata(path).get("general.name") or path.stem)
+
+
+def generation_defaults(path: pathlib.Path, metadata: dict | None = None) -> dict[str, float]:
+    """The model's own sampling defaults (see the module docstring); {} when it documents none."""
+    config_file = path / "generation_config.json" if path.is_dir() else path.parent / "generation_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if config.get(k) is not None}
+    if path.is_dir():
+        return {}
+    metadata = metadata if metadata is not None else read_gguf_metadata(path)
+    key = (
+        str(metadata.get("general.organization", "")).lower(),
+        str(metadata.get("general.basename", "")).lower(),
+    )
+    return dict(DOCUMENTED_GGUF_DEFAULTS.get(key, {}))
 
 
 def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:

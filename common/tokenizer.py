@@ -1,22 +1,29 @@
 """Text <-> token ids, and chat messages -> prompt, for the router. Never imports torch.
 
 Contract:
-- Built from a GGUF file (`Tokenizer.from_gguf`: byte-level BPE from the file's vocabulary and
-  merges) or from a Hugging Face directory (`Tokenizer.from_pretrained_dir`: `tokenizer.json` +
-  `tokenizer_config.json`).
-- `encode(text) -> list[int]`, `decode(ids) -> str`; control tokens such as `<|im_start|>` are
-  matched whole in the text. `apply_chat_template(messages) -> str` renders the model's own Jinja
-  template in a sandbox; `encode_chat(messages) -> list[int]` tokenizes that prompt.
+- Built from a GGUF file (`Tokenizer.from_gguf`: byte-level BPE with the llama-bpe, qwen2, smollm
+  or gpt2 split, or a SentencePiece `llama` vocabulary; common/gguf_tokenizer.py) or from a
+  Hugging Face directory (`Tokenizer.from_pretrained_dir`: `tokenizer.json`,
+  `tokenizer_config.json`, the chat template, and generation_config.json's eos ids);
+  `Tokenizer.from_model(path)` picks by the path.
+- `encode(text, add_special_tokens) -> list[int]`, `decode(ids) -> str`; control tokens such as
+  `<|im_start|>` are matched whole in the text. `apply_chat_template(messages) -> str` renders the
+  model's own Jinja template in a sandbox; `encode_chat(messages) -> list[int]` tokenizes it.
+- `fingerprint` -> `Fingerprint(vocab_size, eos_token_ids, vocab_sha256)`: router and worker each
+  compute it from their own model files and must agree before ids cross between them.
 - State: read-only after construction, so one instance serves every request.
-- Fails: `ValueError` for a GGUF tokenizer other than byte-level BPE (`gpt2` model, `smollm` or
-  `gpt2` pre-tokenizer), a directory whose config names no eos token, or a chat request on a
-  model without a template; `jinja2.TemplateError` when the template rejects the messages (its
-  `raise_exception`).
-- Proven by tests/test_tokenizer.py: ids equal transformers' tokenizer loaded from the same GGUF
-  on varied text, decode round-trips, and the chat prompt equals transformers' rendering.
+- Fails: `ValueError` for an unsupported GGUF vocabulary (naming the model / pre-tokenizer), a
+  directory whose config names no eos token, or a chat request on a model without a template;
+  `jinja2.TemplateError` when the template rejects the messages (its `raise_exception`).
+- Proven by tests/test_tokenizer.py (the embedded GGUF: ids equal transformers' tokenizer loaded
+  from the same GGUF on varied text, decode round-trips, the chat prompt equals transformers'
+  rendering) and tests/test_tokenizer_models.py (Llama-3 BPE, Qwen2, SentencePiece vocabularies
+  as GGUF and as directories against transformers on a mixed corpus; fingerprints).
 """
 
+import dataclasses
 import functools
+import hashlib
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,13 +34,9 @@ import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
+from common.gguf_tokenizer import build_gguf_backend
 from common.model_files import read_gguf_metadata
-
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type)
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
 
 # Special tokens that end a generation besides the declared eos, as llama.cpp's end-of-generation
 # set: SmolLM2 declares `<|im_end|>` but a model may still close a document with `<|endoftext|>`.
@@ -42,15 +45,16 @@ _END_OF_GENERATION_TOKENS = frozenset(
 )
 
 
-def _pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The split a GGUF `tokenizer.ggml.pre` name stands for (llama.cpp's llama-vocab.cpp)."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # every digit its own piece, then GPT-2's regex: SmolLM2's own tokenizer.json says the same
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "gpt2":
-        return byte_level
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2).")
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What router and worker must agree on for token ids to mean the same text."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    vocab_sha256: str
+
+    def describe(self) -> str:
+        return f"vocab {self.vocab_size}, eos {list(self.eos_token_ids)}, sha256 {self.vocab_sha256[:12]}"
 
 
 class Tokenizer:
@@ -63,6 +67,7 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_id: int,
         chat_template: str | None,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._backend = backend
         self._bos_token_id = bos_token_id
@@ -70,50 +75,30 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         end_ids = sorted(i for i in self._special_ids if added[i].content in _END_OF_GENERATION_TOKENS)
-        self._eos_token_ids = (eos_token_id, *(i for i in end_ids if i != eos_token_id))
+        declared = [eos_token_id, *(i for i in extra_eos_token_ids if i != eos_token_id)]
+        self._eos_token_ids = (*declared, *(i for i in end_ids if i not in declared))
         self._chat_template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
-    def from_gguf(cls, path: str | pathlib.Path) -> "Tokenizer":
-        """Byte-level BPE from `tokenizer.ggml.*`; control tokens become special added tokens."""
-        metadata = read_gguf_metadata(path)
-        model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported (only 'gpt2').")
-        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-        token_types: list[int] = metadata["tokenizer.ggml.token_type"]
-        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    def from_model(cls, path: str | pathlib.Path) -> "Tokenizer":
+        """The tokenizer of a model: a `.gguf` file or a Hugging Face directory."""
+        path = pathlib.Path(path)
+        return cls.from_pretrained_dir(path) if path.is_dir() else cls.from_gguf(path)
 
-        backend = tokenizers.Tokenizer(
-            models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        )
-        backend.pre_tokenizer = _pre_tokenizer_for(metadata.get("tokenizer.ggml.pre", ""))
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [
-                AddedToken(token, special=True, normalized=False)
-                for token, kind in zip(tokens, token_types)
-                if kind == _TOKEN_TYPE_CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(token, special=False, normalized=False)
-                for token, kind in zip(tokens, token_types)
-                if kind == _TOKEN_TYPE_USER_DEFINED
-            ]
-        )
-        bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
-        if bos_token_id is not None and metadata.get("tokenizer.ggml.add_bos_token", False):
-            bos = tokens[bos_token_id]
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_token_id)]
-            )
+    @classmethod
+    def from_gguf(cls, path: str | pathlib.Path) -> "Tokenizer":
+        """The GGUF's vocabulary (`common.gguf_tokenizer`: byte-level BPE or SentencePiece)."""
+        metadata = read_gguf_metadata(path)
+        try:
+            backend = build_gguf_backend(metadata)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         return cls(
             backend,
-            bos_token_id=bos_token_id,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata["tokenizer.ggml.eos_token_id"],
             chat_template=metadata.get("tokenizer.chat_template"),
+            extra_eos_token_ids=_listed(metadata.get("tokenizer.ggml.eot_token_id")),
         )
 
     @classmethod
@@ -137,11 +122,14 @@ class Tokenizer:
         eos_token_id = token_id("eos_token")
         if eos_token_id is None:
             raise ValueError(f"{directory}: tokenizer_config.json names no eos_token in the vocabulary.")
+        generation_file = directory / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
         return cls(
             backend,
             bos_token_id=token_id("bos_token"),
             eos_token_id=eos_token_id,
             chat_template=chat_template,
+            extra_eos_token_ids=_listed(generation.get("eos_token_id")),
         )
 
     @property
@@ -169,6 +157,15 @@ class Tokenizer:
         if self._backend.normalizer is not None:
             return None
         return max(len(t) for t in self._backend.get_vocab(with_added_tokens=True))
+
+    @functools.cached_property
+    def fingerprint(self) -> Fingerprint:
+        """Vocabulary size, end ids and a SHA-256 over every (id, token, special) entry."""
+        added = self._backend.get_added_tokens_decoder()
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        entries = sorted((i, t, i in added and added[i].special) for t, i in vocab.items())
+        digest = hashlib.sha256(json.dumps(entries, ensure_ascii=False).encode()).hexdigest()
+        return Fingerprint(self.vocab_size, self._eos_token_ids, digest)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -199,6 +196,13 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""
+
+
+def _listed(value: Any) -> tuple[int, ...]:
+    """An id or list of ids from a config (None -> none)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
 
 
 def _default_template(chat_template: Any) -> str | None:
