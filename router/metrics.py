@@ -17,6 +17,8 @@ Contract
   and per worker `llm_router_worker_reserved_tokens`, `llm_router_worker_outstanding_tokens`,
   `llm_router_worker_inflight`, `llm_router_worker_streams`, plus `llm_router_worker_healthy` and
   `llm_router_worker_circuit_open` (1 while its circuit breaker keeps traffic away).
+  `llm_router_requests_by_protocol_total{protocol,status}`: `llm_requests_total` split by the front
+  (grpc | http) the request came in by.
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.request_metrics import RequestMetrics
@@ -118,6 +120,12 @@ class RouterMetrics:
         self.waiting = Gauge(
             "llm_num_requests_waiting",
             "Requests admitted and waiting in the fair queue",
+            registry=self.registry,
+        )
+        self.by_protocol = Counter(
+            "llm_router_requests_by_protocol",
+            "Requests by the front they came in by (grpc | http) and final status",
+            ["protocol", "status"],
             registry=self.registry,
         )
 

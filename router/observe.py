@@ -8,7 +8,8 @@ Contract
 - output: span `llm.v1.Generation/Generate` (SERVER) with one child per stage; `metadata` is the
   gRPC metadata that makes the worker's span a child of the `route` span (W3C traceparent);
   the `common.request_metrics` families, the running / waiting gauges; one "request finished" log
-  line with the trace id.
+  line with the trace id. `protocol` (grpc | http, the front the request came in by) is a span
+  attribute, a log field and the label of `llm_router_requests_by_protocol_total{protocol,status}`.
 - state: per request only. Spans are started with explicit parents (never attached as the
   "current" context), so nothing leaks across the servicer's async generator boundaries.
 - status vocabulary (label and log): stop | length | cancelled, or the gRPC status code in lower
@@ -46,12 +47,16 @@ def status_of(exc: BaseException) -> str:
 
 
 class RequestObservation:
-    def __init__(self, metrics: RouterMetrics | None, metadata):
+    def __init__(self, metrics: RouterMetrics | None, metadata, protocol: str = "grpc"):
         self.arrival_s = time.monotonic()
+        self.protocol = protocol
         self._metrics = metrics
         self._clock = TokenClock(metrics.requests, self.arrival_s) if metrics else None
         self.span = tracer.start_span(
-            "llm.v1.Generation/Generate", context=extract(metadata), kind=SpanKind.SERVER
+            "llm.v1.Generation/Generate",
+            context=extract(metadata),
+            kind=SpanKind.SERVER,
+            attributes={"llm.protocol": protocol},
         )
         self._ctx = trace.set_span_in_context(self.span)
         self._stage: trace.Span | None = None
@@ -137,6 +142,7 @@ class RequestObservation:
         served = self.worker is not None
         if self._clock is not None:
             self._clock.finish(status, self.num_prompt_tokens if served else None, time.monotonic())
+            self._metrics.by_protocol.labels(self.protocol, status).inc()
         trace_id = trace_id_of(self.span)
         if self.span.is_recording():
             self.span.set_attribute("gen_ai.response.finish_reasons", [status])
@@ -155,6 +161,7 @@ class RequestObservation:
             requests_log,
             request_id=self.request_id,
             tenant=self.tenant,
+            protocol=self.protocol,
             status=status,
             worker=self.worker,
             prompt_tokens=self.num_prompt_tokens,

@@ -8,6 +8,8 @@ Contract
 - output: serves `llm.v1.Generation`, `grpc.health.v1.Health` (SERVING while at least one worker
   is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0.
 - state: the server and registry for the process lifetime.
+- also: the OpenAI-compatible HTTP API (router/openai, --http-host/--http-port, -1 = off) in the
+  same event loop, over the same servicer; it drains and stops with the gRPC server.
 - failure modes: refuses to bind a non-loopback address without both API keys and TLS (unless
   --allow-insecure-public); on SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE,
   in-flight calls get `drain_grace_s` to finish, then the server stops.
@@ -34,6 +36,8 @@ from router.drain import Drain
 from router.errors import ErrorInterceptor
 from router.fair_queue import FairQueue
 from router.metrics import RouterMetrics, targets
+from router.openai.app import create_app
+from router.openai.server import HttpFront
 from router.registry import StaticRegistry
 from router.service import GenerationService
 from router.tenants import TenantsFile
@@ -115,26 +119,45 @@ async def serve(config: RouterConfig) -> int:
         options=options,
         interceptors=[ErrorInterceptor()],
     )
-    generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationService(
-            registry,
-            tokenizer,
-            tenants,
-            config.limits,
-            drain,
-            admission,
-            dispatcher,
-            metrics=metrics,
-            queue_requests=config.queue_requests,
-        ),
-        base.server,
+    service = GenerationService(
+        registry,
+        tokenizer,
+        tenants,
+        config.limits,
+        drain,
+        admission,
+        dispatcher,
+        metrics=metrics,
+        queue_requests=config.queue_requests,
     )
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, base.server)
+    http = None
+    if config.http_port != -1:  # the OpenAI-compatible front, over the same servicer
+        app = create_app(
+            service,
+            registry.models,
+            metrics,
+            token_text=lambda _model: lambda token_id: tokenizer.decode([token_id]),
+            max_body_bytes=config.max_message_bytes,
+        )
+        try:
+            http = HttpFront(
+                app,
+                config.http_host,
+                config.http_port,
+                (config.tls_cert, config.tls_key, config.tls_client_ca),
+            )
+        except SystemExit:
+            base.close()
+            raise
     base.bind()
     await base.set_serving(False)  # SERVING while at least one worker is healthy
     registry.on_change(base.set_serving_soon)
     base.start_tracing()
     await registry.start()  # first probe round before serving: a restarted router knows its workers at once
     await base.start()
+    if http is not None:
+        http.start()
     dispatcher.start()
     watcher = (
         asyncio.create_task(tenants.watch(config.tenants_poll_s))
@@ -144,6 +167,8 @@ async def serve(config: RouterConfig) -> int:
 
     stop = base.stop_event(extra_signals={signal.SIGHUP: tenants.reload})
     base.announce()
+    if http is not None:
+        http.announce()
     log.info(
         "workers: %s%s",
         ", ".join(config.workers) or "none",
@@ -156,6 +181,8 @@ async def serve(config: RouterConfig) -> int:
     if not await drain.drain(config.drain_grace_s):
         log.warning("grace period over: cancelling %d call(s)", drain.num_inflight)
     await base.stop(1.0)
+    if http is not None:
+        await http.stop(1.0)
     if watcher is not None:
         watcher.cancel()
     await dispatcher.stop()

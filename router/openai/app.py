@@ -1,0 +1,303 @@
+"""The FastAPI application: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Contract
+- input: OpenAI JSON over HTTP; `Authorization: Bearer <key>` (the same tenants and keys as
+  gRPC), optional `X-Request-Id`, W3C `traceparent`.
+- output: OpenAI JSON, or server-sent events with `stream: true` (router/openai/responses.py).
+  Each request runs the gRPC pipeline itself, `GenerationService._generate` (auth, validation,
+  admission, fair queue, relay), with `HttpCallContext` standing in for the gRPC context, under a
+  `RequestObservation` labelled protocol="http" (the same spans, metrics and log line).
+- failure modes: one OpenAI error object per failure, its status from the domain error: invalid
+  -> 400 naming the OpenAI parameter, bad or missing key -> 401, refused by admission -> 429 with
+  `Retry-After` (seconds, rounded up) and `retry-after-ms`, no worker or draining -> 503, deadline
+  -> 504, a body over --max-message-mb -> 413, anything unexpected -> 500 (logged; the client sees
+  only the exception's type). A stream's first event is awaited before the status line is sent,
+  so a refusal is a status, not an event; a failure after that is an `error` event then [DONE].
+  A client that disconnects (while queued, while streaming, or while waiting for a whole
+  response) cancels the call: the worker stream is cancelled and its KV blocks freed.
+- state: none of its own.
+- proven by: tests/test_openai_e2e.py (the openai SDK against real router and worker processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.errors import Overloaded, RouterError, ValidationError
+from router.metrics import RouterMetrics
+from router.observe import RequestObservation
+from router.openai.requests import ApiError, Parsed, param_of, parse
+from router.openai.responses import Chunk, Done, Responder
+
+log = logging.getLogger(__name__)
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+class HttpCallContext:
+    """What `GenerationService` reads of a gRPC context, from an HTTP request."""
+
+    def __init__(self, request: Request):
+        metadata = [("authorization", v) for v in request.headers.getlist("authorization")]
+        metadata += [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
+        self._metadata = tuple(metadata)
+        host, port = request.client or ("", 0)
+        self._peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None  # HTTP carries no deadline: the client's disconnect cancels instead
+
+
+def api_error(exc: BaseException, parsed: Parsed | None) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        param = param_of(exc.field, parsed)
+        problem = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
+        return ApiError(400, f"{param}: {problem}", param=param)
+    if isinstance(exc, RouterError):
+        status, kind = STATUS.get(exc.code, (500, "internal_error"))
+        headers = {}
+        if isinstance(exc, Overloaded):
+            headers = {
+                "Retry-After": str(max(1, math.ceil(exc.retry_after_ms / 1000))),
+                "retry-after-ms": str(exc.retry_after_ms),
+            }
+        code = "invalid_api_key" if status == 401 else None
+        return ApiError(status, exc.message, type_=kind, code=code, headers=headers)
+    log.exception("unhandled error in the HTTP front", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
+
+
+def error_response(err: ApiError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(err.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read: only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # another body part would be a protocol error of the server; keep waiting
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable):
+    """`awaitable`'s result, unless the client disconnects first: then it is cancelled and
+    `ClientGone` raised."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (watcher, task):
+            if not t.done():
+                t.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await t
+
+
+class EventStream(Response):
+    """Server-sent events from an async iterator of bytes, cancelled when the client disconnects
+    (the iterator is closed in every case, which closes the worker call)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
+        super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._body = body
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self._body:
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # no request body part is expected once the response started
+
+        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is not None:
+                if not isinstance(tasks[0].exception(), OSError):  # OSError: the client went away
+                    raise tasks[0].exception()
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                    with suppress(asyncio.CancelledError, Exception):
+                        await t
+            await self._body.aclose()
+
+
+async def _read_json(request: Request, limit: int):
+    size = 0
+    parts = []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes", type_="invalid_request_error")
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+def create_app(
+    service,
+    models: Callable[[], dict],
+    metrics: RouterMetrics | None,
+    token_text: Callable[[str], Callable[[int], str]],
+    max_body_bytes: int,
+) -> FastAPI:
+    """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
+    `token_text(model)`: a token id's text under that model's tokenizer (for logprobs)."""
+    app = FastAPI(
+        title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    async def observed(parsed: Parsed, ctx: HttpCallContext) -> AsyncIterator[Chunk | Done]:
+        """The gRPC pipeline's responses, unwrapped: `TokenChunk`s, then one `Finished`."""
+        obs = RequestObservation(metrics, ctx.invocation_metadata(), protocol="http")
+        try:
+            async with aclosing(service._generate(parsed.request, ctx, obs)) as events:
+                async for response in events:
+                    yield getattr(response, response.WhichOneof("kind"))
+        except BaseException as exc:  # observed here, answered by the caller
+            obs.fail(exc)
+            raise
+        finally:
+            obs.finish()
+
+    async def generate(request: Request, chat: bool) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        parsed = None
+        try:
+            parsed = parse(await _read_json(request, max_body_bytes), chat, request_id)
+            ctx = HttpCallContext(request)
+            events = observed(parsed, ctx)
+            try:
+                first = await until_disconnected(request, anext(events))
+            except BaseException:
+                await events.aclose()
+                raise
+            served = models()
+            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
+            responder = Responder(parsed, name, token_text(name))
+            if parsed.stream:
+                return EventStream(_stream(responder, first, events), {"x-request-id": request_id})
+            return JSONResponse(
+                await until_disconnected(request, _collect(responder, first, events)),
+                headers={"x-request-id": request_id},
+            )
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
+            return error_response(api_error(exc, parsed), request_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        try:
+            reply = await service.ListModels(pb.ListModelsRequest(), HttpCallContext(request))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(api_error(exc, None))
+        data = [
+            {
+                "id": card.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "llm-serve",
+                "max_model_len": card.max_model_len,
+            }
+            for card in reply.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    return app
+
+
+async def _rest(first: Chunk | Done, events: AsyncIterator) -> AsyncIterator[Chunk | Done]:
+    """`first`, then the rest, to the end: the pipeline finishes (and is observed) as it did for gRPC."""
+    async with aclosing(events):
+        yield first
+        async for event in events:
+            yield event
+
+
+async def _collect(responder: Responder, first: Chunk | Done, events: AsyncIterator) -> dict:
+    chunks: list[Chunk] = []
+    done = None
+    async with aclosing(_rest(first, events)) as all_events:
+        async for event in all_events:
+            if isinstance(event, Done):
+                done = event
+            else:
+                chunks.append(event)
+    if done is None:
+        raise RouterError("the generation stream ended without a finish")
+    return responder.complete(chunks, done)
+
+
+async def _stream(responder: Responder, first: Chunk | Done, events: AsyncIterator) -> AsyncIterator[bytes]:
+    async with aclosing(_rest(first, events)) as all_events:
+        yield responder.start()
+        done = None
+        try:
+            async for event in all_events:
+                if isinstance(event, Done):
+                    done = event
+                else:
+                    yield responder.delta(event)
+            if done is None:
+                raise RouterError("the generation stream ended without a finish")
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
+            err = api_error(exc, responder.parsed)
+            yield responder.error(err.status, err.body())
+            return
+        yield responder.finish(done)

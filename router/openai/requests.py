@@ -1,0 +1,259 @@
+"""OpenAI request JSON -> `llm.v1.GenerateRequest` plus the response options (stream, usage,
+logprobs), checked field by field.
+
+Contract
+- input: the decoded JSON body of POST /v1/chat/completions (`chat=True`) or /v1/completions, and
+  the request id the front chose (the client's X-Request-Id, or a new one).
+- output: `Parsed` (the protobuf request and how to shape the answer). The service then validates
+  the protobuf exactly as for gRPC; `param_of` maps its field names back to the OpenAI parameter.
+- state: none (pure).
+- failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
+  the protobuf cannot carry (a negative seed), several prompts or choices (`n` > 1), or a feature
+  this server does not have (tools, response_format other than text, echo, suffix, best_of > 1).
+  Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
+  vendor extensions; docs/openai.md lists what is honoured.
+- proven by: tests/test_openai_requests.py (table), tests/test_openai_e2e.py (through the SDK).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from protos.llm.v1 import generation_pb2 as pb
+
+MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error object: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    request: pb.GenerateRequest
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_tokens_param: str = "max_tokens"
+    params: dict[str, str] = field(default_factory=dict)  # protobuf field -> OpenAI parameter
+
+
+def _bad(param: str, problem: str) -> ApiError:
+    return ApiError(400, f"{param}: {problem}", param=param)
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds:  # JSON true is not a number
+        raise _bad(name, f"must be {what}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise _bad(name, f"must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = _get(body, name, (int, float), "a number")
+    if value is not None and not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value}")
+    return None if value is None else float(value)
+
+
+def _int(body: dict, name: str, low: int | None = None) -> int | None:
+    value = _get(body, name, (int,), "an integer")
+    if value is not None and low is not None and value < low:
+        raise _bad(name, f"must be >= {low}, got {value}")
+    return value
+
+
+def _text_of(content, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _bad(param, f"must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _bad(f"{param}[{i}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict) -> pb.Chat:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise _bad("messages", "required: a list of {role, content} objects")
+    chat = pb.Chat()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "must be an object with a string role")
+        role = ROLE_ALIASES.get(m["role"], m["role"])
+        chat.messages.add(role=role, content=_text_of(m.get("content"), f"messages[{i}].content"))
+    return chat
+
+
+def _prompt(body: dict, req: pb.GenerateRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise _bad("prompt", f"one prompt per request (got a batch of {len(prompt)})")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise _bad("prompt", "token ids must be >= 0")
+        req.token_ids.ids.extend(prompt)
+    else:
+        raise _bad("prompt", "required: a string or a list of token ids")
+
+
+def _unsupported(body: dict, chat: bool) -> None:
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name):
+            raise _bad(name, "tool calling is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise _bad("response_format", "only {'type': 'text'} is supported")
+    if _int(body, "n", 1) not in (None, 1):
+        raise _bad("n", "only n = 1 is supported")
+    if not chat:
+        if _get(body, "echo", (bool,), "a boolean"):
+            raise _bad("echo", "echo is not supported")
+        if _get(body, "suffix", (str,), "a string"):
+            raise _bad("suffix", "suffix is not supported")
+        if _int(body, "best_of", 1) not in (None, 1):
+            raise _bad("best_of", "only best_of = 1 is supported")
+
+
+def _logprobs(body: dict, chat: bool, s: pb.SamplingParams, out: Parsed) -> None:
+    if chat:
+        out.logprobs = bool(_get(body, "logprobs", (bool,), "a boolean"))
+        top = _int(body, "top_logprobs", 0) or 0
+        if top and not out.logprobs:
+            raise _bad("top_logprobs", "needs logprobs: true")
+        out.params["sampling.top_logprobs"] = "top_logprobs"
+    else:
+        top = _int(body, "logprobs", 0)
+        if top is not None and top > MAX_COMPLETIONS_LOGPROBS:
+            raise _bad("logprobs", f"must be 0 to {MAX_COMPLETIONS_LOGPROBS}, got {top}")
+        out.logprobs, top = top is not None, top or 0
+        out.params["sampling.top_logprobs"] = "logprobs"
+    out.top_logprobs = top
+    s.logprobs = int(out.logprobs)
+    s.top_logprobs = top
+
+
+def _sampling(body: dict, s: pb.SamplingParams) -> None:
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(s, name, _number(body, name) or 0.0)
+    s.top_k = max(0, _int(body, "top_k", -1) or 0)  # -1 is vLLM's "off"
+    seed = _int(body, "seed")
+    if seed is not None:
+        if not 0 <= seed < 2**64:
+            raise _bad("seed", f"must be in [0, 2^64), got {seed}")
+        s.seed = seed
+    bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to biases") or {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) or int(key) >= 2**32:
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad("logit_bias", f"the bias of token {key} must be a number, got {value!r}")
+        s.logit_bias[int(key)] = float(value)
+
+
+def _stopping(body: dict, chat: bool, st: pb.StoppingCriteria, out: Parsed) -> None:
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
+        value = _int(body, name)
+        if value is not None:
+            if value < 1:
+                raise _bad(name, f"must be >= 1, got {value}")
+            st.max_tokens, out.max_tokens_param = min(value, 2**32 - 1), name
+            break
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise _bad("stop", "must be a string or a list of strings")
+    st.stop.extend(stop or [])
+    ids = body.get("stop_token_ids") or []
+    if not (
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise _bad("stop_token_ids", "must be a list of token ids")
+    st.stop_token_ids.extend(ids)
+    st.ignore_eos = bool(_get(body, "ignore_eos", (bool,), "a boolean"))
+
+
+def parse(body: object, chat: bool, request_id: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _unsupported(body, chat)
+    req = pb.GenerateRequest(request_id=request_id, model=_get(body, "model", (str,), "a string") or "")
+    out = Parsed(request=req, chat=chat)
+    if chat:
+        req.chat.CopyFrom(_messages(body))
+    else:
+        _prompt(body, req)
+    out.stream = bool(_get(body, "stream", (bool,), "a boolean"))
+    options = _get(body, "stream_options", (dict,), "an object")
+    if options is not None:
+        if not out.stream:
+            raise _bad("stream_options", "only allowed with stream: true")
+        out.include_usage = bool(_get(options, "include_usage", (bool,), "a boolean"))
+    _sampling(body, req.sampling)
+    _logprobs(body, chat, req.sampling, out)
+    _stopping(body, chat, req.stopping, out)
+    req.priority = _int(body, "priority") or 0
+    return out
+
+
+FIELD_PARAMS = {
+    "chat.messages": "messages",
+    "prompt": "prompt",
+    "token_ids.ids": "prompt",
+    "stopping.stop": "stop",
+    "stopping.stop_token_ids": "stop_token_ids",
+    "request_id": "X-Request-Id",
+}
+
+
+def param_of(field_name: str, parsed: Parsed | None) -> str:
+    """The OpenAI parameter behind a validation error's protobuf field name."""
+    if parsed is not None and field_name in parsed.params:
+        return parsed.params[field_name]
+    if field_name == "stopping.max_tokens":
+        return parsed.max_tokens_param if parsed else "max_tokens"
+    if field_name.startswith("chat.messages"):
+        return field_name.removeprefix("chat.")
+    if field_name.startswith("stopping.stop["):
+        return field_name.removeprefix("stopping.")
+    if field_name.startswith("sampling."):
+        return field_name.removeprefix("sampling.")
+    return FIELD_PARAMS.get(field_name, field_name)

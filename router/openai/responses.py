@@ -1,0 +1,161 @@
+"""Relay events -> OpenAI response JSON: whole responses, SSE chunks, usage and logprobs.
+
+Contract
+- input: the `Parsed` request, the model name, and the service's `TokenChunk`s and `Finished`
+  (the same protobuf messages the gRPC API streams); `token_text(id) -> str` (for logprobs).
+- output: `chat.completion` / `text_completion` objects and their streamed `chunk` forms; usage
+  with `prompt_tokens_details.cached_tokens`; finish_reason stop | length | abort (the worker
+  ended it) and `stop_reason`, the stop string or stop token id that matched (vLLM's field; null
+  for EOS or length); logprobs in the chat form (`content: [{token, logprob, bytes, top_logprobs}]`)
+  or the completions form (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+- state: per response (id, created time, text offset of the logprobs).
+- failure modes: none (the events are already validated).
+- proven by: tests/test_openai_e2e.py (the openai SDK parses every shape).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.openai.requests import Parsed
+
+Chunk, Done = pb.TokenChunk, pb.Finished
+FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+def usage(done: Done) -> dict:
+    u = done.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+def stop_reason(done: Done) -> str | int | None:
+    kind = done.WhichOneof("stop_reason")
+    return None if kind is None else getattr(done, kind)
+
+
+class Responder:
+    def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
+        self.parsed, self.model, self._token_text = parsed, model, token_text
+        rid = parsed.request.request_id
+        self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
+        self.object = "chat.completion" if parsed.chat else "text_completion"
+        self.created = int(time.time())
+        self._offset = 0
+
+    # -- logprobs ---------------------------------------------------------------------------
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprobs(self, chunks: list[Chunk]) -> dict | None:
+        if not self.parsed.logprobs:
+            return None
+        pairs = [
+            (token, lp, c.top_logprobs[i] if i < len(c.top_logprobs) else None)
+            for c in chunks
+            for i, (token, lp) in enumerate(zip(c.token_ids, c.logprobs))
+        ]
+        if self.parsed.chat:
+            content = []
+            for token, lp, top in pairs:
+                entry = self._entry(token, lp)
+                entry["top_logprobs"] = (
+                    [self._entry(t, v) for t, v in zip(top.token_ids, top.logprobs)] if top else []
+                )
+                content.append(entry)
+            return {"content": content}
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp, top in pairs:
+            text = self._token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(
+                {self._token_text(t): v for t, v in zip(top.token_ids, top.logprobs)} if top else {}
+            )
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
+
+    # -- whole response ---------------------------------------------------------------------
+    def _choice(self, text: str | None, chunks: list[Chunk], done: Done | None, delta: bool) -> dict:
+        choice: dict = {"index": 0}
+        if self.parsed.chat:
+            body = {} if text is None else {"content": text}
+            if delta:
+                choice["delta"] = body
+            else:
+                choice["message"] = {"role": "assistant", "content": text or ""}
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = self.logprobs(chunks) if chunks else None
+        choice["finish_reason"] = FINISH.get(done.reason, "abort") if done else None
+        choice["stop_reason"] = stop_reason(done) if done else None
+        return choice
+
+    def _envelope(self, choices: list[dict], chunked: bool) -> dict:
+        obj = self.object + (".chunk" if chunked and self.parsed.chat else "")
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def complete(self, chunks: list[Chunk], done: Done) -> dict:
+        text = "".join(c.text for c in chunks)
+        out = self._envelope([self._choice(text, chunks, done, delta=False)], chunked=False)
+        out["usage"] = usage(done)
+        return out
+
+    # -- streaming --------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict]) -> bytes:
+        out = self._envelope(choices, chunked=True)
+        if self.parsed.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def start(self) -> bytes:
+        """Chat streams open with the assistant's role (OpenAI does the same)."""
+        if not self.parsed.chat:
+            return b""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._chunk([choice])
+
+    def delta(self, chunk: Chunk) -> bytes:
+        if not chunk.text and not (self.parsed.logprobs and chunk.token_ids):
+            return b""  # text held back (a partial character or a possible stop string)
+        return self._chunk([self._choice(chunk.text, [chunk], None, delta=True)])
+
+    def finish(self, done: Done) -> bytes:
+        out = self._chunk([self._choice(None if self.parsed.chat else "", [], done, delta=True)])
+        if self.parsed.include_usage:
+            last = self._envelope([], chunked=True)
+            last["usage"] = usage(done)
+            out += sse(last)
+        return out + sse("[DONE]")
+
+    def error(self, status: int, body: dict) -> bytes:
+        """An error after the stream began: an `error` event (the status line is already sent)."""
+        return sse({**body, "status_code": status}) + sse("[DONE]")
