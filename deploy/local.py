@@ -9,7 +9,9 @@ Contract
   settings as --worker-drain-grace-s, --worker-drain-announce-s, --worker-max-message-mb. The
   observability flags (and OTEL_* variables) apply to the router and the workers alike, except
   --metrics-*: workers serve /metrics on ephemeral loopback ports, which the router's /targets lists.
-  `--model` is the workers' model and the router's tokenizer. Workers bind 127.0.0.1 (no TLS).
+  `--model` is the workers' model and the router's tokenizer. Workers bind 127.0.0.1 (no TLS)
+  and refuse calls without this deployment's worker token (common.auth; made at start, or
+  LLM_WORKER_TOKEN's), which only the router holds.
 - output: starts a local Ray instance in-process (no dashboard, no other services), launches the
   workers with deploy/ray_launch.py, then serves the router in this process with Ray discovery
   (the same code path as `python -m router --ray-address ...` on a cluster). Prints how to try it
@@ -34,6 +36,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from common.auth import new_token
 from common.config_cli import Flags, new_parser, option, parse_or_exit
 from common.logs import setup_logging
 from deploy.ray_launch import LaunchConfig, launch_workers, ray_process_env, stop_workers
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = plan.num_workers or default_num_workers(num_gpus, num_cpus)
         options = dict(plan.worker_options)
+        # One token per deployment (or LLM_WORKER_TOKEN's): the workers refuse calls without it.
+        token = plan.router.worker_token or new_token()
+        options["worker_token"] = token
         drain_grace_s = options.pop("drain_grace_s", LaunchConfig.drain_grace_s)
         print(f"starting {num_workers} worker(s) on {'GPU' if num_gpus else 'CPU'} ...", flush=True)
         # Each worker's torch threads = the CPUs it reserves (Ray sets OMP_NUM_THREADS from them).
@@ -154,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
             f"  {client} --chat 'What is the capital of France?'\n"
             f"  {client} 'Once upon a time' --max-tokens 64\n"
-            f"A second router over the same workers:\n"
-            f"  .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
+            f"A second router over the same workers needs their token (set LLM_WORKER_TOKEN for both):\n"
+            f"  LLM_WORKER_TOKEN=... .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
             f"--ray-namespace {namespace}\n"
             "Ctrl-C stops everything.\n",
             flush=True,
         )
-        status = asyncio.run(serve(dataclasses.replace(plan.router, ray_address=ray_address)))
+        router = dataclasses.replace(plan.router, ray_address=ray_address, worker_token=token)
+        status = asyncio.run(serve(router))
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     except KeyboardInterrupt:
         status = 0

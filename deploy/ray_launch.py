@@ -12,6 +12,10 @@ Contract
   worker gRPC server (`worker.server.serve`) on a thread of the actor's process, its
   `WorkerServerConfig` built there (TLS paths need only exist on the nodes); `address()` answers
   where it serves. `stop_workers` kills them and frees their placement groups.
+- authentication: every launch has a worker token (`--worker-token` / `LLM_WORKER_TOKEN`, or one
+  `launch_workers` makes, returned as `Workers.token`); the workers refuse llm.v1.Worker calls
+  without it (common.auth). The command-line launch (detached workers for separate routers)
+  refuses to start without one: on Kubernetes it comes from the llm-worker-token Secret.
 - telemetry: the launching process's OTEL_* variables reach every actor (Ray `runtime_env`), and
   the endpoint they name is also set explicitly in the actors' TelemetryConfig (as are
   --otlp-endpoint, --trace-* and --log-format when given).
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import pathlib
@@ -48,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.auth import new_token
 from common.config_cli import Flags, construct, new_parser, option, parse_or_exit
 from common.logs import setup_logging
 from common.net import bind_address
@@ -283,6 +289,15 @@ class Workers:
 
     handles: dict  # name -> ActorHandle
     addresses: dict[str, str]
+    token: str | None = None  # the worker token their routers must send (common.auth)
+
+
+def with_worker_token(config: LaunchConfig) -> LaunchConfig:
+    """`config` with a worker token: the one given (--worker-token / LLM_WORKER_TOKEN), else a new
+    one for this deployment, so that workers Ray launches always authenticate their callers."""
+    if config.server_options.get("worker_token"):
+        return config
+    return dataclasses.replace(config, server_options={**config.server_options, "worker_token": new_token()})
 
 
 def actor_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -292,7 +307,10 @@ def actor_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
 
 
 def launch_workers(config: LaunchConfig) -> Workers:
-    """Starts the workers of `config` that are not already running and waits until all serve."""
+    """Starts the workers of `config` that are not already running and waits until all serve.
+    Without a worker token in `config.server_options` one is made (`Workers.token`); workers
+    already running keep the token they started with, so a re-launch must pass the same one."""
+    config = with_worker_token(config)
     config.check()
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -344,7 +362,7 @@ def launch_workers(config: LaunchConfig) -> Workers:
             )
         log.info("launched %d worker(s) (%s each, %s)", len(missing), bundle, config.placement_strategy)
     addresses = ray.get([h.address.remote() for h in handles.values()], timeout=config.ready_timeout_s)
-    return Workers(handles, dict(zip(names, addresses)))
+    return Workers(handles, dict(zip(names, addresses)), config.server_options["worker_token"])
 
 
 def stop_workers(
@@ -386,6 +404,14 @@ class Command:
     stop: bool = field(
         default=False,
         metadata=option("stop the workers of --ray-namespace instead of starting them", negative=()),
+    )
+    allow_no_worker_token: bool = field(
+        default=False,
+        metadata=option(
+            "start detached workers without --worker-token / LLM_WORKER_TOKEN: each launch then makes "
+            "its own token, which no separate router knows (tests only)",
+            negative=(),
+        ),
     )
 
 
@@ -443,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     if command.stop:
         print(f"stopped: {', '.join(stop_workers(config.namespace, config.name_prefix)) or 'none'}")
         return 0
+    if not config.server_options.get("worker_token") and not command.allow_no_worker_token:
+        print(
+            "refusing to start workers without a worker token: set LLM_WORKER_TOKEN (on Kubernetes "
+            "from the llm-worker-token Secret, deploy/kuberay/) to the value the routers get",
+            file=sys.stderr,
+        )
+        return 2
     for name, address in launch_workers(config).addresses.items():
         print(f"{name} listening on {address}")
     return 0

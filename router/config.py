@@ -214,6 +214,22 @@ class RouterConfig:
     worker_tls_key: str | None = field(
         default=None, metadata=option("PEM: private key of --worker-tls-cert", metavar="FILE")
     )
+    worker_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=option(
+            "shared secret sent to workers on every call (common.auth; the launchers make one per "
+            "deployment). Prefer the variable: a flag shows in ps",
+            metavar="TOKEN",
+        ),
+    )
+    stream_idle_timeout_s: float = field(
+        default=30.0,
+        metadata=option(
+            "end a client stream that has taken no response for this long (DEADLINE_EXCEEDED; its "
+            "worker sequence, KV blocks and admission slot are freed); 0 = never"
+        ),
+    )
     worker_tls_server_name: str | None = field(
         default=None,
         metadata=option(
@@ -250,6 +266,10 @@ class RouterConfig:
             raise ValueError(f"no_worker_grace_s must be >= 0, got {self.no_worker_grace_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.worker_token is not None and not self.worker_token.strip():
+            raise ValueError("worker_token must not be empty (unset it to turn worker authentication off)")
+        if not self.stream_idle_timeout_s >= 0:
+            raise ValueError(f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():

@@ -2,13 +2,16 @@
 
 Contract
 - input: any exception raised by a servicer method of the router.
-- output: the call ends with the exception's gRPC status code and message; `Overloaded` also
-  carries trailing metadata `retry-after-ms`. Anything unexpected becomes INTERNAL (logged), so a
+- output: the call ends with the exception's gRPC status code and message, with every network
+  address in the message replaced by "<worker>" (the full message is logged); `Overloaded` also
+  carries trailing metadata `retry-after-ms`. A stream whose client takes no response for the
+  idle timeout ends DEADLINE_EXCEEDED. Anything unexpected becomes INTERNAL (logged), so a
   handled case never surfaces as UNKNOWN. Request bytes that do not parse as the method's message
   become INVALID_ARGUMENT `request: ...` (grpc itself would answer UNKNOWN).
 - state: none.
-- proven by: tests/test_router_errors.py (mapping), tests/test_grpc_e2e.py (invalid-request table)
-  (end to end),
+- proven by: tests/test_router_errors.py (mapping), tests/test_trust_streams.py (idle timeout),
+  tests/test_trust_limits.py (no address, never INTERNAL, for heterogeneous workers),
+  tests/test_grpc_e2e.py (invalid-request table) (end to end),
   tests/test_fuzz_e2e.py (hostile requests and raw bytes end to end: never UNKNOWN or INTERNAL).
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from contextlib import aclosing
 
 import grpc
@@ -58,6 +62,36 @@ class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class StreamIdle(DeadlineExceeded):
+    """The client took no response for the stream idle timeout."""
+
+
+class PermissionDenied(RouterError):
+    """The tenant is not allowed what the request asks (e.g. a priority above its max_priority)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class WorkerRejected(RouterError):
+    """A worker refused the request with a status that is not the worker's fault. The client sees
+    INVALID_ARGUMENT for the request's own faults and UNAVAILABLE for the rest (a worker that
+    refuses the router's credentials, say): never INTERNAL."""
+
+    CLIENT_FAULTS = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+
+    def __init__(self, worker_code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = (
+            grpc.StatusCode.INVALID_ARGUMENT
+            if worker_code in self.CLIENT_FAULTS
+            else grpc.StatusCode.UNAVAILABLE
+        )
+
+
 class Overloaded(RouterError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -69,9 +103,27 @@ class Overloaded(RouterError):
         return (("retry-after-ms", str(self.retry_after_ms)),)
 
 
+# host:port and bare IP addresses (IPv4, bracketed IPv6, names with a port): what a worker's
+# address looks like in an internal message.
+_ADDRESS = re.compile(
+    r"\[[0-9A-Fa-f:.]+\](?::\d+)?"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+    r"|\b[A-Za-z0-9][A-Za-z0-9.-]*:\d{2,5}\b(?![.\d])"
+)
+
+
+def scrub_addresses(message: str) -> str:
+    """The message with every network address replaced by "<worker>": internal addresses are for
+    the router's log, never for clients."""
+    return _ADDRESS.sub("<worker>", message)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     if isinstance(exc, RouterError):
-        return exc.code, exc.message, exc.trailing_metadata()
+        message = scrub_addresses(exc.message)
+        if message != exc.message:
+            log.info("%s (sent to the client as: %s)", exc.message, message)
+        return exc.code, message, exc.trailing_metadata()
     log.exception("unhandled error in router", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
 
@@ -117,7 +169,13 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary-unary and unary-stream handler so domain errors become statuses."""
+    """Wraps every unary-unary and unary-stream handler so domain errors become statuses; each
+    streamed response must be taken by the client within `stream_idle_timeout_s` (0: no limit),
+    else the call ends DEADLINE_EXCEEDED and the handler's generator is closed, which releases
+    everything the request held (worker sequence, KV reservation, admission ticket)."""
+
+    def __init__(self, stream_idle_timeout_s: float = 0.0):
+        self._idle_s = stream_idle_timeout_s or None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -141,12 +199,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
+            idle_s = self._idle_s
+
             async def unary_stream(request, context):
+                # context.write instead of yield: a write that the client's flow control holds
+                # back longer than idle_s is a stalled reader (one that never reads keeps its
+                # stream's window full), which must not hold a worker slot forever.
                 try:
                     _check_decoded(request)
                     async with aclosing(inner_stream(request, context)) as responses:
                         async for response in responses:
-                            yield response
+                            try:
+                                async with asyncio.timeout(idle_s):
+                                    await context.write(response)
+                            except TimeoutError:
+                                raise StreamIdle(
+                                    f"stream idle: the client took no response for {idle_s:g} s"
+                                ) from None
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - this is the one mapping point

@@ -76,6 +76,8 @@ class WorkerRegistry(abc.ABC):
         down_after_probes: int = 2,
         breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
         credentials: grpc.ChannelCredentials | None = None,
+        interceptors: tuple = (),
+        check_info: Callable[[worker_pb2.WorkerInfo], str] | None = None,
     ):
         self._poll_s = poll_s
         self._probe_timeout_s = probe_timeout_s
@@ -83,6 +85,8 @@ class WorkerRegistry(abc.ABC):
         self._breaker_factory = breaker_factory
         self._options = channel_options
         self._credentials = credentials  # TLS to workers (common.tls); None = plaintext
+        self._interceptors = list(interceptors)  # e.g. the worker token (common.auth) on every call
+        self._check_info = check_info  # WorkerInfo -> "" or why not to route there (router.models)
         self._handles: dict[str, WorkerHandle] = {}
         self._task: asyncio.Task | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -167,9 +171,13 @@ class WorkerRegistry(abc.ABC):
         for address in addresses:
             if address not in self._handles:
                 channel = (
-                    grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                    grpc.aio.secure_channel(
+                        address, self._credentials, options=self._options, interceptors=self._interceptors
+                    )
                     if self._credentials
-                    else grpc.aio.insecure_channel(address, options=self._options)
+                    else grpc.aio.insecure_channel(
+                        address, options=self._options, interceptors=self._interceptors
+                    )
                 )
                 self._handles[address] = WorkerHandle(
                     address, channel, worker_pb2_grpc.WorkerStub(channel), breaker=self._breaker_factory()

@@ -35,7 +35,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import worker_pb2
 from router.dispatcher import Placement
-from router.errors import DeadlineExceeded, RouterError, Unavailable
+from router.errors import DeadlineExceeded, Unavailable, WorkerRejected
 from router.registry import WorkerRegistry
 from router.stop_strings import StopStringMatcher
 from router.tenants import Tenant
@@ -245,8 +245,8 @@ class Relay:
                     code=code,
                 ) from None
             if code not in RETRYABLE:
-                raise RouterError(
-                    f"worker {worker.address} rejected the request ({code.name}: {exc.details()})"
+                raise WorkerRejected(
+                    code, f"worker {worker.address} rejected the request ({code.name}: {exc.details()})"
                 ) from None
             raise WorkerLost(
                 f"worker {worker.address} failed before the first token ({code.name}: {exc.details()})",

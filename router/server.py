@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 
+from common.auth import token_client_interceptors
 from common.grpc_server import GrpcServer, message_options
 from common.model_files import default_model_path
 from common.tls import channel_credentials
@@ -72,6 +73,8 @@ async def serve(config: RouterConfig) -> int:
             config.breaker_failures, config.breaker_cooldown_s, config.breaker_max_cooldown_s
         ),
     )
+    if config.worker_token:  # every worker call carries the deployment's token (common.auth)
+        registry_args["interceptors"] = token_client_interceptors(config.worker_token)
     if config.worker_tls_ca:  # TLS to workers; mutual when the router has a client certificate
         registry_args["credentials"] = channel_credentials(
             config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key, WORKER_TLS_FLAGS
@@ -117,7 +120,7 @@ async def serve(config: RouterConfig) -> int:
         metrics_routes={"/targets": lambda: targets(registry)},
         tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
         options=options,
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(config.stream_idle_timeout_s)],
     )
     service = GenerationService(
         registry,

@@ -9,16 +9,20 @@ Contract:
 - Threads: only the engine thread touches LLMEngine. Other threads post commands to a queue; the
   engine thread hands outputs back with `loop.call_soon_threadsafe`, so the event loop never
   blocks on torch.
+- Backpressure: each stream buffers at most `stream_buffer` outputs its reader has not taken;
+  while it is full the sequence is left out of the engine's steps (it keeps its KV blocks), so a
+  reader that stops reading stops its generation instead of growing a queue.
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
   them, and the loop goes on serving new requests.
 - Proven by tests/test_grpc_e2e.py (it drives an AsyncEngine directly) and the other gRPC
-  end-to-end tests.
+  end-to-end tests; backpressure by tests/test_trust_streams.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import threading
 from collections import deque
@@ -27,18 +31,29 @@ from dataclasses import dataclass
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.sequence import Sequence
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+DEFAULT_STREAM_BUFFER = 64  # outputs per stream (WorkerServerConfig.stream_buffer_messages)
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    limit: int  # outputs buffered for the reader before the engine stops generating for it
+    produced: int = 0  # written by the engine thread only
+    consumed: int = 0  # written by the event loop only
+    paused: bool = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        self.produced += 1
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    @property
+    def full(self) -> bool:
+        return self.produced - self.consumed >= self.limit
 
 
 def build_engine_off_main_thread(config: EngineConfig) -> LLMEngine:
@@ -64,8 +79,9 @@ def build_engine_off_main_thread(config: EngineConfig) -> LLMEngine:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stream_buffer: int = DEFAULT_STREAM_BUFFER):
         self.engine = engine
+        self.stream_buffer = stream_buffer
         self._commands: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -75,8 +91,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        engine = cls(build_engine_off_main_thread(config))
+    def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> "AsyncEngine":
+        engine = cls(build_engine_off_main_thread(config), stream_buffer)
         engine.start()
         return engine
 
@@ -106,13 +122,16 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"duplicate request_id {request_id!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), self.stream_buffer)
         self._streams[request_id] = stream
         self._post(("add", request_id, list(prompt_token_ids), sampling, priority, salt))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                stream.consumed += 1
+                if stream.paused and not stream.full:
+                    self._wakeup.set()  # room again: the engine resumes this sequence
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -141,12 +160,21 @@ class AsyncEngine:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            parked = self._park()
+            scheduler = engine.scheduler
+            if parked and not (scheduler.running or scheduler.waiting or engine._aborted):
+                self._unpark(parked)  # every stream's reader is behind: wait for one to read
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
             try:
                 outputs = engine.step()
             except Exception as exc:  # a bug or OOM: fail in-flight, keep serving
                 log.exception("engine step failed")
+                self._unpark(parked)
                 self._fail_all(exc)
                 continue
+            self._unpark(parked)
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
@@ -154,6 +182,42 @@ class AsyncEngine:
             self._stats = engine.stats()
             for observer in self.step_observers:
                 observer(engine, outputs)
+
+    def _park(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Takes the sequences whose stream buffer is full out of the scheduler's queues for one
+        step (backpressure): they keep their KV blocks but get no compute until their reader takes
+        something; the idle timeout of the server ends a reader that never does. Their slots stay
+        counted against max_num_seqs."""
+        full = {rid for rid, stream in list(self._streams.items()) if stream.full}
+        if not full:
+            return [], []
+        s = self.engine.scheduler
+        running = [seq for seq in s.running if seq.request_id in full]
+        waiting = [seq for seq in s.waiting if seq.request_id in full]
+        for seq in running:
+            s.running.remove(seq)
+        for seq in waiting:
+            s.waiting.remove(seq)
+        s.max_num_seqs -= len(running)
+        for rid in full:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.paused = True
+        return running, waiting
+
+    def _unpark(self, parked: tuple[list[Sequence], list[Sequence]]) -> None:
+        running, waiting = parked
+        if not running and not waiting:
+            return
+        s = self.engine.scheduler
+        s.max_num_seqs += len(running)
+        s.running.extend(running)
+        for seq in waiting:
+            bisect.insort(s.waiting, seq, key=Sequence.sort_key)
+        for seq in running + waiting:
+            stream = self._streams.get(seq.request_id)
+            if stream is not None:
+                stream.paused = stream.full
 
     def _apply_commands(self) -> None:
         while self._commands:

@@ -7,6 +7,13 @@ Contract
   message; `finished` on the last); `LoadReport` from `engine.stats()`; `WorkerInfo` from
   `engine.info`. Protobuf stops here: the engine sees only `worker.types`.
 - state: the engine (its loop runs on its own thread; this side only awaits its outputs).
+- authentication: with `worker_token` set (the launchers set one per deployment) every
+  llm.v1.Worker call must carry it (common.auth) or gets UNAUTHENTICATED before anything runs, so
+  the tenant salt (`cache_salt`) and priority come only from this deployment's routers.
+  Health and reflection stay open.
+- stalled readers: each response waits at most `stream_idle_timeout_s` to be taken, else the call
+  ends DEADLINE_EXCEEDED and the sequence is aborted; the engine buffers at most
+  `stream_buffer_messages` outputs per stream and stops generating for a full one.
 - failure modes: bad sampling values or an engine-rejected prompt -> INVALID_ARGUMENT; a cancelled
   call (router cancel, deadline, lost connection) aborts the sequence in the engine, freeing its KV
   blocks in the next step; SIGTERM -> health NOT_SERVING while new calls are still accepted for
@@ -14,7 +21,8 @@ Contract
   streams get `drain_grace_s` to finish, then the engine shuts down.
 - observability: each Generate is a span continuing the router's trace (`worker.observe`);
   Prometheus `/metrics` (`worker.metrics`) on --metrics-port, its address in `WorkerInfo`.
-- proven by: tests/test_grpc_e2e.py (cancel frees blocks, load report),
+- proven by: tests/test_trust_auth.py, tests/test_trust_streams.py,
+  tests/test_grpc_e2e.py (cancel frees blocks, load report),
   tests/test_grpc_two_workers.py (worker killed), tests/test_observability_e2e.py.
 """
 
@@ -26,6 +34,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.auth import TokenServerInterceptor
 from common.grpc_server import GrpcServer, message_options
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
@@ -86,9 +95,12 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics | None = None):
+    def __init__(
+        self, engine: AsyncEngine, metrics: WorkerMetrics | None = None, stream_idle_timeout_s: float = 0.0
+    ):
         self._engine = engine
         self._metrics = metrics
+        self._idle_s = stream_idle_timeout_s or None  # None: a reader may take any time
         self.worker_id = ""  # this worker's gRPC address, once bound
         self.metrics_address = ""  # host:port of /metrics, reported in WorkerInfo
 
@@ -120,7 +132,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             try:
                 async for out in outputs:
                     obs.output(out)
-                    yield to_response(out)
+                    try:
+                        async with asyncio.timeout(self._idle_s):
+                            await context.write(to_response(out))
+                    except TimeoutError:
+                        message = f"stream idle: the reader took nothing for {self._idle_s:g} s"
+                        obs.fail("deadline_exceeded", message)
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
             except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
                 obs.fail("invalid_argument", str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -162,7 +180,7 @@ async def serve(
     """Serves until SIGTERM/SIGINT, or until `stop` is set when one is given (a server on a thread
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
     `on_listening(port)` runs once the server is SERVING."""
-    engine = AsyncEngine.from_config(config.engine)
+    engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages)
     metrics = WorkerMetrics(engine)
     try:
         base = GrpcServer(
@@ -174,8 +192,9 @@ async def serve(
             metrics_registry=metrics.registry,
             tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
             options=message_options(config.max_message_bytes),
+            interceptors=[TokenServerInterceptor(config.worker_token)] if config.worker_token else [],
         )
-        service = WorkerService(engine, metrics)
+        service = WorkerService(engine, metrics, config.stream_idle_timeout_s)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, base.server)
         port = base.bind()
     except SystemExit:

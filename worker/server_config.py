@@ -5,6 +5,8 @@ Contract
   TLS files, drain timings, message size, telemetry. Its field metadata (common.config_cli) makes
   the flags of `python -m worker` and of the launchers (deploy/local.py, deploy/ray_launch.py),
   each also settable as an `LLM_*` variable; the defaults live only here and in EngineConfig.
+- authentication: `worker_token` (common.auth) turns the router token check on; the launchers
+  set it per deployment. Stalled readers: `stream_idle_timeout_s`, `stream_buffer_messages`.
 - failure modes (ValueError): unreadable or unpaired TLS files (common.tls); a non-loopback host
   without mutual TLS, unless `allow_insecure_public` (common.public_bind, the one copy of the rule).
 - Imports neither torch nor grpc, so that launchers can build the flags without loading the engine.
@@ -62,6 +64,29 @@ class WorkerServerConfig:
             "bind a non-loopback address without mutual TLS (a private network only)", negative=()
         ),
     )
+    worker_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=option(
+            "shared secret routers must send (metadata x-llm-worker-token) on every llm.v1.Worker call; "
+            "others get UNAUTHENTICATED (common.auth). Prefer the variable: a flag shows in ps",
+            metavar="TOKEN",
+        ),
+    )
+    stream_idle_timeout_s: float = field(
+        default=30.0,
+        metadata=option(
+            "end a Generate stream whose reader has taken nothing for this long (its sequence is "
+            "aborted and its KV blocks freed); 0 = never"
+        ),
+    )
+    stream_buffer_messages: int = field(
+        default=64,
+        metadata=option(
+            "outputs buffered per stream for a slow reader; when full, the engine stops generating for "
+            "that sequence until the reader catches up (backpressure)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -69,6 +94,10 @@ class WorkerServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0 or self.drain_announce_s < 0:
             raise ValueError("drain_grace_s and drain_announce_s must be >= 0")
+        if self.worker_token is not None and not self.worker_token.strip():
+            raise ValueError("worker_token must not be empty (unset it to turn worker authentication off)")
+        if self.stream_idle_timeout_s < 0 or self.stream_buffer_messages < 1:
+            raise ValueError("stream_idle_timeout_s must be >= 0 and stream_buffer_messages >= 1")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         problem = refusal(
