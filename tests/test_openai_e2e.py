@@ -1,0 +1,342 @@
+"""The OpenAI-compatible HTTP front (issue 16 items 5-6), end to end: the official `openai` SDK
+against a real router process (its HTTP port 0, announced in its log) and a real worker process.
+
+Checked: chat and completions, streaming and not, usage with cached tokens, stop (and which stop
+matched), seed, logprobs/top_logprobs, max_tokens / max_completion_tokens; the same text as the
+gRPC API for the same request, the new sampling parameters included; the SDK's error classes for
+400 (naming the parameter), 401, 429 (with Retry-After) and 503; a client that disconnects
+(streaming, or waiting for a whole response) frees every KV block on the worker; the router's
+per-protocol request counter. The load tester's OpenAI target is compared with its gRPC target in
+tests/test_openai_loadtest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc
+from router.tenants import hash_key
+from tests import procs
+
+KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+TENANTS = (
+    "tenants:\n"
+    f"  - name: tests\n    key_sha256: {hash_key(KEY)}\n"
+    f"  - name: limited\n    key_sha256: {hash_key(LIMITED_KEY)}\n"
+    "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
+)
+HTTP_API = re.compile(r"HTTP API at (https?://\S+/v1)")
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
+
+
+def http_url(proc: procs.Proc, timeout_s: float = procs.START_TIMEOUT_S) -> str:
+    """The base URL the router announced ("... HTTP API at http://HOST:PORT/v1")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = HTTP_API.search(proc.log_path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+        time.sleep(0.05)  # polling a log file; no event to wait on across processes
+    raise TimeoutError(f"{proc.name} announced no HTTP API within {timeout_s} s")
+
+
+def post(url: str, body: bytes, timeout_s: float = 60.0) -> tuple[int, dict]:
+    """A raw POST with the test key (urllib: no client-side checks in the way)."""
+    request = urllib.request.Request(
+        url, data=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def worker(logs):
+    with procs.running_workers(logs, 1) as (proc,):
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def router(worker, logs):
+    with procs.running_router(
+        logs, [worker.address], "--http-port", "0", tenants=TENANTS, metadata=AUTH
+    ) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with openai.OpenAI(base_url=http_url(router), api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(router):
+    with grpc.insecure_channel(router.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def grpc_generate(stub, **fields) -> tuple[str, pb.Finished]:
+    text, _, finished = grpc_tokens(stub, **fields)
+    return text, finished
+
+
+def grpc_tokens(stub, **fields) -> tuple[str, list[int], pb.Finished]:
+    text, ids, finished = "", [], None
+    for msg in stub.Generate(pb.GenerateRequest(**fields), metadata=AUTH, timeout=120):
+        if msg.HasField("chunk"):
+            text += msg.chunk.text
+            ids += msg.chunk.token_ids
+        else:
+            finished = msg.finished
+    return text, ids, finished
+
+
+def test_models_lists_the_served_model(client, stub):
+    [card] = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH).models
+    [model] = client.models.list().data
+    assert model.id == card.id and model.model_extra["max_model_len"] == card.max_model_len
+
+
+def test_chat_matches_grpc_and_reports_usage(client, stub):
+    reply = client.chat.completions.create(model="", messages=FRANCE, max_completion_tokens=8, temperature=0)
+    text, finished = grpc_generate(
+        stub,
+        chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in FRANCE]),
+        sampling=pb.SamplingParams(temperature=0),
+        stopping=pb.StoppingCriteria(max_tokens=8),
+    )
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == text and "Paris" in text
+    assert (
+        choice.finish_reason
+        == {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}[finished.reason]
+    )
+    assert reply.usage.completion_tokens == finished.usage.completion_tokens <= 8
+    assert reply.usage.prompt_tokens == finished.usage.prompt_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # the gRPC call ran second on the same prompt: its blocks were cached
+    assert finished.usage.cached_prompt_tokens > 0
+
+
+def test_completions_stream_equals_whole_and_reports_cached_tokens(client):
+    whole = client.completions.create(model="", prompt=STORY, max_tokens=6, temperature=0)
+    stream = client.completions.create(
+        model="",
+        prompt=STORY,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert whole.object == "text_completion"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text != ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+    # same prompt twice: the second found its full blocks in the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_opens_with_the_role(client):
+    chunks = list(
+        client.chat.completions.create(model="", messages=FRANCE, max_tokens=4, temperature=0, stream=True)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stop_string_ends_the_text_and_is_reported(client):
+    full = client.completions.create(model="", prompt=STORY, max_tokens=12, temperature=0).choices[0].text
+    words = full.split()
+    stop = " " + words[len(words) // 2]
+    cut = client.completions.create(model="", prompt=STORY, max_tokens=12, temperature=0, stop=[stop, "zzzz"])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_stop_token_id_is_reported_on_grpc(stub, client):
+    _, ids, done = grpc_tokens(
+        stub,
+        prompt=STORY,
+        sampling=pb.SamplingParams(temperature=0),
+        stopping=pb.StoppingCriteria(max_tokens=6),
+    )
+    _, stopped = grpc_generate(
+        stub,
+        prompt=STORY,
+        sampling=pb.SamplingParams(temperature=0),
+        stopping=pb.StoppingCriteria(max_tokens=6, stop_token_ids=[ids[2]]),
+    )
+    assert stopped.reason == pb.FINISH_REASON_STOP and stopped.usage.completion_tokens == 3
+    assert stopped.WhichOneof("stop_reason") == "stop_token_id" and stopped.stop_token_id == ids[2]
+    assert done.WhichOneof("stop_reason") is None  # length: no stop matched
+    reply = client.completions.create(
+        model="", prompt=STORY, max_tokens=6, temperature=0, extra_body={"stop_token_ids": [ids[2]]}
+    )
+    assert reply.choices[0].model_extra["stop_reason"] == ids[2]
+
+
+def test_seed_reproduces_and_logprobs_have_top_n(client):
+    def story(seed):
+        return client.completions.create(model="", prompt=STORY, max_tokens=8, temperature=1.0, seed=seed)
+
+    a, b, c = story(7), story(7), story(8)
+    assert a.choices[0].text == b.choices[0].text != c.choices[0].text
+    a = client.chat.completions.create(
+        model="", messages=FRANCE, max_tokens=8, temperature=1.0, seed=7, logprobs=True, top_logprobs=3
+    )
+    content = a.choices[0].logprobs.content
+    assert len(content) == a.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and entry.logprob <= tops[0] + 1e-6
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    legacy = client.completions.create(model="", prompt=STORY, max_tokens=4, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == legacy.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(
+        max(top.values()) == pytest.approx(chosen) for top, chosen in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+
+
+SAMPLING = dict(temperature=0.8, seed=11, presence_penalty=0.6, frequency_penalty=0.4)
+EXTRAS = dict(min_p=0.05, repetition_penalty=2.0, top_k=40)  # vLLM's names, as extra_body
+
+
+def test_new_sampling_parameters_give_the_same_text_on_both_apis(client, stub):
+    bias_token = 1000
+    http = client.completions.create(
+        model="", prompt=STORY, max_tokens=8, **SAMPLING, logit_bias={str(bias_token): 5.0}, extra_body=EXTRAS
+    )
+    text, _ = grpc_generate(
+        stub,
+        prompt=STORY,
+        sampling=pb.SamplingParams(**SAMPLING, **EXTRAS, logit_bias={bias_token: 5.0}),
+        stopping=pb.StoppingCriteria(max_tokens=8),
+    )
+    assert http.choices[0].text == text
+    plain = client.completions.create(model="", prompt=STORY, max_tokens=8, temperature=0.8, seed=11)
+    assert plain.choices[0].text != text  # the parameters did change the draw
+    forced = client.completions.create(
+        model="", prompt=STORY, max_tokens=4, temperature=0, logit_bias={str(bias_token): 100.0}
+    )
+    _, ids, _ = grpc_tokens(
+        stub,
+        prompt=STORY,
+        sampling=pb.SamplingParams(temperature=0, logit_bias={bias_token: 100.0}),
+        stopping=pb.StoppingCriteria(max_tokens=4),
+    )
+    assert ids == [bias_token] * 4 and forced.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(top_p=5), "top_p"),
+        (dict(max_completion_tokens=0), "max_completion_tokens"),
+        (dict(max_tokens=100_000), "max_tokens"),
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(n=2), "n"),
+        (dict(model="no-such-model"), "model"),
+        (dict(extra_body={"min_p": 2}), "min_p"),
+        (dict(stop=["ok"] * 9), "stop"),
+    ],
+)
+def test_invalid_requests_are_400_naming_the_parameter(client, kwargs, param):
+    args = dict(model="", messages=FRANCE, max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**args)
+    assert info.value.status_code == 400
+    assert info.value.param == param and info.value.body["message"].startswith(f"{param}: ")
+    assert "Traceback" not in info.value.body["message"]
+
+
+def test_bad_body_and_prompt_batches_are_400(router):
+    url = http_url(router)
+    bad_status, bad = post(f"{url}/completions", b"{not json")
+    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode())
+    assert (bad_status, batch_status) == (400, 400)
+    assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
+
+
+def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):
+    url = http_url(router)
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.completions.create(model="", prompt="hi", max_tokens=1)
+        assert info.value.status_code == 401 and "wrong" not in info.value.message
+    with openai.OpenAI(base_url=url, api_key=LIMITED_KEY, max_retries=0) as limited:
+        limited.completions.create(model="", prompt="hi", max_tokens=1)  # the bucket's one request
+        with pytest.raises(openai.RateLimitError) as info:
+            limited.completions.create(model="", prompt="hi", max_tokens=1, stream=True)
+    headers = info.value.response.headers
+    assert info.value.status_code == 429 and int(headers["retry-after"]) >= 1
+    assert int(headers["retry-after-ms"]) > 0
+
+
+def test_no_worker_is_503(logs):
+    dead = f"127.0.0.1:{procs.free_port()}"
+    proc = procs.start_router(logs, [dead], "--http-port", "0")
+    try:
+        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0) as c:
+            with pytest.raises(openai.InternalServerError) as info:
+                c.chat.completions.create(model="", messages=FRANCE, max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        proc.stop()
+
+
+def test_disconnecting_clients_free_their_kv(client, router, worker):
+    long = dict(model="", prompt=STORY, max_tokens=400, temperature=0)
+    with client.completions.create(stream=True, extra_body={"ignore_eos": True}, **long) as stream:
+        next(iter(stream))  # a token arrived: the sequence holds KV blocks now
+        busy = procs.worker_load(worker.address)
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_total_blocks
+    load, _ = procs.wait_all_blocks_free(worker.address)
+    assert load.num_running == 0
+    # a whole (non-streaming) response the client stops waiting for
+    with pytest.raises(TimeoutError):  # urllib closes the connection when the read times out
+        post(f"{http_url(router)}/completions", json.dumps({**long, "ignore_eos": True}).encode(), 3.0)
+    procs.wait_all_blocks_free(worker.address)
+
+
+def test_requests_are_counted_by_protocol(client, stub, router):
+    client.completions.create(model="", prompt="hi", max_tokens=1)
+    grpc_generate(stub, prompt="hi", stopping=pb.StoppingCriteria(max_tokens=1))
+    samples = procs.scrape(router)
+    by = {
+        labels: value
+        for (name, labels), value in samples.items()
+        if name == "llm_router_requests_by_protocol_total"
+    }
+    http = sum(v for labels, v in by.items() if ("protocol", "http") in labels)
+    grpc_count = sum(v for labels, v in by.items() if ("protocol", "grpc") in labels)
+    assert http >= 1 and grpc_count >= 1
+    assert by[(("protocol", "http"), ("status", "invalid_argument"))] >= 1
