@@ -4,7 +4,7 @@ style (installed as a console script by `pip install -e .`; `python -m deploy.cl
 Contract
 - `llm-serve serve` = `python -m deploy.local` (`make serve`: Ray, worker actors, router);
   `router` = `python -m router`; `worker` = `python -m worker`; `generate` = `python -m
-  router.client`; `loadtest` = `python -m loadtest`; `launch` = `python -m deploy.ray_launch`
+  devtools.client`; `loadtest` = `python -m loadtest`; `launch` = `python -m deploy.ray_launch`
   (workers in a Ray cluster); `bench NAME` = `python -m benchmarks.NAME`.
 - The rest of the command line goes to that module unchanged (so `llm-serve worker --help` is the
   worker's help and every flag and LLM_* variable works as documented there); the module runs as
@@ -23,7 +23,7 @@ COMMANDS = {
     "serve": ("deploy.local", "local Ray + worker actors + router on 127.0.0.1:50051 (make serve)"),
     "router": ("router", "the router alone (--workers HOST:PORT,... or --ray-address ADDR)"),
     "worker": ("worker", "one worker: an engine behind gRPC"),
-    "generate": ("router.client", "send a prompt or a chat to a router and stream the answer"),
+    "generate": ("devtools.client", "send a prompt or a chat to a router and stream the answer"),
     "loadtest": ("loadtest", "load test a router (or a local stack)"),
     "launch": ("deploy.ray_launch", "start or stop worker actors in a Ray cluster"),
     "bench": ("benchmarks.NAME", "run a benchmark: llm-serve bench NAME [flags]"),

@@ -41,6 +41,7 @@ from common.config_cli import Flags, new_parser, option, parse_or_exit
 from common.logs import setup_logging
 from deploy.ray_launch import LaunchConfig, launch_workers, ray_process_env, stop_workers
 from router.config import RouterConfig
+from router.models import entries_for
 from worker.config import EngineConfig
 from worker.server_config import WorkerServerConfig
 
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     router = Flags(
         p,
         RouterConfig,
-        exclude=("workers", "ray_address", "model"),
+        exclude=("workers", "ray_address", "model", "allow_download"),
         aliases={"ray_namespace": ("--namespace",)},
         title="router",
     )
@@ -97,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
 
     def build(ns: argparse.Namespace) -> Plan:
         engine_config = engine.build(ns)
-        router_config = router.build(ns, model=engine_config.model)
+        models = entries_for(engine_config.model, engine_config.served_model_name)
+        router_config = router.build(ns, model=models, allow_download=engine_config.allow_download)
         options = server.values(ns)
         telemetry = {name: getattr(router_config.telemetry, name) for name in SHARED_TELEMETRY}
         options["telemetry"] = {
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_address = ray.get_runtime_context().gcs_address
         port = plan.router.port
         target = f"{plan.router.host}:{port}" if port else "<the router address printed below>"
-        client = f".venv/bin/python -m router.client --target {target}"
+        client = f".venv/bin/python -m devtools.client --target {target}"
         print(
             f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
             f"  {client} --chat 'What is the capital of France?'\n"

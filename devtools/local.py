@@ -23,6 +23,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from router.models import entries_for
+
 LISTENING = re.compile(r"listening on (\S+)")
 
 
@@ -92,7 +94,7 @@ def plan(argv: list[str] | None = None) -> Plan:
 
     p = new_parser("python -m devtools.local", "worker(s) + router on loopback, as plain processes")
     stack = Flags(p, Stack, title="stack")
-    router_flags = Flags(p, RouterConfig, exclude=("workers", "model"), title="router")
+    router_flags = Flags(p, RouterConfig, exclude=("workers", "model", "allow_download"), title="router")
     engine_flags = Flags(p, EngineConfig, title="engine (every worker)")
     # Both configs are built here so that a bad value is a usage error before anything starts.
     ns, num_workers, _, engine = parse_or_exit(
@@ -114,7 +116,14 @@ def plan(argv: list[str] | None = None) -> Plan:
         *engine_flags.argv(ns),
         *telemetry,
     ]
-    router = ["-m", "router", *(["--model", engine.model] if engine.model else []), *router_flags.argv(ns)]
+    models = entries_for(engine.model, engine.served_model_name)
+    router = [
+        "-m",
+        "router",
+        *(["--model", ",".join(models)] if models else []),
+        *(["--allow-download"] if engine.allow_download else []),
+        *router_flags.argv(ns),
+    ]
     return Plan(num_workers, worker, router)
 
 
@@ -131,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         target = router.wait_listening(60)
         print(
             f"\nReady: router on {target}, workers on {', '.join(addresses)}. Try:\n"
-            f"  .venv/bin/python -m router.client --target {target} --chat 'What is the capital of France?'\n"
-            f"  .venv/bin/python -m router.client --target {target} 'Once upon a time' --max-tokens 64\n"
+            f"  .venv/bin/python -m devtools.client --target {target} --chat "
+            "'What is the capital of France?'\n"
+            f"  .venv/bin/python -m devtools.client --target {target} 'Once upon a time' --max-tokens 64\n"
             f"  grpcurl -plaintext {target} list      # server reflection\n"
             "Ctrl-C stops everything.\n",
             flush=True,

@@ -97,9 +97,23 @@ class RouterConfig:
     ray_namespace: str = field(
         default=DEFAULT_NAMESPACE, metadata=option("Ray namespace the worker actors are named in")
     )
-    model: str | None = field(
-        default=None,
-        metadata=option("GGUF file for the tokenizer (default: the embedded model)", metavar="PATH"),
+    model: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "the served models, comma-separated, each [ID=]SOURCE: SOURCE a GGUF file, a Hugging Face "
+            "directory or hub id (org/name, from the local HF cache) the router takes the tokenizer, "
+            "chat template and generation defaults from; ID (default: the hub id, GGUF general.name or "
+            "directory name) must equal the workers' --served-model-name (default: the embedded model)",
+            parse=comma_list,
+            format=",".join,
+            metavar="[ID=]SOURCE,...",
+        ),
+    )
+    allow_download: bool = field(
+        default=False,
+        metadata=option(
+            "fetch a hub id's tokenizer files missing from the local HF cache (default: offline)"
+        ),
     )
     tenants_file: str | None = field(
         default=None,

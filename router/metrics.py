@@ -16,7 +16,9 @@ Contract
   `llm_router_tokens_in_flight` (admission budget), `llm_router_tenant_open_requests{tenant}`,
   and per worker `llm_router_worker_reserved_tokens`, `llm_router_worker_outstanding_tokens`,
   `llm_router_worker_inflight`, `llm_router_worker_streams`, plus `llm_router_worker_healthy` and
-  `llm_router_worker_circuit_open` (1 while its circuit breaker keeps traffic away).
+  `llm_router_worker_circuit_open` (1 while its circuit breaker keeps traffic away) and
+  `llm_router_worker_refused` (1 while its model or tokenizer fingerprint does not match the
+  router's, router.models).
   `llm_router_requests_by_protocol_total{protocol,status}`: `llm_requests_total` split by the front
   (grpc | http) the request came in by.
 - state: the registry (one per router process).
@@ -92,6 +94,7 @@ class StateCollector:
             "streams": "Open Generate streams to the worker",
             "healthy": "1 if the last health probe succeeded",
             "circuit_open": "1 while the worker's circuit breaker keeps traffic away",
+            "refused": "1 while the router refuses the worker: its model or tokenizer fingerprint differs",
         }
         gauges = {
             k: GaugeMetricFamily(f"llm_router_worker_{k}", v, labels=["worker"]) for k, v in families.items()
@@ -104,6 +107,7 @@ class StateCollector:
                 "streams": len(h.streams),
                 "healthy": int(h.healthy),
                 "circuit_open": int(not h.breaker.allows()),
+                "refused": int(bool(h.refused)),
             }
             for k, v in values.items():
                 gauges[k].add_metric([h.address], v)

@@ -7,8 +7,11 @@ Contract
   `models()` -> served models as `ModelSpec`s.
 - state: one `WorkerHandle` per address; a probe task refreshes health (grpc.health.v1 Check),
   info (once) and load (`Worker.GetLoad`) every `poll_s`, each probe call bounded by
-  `probe_timeout_s`. `mark_failed` takes a worker out of rotation at once when its connection
-  fails; the next good probe brings it back. Each handle has a `CircuitBreaker` fed by call
+  `probe_timeout_s`. With `check_info` (router.models.ModelTable.check) each worker's
+  `WorkerInfo` is vetted: a worker serving a model the router has no tokenizer for, or whose
+  tokenizer fingerprint differs from the router's, is never routed to (`refused` says why, logged
+  once; re-checked every probe). `mark_failed` takes a worker out of rotation at once when its
+  connection fails; the next good probe brings it back. Each handle has a `CircuitBreaker` fed by call
   outcomes (`call_failed` / `call_succeeded`): a worker that passes probes but fails calls is left
   out for the breaker's cool-down. Open streams register on their handle (`track`).
 - failure modes: unreachable / NOT_SERVING / too-slow workers are unhealthy; a worker that fails
@@ -16,7 +19,8 @@ Contract
   its open streams are cancelled with the reason, so no client waits on a hung worker past
   about `down_after_probes * (poll_s + probe_timeout_s)`; `on_change(any_healthy)` fires when the
   router goes from no healthy worker to some or back (drives the router's health).
-- proven by: tests/test_grpc_two_workers.py (spread, worker killed),
+- proven by: tests/test_grpc_two_workers.py (spread, worker killed), tests/test_models_e2e.py
+  (mismatched tokenizer refused),
   tests/test_faults.py (hung worker, circuit breaking).
 """
 
@@ -51,6 +55,7 @@ class WorkerHandle:
     last_error: str = field(default="")
     probe_failures: int = 0  # consecutive failed probes
     draining: bool = False  # answered NOT_SERVING since its last good probe
+    refused: str = ""  # why the router does not route here (model / tokenizer mismatch); "" = it does
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     streams: set = field(default_factory=set)  # open `TrackedStream`s on this worker
 
@@ -118,6 +123,7 @@ class WorkerRegistry(abc.ABC):
             for h in self._handles.values()
             if h.healthy
             and h.info is not None
+            and not h.refused
             and h.breaker.allows()
             and (model is None or h.info.model == model)
         ]
@@ -194,8 +200,9 @@ class WorkerRegistry(abc.ABC):
             reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError("worker reports NOT_SERVING")
-            if h.info is None:
+            if h.info is None or h.refused:  # a refused worker may have been restarted with another model
                 h.info = await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
+                self._vet(h)
             h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
         except (grpc.aio.AioRpcError, ConnectionError) as exc:
             reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -222,6 +229,14 @@ class WorkerRegistry(abc.ABC):
         if not h.healthy:
             log.info("worker %s healthy (model %s)", h.address, h.info.model)
         h.healthy, h.last_error = True, ""
+
+    def _vet(self, h: WorkerHandle) -> None:
+        refused = self._check_info(h.info) if self._check_info is not None else ""
+        if refused and refused != h.refused:
+            log.warning("worker %s not routed: %s", h.address, refused)
+        elif h.refused and not refused:
+            log.info("worker %s routed again: its model and tokenizer now match", h.address)
+        h.refused = refused
 
     def _notify(self) -> None:
         any_healthy = bool(self.healthy())

@@ -1,7 +1,8 @@
 """Stream relay: one validated, tokenized request -> a worker stream -> text chunks.
 
 Contract
-- input: `ValidRequest`, prompt token ids, resolved max_tokens, the tenant, the arrival time, the
+- input: (once) the registry and `tokenizer_for(model id)`; per call: `ValidRequest`, prompt token
+  ids, resolved max_tokens, the tenant, the arrival time, the
   client's deadline, the `Placement` the dispatcher chose (worker + lease) and `retry(tried)`,
   which places a retry at once (retries do not queue again); gRPC `metadata` for the worker call
   (the W3C trace context of the router's route span).
@@ -123,9 +124,9 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
 
 
 class Relay:
-    def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer):
+    def __init__(self, registry: WorkerRegistry, tokenizer_for: Callable[[str], Tokenizer]):
         self._registry = registry
-        self._tokenizer = tokenizer
+        self._tokenizer_for = tokenizer_for  # model id -> its tokenizer (router.models.ModelTable)
 
     async def run(
         self,
@@ -179,7 +180,7 @@ class Relay:
         timeout = None if deadline_s is None else deadline_s - time.monotonic()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("deadline passed before the request reached a worker")
-        detok = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=True)
+        detok = IncrementalDetokenizer(self._tokenizer_for(req.model.name), skip_special_tokens=True)
         stops = StopStringMatcher(req.stop)
         dispatch_s = time.monotonic()
         first_token_s = None

@@ -7,7 +7,9 @@ Contract
 - input: `RouterConfig`.
 - output: serves `llm.v1.Generation`, `grpc.health.v1.Health` (SERVING while at least one worker
   is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0.
-- state: the server and registry for the process lifetime.
+- state: the server, the registry and the served models (`router.models.ModelTable`, from
+  --model: one tokenizer, chat template and defaults per model id) for the process lifetime;
+  /workers on the metrics port lists each worker with why it is refused, if it is.
 - also: the OpenAI-compatible HTTP API (router/openai, --http-host/--http-port, -1 = off) in the
   same event loop, over the same servicer; it drains and stops with the gRPC server.
 - failure modes: refuses to bind a non-loopback address without both API keys and TLS (unless
@@ -24,9 +26,7 @@ import signal
 
 from common.auth import token_client_interceptors
 from common.grpc_server import GrpcServer, message_options
-from common.model_files import default_model_path
 from common.tls import channel_credentials
-from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2, generation_pb2_grpc
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import PrefixAffinity
@@ -37,6 +37,7 @@ from router.drain import Drain
 from router.errors import ErrorInterceptor
 from router.fair_queue import FairQueue
 from router.metrics import RouterMetrics, targets
+from router.models import ModelTable, worker_states
 from router.openai.app import create_app
 from router.openai.server import HttpFront
 from router.registry import StaticRegistry
@@ -62,13 +63,14 @@ async def serve(config: RouterConfig) -> int:
     problem = config.public_bind_refusal()  # the common.public_bind rule
     if problem:
         raise SystemExit(problem)
-    tokenizer = Tokenizer.from_gguf(config.model or str(default_model_path()))
+    models = await asyncio.to_thread(ModelTable.from_entries, config.model, config.allow_download)
     options = channel_options(config.max_message_bytes)
     registry_args = dict(
         poll_s=config.health_poll_s,
         channel_options=tuple(options),
         probe_timeout_s=config.health_timeout_s,
         down_after_probes=config.down_after_probes,
+        check_info=models.check,  # never route to a worker whose model or tokenizer differs
         breaker_factory=lambda: CircuitBreaker(
             config.breaker_failures, config.breaker_cooldown_s, config.breaker_max_cooldown_s
         ),
@@ -117,14 +119,14 @@ async def serve(config: RouterConfig) -> int:
         telemetry=config.telemetry,
         metrics_registry=metrics.registry,
         default_metrics_port=DEFAULT_METRICS_PORT,
-        metrics_routes={"/targets": lambda: targets(registry)},
+        metrics_routes={"/targets": lambda: targets(registry), "/workers": lambda: worker_states(registry)},
         tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
         options=options,
         interceptors=[ErrorInterceptor(config.stream_idle_timeout_s)],
     )
     service = GenerationService(
         registry,
-        tokenizer,
+        models,
         tenants,
         config.limits,
         drain,
@@ -140,7 +142,7 @@ async def serve(config: RouterConfig) -> int:
             service,
             registry.models,
             metrics,
-            token_text=lambda _model: lambda token_id: tokenizer.decode([token_id]),
+            token_text=models.token_text,
             max_body_bytes=config.max_message_bytes,
         )
         try:

@@ -1,11 +1,15 @@
 """The `llm.v1.Generation` servicer: protobuf in, one call per stage, protobuf out.
 
 Contract
-- input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`.
+- input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`; the served
+  models (`router.models.ModelTable`: tokenizer, chat template and generation defaults per id).
 - output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`.
 - state: none of its own (drain counter, registry, tenants, admission and dispatcher are
   injected).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
+  `model` must name a served model (INVALID_ARGUMENT listing them; it may be left empty when one
+  is served) with a healthy worker whose tokenizer matches (else UNAVAILABLE); sampling fields
+  left unset take the model's generation defaults.
   Stage order: drain check -> auth -> validate -> early shedding (admission caps; with
   `queue_requests=False` also "no worker has a free slot") -> tokenize -> fit to context -> admit
   (refusal: RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a
@@ -26,7 +30,6 @@ from contextlib import aclosing
 
 import jinja2
 
-from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.admission import AdmissionController, AdmissionError
@@ -37,6 +40,7 @@ from router.drain import Drain
 from router.errors import Overloaded, Unavailable, ValidationError
 from router.fair_queue import OUTPUT_COST
 from router.metrics import RouterMetrics
+from router.models import ModelTable
 from router.observe import RequestObservation
 from router.registry import WorkerRegistry
 from router.relay import Chunk, Done, Relay
@@ -84,7 +88,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
         registry: WorkerRegistry,
-        tokenizer: Tokenizer,
+        models: ModelTable,
         tenants: TenantsFile,
         limits: Limits,
         drain: Drain,
@@ -95,13 +99,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ):
         self._registry = registry
         self._metrics = metrics
-        self._tokenizer = tokenizer
+        self._models = models  # the served models: tokenizer, template and defaults per model id
         self._tenants = tenants
         self._limits = limits
         self._drain = drain
         self._admission = admission
         self._dispatcher = dispatcher
-        self._relay = Relay(registry, tokenizer)
+        self._relay = Relay(registry, models.tokenizer)
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -126,7 +130,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             models = self._registry.models()
             if not models:
                 raise Unavailable("no healthy worker is connected to this router")
+            self._check_model(request.model, models)
             req = validate(request, self._limits, models)
+            req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
             self._refuse_hopeless_text(req)
             self._shed_early(tenant, req)
@@ -213,10 +219,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             self._drain.exit()
 
+    def _check_model(self, name: str, healthy: dict) -> None:
+        """`model` names one this router serves (INVALID_ARGUMENT listing them otherwise), and one
+        with a healthy worker that agrees on its tokenizer (else UNAVAILABLE)."""
+        served = self._models.ids()
+        if name and self._models.get(name) is None:
+            raise ValidationError("model", f"unknown model {name!r}; this router serves {served}")
+        if not name and len(served) > 1:
+            raise ValidationError("model", f"required: this router serves several models, {served}")
+        name = name or served[0]
+        if name not in healthy:
+            raise Unavailable(f"no healthy worker with a matching tokenizer serves model {name!r}")
+
     def _refuse_hopeless_text(self, req: ValidRequest) -> None:
         """A text too long to fit the context whatever its tokens is refused without tokenizing it
         (tokenizing 1M characters costs the router up to seconds of CPU)."""
-        per_token = self._tokenizer.max_chars_per_token
+        per_token = self._models.tokenizer(req.model.name).max_chars_per_token
         if per_token is None or req.prompt_token_ids is not None:
             return
         field, chars = (
@@ -249,9 +267,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _tokenize(self, req: ValidRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
+        tokenizer = self._models.tokenizer(req.model.name)
         if req.chat is not None:
             try:
-                return self._tokenizer.encode_chat(list(req.chat))
+                return tokenizer.encode_chat(list(req.chat))
             except (ValueError, jinja2.TemplateError) as exc:  # the template refused these messages
                 raise ValidationError("chat.messages", str(exc)) from None
-        return self._tokenizer.encode(req.prompt)
+        return tokenizer.encode(req.prompt, add_special_tokens=True)  # the model's BOS, if it adds one

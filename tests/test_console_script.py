@@ -30,7 +30,7 @@ def test_pyproject_declares_the_script_and_the_packages():
         (["serve", "--workers", "2"], "deploy.local", ["--workers", "2"]),
         (["router", "--port", "0"], "router", ["--port", "0"]),
         (["worker", "--dtype", "float32"], "worker", ["--dtype", "float32"]),
-        (["generate", "--chat", "hi"], "router.client", ["--chat", "hi"]),
+        (["generate", "--chat", "hi"], "devtools.client", ["--chat", "hi"]),
         (["loadtest", "--duration-s", "5"], "loadtest", ["--duration-s", "5"]),
         (["launch", "--stop"], "deploy.ray_launch", ["--stop"]),
         (["bench", "grpc_overhead", "--x"], "benchmarks.grpc_overhead", ["--x"]),

@@ -20,7 +20,7 @@ def clean_env(monkeypatch):
 
 def test_router_modules_do_not_import_torch():
     code = (
-        "import sys, router.__main__, router.server, router.client, devtools.local; "
+        "import sys, router.__main__, router.server, devtools.client, devtools.local; "
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'worker'))]; "
         "assert not bad, bad"
     )

@@ -5,7 +5,9 @@ Contract
 - input: `WorkerRequest` (token ids + fully resolved sampling) from a router.
 - output: a stream of `WorkerResponse` (new token ids, logprobs, cached/queue stats on every
   message; `finished` on the last); `LoadReport` from `engine.stats()`; `WorkerInfo` from
-  `engine.info`. Protobuf stops here: the engine sees only `worker.types`.
+  `engine.info`, plus the id it serves under (--served-model-name, else
+  `common.model_files.model_id`) and its tokenizer's fingerprint (computed from its own model
+  files). Protobuf stops here: the engine sees only `worker.types`.
 - state: the engine (its loop runs on its own thread; this side only awaits its outputs).
 - authentication: with `worker_token` set (the launchers set one per deployment) every
   llm.v1.Worker call must carry it (common.auth) or gets UNAUTHENTICATED before anything runs, so
@@ -36,9 +38,13 @@ import grpc
 
 from common.auth import TokenServerInterceptor
 from common.grpc_server import GrpcServer, message_options
+from common.model_files import model_id as default_model_id
+from common.model_files import resolve_model_source
+from common.tokenizer import Fingerprint, Tokenizer
 from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
 from worker.server_config import WorkerServerConfig
@@ -103,6 +109,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._idle_s = stream_idle_timeout_s or None  # None: a reader may take any time
         self.worker_id = ""  # this worker's gRPC address, once bound
         self.metrics_address = ""  # host:port of /metrics, reported in WorkerInfo
+        self.model_id = ""  # the id it serves under (WorkerInfo.model); empty = the engine's name
+        self.fingerprint: Fingerprint | None = None  # of its tokenizer, from its own model files
 
     async def Generate(self, request: wpb.WorkerRequest, context: grpc.aio.ServicerContext):
         obs = RequestObservation(
@@ -161,8 +169,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
-        return wpb.WorkerInfo(
-            model=i.name,
+        info = wpb.WorkerInfo(
+            model=self.model_id or i.name,
             block_size=i.block_size,
             max_model_len=i.max_model_len,
             vocab_size=i.vocab_size,
@@ -170,6 +178,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             metrics_address=self.metrics_address,
             max_num_seqs=i.max_num_seqs,
         )
+        if self.fingerprint is not None:
+            f = self.fingerprint
+            info.tokenizer.CopyFrom(
+                wpb.TokenizerFingerprint(
+                    vocab_size=f.vocab_size, eos_token_ids=f.eos_token_ids, vocab_sha256=f.vocab_sha256
+                )
+            )
+        return info
+
+
+def _identity(engine: EngineConfig) -> tuple[str, Fingerprint | None]:
+    """The id this worker serves under and its tokenizer's fingerprint, from its own model files (a
+    hub id is fetched into the local cache first when --allow-download says so)."""
+    path = resolve_model_source(engine.model, allow_download=engine.allow_download)
+    model_id = engine.served_model_name or default_model_id(engine.model, path)
+    try:
+        return model_id, Tokenizer.from_model(path).fingerprint
+    except (ValueError, OSError, KeyError) as exc:  # routers will not route here; say why
+        log.warning("model %s: no tokenizer fingerprint (%s); routers will refuse this worker", path, exc)
+        return model_id, None
 
 
 async def serve(
@@ -180,6 +208,7 @@ async def serve(
     """Serves until SIGTERM/SIGINT, or until `stop` is set when one is given (a server on a thread
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
     `on_listening(port)` runs once the server is SERVING."""
+    model_id, fingerprint = await asyncio.to_thread(_identity, config.engine)
     engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages)
     metrics = WorkerMetrics(engine)
     try:
@@ -201,6 +230,7 @@ async def serve(
         engine.shutdown()
         raise
     service.worker_id = base.address
+    service.model_id, service.fingerprint = model_id, fingerprint
     service.metrics_address = base.metrics.address if base.metrics else ""
     await base.start()
     await base.set_serving(True)

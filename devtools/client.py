@@ -1,7 +1,9 @@
-"""`python -m router.client "prompt"`: stream a generation from the router to the terminal.
+"""`python -m devtools.client "prompt"` (or `llm-serve generate`): stream a generation from the router.
 
 Text goes to stdout as it arrives; usage and timings go to stderr at the end. Exit status is 0 on
-success, 1 with the gRPC status on failure.
+success, 1 with the gRPC status on failure. Sampling flags left out are left unset in the request,
+so the server applies the model's own generation defaults (docs/serving.md, "Generation
+defaults"); `--temperature 0` asks for greedy decoding.
 """
 
 from __future__ import annotations
@@ -44,16 +46,16 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router.client", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devtools.client", description=__doc__.splitlines()[0])
     p.add_argument("prompt")
     p.add_argument("--target", default="127.0.0.1:50051", help="router address")
     p.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"), help="default: $LLM_API_KEY")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--system", default="", help="system message (with --chat)")
-    p.add_argument("--model", default="")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--model", default="", help="model id (required when the router serves several)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    p.add_argument("--top-k", type=int, default=0, help="0 = the model's default (or off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
