@@ -85,7 +85,23 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata=option("GGUF file or HF directory (default: the embedded SmolLM2)", metavar="PATH"),
+        metadata=option(
+            "GGUF file, HF directory, or hub id (org/name) from the local Hugging Face cache "
+            "(default: the embedded SmolLM2)",
+            metavar="PATH|ORG/NAME",
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=option(
+            "the model id this worker serves under (routers group workers by it; default: the hub id, "
+            "the GGUF's general.name or the directory's name)",
+            metavar="ID",
+        ),
+    )
+    allow_download: bool = field(
+        default=False,
+        metadata=option("fetch a hub id missing from the local Hugging Face cache (default: offline)"),
     )
     dtype: str = field(
         default="auto",

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from common.model_files import _HeaderReader, default_model_path, read_gguf_metadata
+from common.model_files import _HeaderReader, default_model_path, read_gguf_metadata, resolve_model_source
 from worker.config import ModelConfig, RopeScaling
 from worker.model.llama import LlamaModel
 from worker.model.quant import (
@@ -346,7 +346,7 @@ def hf_model_config(config: dict) -> ModelConfig:
         rope_theta=rope_theta,
         rms_eps=config.get("rms_norm_eps", 1e-5),
         tie_embeddings=config.get("tie_word_embeddings", False),
-        qkv_bias=config.get("attention_bias", arch == "qwen2"),
+        qkv_bias=arch == "qwen2" or bool(config.get("attention_bias")),  # Qwen2 writes null
         rope_scaling=scaling,
         name=config.get("_name_or_path") or arch,
     )
@@ -597,7 +597,7 @@ def load_model(
 ) -> LoadedModel:
     start = time.perf_counter()
     device = torch.device(device)
-    path = Path(path) if path else default_model_path()
+    path = resolve_model_source(str(path)) if path else default_model_path()  # a hub id: local cache
     mode = quantization_mode(quantization, dtype, device)
     if path.is_dir():
         cfg, tensors, eos_ids = safetensors_tensors(path)
