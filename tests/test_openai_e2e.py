@@ -6,8 +6,8 @@ matched), seed, logprobs/top_logprobs, max_tokens / max_completion_tokens; the s
 gRPC API for the same request, the new sampling parameters included; the SDK's error classes for
 400 (naming the parameter), 401, 429 (with Retry-After) and 503; a client that disconnects
 (streaming, or waiting for a whole response) frees every KV block on the worker; the router's
-per-protocol request counter. The load tester's OpenAI target is compared with its gRPC target in
-tests/test_openai_loadtest.py.
+per-protocol request counter; the load tester's OpenAI target (loadtest/openai_client.py) gets the
+same per-request counts as its gRPC target.
 """
 
 from __future__ import annotations
@@ -340,3 +340,46 @@ def test_requests_are_counted_by_protocol(client, stub, router):
     grpc_count = sum(v for labels, v in by.items() if ("protocol", "grpc") in labels)
     assert http >= 1 and grpc_count >= 1
     assert by[(("protocol", "http"), ("status", "invalid_argument"))] >= 1
+
+
+def test_load_tester_openai_target_counts_equal_the_grpc_target(router, worker, tmp_path):
+    """`python -m loadtest` with two targets, the router's gRPC port and its HTTP front: the same
+    seeded plan gets the same per-request server counts (usage) on both."""
+    from loadtest.cli import main
+
+    out = tmp_path / "report"
+    argv = [
+        "--target",
+        f"grpc={router.address}",
+        "--target",
+        f"openai={http_url(router)}",
+        "--num-requests",
+        "4",
+        "--rate",
+        "1",
+        "--seed",
+        "5",
+        "--tenant",
+        f"name=tests,key={KEY},input_len=uniform:16:40",
+        "--output-len",
+        "5",
+        "--prompt-format",
+        "tokens",
+        "--out-dir",
+        str(out),
+        "--no-plots",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    by_target = {name: [r for r in requests if r["target"] == name] for name in ("grpc", "openai")}
+    assert len(by_target["grpc"]) == len(by_target["openai"]) == 4
+    for rows in by_target.values():
+        assert all(r["status"] == "OK" for r in rows), [r["error"] for r in rows]
+    counts = {
+        name: sorted((r["input_len"], r["prompt_tokens"], r["completion_tokens"]) for r in rows)
+        for name, rows in by_target.items()
+    }
+    assert counts["grpc"] == counts["openai"]
+    assert all(p == n and c == 5 for n, p, c in counts["grpc"])
+    procs.wait_all_blocks_free(worker.address)
