@@ -19,8 +19,9 @@ Contract / protocol:
   90th percentile are reported next to it. A second, instrumented pass (`--breakdown-steps`)
   wraps each phase (schedule, prepare, model stub, sample, update; the rest is "other") to give a
   CPU-time breakdown.
-- Also measured on the same plans, outside the step time: `build_decode_inputs`, the CUDA-graph
-  decode path's host-side input preparation (it replaces `prepare` for decode steps on a GPU).
+- Also measured on the same plans, outside the step time: the CUDA-graph decode path's host-side
+  input preparation (`InputBatch.build` + `graph_rows` on its own persistent batch state; it
+  replaces `prepare` for decode steps on a GPU).
 - Per-sequence slope: least-squares fit of step time against B over the batch sizes.
 - Output: a table (step time and its breakdown), results/host_overhead.json, with `--write-docs`
   the section "Host overhead per engine step" of docs/benchmarks.md (added or replaced, the rest of
@@ -47,11 +48,11 @@ from pathlib import Path
 
 import torch
 
-import worker.model_runner as model_runner_module
 from loadtest.stats import percentile
 from worker.config import EngineConfig, ModelConfig
-from worker.cuda_graphs import bucket_for, build_decode_inputs, capture_sizes
+from worker.cuda_graphs import bucket_for, capture_sizes
 from worker.engine import LLMEngine
+from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
@@ -66,7 +67,7 @@ class StubModel(LlamaModel):
     def forward(self, input_ids, positions, kv_caches, meta, backend):
         return torch.zeros(input_ids.shape[0], self.config.hidden_size)
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, upcast=True):
         return torch.zeros(hidden.shape[0], self.config.vocab_size)
 
 
@@ -161,25 +162,30 @@ def measure(batch: int, args, temperature: float) -> dict:
 
     timers = Timers()
     graph_sizes = capture_sizes(batch)
+    runner = engine.runner
+    graph_batch = InputBatch(batch, runner.input_batch.max_blocks, block_size, torch.device("cpu"))
     plans = []
     real_schedule = sched.schedule
 
     def schedule():
         plan = timers.wrap("schedule", real_schedule)()
         plans.append(len(plan.scheduled))
-        # The CUDA-graph path's host-side preparation of the same plan; subtracted from the step.
+        # The CUDA-graph path's host-side preparation of the same plan (its own persistent batch
+        # state: build + padded graph rows); subtracted from the step.
         start = time.thread_time()
-        build_decode_inputs(plan, block_size, bucket_for(len(plan.scheduled), graph_sizes))
+        graph_batch.graph_rows(graph_batch.build(plan), bucket_for(len(plan.scheduled), graph_sizes))
         timers.step["graph_inputs"] = time.thread_time() - start
         return plan
 
     sched.schedule = schedule
-    engine.runner.prepare = timers.wrap("prepare", engine.runner.prepare)
+    # "prepare": the persistent batch state's per-step work (worker/input_batch.py).
+    batch_state = runner.input_batch
+    batch_state.build = timers.wrap("prepare", batch_state.build)
+    batch_state.eager_inputs = timers.wrap("prepare", batch_state.eager_inputs)
     sched.update = timers.wrap("update", sched.update)
     model.forward = timers.wrap("model_stub", model.forward)
-    model.compute_logits = timers.wrap("model_stub", model.compute_logits)
-    real_sample = model_runner_module.sample
-    model_runner_module.sample = timers.wrap("sample", real_sample)
+    # "sample": the runner's lm_head call (the stub's zeros) and sampling, greedy fast path included.
+    runner._sample = timers.wrap("sample", runner._sample)
     phases: list[dict[str, float]] = []
     try:
         for i in range(args.warmup + args.breakdown_steps):
@@ -194,7 +200,7 @@ def measure(batch: int, args, temperature: float) -> dict:
             if i >= args.warmup:
                 phases.append(step)
     finally:
-        model_runner_module.sample = real_sample
+        del runner._sample, batch_state.build, batch_state.eager_inputs
     assert all(n == batch for n in plans), f"not every measured step was a decode of {batch}: {set(plans)}"
     assert sched.num_preemptions == 0
     row = {
@@ -283,9 +289,9 @@ def docs_section(res: dict) -> str:
         "on this shared machine do not inflate the way they do wall-clock time (also shown: when "
         "descheduled, a step waits in 4 ms scheduler ticks). The phases (ms, thread CPU time) come from "
         f"a second, instrumented pass of {res['args']['breakdown_steps']} steps; they are medians, so "
-        'they need not add up to the step exactly. "graph-path inputs" is `build_decode_inputs`, '
-        "which replaces `prepare` for decode steps replayed as CUDA graphs on a GPU, timed on the same "
-        "plans and not included in the step.",
+        'they need not add up to the step exactly. "graph-path inputs" is `InputBatch.build` + '
+        "`graph_rows`, which replaces `prepare` for decode steps replayed as CUDA graphs on a GPU, "
+        "timed on the same plans and not included in the step.",
         "",
         *table(res["rows"]),
         "",

@@ -98,9 +98,11 @@ class LLMEngine:
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.output_token_ids[seq.num_emitted_tokens :]
-        new_lp = seq.logprobs[seq.num_emitted_tokens :] if seq.sampling.logprobs else None
-        seq.num_emitted_tokens = seq.num_output_tokens
+        # Slices of the tail only: no copy of the whole output per step.
+        emitted, num_prompt = seq.num_emitted_tokens, len(seq.prompt_token_ids)
+        new = seq.token_ids[num_prompt + emitted :]
+        new_lp = seq.logprobs[emitted:] if seq.sampling.logprobs else None
+        seq.num_emitted_tokens = len(seq.token_ids) - num_prompt
         queue_s = (seq.first_scheduled_s - seq.arrival_s) if seq.first_scheduled_s else 0.0
         ttft_s = (seq.first_token_s - seq.arrival_s) if seq.first_token_s else 0.0
         return RequestOutput(
@@ -109,8 +111,8 @@ class LLMEngine:
             new_lp,
             seq.is_finished,
             seq.finish_reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
+            num_prompt,
+            seq.num_emitted_tokens,
             seq.num_cached_tokens,
             queue_s,
             ttft_s,

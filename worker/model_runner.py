@@ -4,15 +4,21 @@ Contract:
 - Input: `SchedulerOutput` (which sequences, how many new tokens each).
 - Builds flat inputs for the step: `input_ids [T] int64`, `positions [T] int64`,
   `slot_mapping [T] int64`, `block_tables [S, max_blocks] int32`, `seq_lens [S] int32`,
-  `query_start_loc [S+1] int32` (see worker/attention.py), runs the model, computes logits only
-  for sequences that finish their outstanding tokens this step, and samples.
+  `query_start_loc [S+1] int32` (see worker/attention.py) from the persistent batch state
+  (worker/input_batch.py: one host-to-device transfer per step; `prepare_reference` is the slow
+  rebuild it is tested against), runs the model, computes logits only for sequences that finish
+  their outstanding tokens this step, and samples. Greedy rows without logprobs or logit
+  processing take the argmax of the model-dtype logits (no float32 copy); one host sync per step
+  (the tokens' `.tolist()`), two when logprobs are asked for.
 - Output: `{request_id: (token_id, logprob | None)}` for the sampling sequences.
 - State: the model weights, the paged KV cache (`kv_caches[layer] = (K, V)`, each
   `[num_blocks, block_size, num_kv_heads, head_dim]`), one torch.Generator per sampling request.
 - Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
   after loading the weights times `gpu_memory_utilization` (CUDA).
-- CUDA: decode-only steps replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`.
-- Proven by tests/test_engine_hf.py (logits vs transformers) and tests/test_engine_batching.py.
+- CUDA: decode rows replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`; a mixed
+  step runs its prompt chunks in one eager launch, then the decode graph.
+- Proven by tests/test_engine_hf.py (logits vs transformers), tests/test_engine_batching.py,
+  tests/test_input_batch.py and tests/test_cuda_graphs.py (graph path with mixed steps on CPU).
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ import torch
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import EngineConfig, default_num_threads, resolve_device, resolve_dtype
 from worker.cpu_compile import CompiledCpuForward
-from worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
+from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
 from worker.scheduler import SchedulerOutput
+from worker.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +156,23 @@ class ModelRunner:
             self.num_blocks * self.kv_bytes_per_block / 2**20,
             self.backend.name,
         )
-        # Decode-only steps replay CUDA graphs (worker/cuda_graphs.py); all others run eagerly.
+        # Persistent batch state (worker/input_batch.py): block tables kept across steps.
+        max_model_len = min(
+            config.max_model_len or cfg.max_position, cfg.max_position, self.num_blocks * self.block_size
+        )
+        self.input_batch = InputBatch(
+            config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size, self.device
+        )
+        # Decode rows replay CUDA graphs (worker/cuda_graphs.py); a step that also carries prompt
+        # chunks runs them in one eager launch next to the decode graph.
         self.cuda_graphs: CudaGraphRunner | None = None
         if not config.enforce_eager and CudaGraphRunner.supported(self.device, self.backend):
-            max_model_len = min(
-                config.max_model_len or cfg.max_position, cfg.max_position, self.num_blocks * self.block_size
-            )
             self.cuda_graphs = CudaGraphRunner(
                 self.model,
                 self.kv_caches,
                 self.backend,
                 capture_sizes(config.max_num_seqs),
-                -(-max_model_len // self.block_size),
-                self.block_size,
+                self.input_batch,
             )
             with torch.inference_mode():
                 self.cuda_graphs.capture()
@@ -203,6 +215,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.input_batch.drop(request_id)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self.generators.get(request_id)
@@ -216,6 +229,14 @@ class ModelRunner:
     def prepare(
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Eager inputs of a plan from the persistent batch state (worker/input_batch.py)."""
+        step = self.input_batch.build(plan)
+        return (*self.input_batch.eager_inputs(step), step.logits_rows)
+
+    def prepare_reference(
+        self, plan: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The slow reference of `prepare`: every input rebuilt from Python lists."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -259,21 +280,55 @@ class ModelRunner:
             # Another runner in this process (tests) changed torch's global pool; the compiled
             # step also guards on it.
             torch.set_num_threads(self.config.num_threads)
-        if self.cuda_graphs is not None and self.cuda_graphs.batch_size_for(plan) is not None:
-            hidden, logits_rows = self.cuda_graphs.run(plan)  # (S, C)
-        elif self.cpu_compiled is not None:
-            input_ids, positions, meta, logits_rows = self.prepare(plan)
-            hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
-        else:
-            input_ids, positions, meta, logits_rows = self.prepare(plan)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
-        sampling = [s.seq for s in plan.scheduled if s.samples]
+        for seq in plan.preempted:
+            self.input_batch.drop(seq.request_id)
+        hidden, sampling = self._forward(plan)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[logits_rows])  # (S, V)
+        return self._sample(sampling, hidden)
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list]:
+        """Hidden states of the sampling rows (S, C) and their sequences, in the same order."""
+        batch = self.input_batch
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
+            size = bucket_for(len(decode), graphs.sizes) if decode else None
+            if size is not None and len(decode) == len(plan.scheduled):
+                step = batch.build(plan)
+                hidden = graphs.run(step, size)
+                return hidden[step.sample_seq_idx], [plan.scheduled[i].seq for i in step.sample_seq_idx]
+            if size is not None:
+                # Mixed step: the prompt chunks in one eager launch, the decode rows in their graph
+                # (distinct sequences: neither reads what the other writes).
+                live = {s.seq.request_id for s in plan.scheduled}
+                chunks = [s for s in plan.scheduled if s.num_new_tokens != 1]
+                pstep = batch.build(SchedulerOutput(chunks), live)
+                input_ids, positions, meta = batch.eager_inputs(pstep)
+                h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+                dstep = batch.build(SchedulerOutput(decode), live)
+                h_d = graphs.run(dstep, size)[dstep.sample_seq_idx]
+                seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
+                seqs += [decode[i].seq for i in dstep.sample_seq_idx]
+                return torch.cat([h_p[pstep.logits_rows], h_d]), seqs
+        step = batch.build(plan)
+        input_ids, positions, meta = batch.eager_inputs(step)
+        if self.cpu_compiled is not None:
+            hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
+        return hidden[step.logits_rows], [plan.scheduled[i].seq for i in step.sample_seq_idx]
+
+    def _sample(self, sampling: list, hidden: torch.Tensor) -> dict[str, tuple[int, float | None]]:
+        params = [seq.sampling for seq in sampling]
+        if self.logits_observer is None and all(plain_greedy(p) for p in params):
+            # Greedy without logprobs: argmax over the model-dtype logits (the same token as over
+            # their float32 copy, which is not made), one host sync.
+            tokens = self.model.compute_logits(hidden, upcast=False).argmax(dim=-1).tolist()
+            return {seq.request_id: (tokens[i], None) for i, seq in enumerate(sampling)}
+        logits = self.model.compute_logits(hidden)  # (S, V) float32
         if self.logits_observer is not None:
             self.logits_observer([seq.request_id for seq in sampling], logits)
-        params = [seq.sampling for seq in sampling]
         gens = [
             None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
             for seq in sampling
@@ -284,3 +339,32 @@ class ModelRunner:
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
             for i, seq in enumerate(sampling)
         }
+
+
+# Sampling fields that cannot change a greedy argmax; any other field away from its default (a
+# penalty, a logit bias, logprobs) sends the batch through `sample`.
+_GREEDY_NEUTRAL = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
+)
+_plain_greedy_cache: dict[int, tuple[SamplingParams, bool]] = {}
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """True when `p` is greedy with nothing that alters the argmax or asks for logprobs (cached per
+    params object: requests usually share one)."""
+    hit = _plain_greedy_cache.get(id(p))
+    if hit is not None and hit[0] is p:
+        return hit[1]
+    ok = p.greedy
+    if ok:
+        for f in dataclasses.fields(p):
+            if f.name in _GREEDY_NEUTRAL:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if getattr(p, f.name) != default:
+                ok = False
+                break
+    if len(_plain_greedy_cache) > 4096:
+        _plain_greedy_cache.clear()
+    _plain_greedy_cache[id(p)] = (p, ok)
+    return ok

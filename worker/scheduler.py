@@ -162,18 +162,19 @@ class Scheduler:
         that produced a token or finished this step."""
         now = time.monotonic()
         touched = []
+        bs, commit = self.bm.block_size, self.bm.commit
         for s in out.scheduled:
             seq = s.seq
-            samples = s.samples
-            seq.num_computed_tokens += s.num_new_tokens
-            self.bm.commit(seq)
-            if not samples:
+            computed = seq.num_computed_tokens + s.num_new_tokens
+            seq.num_computed_tokens = computed
+            if computed // bs > len(seq.block_hashes):  # a block became full: hash it
+                commit(seq)
+            if computed != len(seq.token_ids):  # a prompt chunk that does not sample
                 continue
             token, logprob = sampled[seq.request_id]
             seq.token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            self.num_generation_tokens += 1
             if seq.first_token_s is None:
                 seq.first_token_s = now
             reason = self._stop_reason(seq, token)
@@ -181,13 +182,15 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
             touched.append(seq)
+        self.num_generation_tokens += len(touched)
         return touched
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
         if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - len(seq.prompt_token_ids) >= sp.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

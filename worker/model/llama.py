@@ -186,12 +186,15 @@ class LlamaModel(nn.Module):
         """The activation dtype (the norms'): bfloat16 when the weights are int4/int8 modules."""
         return self.norm.weight.dtype
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """(S, V) logits, float32 unless `upcast=False` (the model dtype: a greedy argmax needs no copy)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()  # (S, V)
-        if isinstance(self.embed_tokens, nn.Embedding):
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.embed_tokens.linear(hidden).float()  # Int8Embedding
+            logits = self.lm_head(hidden)  # (S, V)
+        elif isinstance(self.embed_tokens, nn.Embedding):
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.embed_tokens.linear(hidden)  # Int8Embedding
+        return logits.float() if upcast else logits
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
