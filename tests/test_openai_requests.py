@@ -1,0 +1,156 @@
+"""OpenAI JSON -> GenerateRequest (pure): what each parameter becomes, each bad one named in a 400;
+the validator's protobuf field names mapped back to OpenAI's; the router's HTTP flags and their
+public-bind rule; the error mapping of domain errors to HTTP statuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import RouterConfig, parse_args
+from router.errors import AuthError, Overloaded, Unavailable, ValidationError
+from router.openai.app import api_error
+from router.openai.requests import ApiError, param_of, parse
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_request_becomes_the_protobuf():
+    body = {
+        **CHAT,
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
+        ],
+        "model": "m",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": "END",
+        "max_completion_tokens": 7,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"12": -100, "7": 2.5},
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "top_k": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "priority": 2,
+        "user": "ignored",
+    }
+    p = parse(body, chat=True, request_id="r1")
+    r = p.request
+    assert [(m.role, m.content) for m in r.chat.messages] == [("system", "be brief"), ("user", "hello")]
+    assert (r.request_id, r.model, r.priority) == ("r1", "m", 2)
+    s = r.sampling
+    assert (s.temperature, s.seed, s.logprobs, s.top_logprobs, s.top_k) == (0.5, 3, 1, 4, 20)
+    assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5)
+    assert s.repetition_penalty == pytest.approx(1.2)
+    assert dict(s.logit_bias) == {12: -100.0, 7: 2.5}
+    assert (list(r.stopping.stop), r.stopping.max_tokens) == (["END"], 7)
+    assert (p.stream, p.include_usage, p.logprobs, p.top_logprobs) == (True, True, True, 4)
+    assert p.max_tokens_param == "max_completion_tokens"
+
+
+def test_completion_prompts_and_defaults():
+    text = parse({"prompt": "abc"}, chat=False, request_id="r")
+    assert text.request.prompt == "abc" and not text.request.sampling.HasField("temperature")
+    assert not text.request.stopping.HasField("max_tokens") and not text.logprobs
+    ids = parse({"prompt": [[5, 6, 7]], "logprobs": 0, "ignore_eos": True}, chat=False, request_id="r")
+    assert list(ids.request.token_ids.ids) == [5, 6, 7] and ids.request.stopping.ignore_eos
+    assert (ids.logprobs, ids.top_logprobs, ids.request.sampling.logprobs) == (True, 0, 1)
+    assert parse({"prompt": ["one"]}, chat=False, request_id="r").request.prompt == "one"
+    assert parse({"prompt": "x", "top_k": -1}, chat=False, request_id="r").request.sampling.top_k == 0
+
+
+@pytest.mark.parametrize(
+    "body, chat, param",
+    [
+        ([], False, None),
+        ({"prompt": ["a", "b"]}, False, "prompt"),
+        ({"prompt": 5}, False, "prompt"),
+        ({"prompt": [1, -2]}, False, "prompt"),
+        ({}, True, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            True,
+            "messages[0].content[0]",
+        ),
+        ({**CHAT, "temperature": "hot"}, True, "temperature"),
+        ({**CHAT, "temperature": True}, True, "temperature"),
+        ({**CHAT, "max_tokens": 0}, True, "max_tokens"),
+        ({**CHAT, "max_tokens": 1.5}, True, "max_tokens"),
+        ({**CHAT, "seed": -1}, True, "seed"),
+        ({**CHAT, "stop": [1]}, True, "stop"),
+        ({**CHAT, "logit_bias": {"a": 1}}, True, "logit_bias"),
+        ({**CHAT, "logit_bias": {"1": "x"}}, True, "logit_bias"),
+        ({**CHAT, "top_logprobs": 3}, True, "top_logprobs"),
+        ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
+        ({**CHAT, "n": 3}, True, "n"),
+        ({**CHAT, "tools": [{"type": "function"}]}, True, "tools"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, True, "response_format"),
+        ({"prompt": "x", "echo": True}, False, "echo"),
+        ({"prompt": "x", "best_of": 2}, False, "best_of"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options"),
+        ({**CHAT, "stop_token_ids": [-1]}, True, "stop_token_ids"),
+        ({**CHAT, "presence_penalty": float("inf")}, True, "presence_penalty"),
+    ],
+)
+def test_bad_parameters_are_named(body, chat, param):
+    with pytest.raises(ApiError) as info:
+        parse(body, chat=chat, request_id="r")
+    assert info.value.status == 400 and info.value.param == param
+    if param:
+        assert info.value.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    "field, chat, body, param",
+    [
+        ("sampling.top_p", True, CHAT, "top_p"),
+        ("sampling.top_logprobs", True, CHAT, "top_logprobs"),
+        ("sampling.top_logprobs", False, {"prompt": "x"}, "logprobs"),
+        ("stopping.max_tokens", True, {**CHAT, "max_completion_tokens": 5}, "max_completion_tokens"),
+        ("stopping.max_tokens", False, {"prompt": "x", "max_tokens": 5}, "max_tokens"),
+        ("stopping.stop[1]", True, CHAT, "stop[1]"),
+        ("chat.messages[2].role", True, CHAT, "messages[2].role"),
+        ("chat.messages", True, CHAT, "messages"),
+        ("token_ids.ids", False, {"prompt": [1]}, "prompt"),
+        ("model", True, CHAT, "model"),
+    ],
+)
+def test_validator_fields_map_to_openai_parameters(field, chat, body, param):
+    assert param_of(field, parse(body, chat=chat, request_id="r")) == param
+
+
+def test_domain_errors_become_http_statuses():
+    parsed = parse({**CHAT, "max_completion_tokens": 9}, chat=True, request_id="r")
+    bad = api_error(ValidationError("stopping.max_tokens", "must be <= 4"), parsed)
+    assert (bad.status, bad.param, bad.message) == (
+        400,
+        "max_completion_tokens",
+        "max_completion_tokens: must be <= 4",
+    )
+    auth = api_error(AuthError("invalid API key"), None)
+    assert (auth.status, auth.code) == (401, "invalid_api_key")
+    busy = api_error(Overloaded("tenant t: rate", retry_after_ms=1500), None)
+    assert busy.status == 429 and busy.headers == {"Retry-After": "2", "retry-after-ms": "1500"}
+    assert api_error(Unavailable("no healthy worker"), None).status == 503
+    internal = api_error(KeyError("secret detail"), None)
+    assert internal.status == 500 and "secret" not in internal.message
+    assert set(internal.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_http_flags_and_the_public_bind_rule():
+    assert (RouterConfig().http_host, RouterConfig().http_port) == ("127.0.0.1", None)
+    assert parse_args(["--http-port", "-1"]).http_port == -1
+    assert parse_args(["--http-port", "0"]).http_port == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--http-port", "70000"])
+    public = RouterConfig(http_host="0.0.0.0")
+    assert "0.0.0.0" in public.public_bind_refusal() and "--tenants" in public.public_bind_refusal()
+    assert RouterConfig(http_host="0.0.0.0", http_port=-1).public_bind_refusal() is None
+    assert RouterConfig(http_host="0.0.0.0", allow_insecure_public=True).public_bind_refusal() is None
