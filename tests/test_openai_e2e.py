@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -309,6 +310,30 @@ def test_no_worker_is_503(logs):
             with pytest.raises(openai.InternalServerError) as info:
                 c.chat.completions.create(model="", messages=FRANCE, max_tokens=2)
         assert info.value.status_code == 503
+    finally:
+        proc.stop()
+
+
+def test_sigterm_lets_open_http_streams_finish(worker, logs):
+    proc = procs.start_router(logs, [worker.address], "--http-port", "0", "--drain-grace-s", "60")
+    try:
+        procs.ready(proc)
+        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0, timeout=120) as c:
+            stream = c.completions.create(
+                model="",
+                prompt=STORY,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = iter(stream)
+            next(chunks)  # the request is in flight
+            proc.signal(signal.SIGTERM)
+            rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert proc.popen.wait(60) == 0
+        assert "router stopped" in proc.log_tail()
     finally:
         proc.stop()
 
