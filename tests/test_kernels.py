@@ -123,6 +123,32 @@ def test_paged_attention_automatic_split_choice(monkeypatch):
     assert rel_error(out, reference.paged_attention(**batch)) < TOLERANCE[torch.float16]
 
 
+def test_paged_attention_per_sequence_split_count(monkeypatch):
+    """A graph passes the longest context's max_seq_len: the split count is chosen for it, and each
+    sequence skips the splits its own length does not need (fewer than MIN_SPLIT_LEN keys each).
+    Scratch buffers start as NaN, so a skipped split's unwritten partial would poison the merge."""
+    seqs = [(600, 1), (20, 1), (300, 1), (0, 1)]
+    batch = make_batch(seqs, 1, 4, 64, torch.float32, seed=11)
+    chosen, choose = [], triton_attention.choose_num_splits
+
+    def recording_choose(*args):
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(triton_attention, "choose_num_splits", recording_choose)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 8)  # as if 8 SMs: 32 splits
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = run_triton(batch, max_query_len=1, max_seq_len=4096)
+    assert chosen and chosen[0] > 600 // triton_attention.MIN_SPLIT_LEN  # more than any sequence uses
+    assert rel_error(out, reference.paged_attention(**batch)) < TOLERANCE[torch.float32]
+
+
 def test_paged_attention_host_lengths_and_odd_shapes():
     """Host-passed max lengths, head_dim 80 (padded inside), block size 8 (tiles span blocks)."""
     seqs = BATCHES["mixed"]

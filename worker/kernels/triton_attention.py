@@ -24,8 +24,11 @@ form one tile, so each K/V tile is loaded once per group rather than once per qu
 walks the keys in tiles (`DECODE_TILE_N` keys for an all-decode batch, `TILE_N` otherwise),
 looking up each key's physical block in the block table,
 and stops at the last key its last query token can see. Split-KV (flash decoding): with
-`num_splits > 1` each program only covers its share of every sequence's keys and writes a
-normalized partial output plus its log-sum-exp; `_merge_splits_kernel` combines them. The
+`num_splits > 1` each program only covers its share of its sequence's keys and writes a
+normalized partial output plus its log-sum-exp; `_merge_splits_kernel` combines them. Each
+sequence uses only `min(num_splits, ceil(seq_len / MIN_SPLIT_LEN))` splits, computed on the device
+(the other programs write lse = -inf and exit), so a CUDA graph recorded with the split count of
+the longest context launches mostly empty programs for short ones, not short splits. The
 split path pays off when a decode batch has too few (sequence, kv head) programs to fill the GPU
 and long contexts to walk; `choose_num_splits` picks it, `num_splits=` overrides it. The split
 count is a runtime argument (only "split or not" is compiled in), so a batch whose split count
@@ -67,6 +70,7 @@ def _paged_attention_kernel(
     qk_scale,
     num_heads,
     num_splits,
+    min_split_len,
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -110,6 +114,14 @@ def _paged_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
     d_ok = offs_d < HEAD_DIM
     q_pos = context_len + q_idx  # (M,) sees keys 0..q_pos
+    if SPLIT_KV:
+        # This sequence's own split count, on the device: no split shorter than min_split_len
+        # keys, so a short context inside a graph recorded for the longest one skips most splits.
+        seq_splits = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, min_split_len), 1))
+        if split >= seq_splits:
+            part = ((q_start + q_idx) * num_heads + head) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
     q = tl.load(
         q_ptr + (q_start + q_idx)[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
@@ -120,7 +132,7 @@ def _paged_attention_kernel(
 
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
     if SPLIT_KV:
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+        split_len = tl.cdiv(tl.cdiv(seq_len, seq_splits), TILE_N) * TILE_N
         kv_start = split * split_len
         kv_end = tl.minimum(kv_end, kv_start + split_len)
     else:
@@ -220,9 +232,11 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + part, mask=hs_ok, other=float("-inf"))
     lse_max = tl.max(lse, 1)
     weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])  # (H, S)
+    # A split its sequence skipped wrote only lse = -inf: its partial output is never read.
+    used = hs_ok & (lse > float("-inf"))
     parts = tl.load(
         part_out_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-        mask=hs_ok[:, :, None] & d_ok[None, None, :],
+        mask=used[:, :, None] & d_ok[None, None, :],
         other=0.0,
     )  # (H, S, D)
     total = tl.sum(weight, 1)  # 0: padding head
@@ -324,6 +338,8 @@ def paged_attention(
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    # A forced split count is honoured for every sequence; a chosen one is capped per sequence.
+    min_split_len = 1 if num_splits is not None else MIN_SPLIT_LEN
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
@@ -385,6 +401,7 @@ def paged_attention(
         scale * math.log2(math.e),
         num_heads,
         num_splits,
+        min_split_len,
         q.stride(0),
         q.stride(1),
         out.stride(0),
