@@ -200,7 +200,18 @@ class EngineConfig:
         ),
     )
 
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=option(
+            "ranks (devices) one worker spans, Megatron-style: q/k/v, gate/up, o, down and the KV heads "
+            "split across them; must divide the KV heads (docs/tensor-parallel.md)",
+            aliases=("tp",),
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

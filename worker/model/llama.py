@@ -8,6 +8,9 @@ layer) and written through the attention backend. Weights use Hugging Face names
 (`load_hf_state_dict`) and are fused here (q|k|v, gate|up) so each projection is one matmul.
 The loader may swap the linear layers for weight-only int4/int8 modules and the embedding (the
 tied lm_head) for an int8 one (worker/model/quant.py); they take and return bfloat16.
+Tensor parallel (worker/tp): a rank's model is this one built from its shard's config (heads and
+intermediate size divided by the TP size), with `all_reduce` set on every Attention and MLP: the
+sum of the row-parallel o_proj / down_proj partial outputs, one collective each.
 Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4);
 the quantized forms by tests/test_quant.py.
 """
@@ -92,6 +95,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
         self.scale = cfg.head_dim**-0.5
+        self.all_reduce = None  # tensor parallel (worker/tp): sums the row-parallel o_proj partials
 
     def forward(
         self,
@@ -111,7 +115,8 @@ class Attention(nn.Module):
             q, k = self.rope.apply(rope_in, q), self.rope.apply(rope_in, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))  # (T, C)
+        out = self.o_proj(out.reshape(-1, self.q_size))  # (T, C)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -119,10 +124,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.all_reduce = None  # tensor parallel (worker/tp): sums the row-parallel down_proj partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, F) each
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

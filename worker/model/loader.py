@@ -594,7 +594,10 @@ def load_model(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     quantization: str = "none",
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
+    """`shard=(rank, size)`: only that tensor-parallel rank's slices, in a model of the shard's
+    config (worker/tp/shard.py); the returned `config` is the shard's."""
     start = time.perf_counter()
     device = torch.device(device)
     path = resolve_model_source(str(path)) if path else default_model_path()  # a hub id: local cache
@@ -611,6 +614,11 @@ def load_model(
         strict = False  # GGUF blocks the model has no use for are skipped
     else:
         raise ValueError(f"model path {path} is neither a .gguf file nor a directory")
+    if shard is not None:
+        from worker.tp.shard import shard_config, shard_mode, shard_tensors
+
+        tensors = shard_tensors(tensors, cfg, *shard)
+        cfg, mode = shard_config(cfg, shard[1]), shard_mode(mode, dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ~600 small conversion ops: OpenMP fork/join per op cost more
     try:  # than it saved (2 threads: 12 s vs 2-4 s on 2 busy vCPUs)
