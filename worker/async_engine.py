@@ -92,6 +92,10 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> "AsyncEngine":
+        if config.tensor_parallel_size > 1 and cls is AsyncEngine:
+            from worker.tp.engine import TPAsyncEngine  # one worker over N ranks (worker/tp/)
+
+            return TPAsyncEngine.from_config(config, stream_buffer)
         engine = cls(build_engine_off_main_thread(config), stream_buffer)
         engine.start()
         return engine

@@ -48,6 +48,7 @@ from worker.config import EngineConfig
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
 from worker.server_config import WorkerServerConfig
+from worker.tp.errors import GroupUnavailable
 from worker.types import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
                 obs.fail("invalid_argument", str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except GroupUnavailable as exc:  # tensor parallel: the worker's rank group is restarting
+                obs.fail("unavailable", str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except RuntimeError as exc:  # an engine step failed; the engine keeps serving others
                 obs.fail("internal", str(exc))
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
@@ -235,6 +239,8 @@ async def serve(
     await base.start()
     await base.set_serving(True)
     stop = base.stop_event(stop)
+    if hasattr(engine, "bind_health"):  # tensor parallel: NOT_SERVING while its rank group restarts
+        engine.bind_health(asyncio.get_running_loop(), lambda ok: base.set_serving(ok and not stop.is_set()))
     base.announce()
     if on_listening is not None:
         on_listening(port)
