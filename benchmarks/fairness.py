@@ -1,28 +1,28 @@
-"""Fairness experiment (`make bench-fairness`): three tenants with different weights and rates,
-served with the VTC fair queue and with plain FCFS, side by side in the same run.
+"""Fairness experiment (`make bench-fairness`): three tenants with different weights, served with
+the VTC fair queue and with plain FCFS side by side, at offered loads calibrated to the capacity
+measured first; exits non-zero, with the reason, when the run does not show VTC's weights honoured.
 
-Set-up: two twin workers (one torch thread each; a small KV pool, 272 tokens: about five
-requests, so that the router's queue, not the worker's, holds the backlog), a router with
+Set-up: two twin workers (one torch thread each; a small KV pool, 12 MiB: 544 tokens in bfloat16,
+about 11 requests, so that the router's queue, not the worker's, holds the backlog), a router with
 `--fair-queue vtc` on one and `--fair-queue fcfs` on the other, the same tenants file (weights, a
 per-tenant queue cap). The load tester's runner (`loadtest`) drives both at the same time with the
-same seeded request streams, so drift in a shared machine's load hits both sides alike, and its
-report is written as usual; this command adds the fairness figures and `fairness.png`:
+same seeded request streams, so drift in a shared machine's load hits both sides alike.
 
-- per tenant: requests/s, output tokens/s, refusals (RESOURCE_EXHAUSTED), p50/p99 TTFT;
-- service = (input + 2 x output tokens) / weight, as the VTC counts it (client-side: inputs at the
-  first token, outputs as they arrive);
-- Jain's index of weighted service over the backlogged tenants (1 = equal), and Jain's index of
-  service / max-min fair share over all tenants (the fair share water-fills the delivered service
-  over the tenants' offered load, so a light tenant is owed only what it asked for);
-- the largest difference in weighted service between backlogged tenants over time, next to the
-  bound of docs/fairness.md (U = C + 2K / w_min, 2U over a window).
+1. Calibration: a closed loop of 2x the requests a worker holds, through both routers at once,
+   for `--calibrate-s`; capacity = output tokens/s over that time / output length (requests/s).
+2. Per load level L in `--loads` (default 3 and 6): Poisson streams, a (weight 1) and b (weight 2)
+   together offer L x capacity, a sending twice b's requests, so that each alone offers at least
+   its fair share x 1.5 and both stay backlogged; c (weight 1) sends `--light-share` x capacity.
+3. Figures (benchmarks/fairness_figures.py): per tenant requests, output tokens/s, refusals, TTFT
+   p50 / max; the time in which a and b were both backlogged, b / a service within it (VTC: the
+   weights, 2.00), the largest swing of the weighted service difference next to the bound 2U of
+   docs/fairness.md section 3. Written: per level the load tester's report under `level-<L>/`,
+   and `fairness.md`, `fairness.json`, `fairness.png` in the run's directory.
 
-Default load (tuned for 2 busy shared CPU cores, where the worker makes ~8 output tokens/s):
-a (weight 1) sends 2x what b (weight 2) sends, both more than the worker serves, each capped at 4
-queued requests (the rest is refused with RESOURCE_EXHAUSTED); c (weight 1) sends little. VTC
-should give b about twice a's tokens and c short TTFTs; FCFS serves in arrival order, so a gets
-more than b and c waits behind both. On a faster machine raise --rates (or the lengths) until
-a and b stay backlogged; the report says which tenants were.
+Exit status: 0 when at every level VTC kept b / a within `--tolerance` of the weights while both
+were backlogged for at least `--min-backlogged` of the time, and within the bound; 1 with the
+reason otherwise (too little backlog: the run cannot show the weights; a ratio outside; calibration
+that served nothing). FCFS is the control and has no pass mark.
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ from datetime import datetime, timezone
 import grpc
 import yaml
 
+from benchmarks.fairness_figures import fairness_figures, markdown, plot, verdict
 from devtools.local import LocalProcess
 from loadtest.cli import load_tokenizer
 from loadtest.config import RunConfig, Target, TenantSpec
 from loadtest.environment import git_revision, machine
 from loadtest.grpc_client import GrpcClient, SendOptions
 from loadtest.lengths import LengthDist
+from loadtest.record import NS_PER_S
 from loadtest.report import write_json, write_markdown
 from loadtest.runner import Clock, PointRun
-from loadtest.stats import jain_index
 from loadtest.summary import OUTPUT_WEIGHT, summarize_point
 from loadtest.sweep import PointResult, point_seed
 from loadtest.workload import SyntheticText, Workload
@@ -58,11 +59,13 @@ from router.tenants import hash_key
 MODES = ("vtc", "fcfs")
 
 
+CAL = "cal"  # the calibration tenant
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchTenant:
     name: str
     weight: float
-    rate_per_s: float
     input_len: int
     output_len: int
 
@@ -77,44 +80,74 @@ class BenchTenant:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fairness", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=60.0, help="measured seconds per load level")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="unmeasured seconds before each level")
+    p.add_argument("--calibrate-s", type=float, default=15.0, help="closed-loop capacity measurement")
     p.add_argument(
-        "--duration-s",
-        type=float,
-        default=40.0,
-        help="measured seconds (the default run takes ~2 min; try 300 for a long one)",
+        "--loads",
+        default="3,6",
+        help="offered load of a and b together, as multiples of the measured capacity (a sends 2x b)",
     )
-    p.add_argument("--warmup-s", type=float, default=8.0)
-    p.add_argument("--rates", default="1.0,0.5,0.08", help="requests/s of tenants a, b, c (Poisson)")
+    p.add_argument("--light-share", type=float, default=0.05, help="c's offered load / capacity")
     p.add_argument("--weights", default="1,2,1", help="weights of tenants a, b, c")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--max-queued", type=int, default=4, help="per-tenant queue cap in the routers")
-    p.add_argument("--kv-cache-mb", type=float, default=12, help="worker KV pool (12 MiB: 272 tokens)")
+    p.add_argument("--max-queued", type=int, default=16, help="per-tenant queue cap in the routers")
+    p.add_argument("--kv-cache-mb", type=float, default=12, help="worker KV pool (12 MiB: 544 tokens)")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads of each of the two workers")
+    p.add_argument("--tolerance", type=float, default=0.10, help="allowed |b/a service / weights - 1|")
+    p.add_argument("--min-backlogged", type=float, default=0.95, help="share of the time a, b must queue")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None, help="default: results/fairness/<UTC time>")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        a.load_levels = [float(x) for x in a.loads.split(",")]
+        a.weight_list = [float(x) for x in a.weights.split(",")]
+    except ValueError as exc:
+        p.error(f"--loads / --weights: {exc}")
+    if len(a.weight_list) != 3 or min(a.weight_list) <= 0 or not a.load_levels or min(a.load_levels) <= 0:
+        p.error("--weights takes three positive values (tenants a, b, c); --loads positive multiples")
+    if a.duration_s <= 0 or a.calibrate_s <= 0 or a.warmup_s < 0:
+        p.error("--duration-s and --calibrate-s must be > 0, --warmup-s >= 0")
+    return a
 
 
 def tenants_from(a: argparse.Namespace) -> list[BenchTenant]:
-    rates = [float(x) for x in a.rates.split(",")]
-    weights = [float(x) for x in a.weights.split(",")]
-    if len(rates) != 3 or len(weights) != 3:
-        raise SystemExit("--rates and --weights take three values (tenants a, b, c)")
-    return [BenchTenant(n, w, r, a.input_len, a.output_len) for n, w, r in zip("abc", weights, rates)]
+    return [BenchTenant(n, w, a.input_len, a.output_len) for n, w in zip("abc", a.weight_list)]
+
+
+def level_rates(load: float, capacity_req_s: float, light_share: float) -> dict[str, float]:
+    """Requests/s per tenant: a and b together `load` x capacity, a twice b; c a light share."""
+    return {
+        "a": load * capacity_req_s * 2 / 3,
+        "b": load * capacity_req_s / 3,
+        "c": light_share * capacity_req_s,
+    }
+
+
+def specs_for(tenants: list[BenchTenant], rates: dict[str, float]) -> tuple[TenantSpec, ...]:
+    return tuple(
+        TenantSpec(
+            name=t.name,
+            api_key=t.key,
+            weight=t.weight,
+            arrival="poisson",
+            rate_per_s=rates[t.name],
+            input_len=LengthDist.parse(str(t.input_len)),
+            output_len=LengthDist.parse(str(t.output_len)),
+        )
+        for t in tenants
+    )
 
 
 def tenants_yaml(tenants: list[BenchTenant], max_queued: int) -> str:
-    return yaml.safe_dump(
-        {
-            "tenants": [
-                {"name": t.name, "key_sha256": hash_key(t.key), "weight": t.weight, "max_queued": max_queued}
-                for t in tenants
-            ]
-        },
-        sort_keys=False,
-    )
+    rows = [
+        {"name": t.name, "key_sha256": hash_key(t.key), "weight": t.weight, "max_queued": max_queued}
+        for t in tenants
+    ]
+    rows.append({"name": CAL, "key_sha256": hash_key(f"bench-{CAL}"), "weight": 1.0})
+    return yaml.safe_dump({"tenants": rows}, sort_keys=False)
 
 
 def worker_capacity_tokens(address: str) -> int:
@@ -123,180 +156,6 @@ def worker_capacity_tokens(address: str) -> int:
         load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
         info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
     return load.num_total_blocks * info.block_size
-
-
-def fair_shares(demand: dict[str, float], weights: dict[str, float], total: float) -> dict[str, float]:
-    """Weighted max-min fair split of `total` service over tenants offering `demand` (water-filling)."""
-    share = {name: 0.0 for name in demand}
-    active = {n for n in demand if demand[n] > 0}
-    left = total
-    while active and left > 1e-9:
-        level = left / sum(weights[n] for n in active)
-        capped = {n for n in active if demand[n] - share[n] <= level * weights[n]}
-        if not capped:
-            for n in active:
-                share[n] += level * weights[n]
-            break
-        for n in capped:
-            left -= demand[n] - share[n]
-            share[n] = demand[n]
-        active -= capped
-    return share
-
-
-def fairness_figures(point, tenants: list[BenchTenant], capacity_tokens: int) -> dict:
-    """The figures this benchmark adds to a loadtest point (`PointResult`)."""
-    summary = point.summary
-    measured = [r for r in point.records if not r.warmup]
-    by_name = {t.name: t for t in tenants}
-    weights = {t.name: t.weight for t in tenants}
-    demand = {
-        t.name: sum(by_name[r.tenant].max_cost for r in measured if r.tenant == t.name) for t in tenants
-    }
-    service = {name: summary["tenants"][name]["service"] for name in by_name}
-    shares = fair_shares(demand, weights, sum(service.values()))
-    backlogged = [n for n in by_name if demand[n] > shares[n] * 1.05]
-    timeline = summary["fairness"]["timeline"]
-    gaps = [0.0]
-    if len(backlogged) >= 2:
-        series = [timeline["service"][n] for n in backlogged]
-        gaps = [max(s[i] for s in series) - min(s[i] for s in series) for i in range(len(timeline["t_s"]))]
-    w_min = min(weights.values())
-    bound_u = max(t.max_cost / t.weight for t in tenants) + 2 * capacity_tokens / w_min
-    per_tenant = {}
-    for name, t in summary["tenants"].items():
-        per_tenant[name] = {
-            "weight": t["weight"],
-            "completed": t["completed"],
-            "refused": t["errors"].get("RESOURCE_EXHAUSTED", 0),
-            "other_failures": t["failed"] - t["errors"].get("RESOURCE_EXHAUSTED", 0),
-            "requests_per_s": t["request_throughput"],
-            "output_tokens_per_s": t["output_token_throughput"],
-            "ttft_p50_s": t["ttft_s"]["p50"] if t["ttft_s"] else None,
-            "ttft_p99_s": t["ttft_s"]["p99"] if t["ttft_s"] else None,
-            "weighted_service": t["weighted_service"],
-            "offered": demand[name],
-            "fair_share": shares[name],
-        }
-    return {
-        "mode": point.target,
-        "tenants": per_tenant,
-        "backlogged": backlogged,
-        "jain_backlogged": jain_index([service[n] / weights[n] for n in backlogged]) if backlogged else None,
-        "jain_vs_fair_share": jain_index([service[n] / shares[n] for n in by_name if shares[n] > 0]),
-        "max_service_difference": max(gaps),
-        "bound_u": bound_u,
-        "bound_window": 2 * bound_u,
-        "capacity_tokens": capacity_tokens,
-        "duration_s": summary["duration_s"],
-        "gap_series": {"t_s": timeline["t_s"], "gap": gaps},
-    }
-
-
-def _fmt(value, digits: int = 1) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def markdown(figures: list[dict], tenants: list[BenchTenant]) -> str:
-    lines = [
-        "## Fairness: VTC vs FCFS",
-        "",
-        "| mode | tenant | weight | offered req/s | ok | refused | req/s | out tok/s | TTFT p50 ms | "
-        "TTFT p99 ms | service / weight | service / fair share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    rates = {t.name: t.rate_per_s for t in tenants}
-    for f in figures:
-        for name, t in f["tenants"].items():
-            ttft50 = None if t["ttft_p50_s"] is None else t["ttft_p50_s"] * 1e3
-            ttft99 = None if t["ttft_p99_s"] is None else t["ttft_p99_s"] * 1e3
-            ratio = t["weighted_service"] * t["weight"] / t["fair_share"] if t["fair_share"] else None
-            lines.append(
-                f"| {f['mode']} | {name} | {t['weight']:g} | {rates[name]:g} | {t['completed']} | "
-                f"{t['refused']} | {t['requests_per_s']:.2f} | {t['output_tokens_per_s']:.1f} | "
-                f"{_fmt(ttft50, 0)} | {_fmt(ttft99, 0)} | {t['weighted_service']:.0f} | "
-                f"{_fmt(ratio, 2)} |"
-            )
-    lines += [
-        "",
-        "| mode | backlogged | Jain (weighted service, backlogged) | Jain (service / fair share, all) | "
-        "max service difference over time | bound U / 2U |",
-        "|---|---|---|---|---|---|",
-    ]
-    for f in figures:
-        lines.append(
-            f"| {f['mode']} | {', '.join(f['backlogged']) or '–'} | {_fmt(f['jain_backlogged'], 3)} | "
-            f"{_fmt(f['jain_vs_fair_share'], 3)} | {f['max_service_difference']:.0f} | "
-            f"{f['bound_u']:.0f} / {f['bound_window']:.0f} |"
-        )
-    if len(figures) == 2:
-        vtc, fcfs = figures
-        c_vtc, c_fcfs = vtc["tenants"].get("c", {}), fcfs["tenants"].get("c", {})
-        if c_vtc.get("ttft_p99_s") and c_fcfs.get("ttft_p99_s"):
-            lines += [
-                "",
-                f"Light tenant c, TTFT p99: fcfs / vtc = {c_fcfs['ttft_p99_s'] / c_vtc['ttft_p99_s']:.1f}×.",
-            ]
-        a_b = [
-            f"{f['mode']} "
-            f"{f['tenants']['b']['output_tokens_per_s'] / f['tenants']['a']['output_tokens_per_s']:.2f}"
-            for f in figures
-            if f["tenants"]["a"]["output_tokens_per_s"]
-        ]
-        lines.append(f"Output tokens b / a (weights 2 : 1; a sends 2× b's requests): {', '.join(a_b)}.")
-    lines += [
-        "",
-        "Service = (input + 2 × output tokens) / weight, measured at the client. Fair share: "
-        "the delivered service water-filled over the tenants' offered load (prompt + 2 × max_tokens "
-        "of every request sent, refused ones included). The bound is docs/fairness.md §3 with K = "
-        f"{figures[0]['capacity_tokens']} tokens (each worker's KV capacity); client-side timing adds "
-        "up to one request in flight per tenant of slack.",
-        "",
-        "![fairness](fairness.png)",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(points, figures: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, len(points), figsize=(6 * len(points), 10), squeeze=False)
-    for col, (point, f) in enumerate(zip(points, figures)):
-        timeline = point.summary["fairness"]["timeline"]
-        ax = axes[0][col]
-        for name, series in timeline["service"].items():
-            ax.plot(timeline["t_s"], series, label=f"{name} (w {f['tenants'][name]['weight']:g})")
-        ax.set_title(f"{f['mode']}: cumulative service / weight")
-        ax.set_ylabel("(input + 2 × output) / weight")
-        ax.legend(fontsize=8)
-        ax = axes[1][col]
-        ax.plot(f["gap_series"]["t_s"], f["gap_series"]["gap"], color="black")
-        ax.axhline(f["bound_window"], color="red", linestyle="--", label="2U (bound over a window)")
-        ax.set_title(f"{f['mode']}: service difference between backlogged tenants")
-        ax.set_ylabel("weighted tokens")
-        ax.legend(fontsize=8)
-        ax = axes[2][col]
-        for name in f["tenants"]:
-            ok = [
-                r
-                for r in point.records
-                if r.tenant == name and r.ok and not r.warmup and r.ttft_s is not None
-            ]
-            ax.scatter([r.sent_ns / 1e9 for r in ok], [r.ttft_s * 1e3 for r in ok], s=6, label=name)
-        if ax.collections and any(len(c.get_offsets()) for c in ax.collections):
-            ax.set_yscale("log")
-        ax.set_title(f"{f['mode']}: TTFT by send time")
-        ax.set_xlabel("s since the run started")
-        ax.set_ylabel("TTFT (ms)")
-        ax.legend(fontsize=8)
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 async def run_modes(
@@ -344,72 +203,78 @@ async def run_modes(
     return results, infos
 
 
+def start_stack(
+    a: argparse.Namespace, tenants_file: pathlib.Path, procs: list[LocalProcess]
+) -> tuple[dict[str, str], str]:
+    """Two twin workers and a router per mode: the routers' addresses by mode, one worker's."""
+    workers = {
+        mode: LocalProcess(
+            f"worker-{mode}",
+            ["-m", "worker", "--port", "0", "--kv-cache-mb", str(a.kv_cache_mb)]
+            + ["--num-threads", str(a.worker_threads)],
+            quiet=True,
+        )
+        for mode in MODES
+    }
+    procs.extend(workers.values())
+    routers = {}
+    for mode in MODES:
+        router = LocalProcess(
+            f"router-{mode}",
+            ["-m", "router", "--port", "0", "--workers", workers[mode].wait_listening()]
+            + ["--health-poll-s", "0.2", "--tenants", str(tenants_file), "--fair-queue", mode],
+            quiet=True,
+        )
+        procs.insert(0, router)
+        routers[mode] = router.wait_listening(120)
+    return routers, workers[MODES[0]].wait_listening()
+
+
+def output_rate(point: PointResult, warmup_s: float, duration_s: float) -> float:
+    """Output tokens/s of a point within its measured window, by token arrival time."""
+    lo, hi = warmup_s * NS_PER_S, (warmup_s + duration_s) * NS_PER_S
+    tokens = sum(n for r in point.records for t, n in zip(r.chunk_ns, r.chunk_tokens) if lo <= t < hi)
+    return tokens / duration_s
+
+
+def calibrate(
+    a: argparse.Namespace, config: RunConfig, routers: dict[str, str], capacity_tokens: int
+) -> dict:
+    """Closed loop, 2x the requests one worker holds, through both routers at once."""
+    fits = max(1, capacity_tokens // (a.input_len + a.output_len))
+    spec = TenantSpec(
+        name=CAL,
+        api_key=f"bench-{CAL}",
+        arrival="closed",
+        concurrency=2 * fits,
+        input_len=LengthDist.parse(str(a.input_len)),
+        output_len=LengthDist.parse(str(a.output_len)),
+    )
+    warmup_s = min(5.0, a.calibrate_s / 3)
+    cal = dataclasses.replace(config, tenants=(spec,), warmup_s=warmup_s, duration_s=a.calibrate_s)
+    points, _ = asyncio.run(run_modes(cal, routers, (spec,), a.progress))
+    tok_s = {p.target: output_rate(p, warmup_s, a.calibrate_s) for p in points}
+    req_s = sum(tok_s.values()) / len(tok_s) / a.output_len
+    return {"concurrency": 2 * fits, "output_tok_s": tok_s, "capacity_req_s": req_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     tenants = tenants_from(a)
     out_dir = pathlib.Path(a.out_dir or f"results/fairness/{datetime.now(timezone.utc):%Y%m%d-%H%M%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = tuple(
-        TenantSpec(
-            name=t.name,
-            api_key=t.key,
-            weight=t.weight,
-            arrival="poisson",
-            rate_per_s=t.rate_per_s,
-            input_len=LengthDist.parse(str(t.input_len)),
-            output_len=LengthDist.parse(str(t.output_len)),
-        )
-        for t in tenants
-    )
     procs: list[LocalProcess] = []
+    levels, level_points, infos = [], [], {}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
         tenants_file = pathlib.Path(tmp) / "tenants.yaml"
         tenants_file.write_text(tenants_yaml(tenants, a.max_queued), encoding="utf-8")
         try:
-            workers = {
-                mode: LocalProcess(
-                    f"worker-{mode}",
-                    [
-                        "-m",
-                        "worker",
-                        "--port",
-                        "0",
-                        "--kv-cache-mb",
-                        str(a.kv_cache_mb),
-                        "--num-threads",
-                        str(a.worker_threads),
-                    ],
-                    quiet=True,
-                )
-                for mode in MODES
-            }
-            procs.extend(workers.values())
-            routers = {}
-            for mode in MODES:
-                router = LocalProcess(
-                    f"router-{mode}",
-                    [
-                        "-m",
-                        "router",
-                        "--port",
-                        "0",
-                        "--workers",
-                        workers[mode].wait_listening(),
-                        "--health-poll-s",
-                        "0.2",
-                        "--tenants",
-                        str(tenants_file),
-                        "--fair-queue",
-                        mode,
-                    ],
-                    quiet=True,
-                )
-                procs.insert(0, router)
-                routers[mode] = router.wait_listening(120)
-            capacity = worker_capacity_tokens(workers[MODES[0]].wait_listening())
-            config = RunConfig(
+            routers, worker = start_stack(a, tenants_file, procs)
+            capacity = worker_capacity_tokens(worker)
+            base = RunConfig(
                 targets=tuple(Target(mode, "grpc", routers[mode]) for mode in MODES),
-                tenants=specs,
+                tenants=specs_for(tenants, {t.name: 1.0 for t in tenants}),
                 duration_s=a.duration_s,
                 warmup_s=a.warmup_s,
                 seed=a.seed,
@@ -419,44 +284,96 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=str(out_dir),
                 progress=a.progress,
             )
-            started = time.monotonic()
-            results, infos = asyncio.run(run_modes(config, routers, specs, a.progress))
-            elapsed_s = time.monotonic() - started
+            calibration = calibrate(a, base, routers, capacity)
+            cap = calibration["capacity_req_s"]
+            print(
+                f"calibration: {cap:.2f} requests/s per worker {calibration['output_tok_s']}", file=sys.stderr
+            )
+            if not cap > 0:
+                print("bench-fairness: calibration served no tokens; nothing to measure", file=sys.stderr)
+                return 1
+            for load in a.load_levels:
+                rates = level_rates(load, cap, a.light_share)
+                specs = specs_for(tenants, rates)
+                config = dataclasses.replace(base, tenants=specs)
+                points, infos = asyncio.run(run_modes(config, routers, specs, a.progress))
+                figures = [
+                    fairness_figures(p, tenants, rates, a.warmup_s, a.duration_s, capacity) for p in points
+                ]
+                levels.append({"load": load, "rates": rates, "figures": figures, "config": config})
+                level_points.append(points)
         finally:
             for proc in procs:
                 proc.stop()
+    return report(a, out_dir, calibration, levels, level_points, infos, time.monotonic() - started)
 
-    figures = [fairness_figures(p, tenants, capacity) for p in results]
-    report = {
-        "tool": "benchmarks.fairness",
-        "format": 1,
+
+def report(a, out_dir: pathlib.Path, calibration: dict, levels, level_points, infos, elapsed_s: float) -> int:
+    """Writes the per-level load-test reports and the fairness summary; the exit status."""
+    command = ["python -m benchmarks.fairness", *sys.argv[1:]]
+    for level, points in zip(levels, level_points):
+        level_dir = out_dir / f"level-{level['load']:g}"
+        level_dir.mkdir(exist_ok=True)
+        rep = {
+            "tool": "benchmarks.fairness",
+            "format": 2,
+            "created": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
+            "command": command,
+            "config": level["config"].to_json(),
+            "seed": a.seed,
+            "git": git_revision(),
+            "machine": machine(),
+            "targets": infos,
+            "points": [p.to_json() for p in points],
+        }
+        write_json(rep, points, level_dir)
+        plot_files = []
+        try:
+            from loadtest.plots import write_plots
+
+            plot_files = write_plots(points, level_dir)
+        except ImportError as exc:
+            print(f"plots skipped: {exc}", file=sys.stderr)
+        write_markdown(rep, level_dir, plot_files)
+    failures = [
+        f"load {level['load']:g}x: {why}"
+        for level in levels
+        for f in level["figures"]
+        if f["mode"] == "vtc" and (why := verdict(f, a.tolerance, a.min_backlogged))
+    ]
+    summary = {
+        "command": command,
         "created": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
-        "command": ["python -m benchmarks.fairness", *(sys.argv[1:] if argv is None else argv)],
-        "config": config.to_json(),
-        "seed": a.seed,
-        "git": git_revision(),
         "machine": machine(),
-        "targets": infos,
-        "points": [r.to_json() for r in results],
-        "fairness": [{k: v for k, v in f.items() if k != "gap_series"} for f in figures],
+        "git": git_revision(),
+        "calibration": calibration,
+        "levels": [
+            {
+                "load": lv["load"],
+                "rates": lv["rates"],
+                "figures": [{k: v for k, v in f.items() if k != "gap_series"} for f in lv["figures"]],
+            }
+            for lv in levels
+        ],
+        "failures": failures,
         "elapsed_s": elapsed_s,
     }
-    write_json(report, results, out_dir)
-    plot_files = []
+    (out_dir / "fairness.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    md = markdown(levels)
+    head = (
+        f"Calibrated capacity: {calibration['capacity_req_s']:.2f} requests/s per worker "
+        f"(closed loop x {calibration['concurrency']}).\n\n"
+    )
+    (out_dir / "fairness.md").write_text(head + md, encoding="utf-8")
     try:
-        from loadtest.plots import write_plots
-
-        plot(results, figures, out_dir / "fairness.png")
-        plot_files = write_plots(results, out_dir)
+        plot(levels, level_points, out_dir / "fairness.png")
     except ImportError as exc:
-        print(f"plots skipped: {exc}", file=sys.stderr)
-    md = write_markdown(report, out_dir, plot_files)
-    fairness_md = markdown(figures, tenants)
-    md.write_text(md.read_text(encoding="utf-8") + "\n" + fairness_md, encoding="utf-8")
-    (out_dir / "fairness.json").write_text(json.dumps(report["fairness"], indent=1) + "\n", encoding="utf-8")
-    print(fairness_md)
-    print(f"full report: {md}; plot: {out_dir / 'fairness.png'} ({elapsed_s:.0f} s of load)", file=sys.stderr)
-    return 0 if all(p.summary.get("completed") for p in results) else 1
+        print(f"plot skipped: {exc}", file=sys.stderr)
+    print(head + md)
+    print(f"report: {out_dir / 'fairness.md'} ({elapsed_s:.0f} s in all)", file=sys.stderr)
+    for why in failures:
+        print(f"bench-fairness: {why}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

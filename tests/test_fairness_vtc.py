@@ -167,6 +167,84 @@ def test_weights_two_to_one_split_service_two_to_one():
     assert max(map(abs, d)) <= bound_u(w_min=1.0)
 
 
+def capped_poisson_run(b_offer: float, cap: int, ticks: int = 6000, seed: int = 5) -> dict:
+    """The shape of `make bench-fairness`: equal requests (32 prompt + 16 output tokens), Poisson
+    arrivals, a (weight 1) sending 2x b (weight 2), each tenant's queue capped at `cap` (admission's
+    max_queued: the rest is refused). `b_offer`: b's offered requests / the fleet's capacity."""
+    sim = Sim(seed=seed)
+    shape = {"prompt": 32, "max_tokens": 16}
+    fits = NUM_WORKERS * (WORKER_TOKENS // 48)
+    capacity = fits / 16  # requests per tick: `fits` requests of 16 decode ticks each
+    rates = {"a": 2 * b_offer * capacity, "b": b_offer * capacity}
+    weights = {"a": 1.0, "b": 2.0}
+    backlogged = {"a": 0, "b": 0}
+    both, gap, lo, hi = 0, 0.0, 0.0, 0.0
+    for _ in range(ticks):
+        for name, rate in rates.items():
+            for _ in range(poisson(sim.rng, rate)):
+                if sim.queue.num_queued(name) < cap:
+                    item = sim.request(name, weights[name], **shape)
+                    item.payload = 16  # ignore_eos, as the benchmark: every request makes 16 tokens
+                    sim.queue.push(item)
+        before = {n: sim.service[n] for n in rates}
+        queued = {n: sim.queue.num_queued(n) > 0 for n in rates}
+        sim.dispatch()
+        sim.decode()
+        for n in rates:
+            backlogged[n] += queued[n]
+        if all(queued.values()):  # both backlogged this tick: count toward the ratio and the swing
+            both += 1
+            gap += (sim.service["a"] - before["a"]) / 1.0 - (sim.service["b"] - before["b"]) / 2.0
+            lo, hi = min(lo, gap), max(hi, gap)
+        else:
+            gap = lo = hi = 0.0
+    return {
+        "ratio": sim.service["b"] / sim.service["a"],
+        "both": both / ticks,
+        "swing": hi - lo,
+        "b_backlogged": backlogged["b"] / ticks,
+    }
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    n, t = 0, rng.expovariate(1.0)
+    while t < mean:
+        n, t = n + 1, t + rng.expovariate(1.0)
+    return n
+
+
+@pytest.mark.parametrize("b_offer", [1.0, 2.0])
+def test_capped_poisson_tenants_get_their_weights_while_backlogged(b_offer):
+    """b (weight 2) offers 1.5x resp. 3x its fair share (2/3 of the fleet): both tenants stay
+    backlogged and b gets twice a's service within 10%; the swing of W_a - W_b within a backlogged
+    stretch stays within the bound 2U of docs/fairness.md section 3 (K = 512, C = 48)."""
+    got = capped_poisson_run(b_offer, cap=16)
+    u = bound_u(w_min=1.0, c_max=48)
+    print(
+        f"\nb offers {b_offer:g}x the fleet, cap 16: b / a service {got['ratio']:.3f}, both backlogged "
+        f"{got['both']:.0%}, swing {got['swing']:.0f} (2U = {2 * u:.0f})"
+    )
+    assert got["both"] > 0.9
+    assert 1.8 <= got["ratio"] <= 2.2
+    assert got["swing"] <= 2 * u
+
+
+def test_a_tenant_whose_capped_queue_runs_dry_gets_what_it_asks_not_its_weight():
+    """The old benchmark's set-up (queues capped at 4, b offering 0.75x the fleet, 1.1x its share):
+    between Poisson bursts b's queue runs empty and its refused overflow is lost, so b / a falls
+    well under 2 (the benchmark measured 1.29), although VTC serves b first whenever it waits;
+    counting only the ticks in which both wait does not repair it (~1.6: the requests running
+    then were dispatched before). So `make bench-fairness` calibrates its load and reads the
+    ratio only when a and b were both backlogged nearly all the time (>= 95%)."""
+    starved = capped_poisson_run(0.75, cap=4)
+    print(
+        f"\ncap 4, b offers 0.75x: b / a service {starved['ratio']:.2f}, "
+        f"b backlogged {starved['b_backlogged']:.0%}, both {starved['both']:.0%}"
+    )
+    assert starved["both"] < 0.95
+    assert starved["ratio"] < 1.8
+
+
 def test_returning_tenant_gets_no_banked_credit():
     sim = Sim(seed=2)
     for _ in range(1000):  # a alone: its counter climbs while b is idle
