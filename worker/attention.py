@@ -59,9 +59,9 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it. A KV cache
         of another dtype than the activations (--kv-cache-dtype) gets q cast to it, and the output
-        cast back."""
+        cast back; except an fp8 cache under triton, whose kernel widens the K/V tiles to q's dtype."""
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if q.dtype != k_cache.dtype:
+        if q.dtype != k_cache.dtype and not (k_cache.dtype == torch.float8_e4m3fn and self.name == "triton"):
             return self.forward_q(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
         return self.forward_q(q, k_cache, v_cache, meta, scale)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from common.config_cli import MIB, option
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto",) + DTYPES
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp8",)  # fp8: float8_e4m3fn, triton backend only
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # fp8: W8A8, worker/model/fp8.py
 # auto: triton on CUDA; on CPU the compiled "cpu" op when it builds, else "torch".
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "reference", "triton")
 
@@ -136,7 +136,8 @@ class EngineConfig:
         default="auto",
         metadata=option(
             "auto: quantized GGUF tensors (Q4_0/Q4_1/Q8_0) run quantized with bfloat16, dense weights stay "
-            "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load",
+            "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load; "
+            "fp8: W8A8 float8_e4m3fn linears via torch._scaled_mm (GPU, compute capability >= 8.9)",
             choices=QUANTIZATIONS,
         ),
     )

@@ -87,9 +87,10 @@ class ModelRunner:
 
         config = resolved_config(config)
         torch.set_num_threads(config.num_threads)
-        loaded = load_model(
-            config.model, config.dtype, torch.device(config.device), quantization=config.quantization
-        )
+        # fp8 (worker/model/fp8.py) converts the dense model in _setup.
+        quantization = "none" if config.quantization == "fp8" else config.quantization
+        device = torch.device(config.device)
+        loaded = load_model(config.model, config.dtype, device, quantization=quantization)
         if config.dense_weights_min_rows and config.device == "cpu":
             from worker.model.quant import keep_dense_copies
 
@@ -128,9 +129,18 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if config.quantization == "fp8":
+            from worker.model.fp8 import quantize_model_fp8
+
+            log.info("fp8 W8A8: %d linear layers converted", quantize_model_fp8(model))
         self.model, self.model_config = model, model.config
         self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        if self.kv_cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
+            # The other backends would cast q to fp8; the triton kernel widens the tiles instead.
+            raise ValueError(
+                f"--kv-cache-dtype fp8 needs the triton attention backend, not {self.backend.name!r}"
+            )
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         cfg, dtype = self.model_config, self.kv_cache_dtype
@@ -191,6 +201,8 @@ class ModelRunner:
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         name = self.config.kv_cache_dtype
+        if name == "fp8":
+            return torch.float8_e4m3fn
         return getattr(torch, self.config.dtype if name == "auto" else name)
 
     @property

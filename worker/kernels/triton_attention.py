@@ -4,7 +4,9 @@ Contract (same as `worker.kernels.reference.paged_attention`):
 - Input: q `[num_tokens, num_heads, head_dim]`, each sequence's new tokens back to back
   (`query_start_loc [num_seqs + 1]`), k_cache/v_cache `[num_blocks, block_size, num_kv_heads,
   head_dim]`, `block_tables [num_seqs, max_blocks]`, `seq_lens [num_seqs]` = cached + new tokens
-  (metadata int32; int64 accepted). q and the caches share one float dtype (fp16, bf16, fp32);
+  (metadata int32; int64 accepted). q and the caches share one float dtype (fp16, bf16, fp32),
+  or the caches are float8_e4m3fn under fp16/bf16 q (`--kv-cache-dtype fp8`: tiles widen to q's
+  dtype after the load, so the cache read is halved and the math is unchanged);
   every tensor's last dim is contiguous. The new tokens are the last `query_len` positions of their
   sequence: causal among themselves, full over the cached prefix. GQA: query head h reads kv head
   h // (num_heads // num_kv_heads). Any head_dim up to 256 (padded to a power of two inside).
@@ -93,6 +95,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -166,6 +169,9 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # (N, D)
+        if KV_FP8:  # an fp8 cache: tiles widen to q's dtype (exact), the dots run in q's dtype
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -177,8 +183,9 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the cache dtype as the tensor-core path does; UPCAST keeps that rounding.
-        p = p.to(v_cache_ptr.dtype.element_ty)
+        # p is rounded to q's (= the cache's, or for fp8 caches the widened tiles') dtype as the
+        # tensor-core path does; UPCAST keeps that rounding.
+        p = p.to(q_ptr.dtype.element_ty)
         if UPCAST:
             p = p.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
@@ -285,9 +292,10 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             f"head layout mismatch: q heads {num_heads}x{head_dim}, "
             f"kv heads {num_kv_heads}x{k_cache.shape[3]} (head_dim <= 256)"
         )
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.float16, torch.bfloat16)
     if (
         q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-        or q.dtype != k_cache.dtype
+        or (q.dtype != k_cache.dtype and not fp8_cache)
         or k_cache.dtype != v_cache.dtype
     ):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
@@ -425,6 +433,7 @@ def paged_attention(
         # fp32 must not drop to tf32 (fp32 promises 1e-5); 16-bit inputs take the default.
         DOT_PRECISION="ieee" if fp32 else None,
         UPCAST=upcast,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
     )
     if num_splits > 1:
