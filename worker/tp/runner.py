@@ -132,6 +132,7 @@ class TPGroup:
                 raise GroupFailed(value)
             blocks.append(value)
         self._rank_blocks = blocks
+        log.info("tensor-parallel group of %d ranks up; rank pids %s", self.size, self.pids())
 
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         for rank, proc in enumerate(self.procs, start=1):

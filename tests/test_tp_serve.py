@@ -1,0 +1,134 @@
+"""Tensor parallelism served (issue 20): `python -m worker --tensor-parallel-size 3` (the embedded
+SmolLM2, 9 / 3 heads, three rank processes over gloo) behind a real router.
+
+- Greedy text through the router equals the TP=1 worker's (the session's shared worker), batched too.
+- A rank SIGKILLed mid-stream: the stream ends UNAVAILABLE within a bound, the worker reports
+  NOT_SERVING while its group restarts, the whole group restarts (the other old rank is gone too),
+  every KV block is back, and the router serves through the worker again with the same text.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc
+from tests import procs
+
+TP = 3
+PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time"]
+RANK_PIDS = re.compile(r"tensor-parallel group of \d+ ranks up; rank pids \[([\d, ]+)\]")
+
+
+@pytest.fixture(scope="module")
+def tp_worker(logs):
+    proc = procs.start_worker(logs, "--tensor-parallel-size", str(TP), "--num-threads", "1")
+    try:
+        procs.ready(proc)
+        yield proc
+    finally:
+        pids = rank_pids(proc)
+        assert proc.stop(timeout_s=30) == 0, proc.log_tail()
+        assert not [p for p in pids if alive(p)], "rank processes outlived the worker"
+
+
+@pytest.fixture(scope="module")
+def tp_router(tp_worker, logs):
+    with procs.running_router(logs, [tp_worker.address]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def ref_router(plain_worker, logs):
+    with procs.running_router(logs, [plain_worker.address]) as proc:
+        yield proc
+
+
+def rank_pids(proc: procs.Proc) -> list[int]:
+    """Pids of ranks 1..N-1 of the worker's latest group incarnation (it logs each)."""
+    found = RANK_PIDS.findall(proc.log_path.read_text(errors="replace"))
+    return [int(p) for p in found[-1].split(",")] if found else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def generate(router: procs.Proc, prompt: str, max_tokens: int = 12, request_id: str = "") -> str:
+    with grpc.insecure_channel(router.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt=prompt,
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+        )
+        msgs = list(stub.Generate(request, timeout=120))
+    assert msgs[-1].finished.usage.completion_tokens == max_tokens
+    return "".join(m.chunk.text for m in msgs if m.HasField("chunk"))
+
+
+def test_tp3_text_through_the_router_equals_tp1(tp_router, ref_router):
+    expected = [generate(ref_router, p) for p in PROMPTS]
+    assert all(expected)
+    assert [generate(tp_router, p) for p in PROMPTS] == expected
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched in the TP group's steps
+        assert list(pool.map(lambda p: generate(tp_router, p), PROMPTS)) == expected
+
+
+def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router):
+    before = generate(tp_router, PROMPTS[0])
+    victim, *others = rank_pids(tp_worker)
+    assert len(others) == TP - 2
+    got_tokens = threading.Event()
+    outcome: dict = {}
+
+    def stream() -> None:
+        with grpc.insecure_channel(tp_router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                prompt="Tell me a long story:", stopping=pb.StoppingCriteria(max_tokens=500, ignore_eos=True)
+            )
+            try:
+                for msg in stub.Generate(request, timeout=120):
+                    if msg.HasField("chunk") and msg.chunk.token_ids:
+                        got_tokens.set()
+                outcome["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                outcome["code"], outcome["details"] = exc.code(), exc.details()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert got_tokens.wait(120), "no token streamed"
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(60)
+    assert not thread.is_alive(), "the stream hung after a rank died"
+    assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
+    assert time.monotonic() - killed_at < 30
+    assert "Traceback" not in outcome["details"]
+    # Health NOT_SERVING is set before any stream is failed, and the restart takes seconds.
+    procs.wait_health(tp_worker.address, timeout_s=5, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+    # The whole group restarts: new rank processes, the old survivors stopped.
+    procs.wait_until(
+        lambda: rank_pids(tp_worker) and victim not in rank_pids(tp_worker), 240, "group restart"
+    )
+    assert not [p for p in [victim, *others] if alive(p)]
+    procs.wait_health(tp_worker.address, tp_worker)
+    procs.wait_for_workers(tp_router.address, 1, timeout_s=60)
+    procs.wait_all_blocks_free(tp_worker.address)
+    assert "tensor-parallel group restarted" in tp_worker.log_path.read_text(errors="replace")
+    assert generate(tp_router, PROMPTS[0]) == before
