@@ -1,5 +1,7 @@
-"""Client for OpenAI-compatible servers (llama.cpp `llama-server`, vLLM, TGI): streaming
-`POST /v1/completions` with server-sent events, over asyncio streams (stdlib only).
+"""Client for OpenAI-compatible servers (llama.cpp `llama-server`, vLLM, TGI, and this router's own
+HTTP API, docs/openai.md): streaming `POST /v1/completions` with server-sent events, over asyncio
+streams (stdlib only). Against our router it gets the same per-request counts as the gRPC client
+(tests/test_openai_e2e.py::test_load_tester_openai_target_counts_equal_the_grpc_target).
 
 Contract
 - `OpenAIClient(base_url, options, clock_ns)`; base URL `http(s)://host:port[/prefix]` (`/v1` is
