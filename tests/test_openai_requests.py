@@ -1,6 +1,7 @@
 """OpenAI JSON -> GenerateRequest (pure): what each parameter becomes, each bad one named in a 400;
 the validator's protobuf field names mapped back to OpenAI's; the router's HTTP flags and their
-public-bind rule; the error mapping of domain errors to HTTP statuses."""
+public-bind rule; the error mapping of domain errors to HTTP statuses; the HTTP call context (API
+key, trace parent, peer) the gRPC pipeline reads."""
 
 from __future__ import annotations
 
@@ -154,3 +155,31 @@ def test_http_flags_and_the_public_bind_rule():
     assert "0.0.0.0" in public.public_bind_refusal() and "--tenants" in public.public_bind_refusal()
     assert RouterConfig(http_host="0.0.0.0", http_port=-1).public_bind_refusal() is None
     assert RouterConfig(http_host="0.0.0.0", allow_insecure_public=True).public_bind_refusal() is None
+
+
+@pytest.mark.parametrize(
+    "client, peer, loopback",
+    [
+        (("127.0.0.1", 5000), "ipv4:127.0.0.1:5000", True),
+        (("::1", 5001), "ipv6:[::1]:5001", True),
+        (("10.1.2.3", 80), "ipv4:10.1.2.3:80", False),
+    ],
+)
+def test_http_call_context_carries_what_the_pipeline_reads(client, peer, loopback):
+    from starlette.requests import Request
+
+    from router.openai.app import HttpCallContext
+    from router.tenants import is_loopback_peer
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"authorization", b"Bearer k1"), (b"traceparent", parent.encode()), (b"x-other", b"1")],
+        "client": client,
+    }
+    ctx = HttpCallContext(Request(scope))
+    assert ctx.invocation_metadata() == (("authorization", "Bearer k1"), ("traceparent", parent))
+    assert ctx.peer() == peer and is_loopback_peer(ctx.peer()) is loopback
+    assert ctx.time_remaining() is None
