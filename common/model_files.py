@@ -17,8 +17,8 @@ Contract:
   worker's loader names models by).
 - `generation_defaults(path)` -> sampling defaults of the model (`temperature`, `top_p`, `top_k`,
   `min_p`, `repetition_penalty` when set): a directory's generation_config.json; for a GGUF a
-  `generation_config.json` beside the file, else the defaults its model card documents
-  (`DOCUMENTED_GGUF_DEFAULTS`), else none.
+  `generation_config.json` beside the file, else the defaults documented here for that model family
+  (`DOCUMENTED_GGUF_DEFAULTS`, docs/serving.md), else none.
 - Proven by tests/test_tokenizer.py (the file is found, the tokenizer built from this metadata
   encodes exactly as transformers' own GGUF loader does) and tests/test_tokenizer_models.py (hub
   id from a local cache, ids, defaults).
@@ -97,11 +97,13 @@ TOKENIZER_FILES = (
     "config.json",
 )
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# GGUF files carry no generation config; these are the sampling settings the model cards give.
-# (organization, basename) from the GGUF's general.* fields -> defaults.
+# GGUF files carry no generation config; these are the defaults documented (docs/serving.md) for
+# a model family, keyed by (organization, basename) from the GGUF's general.* fields.
 DOCUMENTED_GGUF_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
-    # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use": temperature=0.2, top_p=0.9
-    ("huggingfacetb", "smollm2"): {"temperature": 0.2, "top_p": 0.9},
+    # SmolLM2 (the embedded 135M model): greedy. Its model card's example samples at temperature
+    # 0.2, top_p 0.9; with those the README's first question got "Paris" for 5 of 8 seeds (the
+    # others a French ramble); greedy answers "The capital of France is Paris."
+    ("huggingfacetb", "smollm2"): {"temperature": 0.0},
 }
 
 

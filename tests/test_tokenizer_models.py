@@ -91,7 +91,7 @@ def test_generation_config_eos_ids_and_defaults(files, tmp_path: pathlib.Path) -
     (copy / "generation_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_pretrained_dir(copy).eos_token_ids == (4, 1)
     assert generation_defaults(copy) == {"temperature": 0.6, "top_p": 0.9}
-    assert generation_defaults(default_model_path()) == {"temperature": 0.2, "top_p": 0.9}  # model card
+    assert generation_defaults(default_model_path()) == {"temperature": 0.0}  # documented: greedy
     beside = tmp_path / "gguf"
     beside.mkdir()
     (beside / "m.gguf").write_bytes(files["qwen2"][1].read_bytes())
