@@ -98,6 +98,13 @@ def test_completion_prompts_and_defaults():
         ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options"),
         ({**CHAT, "stop_token_ids": [-1]}, True, "stop_token_ids"),
         ({**CHAT, "presence_penalty": float("inf")}, True, "presence_penalty"),
+        ({**CHAT, "priority": 2**40}, True, "priority"),
+        ({**CHAT, "top_k": 2**40}, True, "top_k"),
+        ({**CHAT, "max_tokens": 2**40}, True, "max_tokens"),
+        ({**CHAT, "seed": 2**64}, True, "seed"),
+        ({"prompt": [1, 2**40]}, False, "prompt"),
+        ({**CHAT, "stop_token_ids": [2**33]}, True, "stop_token_ids"),
+        ({**CHAT, "logit_bias": {str(2**40): 1}}, True, "logit_bias"),
     ],
 )
 def test_bad_parameters_are_named(body, chat, param):
@@ -183,3 +190,31 @@ def test_http_call_context_carries_what_the_pipeline_reads(client, peer, loopbac
     assert ctx.invocation_metadata() == (("authorization", "Bearer k1"), ("traceparent", parent))
     assert ctx.peer() == peer and is_loopback_peer(ctx.peer()) is loopback
     assert ctx.time_remaining() is None
+
+
+def test_unreadable_bodies_are_400():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from router.openai.app import _read_json
+
+    def read(body: bytes, limit: int = 1 << 20):
+        parts = [body[i : i + 1000] for i in range(0, len(body), 1000)] or [b""]
+        messages = [
+            {"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)
+        ]
+
+        async def receive():
+            return messages.pop(0)
+
+        return asyncio.run(_read_json(Request({"type": "http", "headers": []}, receive), limit))
+
+    assert read(b'{"a": [1, 2]}') == {"a": [1, 2]}
+    for body in (b"{nope", b"\xff\xfe", b"[" * 100_000):  # the last one nests deeper than the parser goes
+        with pytest.raises(ApiError) as info:
+            read(body)
+        assert info.value.status == 400 and "not valid JSON" in info.value.message
+    with pytest.raises(ApiError) as info:
+        read(b" " * 5000, limit=4096)
+    assert info.value.status == 413

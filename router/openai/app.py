@@ -177,8 +177,8 @@ async def _read_json(request: Request, limit: int):
         parts.append(part)
     try:
         return json.loads(b"".join(parts))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise ApiError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None
 
 
 def create_app(

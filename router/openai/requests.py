@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from protos.llm.v1 import generation_pb2 as pb
 
+INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
 MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages
 
@@ -80,11 +81,19 @@ def _number(body: dict, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _int(body: dict, name: str, low: int | None = None) -> int | None:
+def _int(body: dict, name: str, low: int | None = None, high: int = INT32_MAX) -> int | None:
     value = _get(body, name, (int,), "an integer")
     if value is not None and low is not None and value < low:
         raise _bad(name, f"must be >= {low}, got {value}")
+    if value is not None and value > high:
+        raise _bad(name, f"must be <= {high}, got {value}")
     return value
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in value
+    )
 
 
 def _text_of(content, param: str) -> str:
@@ -122,8 +131,8 @@ def _prompt(body: dict, req: pb.GenerateRequest) -> None:
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise _bad("prompt", "token ids must be >= 0")
+        if not _token_ids(prompt):
+            raise _bad("prompt", f"token ids must be in [0, {UINT32_MAX}]")
         req.token_ids.ids.extend(prompt)
     else:
         raise _bad("prompt", "required: a string or a list of token ids")
@@ -173,14 +182,12 @@ def _sampling(body: dict, s: pb.SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         setattr(s, name, _number(body, name) or 0.0)
     s.top_k = max(0, _int(body, "top_k", -1) or 0)  # -1 is vLLM's "off"
-    seed = _int(body, "seed")
+    seed = _int(body, "seed", 0, UINT64_MAX)
     if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise _bad("seed", f"must be in [0, 2^64), got {seed}")
         s.seed = seed
     bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to biases") or {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) or int(key) >= 2**32:
+        if not (isinstance(key, str) and key.isdigit()) or int(key) > UINT32_MAX:
             raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad("logit_bias", f"the bias of token {key} must be a number, got {value!r}")
@@ -194,7 +201,7 @@ def _stopping(body: dict, chat: bool, st: pb.StoppingCriteria, out: Parsed) -> N
         if value is not None:
             if value < 1:
                 raise _bad(name, f"must be >= 1, got {value}")
-            st.max_tokens, out.max_tokens_param = min(value, 2**32 - 1), name
+            st.max_tokens, out.max_tokens_param = value, name
             break
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -203,15 +210,20 @@ def _stopping(body: dict, chat: bool, st: pb.StoppingCriteria, out: Parsed) -> N
         raise _bad("stop", "must be a string or a list of strings")
     st.stop.extend(stop or [])
     ids = body.get("stop_token_ids") or []
-    if not (
-        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-    ):
+    if not _token_ids(ids):
         raise _bad("stop_token_ids", "must be a list of token ids")
     st.stop_token_ids.extend(ids)
     st.ignore_eos = bool(_get(body, "ignore_eos", (bool,), "a boolean"))
 
 
 def parse(body: object, chat: bool, request_id: str) -> Parsed:
+    try:
+        return _parse(body, chat, request_id)
+    except (ValueError, TypeError) as exc:  # a value the protobuf refuses that no check above caught
+        raise ApiError(400, f"request: {exc}") from None
+
+
+def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _unsupported(body, chat)
@@ -230,7 +242,7 @@ def parse(body: object, chat: bool, request_id: str) -> Parsed:
     _sampling(body, req.sampling)
     _logprobs(body, chat, req.sampling, out)
     _stopping(body, chat, req.stopping, out)
-    req.priority = _int(body, "priority") or 0
+    req.priority = _int(body, "priority", -INT32_MAX - 1) or 0
     return out
 
 
