@@ -18,6 +18,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from contextlib import aclosing
@@ -213,9 +214,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                                 async with asyncio.timeout(idle_s):
                                     await context.write(response)
                             except TimeoutError:
-                                raise StreamIdle(
-                                    f"stream idle: the client took no response for {idle_s:g} s"
-                                ) from None
+                                idle = StreamIdle(f"stream idle: no response taken for {idle_s:g} s")
+                                with contextlib.suppress(StreamIdle):  # the handler observes it, then ends
+                                    await responses.athrow(idle)
+                                raise idle from None
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - this is the one mapping point
