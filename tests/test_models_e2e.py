@@ -3,7 +3,8 @@
 Three tiny random checkpoints made here (tests/tiny_models.py: Llama-3 with llama3 RoPE scaling
 and a byte-level BPE, Qwen2 with q/k/v bias, a SentencePiece-vocabulary Mistral) each served by
 one worker; one router serves all three (the SentencePiece one from a tokenizer-only GGUF, so
-router and worker read different files of one vocabulary). A fourth worker claims the Llama-3 id
+router and worker read different files of one vocabulary; the Qwen2 one by hub id, from a local
+Hugging Face cache made here, offline). A fourth worker claims the Llama-3 id
 but serves the Qwen2 files: its tokenizer fingerprint differs and the router must never route to
 it. Greedy tokens through router and worker equal transformers' on the same checkpoint.
 """
@@ -20,7 +21,7 @@ import pytest
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests.procs import metrics_url, ready, scrape, start_router, start_worker
-from tests.tiny_models import write_checkpoint, write_gguf_vocab
+from tests.tiny_models import hub_cache, write_checkpoint, write_gguf_vocab
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -40,12 +41,21 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(checkpoints, logs):
+def stack(checkpoints, logs, tmp_path_factory):
     dirs, spm_gguf = checkpoints
+    cache = tmp_path_factory.mktemp("hf-cache")
+    hub_cache(cache, "tiny-org/qwen2", dirs["qwen2"])  # the qwen2 model is served by hub id
+    with pytest.MonkeyPatch.context() as env:  # the processes inherit it: offline, this cache only
+        env.setenv("HF_HUB_CACHE", str(cache))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        yield from _stack(dirs, spm_gguf, logs)
+
+
+def _stack(dirs, spm_gguf, logs):
     named = "--served-model-name"
     workers = {
         "tiny-llama3": start_worker(logs, "--model", str(dirs["llama3"]), named, "tiny-llama3"),
-        "qwen2": start_worker(logs, "--model", str(dirs["qwen2"])),  # id by default: the directory's name
+        "qwen2": start_worker(logs, "--model", "tiny-org/qwen2"),  # id by default: the hub id
         "tiny-spm": start_worker(logs, "--model", str(dirs["spm"]), named, "tiny-spm"),
         "impostor": start_worker(
             logs, "--model", str(dirs["qwen2"]), "--served-model-name", "tiny-llama3", "--metrics-port", "0"
@@ -54,7 +64,7 @@ def stack(checkpoints, logs):
     router = None
     try:
         ready(*workers.values())
-        models = f"tiny-llama3={dirs['llama3']},{dirs['qwen2']},tiny-spm={spm_gguf}"
+        models = f"tiny-llama3={dirs['llama3']},tiny-org/qwen2,tiny-spm={spm_gguf}"
         addresses = [w.address for w in workers.values()]
         router = start_router(logs, addresses, "--model", models, "--metrics-port", "0")
         ready(router)
@@ -107,16 +117,16 @@ def _greedy_reference(directory, prompt_ids: list[int]) -> list[int]:
 
 def test_lists_each_model_with_its_context_and_workers(stack, checkpoints) -> None:
     router, _ = stack
-    cards = _wait_models(router, {"tiny-llama3": 1, "qwen2": 1, "tiny-spm": 1})
+    cards = _wait_models(router, {"tiny-llama3": 1, "tiny-org/qwen2": 1, "tiny-spm": 1})
     assert all(card.max_model_len > 0 for card in cards.values())
 
 
 @pytest.mark.parametrize(
-    ("model", "kind"), [("tiny-llama3", "llama3"), ("qwen2", "qwen2"), ("tiny-spm", "spm")]
+    ("model", "kind"), [("tiny-llama3", "llama3"), ("tiny-org/qwen2", "qwen2"), ("tiny-spm", "spm")]
 )
 def test_greedy_tokens_equal_transformers(stack, checkpoints, model: str, kind: str) -> None:
     router, _ = stack
-    _wait_models(router, {"tiny-llama3": 1, "qwen2": 1, "tiny-spm": 1})
+    _wait_models(router, {"tiny-llama3": 1, "tiny-org/qwen2": 1, "tiny-spm": 1})
     directory = checkpoints[0][kind]
     hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
     greedy = pb.SamplingParams(temperature=0.0)
@@ -146,7 +156,7 @@ def test_unknown_or_missing_model_is_invalid_argument_naming_the_served_ids(stac
 
 def test_worker_with_a_mismatched_tokenizer_is_not_routed_to(stack) -> None:
     router, workers = stack
-    _wait_models(router, {"tiny-llama3": 1, "qwen2": 1, "tiny-spm": 1})
+    _wait_models(router, {"tiny-llama3": 1, "tiny-org/qwen2": 1, "tiny-spm": 1})
     impostor = workers["impostor"].address
     workers_url = metrics_url(router).replace("/metrics", "/workers")
     states = json.loads(urllib.request.urlopen(workers_url, timeout=5).read())
@@ -165,13 +175,13 @@ def test_unset_sampling_takes_the_models_generation_defaults(stack) -> None:
     """generation_config.json says temperature 0.6, top_p 0.9: a request that sets neither samples
     exactly as one that sets those values (same seed), and unlike one at 1.0."""
     router, _ = stack
-    _wait_models(router, {"tiny-llama3": 1, "qwen2": 1, "tiny-spm": 1})
+    _wait_models(router, {"tiny-llama3": 1, "tiny-org/qwen2": 1, "tiny-spm": 1})
     stopping = pb.StoppingCriteria(max_tokens=16, ignore_eos=True)
 
     def run(**sampling):
         return _generate(
             router,
-            model="qwen2",
+            model="tiny-org/qwen2",
             prompt="The capital",
             stopping=stopping,
             sampling=pb.SamplingParams(seed=7, **sampling),

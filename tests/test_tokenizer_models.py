@@ -19,7 +19,7 @@ from common.model_files import (
     resolve_model_source,
 )
 from common.tokenizer import Tokenizer
-from tests.tiny_models import MIXED, SPECS, write_gguf_vocab, write_tokenizer_dir
+from tests.tiny_models import MIXED, SPECS, hub_cache, write_gguf_vocab, write_tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 KINDS = ("llama3", "qwen2", "spm")
@@ -119,14 +119,7 @@ def test_unsupported_vocabularies_are_named(tmp_path: pathlib.Path) -> None:
 
 def test_hub_id_resolves_from_the_local_cache_only(files, tmp_path: pathlib.Path) -> None:
     """The layout huggingface_hub keeps: models--ORG--NAME/{refs/main, snapshots/COMMIT/...}."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama3"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    for f in files["llama3"][0].iterdir():
-        snapshot.joinpath(f.name).write_bytes(f.read_bytes())
+    snapshot = hub_cache(tmp_path / "hub", "tiny-org/tiny-llama3", files["llama3"][0])
     found = resolve_model_source("tiny-org/tiny-llama3", cache_dir=str(tmp_path / "hub"))
     assert found == snapshot
     assert Tokenizer.from_model(found).fingerprint == Tokenizer.from_model(files["llama3"][0]).fingerprint

@@ -273,3 +273,17 @@ def write_checkpoint(kind: str, directory: pathlib.Path, seed: int = 0) -> pathl
     model.save_pretrained(directory)
     write_tokenizer_dir(kind, directory)  # after: save_pretrained writes its own generation_config.json
     return directory
+
+
+def hub_cache(cache: pathlib.Path, repo_id: str, source: pathlib.Path) -> pathlib.Path:
+    """`source`'s files as huggingface_hub caches a download of `repo_id` (HF_HUB_CACHE layout:
+    models--ORG--NAME/{refs/main, snapshots/COMMIT/...}); returns the snapshot directory."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in source.iterdir():
+        snapshot.joinpath(f.name).write_bytes(f.read_bytes())
+    return snapshot
