@@ -21,8 +21,11 @@ Contract
   --otlp-endpoint, --trace-* and --log-format when given).
 - resources: one GPU per worker when the cluster has GPUs (`num_gpus=1`; the engine then runs on
   the GPU Ray assigned), otherwise `cpus_per_worker` CPUs; one placement-group bundle per worker,
-  strategy SPREAD by default so workers spread across nodes. A worker on several GPUs (tensor
-  parallel) is out of scope: the engine runs one device.
+  strategy SPREAD by default so workers spread across nodes. Tensor parallel (engine
+  `tensor_parallel_size` N): the worker's bundle and actor take N GPUs, so Ray places the whole
+  group on one node (a bundle never spans nodes), and the actor's process starts ranks 1..N-1 as
+  its own processes on the GPUs Ray made visible to it (worker/tp/, docs/tensor-parallel.md);
+  `cpus_per_worker` is the whole group's.
 - state: in Ray only (named actors, one placement group per launch call); none here.
 - failure modes: a non-loopback host (node-ip) without mutual TLS or --allow-insecure-public ->
   ValueError (common.public_bind), before anything starts. A worker process that dies is restarted
@@ -31,6 +34,7 @@ Contract
   bind) is final: Ray does not restart failed constructors. Bundles that cannot be placed within
   `ready_timeout_s` -> TimeoutError naming the bundle, the strategy and the cluster's resources.
 - proven by: tests/test_ray_cluster.py (placement 2 per node on fake GPUs, restart, discovery),
+  tests/test_tp_ray.py (TP=2 groups on fake GPUs: each group on one node, two groups on two nodes),
   tests/test_config_cli.py (every worker flag and variable reaches the actors' config),
   tests/test_serve_telemetry.py (actors export spans from the launcher's OTEL_* environment).
 
@@ -321,7 +325,8 @@ def launch_workers(config: LaunchConfig) -> Workers:
     handles = {n: _existing(n, config.namespace) for n in names}
     missing = [n for n, h in handles.items() if h is None]
     lifetime = "detached" if config.detached else None
-    bundle = {"GPU": 1.0} if use_gpus else {}
+    tp = config.engine.tensor_parallel_size  # a TP worker's N devices: one bundle, one node
+    bundle = {"GPU": float(tp)} if use_gpus else {}
     if config.cpus_per_worker > 0:
         bundle["CPU"] = config.cpus_per_worker
     if missing:
@@ -346,7 +351,7 @@ def launch_workers(config: LaunchConfig) -> Workers:
                 namespace=config.namespace,
                 lifetime=lifetime,
                 max_restarts=config.max_restarts,
-                num_gpus=1 if use_gpus else 0,
+                num_gpus=tp if use_gpus else 0,
                 num_cpus=config.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=index
