@@ -13,6 +13,7 @@ same per-request counts as its gRPC target.
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import signal
 import time
@@ -334,6 +335,65 @@ def test_sigterm_lets_open_http_streams_finish(worker, logs):
         assert rest[-1].choices[0].finish_reason == "length"
         assert proc.popen.wait(60) == 0
         assert "router stopped" in proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def _self_signed(directory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key (it is its own CA): (cert, key) paths."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "http-cert.pem", directory / "http-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    proc = procs.start_router(
+        logs, [worker.address], "--http-port", "0", "--tls-cert", cert, "--tls-key", key
+    )
+    try:
+        procs.ready(proc, credentials=grpc.ssl_channel_credentials(pathlib.Path(cert).read_bytes()))
+        url = http_url(proc)
+        assert url.startswith("https://127.0.0.1:")
+        trust = ssl.create_default_context(cafile=cert)
+        with openai.OpenAI(
+            base_url=url, api_key="unused", max_retries=0, http_client=openai.DefaultHttpxClient(verify=trust)
+        ) as c:
+            assert c.completions.create(model="", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the TLS port
+            post(url.replace("https://", "http://") + "/completions", b"{}", timeout_s=10)
     finally:
         proc.stop()
 
