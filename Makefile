@@ -48,10 +48,12 @@ bench-host: install
 	$(PY) -m benchmarks.host_overhead $(ARGS)
 
 # Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
-# the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything.
+# the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything. TP=N: each worker spans
+# N ranks (tensor parallel, docs/tensor-parallel.md; the default worker count is divided by N).
 WORKERS ?=
+TP ?=
 serve: install protos
-	$(PY) -m deploy.local $(if $(WORKERS),--workers $(WORKERS))
+	$(PY) -m deploy.local $(if $(WORKERS),--workers $(WORKERS)) $(if $(TP),--tensor-parallel-size $(TP))
 
 bench-attention: install
 	$(PY) -m benchmarks.cpu_attention $(ARGS)

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             logging_level=logging.WARNING,
         )
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
-        num_workers = plan.num_workers or default_num_workers(num_gpus, num_cpus)
+        tp = plan.engine.tensor_parallel_size  # a tensor-parallel worker spans tp GPUs / core shares
+        num_workers = plan.num_workers or max(1, default_num_workers(num_gpus, num_cpus) // tp)
         options = dict(plan.worker_options)
         # One token per deployment (or LLM_WORKER_TOKEN's): the workers refuse calls without it.
         token = plan.router.worker_token or new_token()
