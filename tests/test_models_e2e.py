@@ -190,3 +190,19 @@ def test_unset_sampling_takes_the_models_generation_defaults(stack) -> None:
     unset = run()
     assert unset == run(temperature=0.6, top_p=0.9)
     assert unset != run(temperature=1.0, top_p=1.0)
+
+
+def test_loader_stops_on_generation_config_eos_ids(checkpoints, tmp_path) -> None:
+    """Llama-3-Instruct names <|eot_id|> as an end token in generation_config.json only: the
+    worker's engine must stop on every id listed there, not only config.json's."""
+    from worker.model.loader import load_model
+
+    copy = tmp_path / "llama3"
+    copy.mkdir()
+    for f in checkpoints[0]["llama3"].iterdir():
+        copy.joinpath(f.name).write_bytes(f.read_bytes())
+    generation = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [1, 4]}))
+    config = json.loads((copy / "config.json").read_text())
+    assert config["eos_token_id"] == 4
+    assert load_model(copy).eos_token_ids == (4, 1)

@@ -367,8 +367,12 @@ def safetensors_tensors(path: Path) -> tuple[ModelConfig, dict[str, CheckpointTe
             if "rotary_emb" in name:
                 continue
             tensors[name] = SafetensorsTensor(key, handle, key)
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    generation_file = path / "generation_config.json"  # Llama-3-Instruct lists <|eot_id|> only here
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    eos_ids: tuple[int, ...] = ()
+    for eos in (config.get("eos_token_id"), generation.get("eos_token_id")):
+        for i in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
+            eos_ids += (i,) if i not in eos_ids else ()
     cfg = hf_model_config(config)
     if cfg.name in (config.get("model_type"), "llama"):
         cfg = ModelConfig(**{**cfg.__dict__, "name": path.name})
