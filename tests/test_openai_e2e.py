@@ -74,9 +74,25 @@ def worker(logs):
 
 
 @pytest.fixture(scope="module")
-def router(worker, logs):
+def sink():
+    from devtools.otlp_sink import OtlpSink
+
+    sink = OtlpSink()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="module")
+def router(worker, logs, sink):
     with procs.running_router(
-        logs, [worker.address], "--http-port", "0", tenants=TENANTS, metadata=AUTH
+        logs,
+        [worker.address],
+        "--http-port",
+        "0",
+        "--otlp-endpoint",
+        sink.endpoint,
+        tenants=TENANTS,
+        metadata=AUTH,
     ) as proc:
         yield proc
 
@@ -412,8 +428,31 @@ def test_disconnecting_clients_free_their_kv(client, router, worker):
     procs.wait_all_blocks_free(worker.address)
 
 
+def test_traceparent_parents_the_router_span_of_an_http_request(client, sink):
+    trace_id, parent_id = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
+    reply = client.completions.create(
+        model="",
+        prompt="hi",
+        max_tokens=1,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01", "X-Request-Id": "http-trace-1"},
+    )
+    assert reply.id == "cmpl-http-trace-1"
+
+    def root(spans):
+        return [s for s in spans if s.trace_id == trace_id and s.name == "llm.v1.Generation/Generate"]
+
+    [span] = root(sink.wait_for(lambda spans: bool(root(spans)), timeout_s=30))
+    assert span.parent_span_id == parent_id and span.service == "llm-router"
+    assert span.attributes["llm.protocol"] == "http"
+    assert span.attributes["llm.request_id"] == "http-trace-1"
+    stages = {s.name for s in sink.spans() if s.trace_id == trace_id and s.parent_span_id == span.span_id}
+    assert {"auth", "validate", "admission", "queue", "route"} <= stages
+
+
 def test_requests_are_counted_by_protocol(client, stub, router):
     client.completions.create(model="", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="", prompt="hi", top_p=5)
     grpc_generate(stub, prompt="hi", stopping=pb.StoppingCriteria(max_tokens=1))
     samples = procs.scrape(router)
     by = {
