@@ -110,8 +110,9 @@ LOADTEST_ARGS ?= --duration-s 30 --warmup-s 5 --rate 1 --input-len 64 --output-l
 loadtest: install protos
 	$(PY) -m loadtest $(LOADTEST_ARGS)
 
-# Fairness experiment: 3 tenants (weights 1, 2, 1) through one worker, VTC fair queue vs FCFS in
-# one run (~2.5 min); FAIRNESS_ARGS="--duration-s 300" for a long one. Reports: results/fairness/.
+# Fairness experiment: 3 tenants (weights 1, 2, 1), a VTC and a FCFS router on twin workers, at 3x
+# and 6x the capacity it measures first (~4 min); exits 1 with the reason unless VTC keeps the weights
+# within 10% while backlogged. FAIRNESS_ARGS="--duration-s 300" for a long one. Reports: results/fairness/.
 FAIRNESS_ARGS ?=
 bench-fairness: install protos
 	$(PY) -m benchmarks.fairness $(FAIRNESS_ARGS)
