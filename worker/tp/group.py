@@ -16,7 +16,8 @@ Contract
   loads its shard (worker/tp/shard.py through the loader), allocates its own paged KV pool (its
   KV heads only), answers ("ready", num_blocks) or ("error", message) on `conn`, then runs the
   forward of each step message until ("stop",), or until rank 0 is gone (EOF on `conn`), or a
-  collective fails (exit code 1: rank 0 sees it and restarts the group).
+  collective fails (exit code 1: rank 0 sees it and restarts the group). ("reduce", shape, n):
+  n bare all-reduces, for the benchmark.
 - proven by tests/test_tp_model.py and tests/test_tp_serve.py (a rank killed mid-stream).
 """
 
@@ -158,6 +159,15 @@ def rank_main(rank: int, size: int, config: EngineConfig, port: int, conn) -> No
             return  # rank 0 is gone
         if msg[0] == "stop":
             return
+        if msg[0] == "reduce":  # benchmarks/tp_bench.py: the collective alone, no compute
+            _, shape, count = msg
+            try:
+                for _ in range(count):
+                    collectives.all_reduce(torch.zeros(shape, dtype=runner.model.dtype, device=runner.device))
+            except GroupFailed as exc:
+                log.warning("%s; exiting", exc)
+                sys.exit(1)
+            continue
         input_ids, positions, meta = decode_step(msg, runner.device)
         try:
             with torch.inference_mode():

@@ -145,6 +145,18 @@ class TPGroup:
             except OSError as exc:
                 raise GroupFailed(f"rank {rank}: step not delivered ({type(exc).__name__})") from exc
 
+    def time_all_reduce(self, shape: tuple[int, ...], count: int, dtype: torch.dtype) -> float:
+        """Mean seconds of one bare all-reduce of `shape` over the group (every rank doing only
+        that): the communication cost without any wait for a slower rank's compute."""
+        for conn in self.conns:
+            conn.send(("reduce", shape, count + 1))
+        x = torch.zeros(shape, dtype=dtype, device=rank_device(self.config.device, 0))
+        self.collectives.all_reduce(x)  # warm-up; also lines the ranks up
+        start = time.perf_counter()
+        for _ in range(count):
+            self.collectives.all_reduce(x)
+        return (time.perf_counter() - start) / count
+
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
