@@ -130,6 +130,9 @@ def test_hub_id_resolves_from_the_local_cache_only(files, tmp_path: pathlib.Path
         resolve_model_source(str(tmp_path / "missing.gguf"))
 
 
-def test_model_ids() -> None:
+def test_model_ids(files) -> None:
+    """What a worker without --served-model-name reports and a router --model entry without ID= uses."""
     assert model_id(None) == read_gguf_metadata(default_model_path())["general.name"]
+    assert model_id(str(files["qwen2"][0])) == "qwen2"  # a directory: its name
+    assert model_id(str(files["spm"][1])) == "tiny-spm"  # a GGUF: general.name
     assert SPECS["llama3"]["pre"] == "llama-bpe"
