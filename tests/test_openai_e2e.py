@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import signal
-import time
 import urllib.error
 import urllib.request
 
@@ -28,6 +26,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
+from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post, self_signed
 
 KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -37,34 +36,8 @@ TENANTS = (
     f"  - name: limited\n    key_sha256: {hash_key(LIMITED_KEY)}\n"
     "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
 )
-HTTP_API = re.compile(r"HTTP API at (https?://\S+/v1)")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
-
-
-def http_url(proc: procs.Proc, timeout_s: float = procs.START_TIMEOUT_S) -> str:
-    """The base URL the router announced ("... HTTP API at http://HOST:PORT/v1")."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = HTTP_API.search(proc.log_path.read_text(errors="replace"))
-        if found:
-            return found.group(1)
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
-        time.sleep(0.05)  # polling a log file; no event to wait on across processes
-    raise TimeoutError(f"{proc.name} announced no HTTP API within {timeout_s} s")
-
-
-def post(url: str, body: bytes, timeout_s: float = 60.0) -> tuple[int, dict]:
-    """A raw POST with the test key (urllib: no client-side checks in the way)."""
-    request = urllib.request.Request(
-        url, data=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +82,6 @@ def stub(router):
         yield generation_pb2_grpc.GenerationStub(channel)
 
 
-def grpc_generate(stub, **fields) -> tuple[str, pb.Finished]:
-    text, _, finished = grpc_tokens(stub, **fields)
-    return text, finished
-
-
-def grpc_tokens(stub, **fields) -> tuple[str, list[int], pb.Finished]:
-    text, ids, finished = "", [], None
-    for msg in stub.Generate(pb.GenerateRequest(**fields), metadata=AUTH, timeout=120):
-        if msg.HasField("chunk"):
-            text += msg.chunk.text
-            ids += msg.chunk.token_ids
-        else:
-            finished = msg.finished
-    return text, ids, finished
-
-
 def test_models_lists_the_served_model(client, stub):
     [card] = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH).models
     [model] = client.models.list().data
@@ -135,6 +92,7 @@ def test_chat_matches_grpc_and_reports_usage(client, stub):
     reply = client.chat.completions.create(model="", messages=FRANCE, max_completion_tokens=8, temperature=0)
     text, finished = grpc_generate(
         stub,
+        AUTH,
         chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in FRANCE]),
         sampling=pb.SamplingParams(temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=8),
@@ -196,12 +154,14 @@ def test_stop_string_ends_the_text_and_is_reported(client):
 def test_stop_token_id_is_reported_on_grpc(stub, client):
     _, ids, done = grpc_tokens(
         stub,
+        AUTH,
         prompt=STORY,
         sampling=pb.SamplingParams(temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=6),
     )
     _, stopped = grpc_generate(
         stub,
+        AUTH,
         prompt=STORY,
         sampling=pb.SamplingParams(temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=6, stop_token_ids=[ids[2]]),
@@ -252,6 +212,7 @@ def test_new_sampling_parameters_give_the_same_text_on_both_apis(client, stub):
     )
     text, _ = grpc_generate(
         stub,
+        AUTH,
         prompt=STORY,
         sampling=pb.SamplingParams(**SAMPLING, **EXTRAS, logit_bias={bias_token: 5.0}),
         stopping=pb.StoppingCriteria(max_tokens=8),
@@ -264,6 +225,7 @@ def test_new_sampling_parameters_give_the_same_text_on_both_apis(client, stub):
     )
     _, ids, _ = grpc_tokens(
         stub,
+        AUTH,
         prompt=STORY,
         sampling=pb.SamplingParams(temperature=0, logit_bias={bias_token: 100.0}),
         stopping=pb.StoppingCriteria(max_tokens=4),
@@ -298,8 +260,8 @@ def test_invalid_requests_are_400_naming_the_parameter(client, kwargs, param):
 
 def test_bad_body_and_prompt_batches_are_400(router):
     url = http_url(router)
-    bad_status, bad = post(f"{url}/completions", b"{not json")
-    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode())
+    bad_status, bad = post(f"{url}/completions", b"{not json", KEY)
+    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode(), KEY)
     assert (bad_status, batch_status) == (400, 400)
     assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
 
@@ -355,47 +317,10 @@ def test_sigterm_lets_open_http_streams_finish(worker, logs):
         proc.stop()
 
 
-def _self_signed(directory) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 signed by its own key (it is its own CA): (cert, key) paths."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "http-cert.pem", directory / "http-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return str(cert_path), str(key_path)
-
-
 def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
     import ssl
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     proc = procs.start_router(
         logs, [worker.address], "--http-port", "0", "--tls-cert", cert, "--tls-key", key
     )
@@ -409,7 +334,7 @@ def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
         ) as c:
             assert c.completions.create(model="", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the TLS port
-            post(url.replace("https://", "http://") + "/completions", b"{}", timeout_s=10)
+            post(url.replace("https://", "http://") + "/completions", b"{}", KEY, timeout_s=10)
     finally:
         proc.stop()
 
@@ -424,7 +349,7 @@ def test_disconnecting_clients_free_their_kv(client, router, worker):
     assert load.num_running == 0
     # a whole (non-streaming) response the client stops waiting for
     with pytest.raises(TimeoutError):  # urllib closes the connection when the read times out
-        post(f"{http_url(router)}/completions", json.dumps({**long, "ignore_eos": True}).encode(), 3.0)
+        post(f"{http_url(router)}/completions", json.dumps({**long, "ignore_eos": True}).encode(), KEY, 3.0)
     procs.wait_all_blocks_free(worker.address)
 
 
@@ -453,7 +378,7 @@ def test_requests_are_counted_by_protocol(client, stub, router):
     client.completions.create(model="", prompt="hi", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="", prompt="hi", top_p=5)
-    grpc_generate(stub, prompt="hi", stopping=pb.StoppingCriteria(max_tokens=1))
+    grpc_generate(stub, AUTH, prompt="hi", stopping=pb.StoppingCriteria(max_tokens=1))
     samples = procs.scrape(router)
     by = {
         labels: value

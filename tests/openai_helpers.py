@@ -1,0 +1,93 @@
+"""Helpers of the OpenAI front's end-to-end tests (tests/test_openai_e2e.py): the announced HTTP
+URL, raw POSTs, gRPC generation with the same request, a throwaway certificate."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+from protos.llm.v1 import generation_pb2 as pb
+from tests import procs
+
+HTTP_API = re.compile(r"HTTP API at (https?://\S+/v1)")
+
+
+def http_url(proc: procs.Proc, timeout_s: float = procs.START_TIMEOUT_S) -> str:
+    """The base URL the router announced ("... HTTP API at http://HOST:PORT/v1")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = HTTP_API.search(proc.log_path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+        time.sleep(0.05)  # polling a log file; no event to wait on across processes
+    raise TimeoutError(f"{proc.name} announced no HTTP API within {timeout_s} s")
+
+
+def post(url: str, body: bytes, key: str, timeout_s: float = 60.0) -> tuple[int, dict]:
+    """A raw POST with an API key (urllib: no client-side checks in the way)."""
+    request = urllib.request.Request(
+        url, data=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def grpc_generate(stub, metadata, **fields) -> tuple[str, pb.Finished]:
+    text, _, finished = grpc_tokens(stub, metadata, **fields)
+    return text, finished
+
+
+def grpc_tokens(stub, metadata, **fields) -> tuple[str, list[int], pb.Finished]:
+    text, ids, finished = "", [], None
+    for msg in stub.Generate(pb.GenerateRequest(**fields), metadata=metadata, timeout=120):
+        if msg.HasField("chunk"):
+            text += msg.chunk.text
+            ids += msg.chunk.token_ids
+        else:
+            finished = msg.finished
+    return text, ids, finished
+
+
+def self_signed(directory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key (it is its own CA): (cert, key) paths."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "http-cert.pem", directory / "http-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
