@@ -224,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{'CPUs' if args.device == 'cpu' else 'GPUs'}; {model}, {args.dtype}, "
         f"batch {args.batch} x {args.prompt_len}-token prompts, {args.steps} decode steps after "
         f"{args.warmup} warm-up, "
-        f"{args.threads} torch thread(s) per rank. Command: `{command.strip()}`.\n\n{table(rows)}\n"
+        f"{args.threads} torch thread(s) per rank. Command: `{command.strip()}`.\n\n{table(rows)}\n\n"
+        '"in all-reduce" is rank 0\'s time inside the collectives during the steps, waiting for the slowest '
+        'rank included; "bare all-reduce" is one collective of a decode step\'s partials with every rank '
+        "doing nothing else. On CPU the ranks share the machine's cores: when ranks x threads exceed the "
+        "CPUs, both include waiting for descheduled ranks. A communication figure, not a speed claim "
+        "(docs/tensor-parallel.md).\n"
     )
     print(text)
     if args.write_docs:

@@ -5,6 +5,8 @@ SmolLM2, 9 / 3 heads, three rank processes over gloo) behind a real router.
 - A rank SIGKILLed mid-stream: the stream ends UNAVAILABLE within a bound, the worker reports
   NOT_SERVING while its group restarts, the whole group restarts (the other old rank is gone too),
   every KV block is back, and the router serves through the worker again with the same text.
+- `make serve TP=3` passes --tensor-parallel-size 3; what it runs (deploy.local: Ray, the worker
+  actor and its TP group, the router) gives the TP=1 text (slow).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import concurrent.futures as cf
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
+import types
 
 import grpc
 import pytest
@@ -67,7 +71,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def generate(router: procs.Proc, prompt: str, max_tokens: int = 12, request_id: str = "") -> str:
+def generate(router, prompt: str, max_tokens: int = 12, request_id: str = "") -> str:
     with grpc.insecure_channel(router.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = pb.GenerateRequest(
@@ -132,3 +136,27 @@ def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router):
     procs.wait_all_blocks_free(tp_worker.address)
     assert "tensor-parallel group restarted" in tp_worker.log_path.read_text(errors="replace")
     assert generate(tp_router, PROMPTS[0]) == before
+
+
+def test_make_serve_tp_passes_the_flag():
+    dry = subprocess.run(
+        ["make", "-n", "serve", "TP=3"], cwd=procs.REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert re.search(r"python -m deploy\.local .*--tensor-parallel-size 3", dry), dry
+
+
+# slow: local Ray + a worker actor whose TP group is three SmolLM2 shards (~1-2 min on 2 vCPUs).
+@pytest.mark.slow
+def test_make_serve_tp3_text_equals_tp1(tmp_path, ref_router):
+    """What `make serve TP=3` runs (deploy.local), in float32 like every serving test here: the
+    same greedy text as the TP=1 worker; SIGTERM stops it all (exit 0)."""
+    expected = generate(ref_router, PROMPTS[0])
+    args = ["-m", "deploy.local", "--port", "0", "--workers", "1", "--tensor-parallel-size", str(TP)]
+    args += ["--dtype", "float32", "--kv-cache-mb", str(procs.TEST_KV_CACHE_MB)]
+    proc = procs.Proc("serve", args, tmp_path)
+    try:
+        address = proc.wait_for_line(r"router listening on (\S+)", procs.START_TIMEOUT_S).group(1)
+        procs.wait_for_workers(address, 1, timeout_s=60)
+        assert generate(types.SimpleNamespace(address=address), PROMPTS[0]) == expected
+    finally:
+        assert proc.stop(timeout_s=60) == 0, proc.log_tail()
