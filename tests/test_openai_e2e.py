@@ -201,6 +201,31 @@ def test_seed_reproduces_and_logprobs_have_top_n(client):
     )
 
 
+def test_top_logprobs_agree_on_both_apis(client, stub):
+    http = client.completions.create(model="", prompt=STORY, max_tokens=3, temperature=0, logprobs=2)
+    chunks = [
+        msg.chunk
+        for msg in stub.Generate(
+            pb.GenerateRequest(
+                prompt=STORY,
+                sampling=pb.SamplingParams(temperature=0, logprobs=1, top_logprobs=2),
+                stopping=pb.StoppingCriteria(max_tokens=3),
+            ),
+            metadata=AUTH,
+        )
+        if msg.HasField("chunk")
+    ]
+    chosen = [lp for c in chunks for lp in c.logprobs]
+    tops = [list(t.logprobs) for c in chunks for t in c.top_logprobs]
+    assert all(len(c.top_logprobs) == len(c.token_ids) for c in chunks) and len(tops) == 3
+    lp = http.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(chosen, abs=1e-4)
+    assert [sorted(t.values(), reverse=True) for t in lp.top_logprobs] == [
+        pytest.approx(t, abs=1e-4) for t in tops
+    ]
+    assert all(t[0] == pytest.approx(c, abs=1e-5) for t, c in zip(tops, chosen))  # greedy: the top one
+
+
 SAMPLING = dict(temperature=0.8, seed=11, presence_penalty=0.6, frequency_penalty=0.4)
 EXTRAS = dict(min_p=0.05, repetition_penalty=2.0, top_k=40)  # vLLM's names, as extra_body
 
