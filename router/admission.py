@@ -12,6 +12,10 @@ Contract
     global_queue_full  the router already has max_queued_total requests waiting
     token_budget       prompt + max_tokens of all open requests would pass max_tokens_in_flight
     deadline           the estimated queue wait (FairQueue.estimated_wait_s) ends after deadline_s
+  `claim(tenant, cost)` is what the router runs before tokenizing: the request-rate check (one
+  request taken now and kept) and the caps below, after which the request counts as open until
+  `admit(..., claim=)` takes it over or `Claim.release()`; so rate and concurrency are counted
+  before any tokenizing (a huge-prompt flood is refused for microseconds each).
   `precheck(tenant, cost)` runs the three cap checks (concurrency, tenant_queue_full,
   global_queue_full) before the router spends time tokenizing, so a full router sheds in
   microseconds; `refuse(tenant, "no_capacity", ...)` counts a refusal decided by the caller (the
@@ -24,8 +28,10 @@ Contract
   `refusals[(tenant, reason)]` and `admitted[tenant]`. `Ticket.release()` (idempotent; call it
   when the stream ends however it ends) removes a still-queued item from the queue, returns the
   budget, and with `num_output_tokens` refunds unused max_tokens to the tokens/min bucket.
-- failure modes: only AdmissionError; everything is synchronous (one event loop, no locks).
-- proven by: tests/test_fairness_admission.py (each reason, retry-after values, isolation between
+- failure modes: only AdmissionError (`router_error()`: DEADLINE_EXCEEDED for `deadline`,
+  RESOURCE_EXHAUSTED for the rest); everything is synchronous (one event loop, no locks).
+- proven by: tests/test_trust_admission.py (claims before tokenizing, the deadline status),
+  tests/test_fairness_admission.py (each reason, retry-after values, isolation between
   tenants, ticket release); metric llm_admission_rejections_total{tenant,reason}.
 """
 
@@ -38,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from router.errors import DeadlineExceeded, Overloaded, RouterError
 from router.fair_queue import FairQueue, QueuedRequest
 from router.rate_limit import TokenBucket
 
@@ -53,7 +60,8 @@ REASONS = (
 
 
 class AdmissionError(Exception):
-    """A refusal: maps to RESOURCE_EXHAUSTED with trailing metadata retry-after-ms."""
+    """A refusal: RESOURCE_EXHAUSTED with trailing metadata retry-after-ms, except a deadline
+    that cannot be met, which is DEADLINE_EXCEEDED (`router_error()`)."""
 
     def __init__(self, reason: str, retry_after_ms: int, message: str):
         assert reason in REASONS, reason
@@ -61,6 +69,28 @@ class AdmissionError(Exception):
         self.reason = reason
         self.retry_after_ms = retry_after_ms
         self.message = message
+
+    def router_error(self) -> RouterError:
+        if self.reason == "deadline":
+            return DeadlineExceeded(self.message)
+        return Overloaded(self.message, self.retry_after_ms)
+
+
+class Claim:
+    """A request's place in its tenant's request rate and concurrency, taken before the router
+    spends time tokenizing it (`AdmissionController.claim`). `admit(..., claim=)` turns it into
+    the ticket's; `release()` (idempotent; a no-op once admitted) gives the concurrency back. The
+    request-rate token is not given back: the router's work on the request was spent."""
+
+    def __init__(self, controller: AdmissionController, tenant: str):
+        self._controller = controller
+        self.tenant = tenant
+        self.done = False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self._controller._close(self.tenant)
 
 
 class TenantPolicy(Protocol):
@@ -157,7 +187,12 @@ class AdmissionController:
         priority: int | None = None,
         deadline_s: float | None = None,
         payload: Any = None,
+        claim: Claim | None = None,
     ) -> Ticket:
+        """With a `claim` (taken before tokenizing) the request-rate and concurrency checks were
+        done then; the claim is consumed either way (refused: released)."""
+        if claim is not None and claim.done:
+            raise ValueError("admit: the claim was released already")
         item = QueuedRequest(
             tenant.name,
             tenant.weight,
@@ -168,17 +203,24 @@ class AdmissionController:
         )
         num_tokens = num_prompt_tokens + max_tokens
         requests, tokens = self._tenant_buckets(tenant)
+        if claim is not None:
+            requests = None  # taken at the claim
         try:
-            self._check(tenant, item, num_tokens, requests, tokens, deadline_s)
+            self._check(tenant, item, num_tokens, requests, tokens, deadline_s, claimed=claim is not None)
         except AdmissionError as err:
             self.refusals[(tenant.name, err.reason)] += 1
+            if claim is not None:
+                claim.release()
             raise
         for bucket, n in ((requests, 1), (tokens, num_tokens)):
             if bucket is not None:
                 taken = bucket.try_take(n)
                 assert taken == 0.0, "checked above, on the same clock reading"
         self._queue.push(item)
-        self._open[tenant.name] += 1
+        if claim is not None:
+            claim.done = True  # its open-request count is the ticket's now
+        else:
+            self._open[tenant.name] += 1
         self.tokens_in_flight += num_tokens
         self.admitted[tenant.name] += 1
         return Ticket(self, item, num_tokens)
@@ -191,6 +233,7 @@ class AdmissionController:
         requests: TokenBucket | None,
         tokens: TokenBucket | None,
         deadline_s: float | None,
+        claimed: bool = False,
     ) -> None:
         name, cfg = tenant.name, self._config
         waits = [requests.wait_s(1) if requests else 0.0, tokens.wait_s(num_tokens) if tokens else 0.0]
@@ -205,7 +248,7 @@ class AdmissionController:
             raise AdmissionError(
                 "rate_limited", self._clamp_ms(max(waits)), f"tenant {name}: rate limit reached"
             )
-        self._check_caps(tenant, item.max_cost)
+        self._check_caps(tenant, item.max_cost, self_open=1 if claimed else 0)
         if self._budget is not None and self.tokens_in_flight + num_tokens > self._budget:
             excess = self.tokens_in_flight + num_tokens - self._budget
             if num_tokens > self._budget:
@@ -231,9 +274,10 @@ class AdmissionController:
                     f"before the deadline ({max(left_s, 0.0) * 1e3:.0f} ms)",
                 )
 
-    def _check_caps(self, tenant: TenantPolicy, cost: float) -> None:
+    def _check_caps(self, tenant: TenantPolicy, cost: float, self_open: int = 0) -> None:
+        """`self_open`: 1 when the request itself is already counted open (a claim)."""
         name, cfg = tenant.name, self._config
-        if tenant.max_concurrency is not None and self._open[name] >= tenant.max_concurrency:
+        if tenant.max_concurrency is not None and self._open[name] - self_open >= tenant.max_concurrency:
             raise AdmissionError(
                 "concurrency",
                 self._share_ms(tenant, cost),
@@ -260,6 +304,29 @@ class AdmissionController:
             self.refusals[(tenant.name, err.reason)] += 1
             raise
 
+    def claim(self, tenant: TenantPolicy, cost: float) -> Claim:
+        """Before tokenizing: the tenant's request rate (one request taken now, kept even if the
+        request is refused later) and the caps of `precheck`; the request then counts as open
+        (concurrency) until the claim is released or admitted, so a flood of costly prompts is
+        refused before the router tokenizes them, and no more than max_concurrency of one tenant
+        are tokenized at once."""
+        requests, _ = self._tenant_buckets(tenant)
+        try:
+            wait_s = requests.wait_s(1) if requests else 0.0
+            if wait_s > 0:
+                raise AdmissionError(
+                    "rate_limited", self._clamp_ms(wait_s), f"tenant {tenant.name}: rate limit reached"
+                )
+            self._check_caps(tenant, cost)
+        except AdmissionError as err:
+            self.refusals[(tenant.name, err.reason)] += 1
+            raise
+        if requests is not None:
+            taken = requests.try_take(1)
+            assert taken == 0.0, "checked above, on the same clock reading"
+        self._open[tenant.name] += 1
+        return Claim(self, tenant.name)
+
     def refuse(self, tenant: TenantPolicy, reason: str, cost: float, message: str) -> AdmissionError:
         """Counts a refusal the caller decided; returns the error to raise (retry-after from `cost`)."""
         self.refusals[(tenant.name, reason)] += 1
@@ -271,14 +338,18 @@ class AdmissionController:
         ticket.released = True
         item = ticket.item
         self._queue.remove(item)  # no-op once dispatched
-        self._open[item.tenant] -= 1
-        if self._open[item.tenant] == 0:
-            del self._open[item.tenant]
+        self._close(item.tenant)
         self.tokens_in_flight -= ticket.num_tokens
         tokens = self._buckets.get(item.tenant, ((), None, None))[2]
         if tokens is not None and num_output_tokens is not None:
             tokens.give(max(0, item.max_tokens - num_output_tokens))
         self._queue.notify()  # a request ended, so its worker may have room: wake the dispatcher
+
+    def _close(self, tenant: str) -> None:
+        self._open[tenant] -= 1
+        if self._open[tenant] == 0:
+            del self._open[tenant]
+        self._queue.notify()
 
     def _tenant_buckets(self, tenant: TenantPolicy) -> tuple[TokenBucket | None, TokenBucket | None]:
         key = (tenant.rate_requests_per_s, tenant.burst_requests, tenant.rate_tokens_per_min)

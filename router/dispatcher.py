@@ -26,8 +26,13 @@ Contract
   wait, also every `recheck_s`, which covers capacity the registry finds (a worker that comes
   back, a first load report) without a hook into the registry.
 - state: per worker the reserved tokens by priority; the affinity map; the balancer's rotation.
-- failure modes: a bug while placing one request fails that request (logged), not the loop.
-- proven by: tests/test_fairness_dispatch.py (fake workers), tests/test_fairness_e2e.py.
+- context: a worker takes only requests whose prompt + max_tokens fit its own max_model_len; a
+  request that fits no healthy worker of its model fails INVALID_ARGUMENT (never INTERNAL).
+- failure modes: a bug while placing one request fails that request (logged), not the loop; a
+  failure of the loop itself (`_supervise`) fails the requests queued then with UNAVAILABLE and
+  restarts it (`restarts` counts), with a growing pause when it keeps failing.
+- proven by: tests/test_fairness_dispatch.py (fake workers), tests/test_fairness_e2e.py,
+  tests/test_trust_units.py (supervision), tests/test_trust_limits.py (heterogeneous contexts).
 """
 
 from __future__ import annotations
@@ -41,11 +46,18 @@ from dataclasses import dataclass, field
 
 from router.affinity import PrefixAffinity
 from router.balancer import Lease, LeastOutstandingTokens
-from router.errors import DeadlineExceeded, Unavailable
+from router.errors import DeadlineExceeded, Unavailable, ValidationError
 from router.fair_queue import FairQueue, QueuedRequest
 from router.registry import WorkerHandle, WorkerRegistry
 
 log = logging.getLogger(__name__)
+
+
+def _context_holds(worker: WorkerHandle, item: QueuedRequest) -> bool:
+    """The worker's context holds the request's prompt + max_tokens (workers of one model may run
+    different --max-model-len or KV sizes, hence contexts)."""
+    limit = getattr(worker.info, "max_model_len", 0)  # 0: not reported (yet)
+    return not limit or item.num_prompt_tokens + item.max_tokens <= limit
 
 
 def _new_future() -> asyncio.Future:
@@ -121,9 +133,36 @@ class Dispatcher:
         self._balancer = LeastOutstandingTokens()
         self._reserved: dict[str, Counter[int]] = {}
         self._task: asyncio.Task | None = None
+        self.restarts = 0  # times the dispatcher loop failed and was restarted
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="dispatcher")
+        self._task = asyncio.create_task(self._supervise(), name="dispatcher")
+
+    async def _supervise(self) -> None:
+        """`run`, restarted when it fails: the requests queued at the time fail with UNAVAILABLE
+        (the client may retry at once) instead of waiting for a loop that is gone."""
+        backoff_s = 0.01
+        while True:
+            try:
+                await self.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - logged; the loop restarts
+                self.restarts += 1
+                log.exception(
+                    "dispatcher loop failed (restart %d): failing the queued requests", self.restarts
+                )
+                self._fail_queued(Unavailable("the router's dispatcher failed; retry the request"))
+                await asyncio.sleep(backoff_s)  # a fault that repeats does not spin
+                backoff_s = min(1.0, backoff_s * 2)
+
+    def _fail_queued(self, error: Exception) -> None:
+        try:
+            while (item := self.queue.pop_next(lambda _item: True)) is not None:
+                if not item.payload.future.done():
+                    item.payload.future.set_exception(error)
+        except Exception:  # noqa: BLE001 - the queue itself is broken: callers' deadlines end them
+            log.exception("could not fail the queued requests")
 
     async def stop(self) -> None:
         if self._task:
@@ -165,8 +204,10 @@ class Dispatcher:
             raise DeadlineExceeded("deadline passed while the request waited in the router's queue") from None
 
     def place_retry(self, item: QueuedRequest, exclude: Collection[str]) -> Placement | None:
-        """Another worker for a request whose worker failed before its first token, room or not."""
-        worker = self._balancer.choose(self._registry.healthy(item.payload.model), exclude=exclude)
+        """Another worker for a request whose worker failed before its first token, room or not
+        (but a context that holds it)."""
+        workers = [w for w in self._registry.healthy(item.payload.model) if _context_holds(w, item)]
+        worker = self._balancer.choose(workers, exclude=exclude)
         return None if worker is None else Placement(self, worker, item)
 
     def reserved_tokens(self, address: str, min_priority: int | None = None) -> int:
@@ -193,7 +234,7 @@ class Dispatcher:
 
     def _fits(self, worker: WorkerHandle, item: QueuedRequest) -> bool:
         capacity = self.capacity_tokens(worker)
-        if capacity <= 0 or not self.has_free_slot(worker):
+        if capacity <= 0 or not self.has_free_slot(worker) or not _context_holds(worker, item):
             return False
         need = min(item.num_prompt_tokens + item.max_tokens, capacity)
         return capacity - self.reserved_tokens(worker.address, item.priority) >= need
@@ -202,7 +243,10 @@ class Dispatcher:
         model = item.payload.model
         workers = self._registry.healthy(model)
         if workers:
-            return any(self._fits(w, item) for w in workers)
+            # none whose context holds it: let it out, so that `_place` fails it (it would never fit)
+            return any(self._fits(w, item) for w in workers) or not any(
+                _context_holds(w, item) for w in workers
+            )
         # none for a while: let it out, so that `_place` fails it instead of it blocking the queue
         since = self._no_worker_since.setdefault(model, self._clock())
         return self._clock() - since >= self._no_worker_grace_s
@@ -211,9 +255,21 @@ class Dispatcher:
         pending: Pending = item.payload
         if pending.future.done():  # its call already ended
             return
-        workers = [w for w in self._registry.healthy(pending.model) if self._fits(w, item)]
+        healthy = self._registry.healthy(pending.model)
+        workers = [w for w in healthy if self._fits(w, item)]
         if not workers:
-            pending.future.set_exception(Unavailable(f"no healthy worker for model {pending.model!r}"))
+            largest = max((getattr(w.info, "max_model_len", 0) for w in healthy), default=0)
+            need = item.num_prompt_tokens + item.max_tokens
+            error = (
+                ValidationError(
+                    "stopping.max_tokens",
+                    f"prompt ({item.num_prompt_tokens} tokens) + max_tokens ({item.max_tokens}) exceed the "
+                    f"context of every worker serving model {pending.model!r} (largest: {largest} tokens)",
+                )
+                if healthy and largest and need > largest
+                else Unavailable(f"no healthy worker for model {pending.model!r}")
+            )
+            pending.future.set_exception(error)
             return
         first = self._balancer.choose(workers)  # listed first: affinity's ties go to it
         by_address = {w.address: w for w in [first, *workers]}

@@ -1,7 +1,9 @@
 """One router request, observed: its spans, its metrics and its log line.
 
 Contract
-- input: the call's metadata (a client `traceparent` becomes the parent), then the servicer's
+- input: the call's metadata (a client `traceparent` becomes the parent, but whether the trace
+  is sampled is decided by the router's sampler with its own randomness, never by the caller's
+  flag: the call is not authenticated yet), then the servicer's
   stage boundaries (`stage("auth")`, `stage("validate")`, `stage("admission")`, `stage("queue")`,
   `stage("route", worker=...)`: each ends the previous stage), `request(...)` once the request is
   known, `event(chunk_or_done)` for each relayed event, `fail(exc)` when it raises, `finish()` once.
@@ -15,17 +17,21 @@ Contract
 - status vocabulary (label and log): stop | length | cancelled, or the gRPC status code in lower
   case when the call fails (invalid_argument, unauthenticated, resource_exhausted, unavailable,
   deadline_exceeded, internal).
-- proven by: tests/test_observability_e2e.py.
+- `EventLoopLag` exports `llm_router_event_loop_lag_seconds`.
+- proven by: tests/test_observability_e2e.py, tests/test_trust_units.py (sampling, loop lag).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from prometheus_client import Gauge
 
 from common.logs import log_request
 from common.request_metrics import TokenClock
@@ -36,6 +42,7 @@ from router.relay import Chunk, Done
 
 tracer = trace.get_tracer("llm.router")
 requests_log = logging.getLogger("llm.requests")
+SPAN_NAME = "llm.v1.Generation/Generate"
 
 
 def status_of(exc: BaseException) -> str:
@@ -46,6 +53,66 @@ def status_of(exc: BaseException) -> str:
     return "internal"
 
 
+def _router_samples(name: str) -> bool:
+    """The sampling decision the router's own sampler takes for a new trace, on a trace id of the
+    router's randomness (a trace-id-ratio sampler on the client's id would let the client pick)."""
+    sampler = getattr(trace.get_tracer_provider(), "sampler", None)
+    if sampler is None:  # no SDK: nothing is recorded anyway
+        return False
+    result = sampler.should_sample(None, random.getrandbits(128) or 1, name)
+    return result.decision.is_sampled()
+
+
+def untrusted_parent(metadata) -> Context:
+    """The caller's W3C trace context, continued (same trace id, its span as the parent) but with
+    the sampled flag decided here: the call is not yet authenticated when its span starts, and a
+    caller's flag must not decide what the router records (a flood of sampled=1 calls would
+    otherwise force every one of them into the trace pipeline)."""
+    context = extract(metadata)
+    parent = trace.get_current_span(context).get_span_context()
+    if not parent.is_valid:
+        return context
+    flags = TraceFlags(TraceFlags.SAMPLED if _router_samples(SPAN_NAME) else TraceFlags.DEFAULT)
+    decided = SpanContext(parent.trace_id, parent.span_id, True, flags, parent.trace_state)
+    return trace.set_span_in_context(NonRecordingSpan(decided))
+
+
+class EventLoopLag:
+    """`llm_router_event_loop_lag_seconds`: how late the router's event loop ran a timer, the
+    worst over the last `window_s` (a loop stalled by CPU work on it, e.g. tokenizing, shows
+    here before anywhere else)."""
+
+    def __init__(self, registry, interval_s: float = 0.05, window_s: float = 1.0):
+        self.gauge = Gauge(
+            "llm_router_event_loop_lag_seconds",
+            f"Worst lateness of the router's event loop over the last {window_s:g} s",
+            registry=registry,
+        )
+        self._interval_s, self._window_s = interval_s, window_s
+        self.max_lag_s = 0.0  # since start, for tests and benchmarks
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-loop-lag")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        worst, window_start = 0.0, time.monotonic()
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(self._interval_s)
+            now = time.monotonic()
+            lag = max(0.0, now - before - self._interval_s)
+            worst = max(worst, lag)
+            self.max_lag_s = max(self.max_lag_s, lag)
+            if now - window_start >= self._window_s:
+                self.gauge.set(worst)
+                worst, window_start = 0.0, now
+
+
 class RequestObservation:
     def __init__(self, metrics: RouterMetrics | None, metadata, protocol: str = "grpc"):
         self.arrival_s = time.monotonic()
@@ -54,7 +121,7 @@ class RequestObservation:
         self._clock = TokenClock(metrics.requests, self.arrival_s) if metrics else None
         self.span = tracer.start_span(
             "llm.v1.Generation/Generate",
-            context=extract(metadata),
+            context=untrusted_parent(metadata),
             kind=SpanKind.SERVER,
             attributes={"llm.protocol": protocol},
         )

@@ -38,6 +38,7 @@ from router.errors import ErrorInterceptor
 from router.fair_queue import FairQueue
 from router.metrics import RouterMetrics, targets
 from router.models import ModelTable, worker_states
+from router.observe import EventLoopLag
 from router.openai.app import create_app
 from router.openai.server import HttpFront
 from router.registry import StaticRegistry
@@ -109,6 +110,7 @@ async def serve(config: RouterConfig) -> int:
         replicas=replicas,
     )
     metrics = RouterMetrics()
+    loop_lag = EventLoopLag(metrics.registry)  # llm_router_event_loop_lag_seconds
     metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)
     metrics.export_state(registry, drain, admission, queue, dispatcher)
     base = GrpcServer(
@@ -164,6 +166,7 @@ async def serve(config: RouterConfig) -> int:
     if http is not None:
         http.start()
     dispatcher.start()
+    loop_lag.start()
     watcher = (
         asyncio.create_task(tenants.watch(config.tenants_poll_s))
         if (config.tenants_file and config.tenants_poll_s > 0)
@@ -191,6 +194,7 @@ async def serve(config: RouterConfig) -> int:
     if watcher is not None:
         watcher.cancel()
     await dispatcher.stop()
+    loop_lag.stop()
     await registry.stop()
     base.close()
     log.info("router stopped")

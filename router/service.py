@@ -23,7 +23,6 @@ Contract
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from contextlib import aclosing
@@ -32,7 +31,7 @@ import jinja2
 
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from router.admission import AdmissionController, AdmissionError
+from router.admission import AdmissionController, AdmissionError, Claim
 from router.affinity import prefix_hashes
 from router.config import Limits
 from router.dispatcher import Dispatcher, Pending
@@ -45,6 +44,7 @@ from router.observe import RequestObservation
 from router.registry import WorkerRegistry
 from router.relay import Chunk, Done, Relay
 from router.tenants import TenantsFile
+from router.tokenize_pool import TokenizePool
 from router.validation import ValidRequest, fit_to_context, validate
 
 FINISH_REASONS = {
@@ -106,6 +106,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._dispatcher = dispatcher
         self._relay = Relay(registry, models.tokenizer)
+        self._tokenize_pool = TokenizePool()  # bounded, off the event loop
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -134,10 +135,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             req = validate(request, self._limits, models)
             req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+            tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
             self._refuse_hopeless_text(req)
-            self._shed_early(tenant, req)
-            prompt_ids = await asyncio.to_thread(self._tokenize, req)
-            max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+            claim = self._shed_early(tenant, req)  # rate and concurrency counted before tokenizing
+            try:
+                prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
+                max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+            except BaseException:
+                claim.release()
+                raise
             obs.request(
                 req.request_id,
                 tenant.name,
@@ -147,8 +153,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 req.temperature,
                 req.top_p,
             )
-            remaining = context.time_remaining()
-            deadline_s = None if remaining is None else arrival_s + remaining
+            deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
             pending = Pending(req.model.name, prefix_hashes(prompt_ids, tenant.name))
             obs.stage("admission")
             try:
@@ -159,9 +164,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     priority=req.priority,
                     deadline_s=deadline_s,
                     payload=pending,
+                    claim=claim,
                 )
-            except AdmissionError as err:
-                raise Overloaded(err.message, err.retry_after_ms) from None
+            except AdmissionError as err:  # DEADLINE_EXCEEDED for a deadline it cannot meet
+                raise err.router_error() from None
             if not self._queue_requests:
                 self._dispatcher.dispatch_ready()
                 if not pending.future.done():  # no worker has room for it now: refuse, do not queue
@@ -249,12 +255,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"context (a token covers at most {per_token} characters)",
             )
 
-    def _shed_early(self, tenant, req: ValidRequest) -> None:
+    def _shed_early(self, tenant, req: ValidRequest) -> Claim:
         """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""
         cost = OUTPUT_COST * (req.max_tokens or self._limits.default_max_tokens)
         try:
-            self._admission.precheck(tenant, cost)
+            claim = self._admission.claim(tenant, cost)
             if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
+                claim.release()
                 raise self._admission.refuse(
                     tenant,
                     "no_capacity",
@@ -263,6 +270,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 )
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
+        return claim
 
     def _tokenize(self, req: ValidRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -18,17 +18,24 @@ Contract
           burst_requests: 10        # ... holding this many (default: one second's worth, >= 1)
           rate_tokens_per_min: 60000  # optional: prompt + max_tokens per minute (burst: a minute's)
           default_priority: 0       # used when a request's priority is 0 (unset)
+          max_priority: 0           # the highest priority its requests may ask for (higher:
+                                    # PERMISSION_DENIED; default 0, or default_priority if
+                                    # higher); priority preempts other tenants' work
+          default_deadline_s: 300   # optional: the deadline of a call that sets none
+          max_deadline_s: 600       # optional: no call runs longer (client deadlines are capped)
 
   With `--router-replicas R` the table holds each tenant's share for one of R routers
   (`Tenant.share`: rates divided by R, caps divided and rounded up).
 
   Without a file there is one `default` tenant with no key, allowed only from loopback peers
-  (or from anywhere with --allow-insecure-public). `TenantsFile` reloads the file on SIGHUP or
-  when its modification time changes, by swapping the immutable `Tenants`: calls in flight keep
-  the `Tenant` they authenticated as; a bad new file is logged and the old table kept.
+  (or from anywhere with --allow-insecure-public); being alone, it may use any priority.
+  `TenantsFile` reloads the file on SIGHUP or when its modification time changes, by swapping
+  the immutable `Tenants`: calls in flight keep the `Tenant` they authenticated as; a bad new
+  file is logged and the old table kept.
 - failure modes: malformed file -> ValueError at start-up; keys are compared in constant time
   against every tenant, so timing does not reveal which digest prefix matched.
-- proven by: tests/test_router_tenants.py, tests/test_grpc_e2e.py (invalid-request table)
+- proven by: tests/test_trust_limits.py (max_priority, deadlines),
+  tests/test_router_tenants.py, tests/test_grpc_e2e.py (invalid-request table)
   (missing / wrong key), tests/test_tenant_isolation.py (spoofing through metadata and fields, keys
   absent from logs, spans and metrics).
 """
@@ -48,7 +55,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from router.errors import AuthError
+from router.errors import AuthError, PermissionDenied
 
 log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
@@ -65,6 +72,9 @@ class Tenant:
     burst_requests: float | None = None  # None: one second's worth, at least 1
     rate_tokens_per_min: float | None = None  # prompt + max_tokens; burst: one minute's worth
     default_priority: int = 0
+    max_priority: int | None = None  # highest priority it may ask for; None: 0, or default_priority
+    default_deadline_s: float | None = None  # a call without a deadline gets this one
+    max_deadline_s: float | None = None  # no call of the tenant runs longer
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -84,10 +94,41 @@ class Tenant:
                 raise ValueError(f"tenant {self.name}: burst_requests needs rate_requests_per_s")
             if self.burst_requests < 1:
                 raise ValueError(f"tenant {self.name}: burst_requests must be >= 1 (one request)")
-        if not _is_int(self.default_priority):
+        for field in ("default_priority", "max_priority"):
+            if not _is_int(getattr(self, field)):
+                value = getattr(self, field)
+                if value is not None or field != "max_priority":
+                    raise ValueError(f"tenant {self.name}: {field} must be an integer, got {value!r}")
+        if self.max_priority is None:  # 0, unless the operator gave the tenant a higher default
+            object.__setattr__(self, "max_priority", max(0, self.default_priority))
+        if self.default_priority > self.max_priority:
             raise ValueError(
-                f"tenant {self.name}: default_priority must be an integer, got {self.default_priority!r}"
+                f"tenant {self.name}: default_priority {self.default_priority} is above its max_priority "
+                f"{self.max_priority} (set max_priority too)"
             )
+        for field in ("default_deadline_s", "max_deadline_s"):
+            value = getattr(self, field)
+            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"tenant {self.name}: {field} must be a number > 0, got {value!r}")
+        if None not in (self.default_deadline_s, self.max_deadline_s):
+            if self.default_deadline_s > self.max_deadline_s:
+                raise ValueError(f"tenant {self.name}: default_deadline_s is above max_deadline_s")
+
+    def check_priority(self, priority: int) -> None:
+        """PermissionDenied for a priority above the tenant's max_priority (a higher priority runs
+        before, and preempts, every other tenant's lower-priority work)."""
+        if priority > self.max_priority:
+            raise PermissionDenied(
+                f"priority: {priority} is above the highest this tenant may use ({self.max_priority})"
+            )
+
+    def deadline_at(self, now_s: float, remaining_s: float | None) -> float | None:
+        """The call's deadline on the monotonic clock: the client's, else the tenant's default,
+        capped by the tenant's maximum (None: no deadline)."""
+        budget = self.default_deadline_s if remaining_s is None else remaining_s
+        if self.max_deadline_s is not None:
+            budget = self.max_deadline_s if budget is None else min(budget, self.max_deadline_s)
+        return None if budget is None else now_s + budget
 
     def share(self, replicas: int) -> Tenant:
         """The limits one of `replicas` routers enforces when requests are spread evenly over them:
@@ -162,7 +203,9 @@ class Tenants:
 
     @classmethod
     def default(cls, allow_public: bool = False) -> "Tenants":
-        return cls([Tenant(DEFAULT_TENANT)], require_key=False, allow_public=allow_public)
+        # the only tenant: its priorities reorder only its own requests
+        alone = Tenant(DEFAULT_TENANT, max_priority=2**31 - 1)
+        return cls([alone], require_key=False, allow_public=allow_public)
 
     @classmethod
     def from_yaml(cls, text: str, replicas: int = 1) -> "Tenants":

@@ -120,6 +120,12 @@ def _input(req: pb.GenerateRequest, model: ModelSpec, limits: Limits) -> dict:
         )
         _check(any(m.content for m in messages), "chat.messages", "all messages are empty")
         return {"chat": tuple({"role": m.role, "content": m.content} for m in messages)}
+    # the length first (O(1)): checking each of millions of ids would stall the router's event loop
+    _check(
+        len(req.token_ids.ids) < model.max_model_len,
+        "token_ids.ids",
+        f"{len(req.token_ids.ids)} tokens do not fit the model's context of {model.max_model_len} tokens",
+    )
     ids = tuple(req.token_ids.ids)
     _check(len(ids) > 0, "token_ids.ids", "must not be empty")
     bad = next((t for t in ids if t >= model.vocab_size), None)

@@ -73,6 +73,7 @@ TENANTS = f"""
 tenants:
   - name: quiet
     key_sha256: {hash_key("quiet-key")}
+    max_priority: 5  # its priority-5 request below (priorities above a tenant's cap are refused)
   - name: noisy
     key_sha256: {hash_key("noisy-key")}
     rate_requests_per_s: 0.5

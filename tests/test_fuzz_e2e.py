@@ -45,7 +45,15 @@ tenants:
 AUTH = (("authorization", f"Bearer {FUZZ_KEY}"),)
 NUM_CALLS = 150
 SEED = 9
-ALLOWED = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "DEADLINE_EXCEEDED"}
+# PERMISSION_DENIED: a priority above the tenant's max_priority (router/tenants.py)
+ALLOWED = {
+    "OK",
+    "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "DEADLINE_EXCEEDED",
+    "PERMISSION_DENIED",
+}
 
 
 @pytest.fixture(scope="module")
