@@ -75,9 +75,8 @@ class TPAsyncEngine(AsyncEngine):
         """`set_serving(bool)`: the server's async health setter, called on `loop`."""
 
         def health(serving: bool) -> None:
-            future = asyncio.run_coroutine_threadsafe(set_serving(serving), loop)
             try:
-                future.result(timeout=5.0)
+                asyncio.run_coroutine_threadsafe(set_serving(serving), loop).result(timeout=5.0)
             except Exception:  # noqa: BLE001 - a closing loop; the restart goes on regardless
                 log.warning("could not set health %s", "SERVING" if serving else "NOT_SERVING")
 
@@ -92,7 +91,7 @@ class TPAsyncEngine(AsyncEngine):
             super()._fail_all(exc)
             return
         log.error("tensor-parallel group failed: %s; restarting the group", exc)
-        if self._health is not None:
+        if self._health is not None and not self._stopping:
             self._health(False)
         error = GroupUnavailable("tensor-parallel worker group failed; it is restarting, retry")
         for request_id in list(self.engine.scheduler.requests):
