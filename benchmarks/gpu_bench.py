@@ -29,6 +29,7 @@ Protocol (one GPU, no download: a randomly initialised Llama-3.2-1B-shaped model
    output token (t_1, mostly prefill) and N tokens (t_N); decode tok/s = B * (N - 1) / (t_N - t_1),
    end-to-end tok/s = B * N / t_N. Prefix caching is off so every run prefills. The engine's
    tokens are compared with transformers' (reported, not asserted: bf16 near-ties may differ).
+5. Steady serving (Poisson arrivals) and FP8 speed and accuracy: benchmarks/gpu_steady.py.
 4. HBM roofline of engine decode: bytes a decode step must read (every weight once, the embedding
    table once via the tied LM head, plus the K/V of each sequence's mean decode context
    prompt + N/2) / decode step time (t_N - t_1) / (N - 1), as a share of the measured read
@@ -62,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_fused import fused_markdown, fused_section
+from benchmarks.gpu_steady import fp8_markdown, fp8_section, steady_markdown, steady_section
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
@@ -474,6 +476,11 @@ def engine_section(res: dict, sizes: dict, device: torch.device, deadline: float
     rows = {b: {"batch_size": b} for b in batch_sizes}
     res["engine_setup"], res["engine"] = setup, list(rows.values())
     sides = (["graphs"] if device.type == "cuda" else []) + ["eager"] + (["hf", "hf_compiled"] if hf else [])
+    if sizes.get("skip_hf_compiled") and "hf_compiled" in sides:
+        sides.remove("hf_compiled")
+        setup["hf_compiled_error"] = (
+            "not run: --skip-hf-compiled (this session's time went to other sections)"
+        )
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     for side in sides:
         run = None
@@ -892,6 +899,8 @@ def markdown(res: dict) -> str:
                 f"{replay.get('identical', '-')}/{replay.get('requests', '-')} |"
             )
     lines += roofline_markdown(res)
+    lines += steady_markdown(res)
+    lines += fp8_markdown(res)
     return "\n".join(lines) + "\n"
 
 
@@ -915,6 +924,8 @@ def main() -> None:
     )
     p.add_argument("--skip-engine", action="store_true", help="bandwidth, attention and fused kernels only")
     p.add_argument("--skip-checkpoint", action="store_true", help="no real-checkpoint graphs vs eager check")
+    p.add_argument("--skip-hf-compiled", action="store_true", help="no transformers static cache + compile")
+    p.add_argument("--skip-hot-path", action="store_true", help="no steady-serving and FP8 sections")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "results")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -925,7 +936,11 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read once, when triton is imported
     import triton
 
-    sizes = SMOKE if args.smoke else FULL
+    sizes = dict(
+        SMOKE if args.smoke else FULL,
+        skip_hf_compiled=args.skip_hf_compiled,
+        skip_checkpoint=args.skip_checkpoint,
+    )
     device = torch.device("cuda" if cuda else "cpu")
     res = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
@@ -964,6 +979,8 @@ def main() -> None:
         sections.append(("checkpoint", checkpoint_section))
     if not args.skip_engine:
         sections += [("engine", engine_section), ("roofline", roofline_section)]
+        if not args.skip_hot_path:  # benchmarks/gpu_steady.py
+            sections += [("steady", steady_section), ("fp8", fp8_section)]
     for name, section in sections:
         print(f"== {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
         try:

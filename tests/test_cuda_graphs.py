@@ -217,26 +217,51 @@ def test_graph_replay_matches_eager_on_cuda():
         assert err <= 1e-4, f"{rid}: max relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_runner_graph_path_with_mixed_steps_matches_eager(backend):
-    """The runner's graph path on CPU (the static forward stands in for each replay): decode-only
-    steps in a bucket, mixed steps as one eager prompt-chunk launch plus the decode graph, and
-    staggered arrivals so most steps are mixed. Tokens equal the plain eager runner's."""
-    if backend == "triton" and torch.cuda.is_available():
-        pytest.skip("Triton takes CPU tensors only interpreted; on CUDA the replay test covers it")
+@pytest.mark.parametrize(
+    "where",
+    [
+        "cpu-torch",
+        pytest.param(
+            "cpu-triton",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available(), reason="Triton takes CPU tensors only interpreted; see cuda"
+            ),
+        ),
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+        ),
+    ],
+)
+def test_runner_graph_path_with_mixed_steps_matches_eager(where):
+    """The runner's graph path: decode-only steps in a bucket, mixed steps as one eager prompt-chunk
+    launch plus the decode graph, staggered arrivals so most steps are mixed. Tokens equal the plain
+    eager runner's. On CPU the static forward stands in for each replay; on CUDA graphs replay."""
     prompts = [[(7 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate((19, 2, 37, 7, 11, 5))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 8, 5, 7)]
+    device, _, backend = where.partition("-")
     results, kinds = {}, []
     for graphs_on in (False, True):
-        config = EngineConfig(
-            kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16
-        )
-        runner = ModelRunner.from_model(config, tiny_model("cpu"))
-        if graphs_on:
-            runner.cuda_graphs = CudaGraphRunner(
-                runner.model, runner.kv_caches, runner.backend, capture_sizes(4), runner.input_batch
+        if device == "cuda":
+            config = EngineConfig(
+                device="cuda",
+                dtype="float32",
+                gpu_memory_utilization=0.01,
+                max_model_len=256,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                enforce_eager=not graphs_on,
             )
-            runner.cuda_graphs.eager_replay = True
+        else:
+            config = EngineConfig(
+                kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16
+            )
+        runner = ModelRunner.from_model(config, tiny_model(device))
+        if graphs_on:
+            if device != "cuda":
+                runner.cuda_graphs = CudaGraphRunner(
+                    runner.model, runner.kv_caches, runner.backend, capture_sizes(4), runner.input_batch
+                )
+                runner.cuda_graphs.eager_replay = True
             run = runner.cuda_graphs.run
             runner.cuda_graphs.run = lambda step, size: (kinds.append(size), run(step, size))[1]
         engine = LLMEngine(config, runner=runner)

@@ -122,6 +122,22 @@ def test_smoke_run_writes_tables(tmp_path):
                 )
     assert "**Engine decode vs the HBM roofline**" in table
 
+    # Steady serving (benchmarks/gpu_steady.py): lockstep, then Poisson arrivals; no KV block leaks.
+    steady = res["steady"]
+    assert steady["lockstep"]["saturation_req_s"] > 0 and steady["kv_blocks_leaked"] == 0
+    for rate in steady["rates"]:
+        assert rate["requests"] >= 2 and rate["output_tok_s"] > 0, rate
+        assert rate["itl_p50_ms"] > 0 and rate["ttft_p50_ms"] > 0 and rate["mean_running"] > 0, rate
+    assert "**Steady serving**" in table
+    # FP8: bf16, fp8 weights, fp8 weights + KV at two batch sizes; the checkpoint part says why not.
+    speed = res["fp8"]["speed"]
+    assert [(r["variant"], r["batch_size"]) for r in speed] == [
+        (v, b) for v in ("bf16", "fp8", "fp8+kv") for b in (1, 2)
+    ]
+    assert all(r["t_n_s"] > 0 for r in speed)
+    assert "gguf" in res["fp8"]["checkpoint"]["skipped"]
+    assert "| variant | batch | decode step ms | decode tok/s | speedup vs bf16 |" in table
+
 
 def test_checkpoint_check_graphs_vs_eager_runs(tmp_path):
     """The real-checkpoint section at tiny size on CPU (both sides eager there): loads SmolLM2,

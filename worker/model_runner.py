@@ -309,7 +309,9 @@ class ModelRunner:
             if size is not None and len(decode) == len(plan.scheduled):
                 step = batch.build(plan)
                 hidden = graphs.run(step, size)
-                return hidden[step.sample_seq_idx], [plan.scheduled[i].seq for i in step.sample_seq_idx]
+                return take_rows(hidden, step.sample_seq_idx), [
+                    plan.scheduled[i].seq for i in step.sample_seq_idx
+                ]
             if size is not None:
                 # Mixed step: the prompt chunks in one eager launch, the decode rows in their graph
                 # (distinct sequences: neither reads what the other writes).
@@ -319,17 +321,17 @@ class ModelRunner:
                 input_ids, positions, meta = batch.eager_inputs(pstep)
                 h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
                 dstep = batch.build(SchedulerOutput(decode), live)
-                h_d = graphs.run(dstep, size)[dstep.sample_seq_idx]
+                h_d = take_rows(graphs.run(dstep, size), dstep.sample_seq_idx)
                 seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
                 seqs += [decode[i].seq for i in dstep.sample_seq_idx]
-                return torch.cat([h_p[pstep.logits_rows], h_d]), seqs
+                return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs
         step = batch.build(plan)
         input_ids, positions, meta = batch.eager_inputs(step)
         if self.cpu_compiled is not None:
             hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
-        return hidden[step.logits_rows], [plan.scheduled[i].seq for i in step.sample_seq_idx]
+        return take_rows(hidden, step.logits_rows), [plan.scheduled[i].seq for i in step.sample_seq_idx]
 
     def _sample(self, sampling: list, hidden: torch.Tensor) -> dict[str, tuple[int, float | None]]:
         params = [seq.sampling for seq in sampling]
@@ -351,6 +353,14 @@ class ModelRunner:
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
             for i, seq in enumerate(sampling)
         }
+
+
+def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] for increasing rows; all of them (the decode case) is a view, with no index
+    tensor to copy to the device (a pageable copy that would wait for the forward)."""
+    if len(rows) == hidden.shape[0]:
+        return hidden
+    return hidden[rows]
 
 
 # Sampling fields that cannot change a greedy argmax; any other field away from its default (a

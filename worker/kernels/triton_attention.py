@@ -5,7 +5,7 @@ Contract (same as `worker.kernels.reference.paged_attention`):
   (`query_start_loc [num_seqs + 1]`), k_cache/v_cache `[num_blocks, block_size, num_kv_heads,
   head_dim]`, `block_tables [num_seqs, max_blocks]`, `seq_lens [num_seqs]` = cached + new tokens
   (metadata int32; int64 accepted). q and the caches share one float dtype (fp16, bf16, fp32),
-  or the caches are float8_e4m3fn under fp16/bf16 q (`--kv-cache-dtype fp8`: tiles widen to q's
+  or the caches are float8_e4m3fn under any of those q (`--kv-cache-dtype fp8`: tiles widen to q's
   dtype after the load, so the cache read is halved and the math is unchanged);
   every tensor's last dim is contiguous. The new tokens are the last `query_len` positions of their
   sequence: causal among themselves, full over the cached prefix. GQA: query head h reads kv head
@@ -292,7 +292,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             f"head layout mismatch: q heads {num_heads}x{head_dim}, "
             f"kv heads {num_kv_heads}x{k_cache.shape[3]} (head_dim <= 256)"
         )
-    fp8_cache = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.float16, torch.bfloat16)
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     if (
         q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
         or (q.dtype != k_cache.dtype and not fp8_cache)
