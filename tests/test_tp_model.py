@@ -220,3 +220,64 @@ def test_invalid_sizes_fail_before_any_process(tiny):
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         tp_config(tiny, 0)
     assert set(multiprocessing.active_children()) == before
+
+
+def silent_rank(port: int, conn) -> None:
+    """Rank 1 that joins the group and then never takes part in a collective."""
+    from worker.tp.group import connect
+
+    connect(1, 2, "cpu", port=port, timeout_s=10)
+    conn.poll(60)  # until rank 0 is done with it (EOF or a message), at most a minute
+
+
+def test_a_silent_rank_fails_the_collective_within_its_timeout():
+    """A rank alive but stuck: rank 0's all-reduce raises GroupFailed after the group's timeout
+    instead of hanging (a dead rank is faster: its connection closes, tests/test_tp_serve.py)."""
+    import time
+
+    from worker.tp.errors import GroupFailed
+    from worker.tp.group import connect, new_store
+
+    store = new_store(2, timeout_s=30)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=silent_rank, args=(store.port, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        collectives = connect(0, 2, "cpu", store=store, timeout_s=2)
+        start = time.monotonic()
+        with pytest.raises(GroupFailed, match="rank 0: all-reduce failed"):
+            collectives.all_reduce(torch.ones(4))
+        assert time.monotonic() - start < 10
+    finally:
+        parent.close()
+        proc.join(15)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert not proc.is_alive()
+
+
+def test_a_rank_dying_at_start_fails_the_start_at_once(tiny):
+    """Rank 0 joins the group on a thread and watches the rank processes: one that dies fails the
+    start within a poll, not after the 300 s join timeout."""
+    import time
+
+    from worker.tp.errors import GroupFailed
+    from worker.tp.runner import TPGroup
+    from worker.tp.runner import tp_config as resolved_tp_config
+
+    group = TPGroup.__new__(TPGroup)  # the spawn and join steps alone, without loading rank 0
+    group.config, group.size = resolved_tp_config(tp_config(tiny, 2)), 2
+    group.procs, group.conns, group.collectives = [], [], None
+    store = group._spawn()
+    group.procs[0].kill()
+    start = time.monotonic()
+    try:
+        with pytest.raises(GroupFailed, match="rank 1 killed by SIGKILL while starting"):
+            group._connect(store)
+        assert time.monotonic() - start < 10
+    finally:
+        group.stop()
+    assert group.procs == []

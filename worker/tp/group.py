@@ -4,7 +4,8 @@ Contract
 - `connect(...) -> Collectives`: one torch.distributed process group per group incarnation, built
   directly (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) over its own TCPStore on
   127.0.0.1 (all ranks are processes of one node), so a restarted group shares no global state
-  with the dead one. Every collective has `timeout_s` (a hung rank fails the step; it never hangs).
+  with the dead one. Joining waits at most `join_timeout_s`; every collective after that has
+  `timeout_s` (a hung rank fails the step; it never hangs).
 - `Collectives.all_reduce(x)`: in-place sum over the ranks (the row-parallel o_proj / down_proj
   partials); counts the calls and the seconds spent in them (the benchmark's all-reduce share).
   A failure or timeout -> `GroupFailed` (worker/tp/errors.py).
@@ -37,7 +38,8 @@ from worker.tp.errors import GroupFailed
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # one node: the ranks are processes of the worker's node
-TIMEOUT_S = 60.0  # every collective, the group's rendezvous and a rank's start-up
+TIMEOUT_S = 60.0  # every collective
+JOIN_TIMEOUT_S = 300.0  # the group's rendezvous: rank processes start (import torch) meanwhile
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -68,7 +70,7 @@ class Collectives:
         return x
 
 
-def new_store(size: int, timeout_s: float = TIMEOUT_S):
+def new_store(size: int, timeout_s: float = JOIN_TIMEOUT_S):
     from torch.distributed import TCPStore
 
     return TCPStore(
@@ -77,12 +79,19 @@ def new_store(size: int, timeout_s: float = TIMEOUT_S):
 
 
 def connect(
-    rank: int, size: int, device: str, port: int = 0, store=None, timeout_s: float = TIMEOUT_S
+    rank: int,
+    size: int,
+    device: str,
+    port: int = 0,
+    store=None,
+    timeout_s: float = TIMEOUT_S,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
 ) -> Collectives:
-    """Joins the group (blocks until all `size` ranks have, at most `timeout_s`)."""
+    """Joins the group (blocks until all `size` ranks have, at most `join_timeout_s`: the others may
+    still be starting); every collective after that has `timeout_s`."""
     from torch.distributed import ProcessGroupGloo, TCPStore
 
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=join_timeout_s)
     if store is None:
         store = TCPStore(HOST, port, size, False, timeout=timeout)
     if device.startswith("cuda"):
@@ -97,6 +106,7 @@ def connect(
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
         pg = ProcessGroupGloo(store, rank, size, opts)
+    pg.set_timeout(datetime.timedelta(seconds=timeout_s))
     return Collectives(store, pg, rank, size)
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import multiprocessing
 import signal
+import threading
 import time
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn as nn
 
 from worker.config import EngineConfig, default_num_threads
 from worker.tp.errors import GroupFailed
-from worker.tp.group import TIMEOUT_S, connect, encode_step, install, new_store, rank_device, rank_main
+from worker.tp.group import JOIN_TIMEOUT_S, connect, encode_step, install, new_store, rank_device, rank_main
 from worker.tp.shard import check_size, read_model_config, shard_mode
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,14 @@ def _describe(exitcode: int | None) -> str:
     if exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
     return f"exit code {exitcode}"
+
+
+def _last_words(conn) -> str:
+    """The error a rank reported before it exited, if any (": <message>")."""
+    try:
+        return f": {conn.recv()[1]}" if conn.poll() else ""
+    except (EOFError, OSError):
+        return ""
 
 
 class LeaderModel(nn.Module):
@@ -113,17 +122,40 @@ class TPGroup:
             self.conns.append(parent)
         return store
 
+    def _connect(self, store):
+        """Rank 0 joins the group; a rank process that dies meanwhile fails the start at once
+        instead of after the join timeout (the join thread is then left to time out)."""
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["collectives"] = connect(0, self.size, rank_device(self.config.device, 0), store=store)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for rank, proc in enumerate(self.procs, start=1):
+                if thread.is_alive() and not proc.is_alive():
+                    said = _last_words(self.conns[rank - 1])
+                    raise GroupFailed(f"rank {rank} {_describe(proc.exitcode)} while starting{said}")
+        if "error" in box:
+            raise GroupFailed(f"rank 0 could not join the group: {box['error']}") from box["error"]
+        return box["collectives"]
+
     def _join(self, store) -> None:
-        self.collectives = connect(0, self.size, rank_device(self.config.device, 0), store=store)
+        self.collectives = self._connect(store)
         install(self.model, self.collectives)
-        deadline = time.monotonic() + TIMEOUT_S + 600  # + loading the shard
+        deadline = time.monotonic() + JOIN_TIMEOUT_S + 600  # + loading the shard
         blocks = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.2):
                 if not proc.is_alive():
                     raise GroupFailed(f"rank {rank} {_describe(proc.exitcode)} while starting")
                 if time.monotonic() > deadline:
-                    raise GroupFailed(f"rank {rank} not ready within {TIMEOUT_S + 600:.0f} s")
+                    raise GroupFailed(f"rank {rank} not ready within {JOIN_TIMEOUT_S + 600:.0f} s")
             try:
                 kind, value = conn.recv()
             except (EOFError, OSError):
