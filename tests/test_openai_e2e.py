@@ -4,19 +4,16 @@ against a real router process (its HTTP port 0, announced in its log) and a real
 Checked: chat and completions, streaming and not, usage with cached tokens, stop (and which stop
 matched), seed, logprobs/top_logprobs, max_tokens / max_completion_tokens; the same text as the
 gRPC API for the same request, the new sampling parameters included; the SDK's error classes for
-400 (naming the parameter), 401, 429 (with Retry-After) and 503; a client that disconnects
+400 (naming the parameter), 401 and 429 (with Retry-After); a client that disconnects
 (streaming, or waiting for a whole response) frees every KV block on the worker; the router's
-per-protocol request counter; the load tester's OpenAI target (loadtest/openai_client.py) gets the
-same per-request counts as its gRPC target.
+per-protocol request counter and trace parent; the load tester's OpenAI target
+(loadtest/openai_client.py) gets the same per-request counts as its gRPC target. Serving life
+(503, SIGTERM drain, HTTPS, a client gone while queued): tests/test_openai_serving_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
-import signal
-import urllib.error
-import urllib.request
 
 import grpc
 import openai
@@ -26,7 +23,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
-from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post, self_signed
+from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post
 
 KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -304,64 +301,6 @@ def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):
     headers = info.value.response.headers
     assert info.value.status_code == 429 and int(headers["retry-after"]) >= 1
     assert int(headers["retry-after-ms"]) > 0
-
-
-def test_no_worker_is_503(logs):
-    dead = f"127.0.0.1:{procs.free_port()}"
-    proc = procs.start_router(logs, [dead], "--http-port", "0")
-    try:
-        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0) as c:
-            with pytest.raises(openai.InternalServerError) as info:
-                c.chat.completions.create(model="", messages=FRANCE, max_tokens=2)
-        assert info.value.status_code == 503
-    finally:
-        proc.stop()
-
-
-def test_sigterm_lets_open_http_streams_finish(worker, logs):
-    proc = procs.start_router(logs, [worker.address], "--http-port", "0", "--drain-grace-s", "60")
-    try:
-        procs.ready(proc)
-        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0, timeout=120) as c:
-            stream = c.completions.create(
-                model="",
-                prompt=STORY,
-                max_tokens=10,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            chunks = iter(stream)
-            next(chunks)  # the request is in flight
-            proc.signal(signal.SIGTERM)
-            rest = list(chunks)
-        assert rest[-1].choices[0].finish_reason == "length"
-        assert proc.popen.wait(60) == 0
-        assert "router stopped" in proc.log_tail()
-    finally:
-        proc.stop()
-
-
-def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
-    import ssl
-
-    cert, key = self_signed(tmp_path)
-    proc = procs.start_router(
-        logs, [worker.address], "--http-port", "0", "--tls-cert", cert, "--tls-key", key
-    )
-    try:
-        procs.ready(proc, credentials=grpc.ssl_channel_credentials(pathlib.Path(cert).read_bytes()))
-        url = http_url(proc)
-        assert url.startswith("https://127.0.0.1:")
-        trust = ssl.create_default_context(cafile=cert)
-        with openai.OpenAI(
-            base_url=url, api_key="unused", max_retries=0, http_client=openai.DefaultHttpxClient(verify=trust)
-        ) as c:
-            assert c.completions.create(model="", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the TLS port
-            post(url.replace("https://", "http://") + "/completions", b"{}", KEY, timeout_s=10)
-    finally:
-        proc.stop()
 
 
 def test_disconnecting_clients_free_their_kv(client, router, worker):

@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP front's serving life, end to end with real router and worker
+processes and the official `openai` SDK: no worker -> 503; SIGTERM lets an open HTTP stream finish;
+a router with a TLS certificate serves the API over HTTPS; a request that waits in the router's
+fair queue (the worker's one slot taken) and whose client leaves is taken out of the queue, and
+nothing stays behind (queue, open calls, KV blocks). The API itself: tests/test_openai_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import time
+import urllib.error
+
+import grpc
+import openai
+import pytest
+
+from tests import procs
+from tests.openai_helpers import http_url, post, self_signed
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
+
+
+@pytest.fixture(scope="module")
+def worker(logs):
+    with procs.running_workers(logs, 1) as (proc,):
+        yield proc
+
+
+def test_no_worker_is_503(logs):
+    dead = f"127.0.0.1:{procs.free_port()}"
+    proc = procs.start_router(logs, [dead], "--http-port", "0")
+    try:
+        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0) as c:
+            with pytest.raises(openai.InternalServerError) as info:
+                c.chat.completions.create(model="", messages=FRANCE, max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        proc.stop()
+
+
+def test_sigterm_lets_open_http_streams_finish(worker, logs):
+    proc = procs.start_router(logs, [worker.address], "--http-port", "0", "--drain-grace-s", "60")
+    try:
+        procs.ready(proc)
+        with openai.OpenAI(base_url=http_url(proc), api_key="unused", max_retries=0, timeout=120) as c:
+            stream = c.completions.create(
+                model="",
+                prompt=STORY,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = iter(stream)
+            next(chunks)  # the request is in flight
+            proc.signal(signal.SIGTERM)
+            rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert proc.popen.wait(60) == 0
+        assert "router stopped" in proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
+    import ssl
+
+    cert, key = self_signed(tmp_path)
+    proc = procs.start_router(
+        logs, [worker.address], "--http-port", "0", "--tls-cert", cert, "--tls-key", key
+    )
+    try:
+        procs.ready(proc, credentials=grpc.ssl_channel_credentials(pathlib.Path(cert).read_bytes()))
+        url = http_url(proc)
+        assert url.startswith("https://127.0.0.1:")
+        trust = ssl.create_default_context(cafile=cert)
+        with openai.OpenAI(
+            base_url=url, api_key="unused", max_retries=0, http_client=openai.DefaultHttpxClient(verify=trust)
+        ) as c:
+            assert c.completions.create(model="", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the TLS port
+            post(url.replace("https://", "http://") + "/completions", b"{}", "", timeout_s=10)
+    finally:
+        proc.stop()
+
+
+def test_a_client_gone_while_queued_leaves_nothing_behind(logs):
+    """With the worker's one slot taken, a request waits in the router's fair queue before any
+    status line is sent; its client leaving takes it out of the queue and releases its ticket."""
+
+    def router_state(proc) -> dict[str, float]:
+        return {
+            name: v
+            for (name, labels), v in procs.scrape(proc).items()
+            if not labels or name.startswith("llm_req")
+        }
+
+    def wait_for(proc, ok, what: str) -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        while not ok(state := router_state(proc)):
+            assert time.monotonic() < deadline, f"router never reached {what}: {state}"
+            time.sleep(0.05)
+        return state
+
+    with procs.running_workers(logs, 1, "--max-num-seqs", "1") as (one_slot,):
+        with procs.running_router(
+            logs, [one_slot.address], "--http-port", "0", "--metrics-port", "0"
+        ) as proc:
+            url = http_url(proc)
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
+                stream = c.completions.create(
+                    model="", prompt=STORY, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+                )
+                next(iter(stream))  # it runs: the worker's only slot is taken
+                with pytest.raises(TimeoutError):  # queued: no status line within 3 s, then the client leaves
+                    post(
+                        f"{url}/completions",
+                        json.dumps({"prompt": "queued", "max_tokens": 5}).encode(),
+                        "",
+                        3.0,
+                    )
+                state = wait_for(proc, lambda s: s.get("llm_router_queue_length") == 0, "an empty queue")
+                assert state["llm_router_open_calls"] == 1  # only the running stream
+                stream.close()
+            wait_for(proc, lambda s: s.get("llm_router_open_calls") == 0, "no open call")
+            procs.wait_all_blocks_free(one_slot.address)
+            admitted = procs.scrape(proc)[("llm_admitted_requests_total", (("tenant", "default"),))]
+            assert admitted == 2  # the queued request was admitted, then left
