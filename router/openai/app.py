@@ -16,7 +16,9 @@ Contract
   A client that disconnects (while queued, while streaming, or while waiting for a whole
   response) cancels the call: the worker stream is cancelled and its KV blocks freed.
 - state: none of its own.
-- proven by: tests/test_openai_e2e.py (the openai SDK against real router and worker processes).
+- proven by: tests/test_openai_e2e.py (the openai SDK against real router and worker processes),
+  tests/test_openai_serving_e2e.py (503, drain, HTTPS, a client gone while queued),
+  tests/test_openai_requests.py (error mapping, call context, body limits).
 """
 
 from __future__ import annotations

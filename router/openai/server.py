@@ -10,7 +10,8 @@ Contract
   accepting, lets open responses finish for `grace_s`, then cancels them.
 - state: the uvicorn server and its task. uvicorn's own signal handlers are not installed: the
   router's shutdown path (router/server.py) decides when to stop.
-- proven by: tests/test_openai_e2e.py (port 0 and the announce line, SIGTERM drain).
+- proven by: tests/test_openai_e2e.py (port 0 and the announce line), tests/test_openai_serving_e2e.py
+  (SIGTERM drain, HTTPS).
 """
 
 from __future__ import annotations
