@@ -218,3 +218,11 @@ def test_unreadable_bodies_are_400():
     with pytest.raises(ApiError) as info:
         read(b" " * 5000, limit=4096)
     assert info.value.status == 413
+
+
+def test_overhead_benchmark_runs():
+    from benchmarks.openai_overhead import main
+
+    figures = main(["--n", "20"])
+    assert set(figures) == {"parse_us", "sse_chunk_us", "sse_chunk_top5_us", "whole_64_us"}
+    assert all(us > 0 for us in figures.values())
