@@ -106,7 +106,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._dispatcher = dispatcher
         self._relay = Relay(registry, models.tokenizer)
-        self._tokenize_pool = TokenizePool()  # bounded, off the event loop
+        self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
 
     async def Generate(self, request: pb.GenerateRequest, context):

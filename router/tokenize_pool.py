@@ -6,6 +6,7 @@ Contract
 - output: fn's result, or fn's exception; `Overloaded` (RESOURCE_EXHAUSTED, retry-after) at once
   when `threads + max_waiting` calls are already in the pool, so a flood of huge prompts never
   queues without bound.
+- metrics: `llm_router_tokenize_calls_total` (prompts tokenized or begun) on `registry`.
 - state: the executor's threads and the count of calls in the pool. A call whose caller went away
   (cancelled) still counts until its thread finishes, so cancelling does not let more work in.
 - proven by: tests/test_trust_admission.py (the huge-prompt flood).
@@ -18,15 +19,22 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TypeVar
 
+from prometheus_client import Counter
+
 from router.errors import Overloaded
 
 T = TypeVar("T")
 
 
 class TokenizePool:
-    def __init__(self, threads: int = 2, max_waiting: int = 32, retry_after_ms: int = 500):
+    def __init__(self, threads: int = 2, max_waiting: int = 32, retry_after_ms: int = 500, registry=None):
         if threads < 1 or max_waiting < 0:
             raise ValueError("a tokenize pool needs threads >= 1 and max_waiting >= 0")
+        self._calls = Counter(
+            "llm_router_tokenize_calls",
+            "Prompts the router tokenized (or began to): work spent before admission",
+            registry=registry,
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._capacity = threads + max_waiting
         self._retry_after_ms = retry_after_ms
@@ -39,6 +47,7 @@ class TokenizePool:
             )
         loop = asyncio.get_running_loop()
         self.in_pool += 1
+        self._calls.inc()
         future = self._executor.submit(fn, *args)
         future.add_done_callback(lambda _: self._done_soon(loop))
         return await asyncio.wrap_future(future)
