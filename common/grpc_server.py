@@ -74,6 +74,7 @@ class GrpcServer:
                 metrics_registry,
                 metrics_routes,
                 telemetry.metrics_ssl_context(),
+                telemetry.metrics_bearer_token,
             )
         except OSError as exc:
             raise SystemExit(f"cannot serve metrics on port {telemetry.metrics_port}: {exc}") from None

@@ -3,11 +3,15 @@
 
 Contract
 - input: host, port (0 = ephemeral), a `CollectorRegistry`, optional `{path: () -> JSON value}`,
-  optional `ssl.SSLContext` (HTTPS; with a client CA in it, scrapers need a certificate).
-- output: `MetricsServer` serving on its own daemon threads; `.address` is the bound `host:port`,
+  optional `ssl.SSLContext` (HTTPS; with a client CA in it, scrapers need a certificate), optional
+  bearer token (then every path needs `Authorization: Bearer <token>`, compared in constant time;
+  401 otherwise).
+- output: `MetricsServer` serving on its own daemon threads, at most `MAX_THREADS` connections at
+  once (more are closed at once); `.address` is the bound `host:port`,
   `.url` the `/metrics` URL. Every path other than the JSON routes serves the registry in the
   Prometheus text format.
 - state: the listening socket and its thread; `close()` stops them.
+- proven by: tests/test_trust_http.py (bearer, bounded threads), tests/test_observability_*.py.
 - failure modes: OSError when the port cannot be bound (the caller decides whether to fall back).
   A client that fails the TLS handshake (plain HTTP, untrusted or missing certificate) is dropped
   and logged at debug level; serving goes on.
@@ -15,6 +19,8 @@ Contract
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import socket
@@ -29,10 +35,36 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, make_w
 from common.net import bind_address
 
 log = logging.getLogger(__name__)
+MAX_THREADS = 16  # connections served at once
 
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    block_on_close = False
+    max_threads = MAX_THREADS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(self.max_threads)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, at most `max_threads` at once: beyond that the connection is
+        closed at once (a scraper retries; a flood of idle connections cannot pile up threads)."""
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d connections open already; dropping %s", self.max_threads, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request, client_address):
         """Handshake failures surface here, in the handler thread; one debug line, no traceback."""
@@ -40,7 +72,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = 30.0  # seconds a connection may sit idle (or mid-handshake) before its thread gives up
+    timeout = 10.0  # seconds a connection may sit idle (or mid-handshake) before its thread gives up
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds would flood the log
         pass  # deliberately silent (see the comment above)
@@ -54,11 +86,26 @@ class MetricsServer:
         registry: CollectorRegistry,
         json_routes: dict[str, Callable[[], object]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        bearer_token: str | None = None,
     ):
         metrics_app = make_wsgi_app(registry)
         routes = dict(json_routes or {})
+        expected = bearer_token and hashlib.sha256(f"Bearer {bearer_token}".encode()).digest()
 
         def app(environ, start_response):
+            if expected:
+                presented = environ.get("HTTP_AUTHORIZATION", "").encode(errors="replace")
+                if not hmac.compare_digest(hashlib.sha256(presented).digest(), expected):
+                    body = b"401: send 'Authorization: Bearer <token>'\n"
+                    start_response(
+                        "401 Unauthorized",
+                        [
+                            ("Content-Type", "text/plain"),
+                            ("Content-Length", str(len(body))),
+                            ("WWW-Authenticate", "Bearer"),
+                        ],
+                    )
+                    return [body]
             route = routes.get(environ.get("PATH_INFO", ""))
             if route is None:
                 return metrics_app(environ, start_response)
@@ -103,6 +150,7 @@ def start_metrics_server(
     registry: CollectorRegistry,
     json_routes: dict[str, Callable[[], object]] | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    bearer_token: str | None = None,
 ) -> MetricsServer | None:
     """`port` None = `default_port`, falling back to an ephemeral port when that one is taken
     (several routers on one machine); an explicit port that cannot be bound is an error; -1 = off."""
@@ -111,7 +159,7 @@ def start_metrics_server(
     disable_created_metrics()  # process-wide: `_created` series double the output and no panel reads them
     if port is None and default_port:
         try:
-            return MetricsServer(host, default_port, registry, json_routes, ssl_context)
+            return MetricsServer(host, default_port, registry, json_routes, ssl_context, bearer_token)
         except OSError as exc:
             log.warning("metrics port %d unavailable (%s): using an ephemeral port", default_port, exc)
-    return MetricsServer(host, port or 0, registry, json_routes, ssl_context)
+    return MetricsServer(host, port or 0, registry, json_routes, ssl_context, bearer_token)

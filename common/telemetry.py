@@ -57,7 +57,9 @@ class TelemetryConfig:
     sample_ratio: float = field(
         default=1.0,
         metadata=option(
-            "fraction of new traces recorded (a client's sampled flag is followed)", flag="trace-sample-ratio"
+            "fraction of new traces recorded (the router decides for each call; a caller's sampled flag is "
+            "not followed)",
+            flag="trace-sample-ratio",
         ),
     )
     metrics_host: str | None = field(
@@ -80,6 +82,15 @@ class TelemetryConfig:
         default=None,
         metadata=option(
             "PEM CA bundle: scrapers must present a client certificate it signed", metavar="FILE"
+        ),
+    )
+    metrics_bearer_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=option(
+            "scrapers of /metrics and /targets must send 'Authorization: Bearer TOKEN' (401 otherwise). "
+            "Prefer the variable: a flag shows in ps",
+            metavar="TOKEN",
         ),
     )
     log_format: str = field(

@@ -27,7 +27,8 @@ Contract
   its own processes on the GPUs Ray made visible to it (worker/tp/, docs/tensor-parallel.md);
   `cpus_per_worker` is the whole group's.
 - state: in Ray only (named actors, one placement group per launch call); none here.
-- failure modes: a non-loopback host (node-ip) without mutual TLS or --allow-insecure-public ->
+- failure modes: a non-loopback host (node-ip) without mutual TLS, a worker token or
+  --allow-insecure-public ->
   ValueError (common.public_bind), before anything starts. A worker process that dies is restarted
   by Ray (`max_restarts`, default unlimited) in the same bundle; it reloads the model and serves on
   a new port, which routers learn from `address()`. A failing constructor (bad model path, cannot
@@ -146,7 +147,12 @@ class LaunchConfig:
         problem = refusal(
             self.host,
             worker_missing(
-                self.host, bool(self.server_options.get("allow_insecure_public")), cert, key, client_ca
+                self.host,
+                bool(self.server_options.get("allow_insecure_public")),
+                cert,
+                key,
+                client_ca,
+                self.server_options.get("worker_token"),
             ),
             "worker",
         )

@@ -63,7 +63,9 @@ def env_of(k8s, container: dict) -> dict[str, str]:
     env = {}
     for source in container.get("envFrom", []):
         env.update(k8s[("ConfigMap", source["configMapRef"]["name"])]["data"])
-    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    for e in container.get("env", []):  # a Secret's value stands in as a placeholder
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        env[e["name"]] = e["value"] if ref is None else f"secret-{ref['name']}-{ref['key']}"
     return env
 
 
@@ -77,7 +79,8 @@ def module_args(command: list[str], module: str) -> list[str]:
 
 
 def test_manifests_hold_the_expected_objects(k8s):
-    assert {k for k, _ in k8s} == {"RayCluster", "Deployment", "Service", "Job", "ConfigMap"}
+    kinds = {"RayCluster", "Deployment", "Service", "Job", "ConfigMap", "NetworkPolicy"}
+    assert {k for k, _ in k8s} == kinds
     assert one(k8s, "RayCluster")["apiVersion"] == "ray.io/v1"
 
 
@@ -242,3 +245,48 @@ def test_ray_launch_on_node_ips_needs_mutual_tls_or_the_explicit_flag(tmp_path):
     assert config.tls == ("c.pem", "k.pem", "ca.pem")
     _, plain = ray_launch.parse_args(["--allow-insecure-public"])
     assert plain.tls is None
+
+
+def secret_env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", []) if "valueFrom" in e}
+
+
+def test_workers_authenticate_routers_and_only_routers_reach_them(k8s, monkeypatch):
+    """Issue 17: routers and the launcher read the worker token from one Secret, the launcher hands
+    it to the actors (so they need no --allow-insecure-public), a NetworkPolicy admits only router
+    pods (and Ray's own) to the gpu pods, and the client Service does not expose /metrics."""
+    router = containers(one(k8s, "Deployment")["spec"]["template"])[0]
+    job = containers(one(k8s, "Job")["spec"]["template"])[0]
+    token_ref = secret_env(router)["LLM_WORKER_TOKEN"]
+    assert secret_env(job)["LLM_WORKER_TOKEN"] == token_ref and not token_ref.get("optional")
+    assert "--allow-insecure-public" not in cmdline(job)
+    _, launch = parse_with_env(
+        monkeypatch, env_of(k8s, job), ray_launch.parse_args, module_args(cmdline(job), "deploy.ray_launch")
+    )
+    worker = launch.worker_values("10.0.0.1")
+    assert worker["worker_token"] == f"secret-{token_ref['name']}-{token_ref['key']}"
+    config = parse_with_env(
+        monkeypatch, env_of(k8s, router), router_config.parse_args, module_args(cmdline(router), "router")
+    )
+    assert config.worker_token == worker["worker_token"]
+    # metrics: never on the client Service; optional bearer token for router and workers alike
+    service_ports = {p["targetPort"] for p in one(k8s, "Service")["spec"]["ports"]}
+    assert "metrics" not in service_ports
+    assert secret_env(router)["LLM_METRICS_BEARER_TOKEN"] == secret_env(job)["LLM_METRICS_BEARER_TOKEN"]
+    assert config.telemetry.metrics_bearer_token and worker["telemetry"]["metrics_bearer_token"]
+    # the gpu pods: ingress from router pods and the Ray cluster's pods (and monitoring) only
+    policy = k8s[("NetworkPolicy", "llm-workers")]["spec"]
+    cluster = one(k8s, "RayCluster")
+    [group] = cluster["spec"]["workerGroupSpecs"]
+    assert policy["podSelector"]["matchLabels"] == {
+        "ray.io/cluster": cluster["metadata"]["name"],
+        "ray.io/group": group["groupName"],
+    }
+    sources = [peer for rule in policy["ingress"] for peer in rule["from"]]
+    router_labels = one(k8s, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert {"podSelector": {"matchLabels": router_labels}} in sources
+    assert {"podSelector": {"matchLabels": {"ray.io/cluster": cluster["metadata"]["name"]}}} in sources
+    assert all(set(peer) <= {"podSelector", "namespaceSelector"} and peer for peer in sources)
+    router_policy = k8s[("NetworkPolicy", "llm-router")]["spec"]
+    metrics_rule = next(r for r in router_policy["ingress"] if r.get("ports") == [{"port": "metrics"}])
+    assert "namespaceSelector" in metrics_rule["from"][0]  # only the monitoring namespace

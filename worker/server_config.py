@@ -8,7 +8,8 @@ Contract
 - authentication: `worker_token` (common.auth) turns the router token check on; the launchers
   set it per deployment. Stalled readers: `stream_idle_timeout_s`, `stream_buffer_messages`.
 - failure modes (ValueError): unreadable or unpaired TLS files (common.tls); a non-loopback host
-  without mutual TLS, unless `allow_insecure_public` (common.public_bind, the one copy of the rule).
+  without mutual TLS or a worker token, unless `allow_insecure_public` (common.public_bind, the
+  one copy of the rule).
 - Imports neither torch nor grpc, so that launchers can build the flags without loading the engine.
 """
 
@@ -103,7 +104,12 @@ class WorkerServerConfig:
         problem = refusal(
             self.host,
             worker_missing(
-                self.host, self.allow_insecure_public, self.tls_cert, self.tls_key, self.tls_client_ca
+                self.host,
+                self.allow_insecure_public,
+                self.tls_cert,
+                self.tls_key,
+                self.tls_client_ca,
+                self.worker_token,
             ),
             "worker",
         )
