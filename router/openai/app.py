@@ -34,6 +34,7 @@ from contextlib import aclosing, suppress
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Overloaded, RouterError, ValidationError
@@ -137,10 +138,10 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], source: AsyncIterator):
         super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self._body = body
+        self._body, self._source = body, source  # source: what `body` reads, closed even if never started
 
     async def __call__(self, scope, receive, send) -> None:
         async def pump() -> None:
@@ -167,6 +168,7 @@ class EventStream(Response):
                     with suppress(asyncio.CancelledError, Exception):
                         await t
             await self._body.aclose()
+            await self._source.aclose()
 
 
 async def _read_json(request: Request, limit: int):
@@ -214,23 +216,27 @@ def create_app(
         parsed = None
         try:
             parsed = parse(await _read_json(request, max_body_bytes), chat, request_id)
-            ctx = HttpCallContext(request)
-            events = observed(parsed, ctx)
+            served = models()  # the name the answer shows when the request leaves `model` empty
+            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
+            events = observed(parsed, HttpCallContext(request))
+            streaming = False
             try:
                 first = await until_disconnected(request, anext(events))
-            except BaseException:
-                await events.aclose()
-                raise
-            served = models()
-            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
-            responder = Responder(parsed, name, token_text(name))
-            if parsed.stream:
-                return EventStream(_stream(responder, first, events), {"x-request-id": request_id})
-            return JSONResponse(
-                await until_disconnected(request, _collect(responder, first, events)),
-                headers={"x-request-id": request_id},
-            )
-        except ClientGone:
+                # validated: the model is served; token texts are needed only for logprobs
+                responder = Responder(parsed, name, token_text(name) if parsed.logprobs else str)
+                if parsed.stream:
+                    streaming = True  # from here the response closes `events`, however it ends
+                    return EventStream(
+                        _stream(responder, first, events), {"x-request-id": request_id}, events
+                    )
+                return JSONResponse(
+                    await until_disconnected(request, _collect(responder, first, events)),
+                    headers={"x-request-id": request_id},
+                )
+            finally:
+                if not streaming:
+                    await events.aclose()  # closes the worker call if anything above stopped early
+        except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, parsed), request_id)
