@@ -270,7 +270,7 @@ def test_a_rank_dying_at_start_fails_the_start_at_once(tiny):
 
     group = TPGroup.__new__(TPGroup)  # the spawn and join steps alone, without loading rank 0
     group.config, group.size = resolved_tp_config(tp_config(tiny, 2)), 2
-    group.procs, group.conns, group.collectives = [], [], None
+    group.procs, group.conns, group.senders, group.collectives = [], [], [], None
     store = group._spawn()
     group.procs[0].kill()
     start = time.monotonic()
@@ -281,3 +281,33 @@ def test_a_rank_dying_at_start_fails_the_start_at_once(tiny):
     finally:
         group.stop()
     assert group.procs == []
+
+
+def test_a_stuck_rank_never_blocks_rank_0(tiny):
+    """A rank that stops reading (SIGSTOP) while a step message larger than a pipe's buffer is on
+    its way: rank 0's send returns at once (the rank's sender thread blocks, not the engine), and
+    stop() ends the group within its bound."""
+    import os
+    import signal
+    import time
+
+    from worker.attention import AttentionMetadata
+    from worker.tp.runner import build_runner
+
+    runner, group = build_runner(tp_config(tiny, 2))
+    [pid] = group.pids()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        big = torch.zeros(100_000, dtype=torch.int64)  # 2 x 800 KB: far over a pipe's 64 KiB
+        meta = AttentionMetadata(big, big.view(1, -1).int(), big[:1].int(), big[:2].int(), 1, 1)
+        start = time.monotonic()
+        for _ in range(3):
+            group.send(big, big, meta)
+        assert time.monotonic() - start < 5
+    finally:
+        start = time.monotonic()
+        group.stop(timeout_s=1.0)
+        assert time.monotonic() - start < 10
+    assert group.procs == [] and group.senders == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

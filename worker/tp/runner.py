@@ -7,7 +7,8 @@ Contract
   plan in block ids) to every other rank, then runs rank 0's shard; the shards meet in the
   all-reduces. Logits come from rank 0's replicated lm_head only.
 - `TPGroup`: starts ranks 1..N-1 as processes of this node (multiprocessing spawn: one process
-  per device), each with a pipe for its step messages; the group's collectives; `restart()`
+  per device), each with a pipe for its step messages, written by a sender thread per rank (a
+  stuck rank's full pipe blocks that thread, never the engine); the group's collectives; `restart()`
   stops them all (bounded: stop message, join, terminate, kill) and starts a fresh incarnation
   (new store and process group) around rank 0's loaded shard; `stop()` at shutdown.
 - KV pools: each rank allocates its own (its KV heads only) from the same per-rank budget
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
@@ -56,6 +58,35 @@ def _last_words(conn) -> str:
         return f": {conn.recv()[1]}" if conn.poll() else ""
     except (EOFError, OSError):
         return ""
+
+
+class _Sender:
+    """Delivers rank r's messages on a thread of its own, so that rank 0 never blocks on the full
+    pipe of a stuck rank: the step's collective times out instead, and `stop()` kills the rank,
+    which ends a blocked write."""
+
+    def __init__(self, rank: int, conn):
+        self.rank, self.conn, self.error = rank, conn, ""
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"tp-send-{rank}", daemon=True)
+        self.thread.start()
+
+    def put(self, msg: tuple) -> None:
+        if self.error:
+            raise GroupFailed(f"rank {self.rank}: step not delivered ({self.error})")
+        self.queue.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError as exc:
+                self.error = type(exc).__name__
+                return
+
+    def close(self, timeout_s: float) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout_s)
 
 
 class LeaderModel(nn.Module):
@@ -88,6 +119,7 @@ class TPGroup:
         shard_mode(mode, config.dtype)  # an unsupported quantization fails here, before any process
         self.procs: list = []
         self.conns: list = []
+        self.senders: list[_Sender] = []
         self.collectives = None
         self.num_restarts = 0
         store = self._spawn()
@@ -120,6 +152,7 @@ class TPGroup:
             child.close()  # only the rank holds its end: its death is EOF here
             self.procs.append(proc)
             self.conns.append(parent)
+            self.senders.append(_Sender(rank, parent))
         return store
 
     def _connect(self, store):
@@ -171,17 +204,14 @@ class TPGroup:
             if not proc.is_alive():
                 raise GroupFailed(f"rank {rank} {_describe(proc.exitcode)}")
         msg = encode_step(input_ids, positions, meta)
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send(msg)
-            except OSError as exc:
-                raise GroupFailed(f"rank {rank}: step not delivered ({type(exc).__name__})") from exc
+        for sender in self.senders:
+            sender.put(msg)
 
     def time_all_reduce(self, shape: tuple[int, ...], count: int, dtype: torch.dtype) -> float:
         """Mean seconds of one bare all-reduce of `shape` over the group (every rank doing only
         that): the communication cost without any wait for a slower rank's compute."""
-        for conn in self.conns:
-            conn.send(("reduce", shape, count + 1))
+        for sender in self.senders:
+            sender.put(("reduce", shape, count + 1))
         x = torch.zeros(shape, dtype=dtype, device=rank_device(self.config.device, 0))
         self.collectives.all_reduce(x)  # warm-up; also lines the ranks up
         start = time.perf_counter()
@@ -194,11 +224,9 @@ class TPGroup:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Every rank process ends within about `timeout_s` + 2 s."""
-        for conn in self.conns:
-            try:
-                conn.send(("stop",))
-            except OSError:
-                pass  # that rank is gone already
+        for sender in self.senders:
+            if not sender.error:  # else that rank is gone already
+                sender.put(("stop",))
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -209,9 +237,11 @@ class TPGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        for sender in self.senders:
+            sender.close(1.0)  # a write blocked on a killed rank has failed by now
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.senders = [], [], []
         self.collectives = None
 
     def restart(self) -> None:
