@@ -2,6 +2,7 @@
 
     python -m benchmarks.soak overload       # 3x capacity for 60 s (make soak runs both)
     python -m benchmarks.soak cancel-storm   # 1,000 streams cancelled at random points
+    python -m benchmarks.soak trust          # stalled readers, prompt flood, priority abuse
 
 Contract
 - overload: measures unloaded TTFT (one request at a time), then capacity (completed requests/s
@@ -19,6 +20,8 @@ Contract
   queued in the router and streaming from workers). Afterwards every worker must report
   nothing running or waiting and every KV block free, and every router gauge of open work
   (`llm_router_*`, `llm_num_requests_*`) must be 0; reported: the time that took.
+- trust: benchmarks/soak_trust.py (issue 17: unauthenticated worker calls, stalled readers, a
+  huge-prompt flood, priority abuse).
 - output: a table on stdout and JSON in `--out` (default docs/reliability/<scenario>.json).
   Seeded (`--seed`); the seed, arguments, git revision and date are in the JSON.
 - targets (issue #9) are checked and printed as PASS/MISS; the exit status is 0 either way
@@ -42,6 +45,7 @@ import grpc
 
 from benchmarks.grpc_overhead import git_revision
 from benchmarks.soak_stack import Outcome, Stack, generate_request, one_call, quantiles_ms, rss_mib
+from benchmarks.soak_trust import TrustArgs, run_trust
 from loadtest.stats import percentile
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
@@ -300,7 +304,7 @@ def print_result(name: str, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.splitlines()[0])
-    p.add_argument("scenario", choices=("overload", "cancel-storm", "all"))
+    p.add_argument("scenario", choices=("overload", "cancel-storm", "trust", "all"))
     p.add_argument("--duration-s", type=float, default=60.0, help="overload phase length")
     p.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity")
     p.add_argument("--capacity-s", type=float, default=20.0)
@@ -313,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=2, help="overload run: the worker's batch size")
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
+    p.add_argument("--flood-s", type=float, default=10.0, help="trust run: huge-prompt flood length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "docs" / "reliability"))
     a = p.parse_args(argv)
@@ -348,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         print_result("cancel-storm", result)
         print(f"  -> {write(result, 'cancel_storm', args, pathlib.Path(a.out))}")
         failed |= not all(result["targets"].values())
+    if a.scenario in ("trust", "all"):
+        args = TrustArgs(flood_s=a.flood_s, seed=a.seed)
+        result = run_trust(args, WORKER_ARGS)
+        print_result("trust", result)
+        print(f"  -> {write(result, 'trust', args, pathlib.Path(a.out))}")
+        correctness = ("stalled_readers.every_kv_block_free", "prompt_flood.no_internal_or_unknown")
+        failed |= not all(result["targets"][t] for t in correctness)
     return 1 if failed else 0
 
 

@@ -5,7 +5,7 @@ PINGs (so that the connection stays up) and never sends WINDOW_UPDATE, so the se
 single response byte: exactly what a hostile or stuck client does to a server that waits on its
 writes. `wait_closed(stream_id)` waits until the server ends the stream (RST_STREAM, or trailers
 in a HEADERS frame with END_STREAM) and returns the grpc-status it sent, if any could be decoded.
-Used by tests/test_trust_streams.py and benchmarks/soak.py (stalled readers).
+Used by tests/test_trust_streams.py and benchmarks/soak_trust.py (stalled readers).
 """
 
 from __future__ import annotations
