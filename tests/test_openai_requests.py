@@ -147,6 +147,8 @@ def test_domain_errors_become_http_statuses():
     busy = api_error(Overloaded("tenant t: rate", retry_after_ms=1500), None)
     assert busy.status == 429 and busy.headers == {"Retry-After": "2", "retry-after-ms": "1500"}
     assert api_error(Unavailable("no healthy worker"), None).status == 503
+    lost = api_error(Unavailable("worker 10.0.0.5:50061 was lost mid-stream after 3 tokens"), None)
+    assert lost.status == 503 and "10.0.0.5" not in lost.message and "<worker>" in lost.message
     internal = api_error(KeyError("secret detail"), None)
     assert internal.status == 500 and "secret" not in internal.message
     assert set(internal.body()["error"]) == {"message", "type", "param", "code"}

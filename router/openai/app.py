@@ -11,8 +11,9 @@ Contract
   -> 400 naming the OpenAI parameter, bad or missing key -> 401, refused by admission -> 429 with
   `Retry-After` (seconds, rounded up) and `retry-after-ms`, no worker or draining -> 503, deadline
   -> 504, a body over --max-message-mb -> 413, anything unexpected -> 500 (logged; the client sees
-  only the exception's type). A stream's first event is awaited before the status line is sent,
-  so a refusal is a status, not an event; a failure after that is an `error` event then [DONE].
+  only the exception's type). Worker addresses in a message become "<worker>" (as for gRPC). A
+  stream's first event is awaited before the status line is sent, so a refusal is a status, not an
+  event; a failure after that is an `error` event then [DONE].
   A client that disconnects (while queued, while streaming, or while waiting for a whole
   response) cancels the call: the worker stream is cancelled and its KV blocks freed.
 - state: none of its own.
@@ -37,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
-from router.errors import Overloaded, RouterError, ValidationError
+from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai.requests import ApiError, Parsed, param_of, parse
@@ -96,7 +97,10 @@ def api_error(exc: BaseException, parsed: Parsed | None) -> ApiError:
                 "retry-after-ms": str(exc.retry_after_ms),
             }
         code = "invalid_api_key" if status == 401 else None
-        return ApiError(status, exc.message, type_=kind, code=code, headers=headers)
+        message = scrub_addresses(exc.message)  # worker addresses are for the log, not for clients
+        if message != exc.message:
+            log.info("%s (sent to the client as: %s)", exc.message, message)
+        return ApiError(status, message, type_=kind, code=code, headers=headers)
     log.exception("unhandled error in the HTTP front", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
 
