@@ -146,6 +146,7 @@ async def serve(config: RouterConfig) -> int:
             metrics,
             token_text=models.token_text,
             max_body_bytes=config.max_message_bytes,
+            stream_idle_timeout_s=config.stream_idle_timeout_s,
         )
         try:
             http = HttpFront(

@@ -137,23 +137,38 @@ async def until_disconnected(request: Request, awaitable: Awaitable):
 
 
 class EventStream(Response):
-    """Server-sent events from an async iterator of bytes, cancelled when the client disconnects
-    (the iterator is closed in every case, which closes the worker call)."""
+    """Server-sent events from an async iterator of bytes, cancelled when the client disconnects or
+    takes nothing for `idle_timeout_s` (a stalled reader: a write blocked that long; 0 = never).
+    The iterator is closed in every case, which closes the worker call."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], source: AsyncIterator):
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str],
+        source: AsyncIterator,
+        idle_timeout_s: float,
+    ):
         super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self._body, self._source = body, source  # source: what `body` reads, closed even if never started
+        self._idle_s = idle_timeout_s or None
 
     async def __call__(self, scope, receive, send) -> None:
+        async def write(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._idle_s)
+            except TimeoutError:
+                log.info("closing a stream whose client took nothing for %.1f s", self._idle_s)
+                raise
+
         async def pump() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await write({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for data in self._body:
                 if data:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await write({"type": "http.response.body", "body": data, "more_body": True})
+            await write({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -163,7 +178,7 @@ class EventStream(Response):
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is not None:
-                if not isinstance(tasks[0].exception(), OSError):  # OSError: the client went away
+                if not isinstance(tasks[0].exception(), OSError):  # the client went away or stalled
                     raise tasks[0].exception()
         finally:
             for t in tasks:
@@ -195,9 +210,11 @@ def create_app(
     metrics: RouterMetrics | None,
     token_text: Callable[[str], Callable[[int], str]],
     max_body_bytes: int,
+    stream_idle_timeout_s: float = 0.0,
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
-    `token_text(model)`: a token id's text under that model's tokenizer (for logprobs)."""
+    `token_text(model)`: a token id's text under that model's tokenizer (for logprobs);
+    `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never)."""
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
@@ -231,7 +248,10 @@ def create_app(
                 if parsed.stream:
                     streaming = True  # from here the response closes `events`, however it ends
                     return EventStream(
-                        _stream(responder, first, events), {"x-request-id": request_id}, events
+                        _stream(responder, first, events),
+                        {"x-request-id": request_id},
+                        events,
+                        stream_idle_timeout_s,
                     )
                 return JSONResponse(
                     await until_disconnected(request, _collect(responder, first, events)),
