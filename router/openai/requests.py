@@ -76,6 +76,8 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], what: str):
 
 def _number(body: dict, name: str) -> float | None:
     value = _get(body, name, (int, float), "a number")
+    if isinstance(value, int) and abs(value) > 2**1023:  # JSON integers have no bound; floats do
+        raise _bad(name, "must be a finite number, got an integer beyond the float range")
     if value is not None and not math.isfinite(value):
         raise _bad(name, f"must be a finite number, got {value}")
     return None if value is None else float(value)
