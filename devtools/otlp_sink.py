@@ -5,7 +5,8 @@ Contract
 - input: OTLP `ExportTraceServiceRequest`s on `opentelemetry.proto.collector.trace.v1.TraceService`.
 - output: `spans()` -> flat `SinkSpan`s (service name, ids as hex, parent, times in ns, attributes,
   event names); `wait_for(predicate, timeout_s)` blocks until the spans received satisfy it.
-- state: every span received (or only a count, with `keep=False`), behind a condition variable.
+- state: every span received (or only a count, with `keep=False`), and with `keep_raw=True` every
+  export request's bytes (`raw()`), behind a condition variable.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def _value(v):
 
 
 class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: bool = True):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: bool = True, keep_raw: bool = False):
         self._keep = keep
+        self._keep_raw = keep_raw
+        self._raw: list[bytes] = []
         self._spans: list[SinkSpan] = []
         self.num_spans = 0
         self._cond = threading.Condition()
@@ -77,6 +80,8 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
             self.num_spans += len(spans)
             if self._keep:
                 self._spans += spans
+            if self._keep_raw:
+                self._raw.append(request.SerializeToString())
             self._cond.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -92,6 +97,12 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
                     f"{[(s.service, s.name) for s in self._spans]}"
                 )
             return list(self._spans)
+
+    def raw(self) -> bytes:
+        """Every export request received, serialized (`keep_raw=True`): a search of these bytes covers
+        every attribute, event, status message and resource field, not only what `SinkSpan` parses."""
+        with self._cond:
+            return b"".join(self._raw)
 
     def clear(self) -> None:
         with self._cond:

@@ -1,4 +1,6 @@
-"""Shared fixtures: one loaded model per test session (loading takes seconds), --runslow."""
+"""Shared fixtures: one loaded model per test session (loading takes seconds), one worker process
+per session for the end-to-end modules that need only a normal worker (`plain_worker`, see
+tests/procs.py), --runslow."""
 
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def clean_llm_env(monkeypatch):
+    """The config parsers read LLM_*/OTEL_* variables: none from the environment the tests run in
+    (modules opt in with `pytestmark = pytest.mark.usefixtures("clean_llm_env")`)."""
+    for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +109,38 @@ def hf_model():
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def shared_sink():
+    """The session's OTLP receiver: the shared worker exports its spans here, and so do the routers
+    of the modules that read spans (raw export bytes kept too, for searches)."""
+    from devtools.otlp_sink import OtlpSink
+
+    sink = OtlpSink(keep_raw=True)
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_worker(tmp_path_factory, shared_sink):
+    """One worker process for the session (procs.start_shared_worker); use `plain_worker`."""
+    from tests import procs
+
+    proc = procs.start_shared_worker(tmp_path_factory.mktemp("shared-worker"), shared_sink.endpoint)
+    try:
+        procs.ready(proc)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_worker(shared_worker):
+    """The shared worker for one module. A module must leave it as it found it: after the module it
+    is still running, idle, and every KV block is free (a leak fails here, not in the next module)."""
+    from tests import procs
+
+    yield shared_worker
+    assert shared_worker.popen.poll() is None, f"the shared worker died:\n{shared_worker.log_tail()}"
+    procs.wait_all_blocks_free(shared_worker.address, timeout_s=30.0)

@@ -2,8 +2,14 @@
 
 Each process binds port 0 and prints its address ("... listening on HOST:PORT"); `ready` reads it
 from the process's log (kept under pytest's tmp dir), then waits for grpc.health.v1 SERVING.
-`stop` terminates, then kills. Helpers that call a server take `credentials` (common.tls) for one
-that serves TLS; None = plaintext.
+`stop` terminates, then kills; `stop_all` stops several side by side. Helpers that call a server
+take `credentials` (common.tls) for one that serves TLS; None = plaintext.
+
+Sharing: modules that need only "a normal worker" take tests/conftest.py's `plain_worker` (one
+worker process for the whole session, `start_shared_worker`) and start their own router (each
+module's router has its own tenants and limits); the fixture checks after each module that the
+worker is alive, idle, and has every KV block back. Modules whose tests kill, hang, drain or
+restart workers, or need other engine flags (TLS, sequence limits, KV sizes), start their own.
 """
 
 from __future__ import annotations
@@ -46,13 +52,11 @@ def metrics_address(proc: "Proc") -> str:
 
 
 def worker_metrics_address(address: str) -> str:
-    """host:port of a worker's /metrics, as it reports it in WorkerInfo."""
+    """host:port of a worker's /metrics, as it reports it in WorkerInfo (which must name one)."""
     with grpc.insecure_channel(address) as channel:
-        return (
-            worker_pb2_grpc.WorkerStub(channel)
-            .GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
-            .metrics_address
-        )
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    assert info.metrics_address, f"worker {address} reports no /metrics address"
+    return info.metrics_address
 
 
 def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_pb2.LoadReport, float]:
@@ -67,14 +71,15 @@ def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_
         time.sleep(0.05)
 
 
-def scrape(proc: "Proc", context=None) -> dict[tuple[str, tuple], float]:
-    """Every sample of the process's /metrics as {(name, sorted labels): value}; `context`: an
-    `ssl.SSLContext` for an HTTPS endpoint."""
+def scrape(proc: "Proc | str", context=None) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page as {(name, sorted labels): value}: the one a process announced,
+    or the one at a "host:port" (plain HTTP); `context`: an `ssl.SSLContext` for an HTTPS endpoint."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(metrics_url(proc), timeout=5, context=context).read().decode()
+    url = f"http://{proc}/metrics" if isinstance(proc, str) else metrics_url(proc)
+    text = urllib.request.urlopen(url, timeout=5, context=context).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -83,11 +88,12 @@ def scrape(proc: "Proc", context=None) -> dict[tuple[str, tuple], float]:
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path):
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path, env: dict[str, str] | None = None):
+        """Starts `python <args>` in the repo; `env`: variables added to this process's environment."""
         self.name = name
         self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)[1])
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.popen = subprocess.Popen(
             [sys.executable, *args], cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
@@ -97,30 +103,45 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def wait_listening(self, timeout_s: float) -> str:
+        self.address = self.wait_for_line(LISTENING, timeout_s).group(1)
+        return self.address
+
+    def wait_for_line(self, pattern: str | re.Pattern, timeout_s: float) -> re.Match:
+        """The first match of `pattern` in the whole log, once it appears; RuntimeError if the process
+        exits first, TimeoutError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found = LISTENING.search(self.log_path.read_text(errors="replace"))
+            found = re.search(pattern, self.log_path.read_text(errors="replace"))
             if found:
-                self.address = found.group(1)
-                return self.address
+                return found
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
             time.sleep(0.05)  # polling a log file; no event to wait on across processes
-        raise TimeoutError(f"{self.name} did not start within {timeout_s} s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name}: no {pattern!r} within {timeout_s} s:\n{self.log_tail()}")
 
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
 
     def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM (drain), then SIGKILL after `timeout_s`; the exit status."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
-                self.popen.wait()
+                self.popen.wait(timeout_s)
         self._log.close()
         return self.popen.returncode
+
+
+def stop_all(*procs: Proc, timeout_s: float = 15.0) -> list[int]:
+    """Stops processes side by side: every one gets SIGTERM first, so their drains overlap (a
+    second SIGTERM from `stop` only sets the same stop event again)."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    return [proc.stop(timeout_s) for proc in procs]
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
@@ -155,7 +176,12 @@ def wait_health(
     )
 
 
-def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_KV_CACHE_MB) -> Proc:
+def start_worker(
+    log_dir: pathlib.Path,
+    *extra: str,
+    kv_cache_mb: float = TEST_KV_CACHE_MB,
+    env: dict[str, str] | None = None,
+) -> Proc:
     # Test routers probe every 0.2 s, so a 0.5 s drain announcement is enough (and keeps stops quick).
     # float32 pinned (the worker's default is auto = bfloat16): TEST_KV_CACHE_MB's block count and
     # context above, and the tests' exact greedy outputs, are float32's. --enforce-eager: these
@@ -178,14 +204,32 @@ def start_worker(log_dir: pathlib.Path, *extra: str, kv_cache_mb: float = TEST_K
             *extra,
         ],
         log_dir,
+        env,
     )
 
 
-def start_router(log_dir: pathlib.Path, workers: list[str], *extra: str) -> Proc:
+# The session's shared worker (tests/conftest.py `shared_worker`): start_worker's defaults and one
+# torch thread (as tests/conftest.py's runner: on these shared cores two threads' OpenMP barriers
+# were 1-5x slower), plus what the modules that share it read: JSON logs, /metrics on an ephemeral
+# port, spans to the session's OTLP sink within 50 ms (OTEL_BSP_SCHEDULE_DELAY, not the default 5 s).
+SHARED_WORKER_ARGS = ("--num-threads", "1", "--log-format", "json", "--metrics-port", "0")
+FAST_SPAN_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+
+
+def start_shared_worker(log_dir: pathlib.Path, otlp_endpoint: str) -> Proc:
+    proc = start_worker(log_dir, *SHARED_WORKER_ARGS, "--otlp-endpoint", otlp_endpoint, env=FAST_SPAN_EXPORT)
+    proc.name = "shared-worker"
+    return proc
+
+
+def start_router(
+    log_dir: pathlib.Path, workers: list[str], *extra: str, env: dict[str, str] | None = None
+) -> Proc:
     return Proc(
         "router",
         ["-m", "router", "--port", "0", "--workers", ",".join(workers), "--health-poll-s", "0.2", *extra],
         log_dir,
+        env,
     )
 
 
@@ -210,6 +254,17 @@ def wait_for_workers(
     raise TimeoutError(f"router {router_address} did not see {num_workers} workers")
 
 
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05) -> float:
+    """Polls `condition()` until it is true (state in another process: there is no event to wait
+    on); returns the seconds it took; TimeoutError naming `what` after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
 def worker_load(address: str) -> worker_pb2.LoadReport:
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
@@ -223,14 +278,16 @@ def running_router(
     credentials=None,
     tenants: str | None = None,
     metadata=(),
+    env: dict[str, str] | None = None,
 ):
     """A router that is serving and sees every worker in `workers`; stopped on exit. `tenants`:
-    a tenants YAML text (written to a file in `log_dir`); `metadata`: the API key to ask with."""
+    a tenants YAML text (written to a file in `log_dir`); `metadata`: the API key to ask with;
+    `env`: variables added to its environment."""
     if tenants is not None:
         path = pathlib.Path(tempfile.mkstemp(prefix="tenants-", suffix=".yaml", dir=log_dir)[1])
         path.write_text(tenants)
         extra = ("--tenants", str(path), *extra)
-    proc = start_router(log_dir, workers, *extra)
+    proc = start_router(log_dir, workers, *extra, env=env)
     try:
         ready(proc, credentials=credentials)
         wait_for_workers(proc.address, len(workers), metadata=metadata, credentials=credentials)
@@ -247,5 +304,4 @@ def running_workers(log_dir: pathlib.Path, count: int, *extra: str):
         ready(*started)
         yield started
     finally:
-        for proc in started:
-            proc.stop()
+        stop_all(*started)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,12 +23,7 @@ from worker import __main__ as worker_main
 from worker.config import EngineConfig
 from worker.server_config import WorkerServerConfig
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """None of the LLM_*/OTEL_* variables of the environment the tests run in."""
-    for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_llm_env")  # tests/conftest.py: no LLM_*/OTEL_* leaks in
 
 
 # --- the helper on a dataclass of its own ------------------------------------------------------

@@ -5,13 +5,18 @@ Acceptance 3: a tenant over its rate / queue limits gets RESOURCE_EXHAUSTED with
 `retry-after-ms`, while another tenant is served as before. "As before" is measured: the quiet
 tenant's queue time (Finished.timing.queue_ms: router arrival -> first scheduled on the worker)
 alone and next to the noisy tenant, in alternating rounds so that drift in this shared machine's
-load hits both sides alike. The issue asks for p99 within 20%. Measured here (2 shared cores, load
-average 5-8, ~16 samples per side, so the p99 is about the maximum): p99 alone 3.5-19.7 ms, beside
+load hits both sides alike. The issue asks for p99 within 20%. A p99 needs the samples to carry
+it: over 16 samples (what two 5 s rounds gave on a busy machine) it is the maximum. So rounds go
+on (up to MAX_ROUNDS) until each side has MIN_SAMPLES, and the tail compared is the highest
+quantile with at least 5 samples above it (q = 1 - 5/n: p66 at 15 samples, p75 at 20, p95 at 100,
+p99 from 500), named in the output. Measured
+before (2 shared cores, load average 5-8, ~16 samples per side): "p99" alone 3.5-19.7 ms, beside
 the noisy tenant 7.8-18.4 ms, ratio 0.93-2.2 over five runs; p50 1.3-2.3 ms vs 1.5-3.9 ms. The
 noisy tenant's few admitted requests (0.5/s) share the worker's steps, which adds a few ms; a 20%
-band on a p99 of a few ms is below this machine's scheduling jitter. So the test asserts
-p99 <= 1.2 x alone + 25 ms (QUEUE_P99_SLACK_MS, a fraction of one decode step here) and prints
-the numbers.
+band on a tail of a few ms is below this machine's scheduling jitter. So the test asserts
+tail <= 1.2 x alone + 25 ms (QUEUE_TAIL_SLACK_MS, a fraction of one decode step here) and prints
+the numbers. The noisy senders back off for min(retry-after, 0.25 s) after a refusal: that is the
+client under test's behaviour, not synchronization.
 
 Priority across the fleet: with the worker's KV capacity reserved by a long low-priority request, a
 priority-5 request is dispatched to it at once (the worker preempts for it when blocks run short)
@@ -25,6 +30,7 @@ sent straight to each worker afterwards finds the prefix cached on that worker o
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 
@@ -37,17 +43,26 @@ from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
 
-QUEUE_P99_RATIO = 1.2  # the issue's bound on the quiet tenant's p99 queue time ...
-QUEUE_P99_SLACK_MS = 25.0  # ... plus this, for scheduling jitter at millisecond scale
-ROUNDS = 2  # alternating rounds (alone, with noisy) ...
-ROUND_S = 5.0  # ... of this many seconds each
+QUEUE_TAIL_RATIO = 1.2  # the issue's bound on the quiet tenant's p99 queue time ...
+QUEUE_TAIL_SLACK_MS = 25.0  # ... plus this, for scheduling jitter at millisecond scale
+MIN_ROUNDS, MAX_ROUNDS = 2, 3  # alternating rounds (alone, with noisy) ...
+ROUND_S = 4.0  # ... of this many seconds each, a third round if a side has under ...
+MIN_SAMPLES = 20  # ... this many queue times
+MIN_TAIL_SAMPLES = 10  # fewer than this per side after MAX_ROUNDS: no tail to compare, a failure
 PREFIX_LEN = 160  # system prompt tokens: 10 full KV blocks
 
 
 @pytest.fixture(scope="module")
-def workers(logs):
-    with procs.running_workers(logs, 2, "--num-threads", "1") as started:
-        yield started
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py)."""
+    return plain_worker
+
+
+@pytest.fixture(scope="module")
+def second_worker(logs):
+    """A second worker for the affinity test: the probe must find the prefix on exactly one."""
+    with procs.running_workers(logs, 1, "--num-threads", "1") as started:
+        yield started[0]
 
 
 def request(rid: str, prompt_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
@@ -83,16 +98,16 @@ tenants:
 
 
 @pytest.fixture(scope="module")
-def limited_router(workers, logs):
-    path = logs / "tenants.yaml"
-    path.write_text(TENANTS)
-    proc = procs.start_router(logs, [workers[0].address], "--tenants", str(path))
-    try:
-        procs.ready(proc)
-        procs.wait_for_workers(proc.address, 1, metadata=(("authorization", "Bearer quiet-key"),))
+def limited_router(worker, logs):
+    quiet = (("authorization", "Bearer quiet-key"),)
+    extra = ("--metrics-port", "0")  # the queue-length gauge the priority test waits on
+    with procs.running_router(logs, [worker.address], *extra, tenants=TENANTS, metadata=quiet) as proc:
         yield proc
-    finally:
-        proc.stop()
+
+
+def tail_quantile(n: int) -> float:
+    """The highest percentile with at least 5 of `n` samples above it (99 at most)."""
+    return min(99.0, math.floor(100 * (1 - 5 / n)))
 
 
 async def quiet_client(stub, seconds: float, tag: str, queue_ms: list[float]) -> None:
@@ -139,16 +154,20 @@ def test_noisy_tenant_is_refused_with_retry_after_and_quiet_tenant_unaffected(li
     beside: list[float] = []
     outcomes: list = []
 
+    rounds = 0
+
     async def main():
+        nonlocal rounds
         async with grpc.aio.insecure_channel(limited_router.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             await quiet_client(stub, 1.0, "warm", [])  # first calls pay one-off costs
-            for r in range(ROUNDS):
-                await quiet_client(stub, ROUND_S, f"a{r}", alone)
+            while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and min(len(alone), len(beside)) < MIN_SAMPLES):
+                await quiet_client(stub, ROUND_S, f"a{rounds}", alone)
                 await asyncio.gather(
-                    quiet_client(stub, ROUND_S, f"b{r}", beside),
-                    noisy_client(stub, ROUND_S, f"b{r}", outcomes),
+                    quiet_client(stub, ROUND_S, f"b{rounds}", beside),
+                    noisy_client(stub, ROUND_S, f"b{rounds}", outcomes),
                 )
+                rounds += 1
 
     asyncio.run(main())
 
@@ -160,19 +179,24 @@ def test_noisy_tenant_is_refused_with_retry_after_and_quiet_tenant_unaffected(li
         assert retry_after_ms is not None and int(retry_after_ms) >= 1, details
         assert "tenant noisy" in details
     # the bucket refills 0.5 request/s: over the noisy rounds at most about that many got in
-    assert served <= ROUNDS * (0.5 * ROUND_S + 1) + 1, served
+    assert served <= rounds * (0.5 * ROUND_S + 1) + 1, served
 
-    alone_p99, beside_p99 = percentile(alone, 99), percentile(beside, 99)
+    assert min(len(alone), len(beside)) >= MIN_TAIL_SAMPLES, (len(alone), len(beside), rounds)
+    q = tail_quantile(min(len(alone), len(beside)))
+    alone_tail, beside_tail = percentile(alone, q), percentile(beside, q)
     print(
-        f"\nquiet tenant queue_ms: alone n={len(alone)} p50={statistics.median(alone):.1f} "
-        f"p99={alone_p99:.1f}; beside noisy n={len(beside)} p50={statistics.median(beside):.1f} "
-        f"p99={beside_p99:.1f}; p99 ratio {beside_p99 / alone_p99:.2f}; noisy served {served}, "
-        f"refused {len(refused)}"
+        f"\nquiet tenant queue_ms over {rounds} rounds: alone n={len(alone)} "
+        f"p50={statistics.median(alone):.1f} p{q:g}={alone_tail:.1f}; beside noisy n={len(beside)} "
+        f"p50={statistics.median(beside):.1f} p{q:g}={beside_tail:.1f}; ratio "
+        f"{beside_tail / alone_tail:.2f}; noisy served {served}, refused {len(refused)}"
     )
-    assert beside_p99 <= QUEUE_P99_RATIO * alone_p99 + QUEUE_P99_SLACK_MS, (alone_p99, beside_p99)
+    assert beside_tail <= QUEUE_TAIL_RATIO * alone_tail + QUEUE_TAIL_SLACK_MS, (q, alone_tail, beside_tail)
 
 
 def test_high_priority_passes_a_full_worker_while_low_priority_waits_in_the_router(limited_router):
+    def waiting() -> float:
+        return procs.scrape(limited_router)[("llm_num_requests_waiting", ())]
+
     async def main():
         async with grpc.aio.insecure_channel(limited_router.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
@@ -183,16 +207,18 @@ def test_high_priority_passes_a_full_worker_while_low_priority_waits_in_the_rout
                 if msg.HasField("chunk") and msg.chunk.token_ids:
                     break
             low = asyncio.create_task(generate(stub, request("low", list(range(2000, 2024)), 8), "quiet-key"))
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(procs.wait_until, lambda: waiting() == 1, 30.0, "low in the router queue")
+            seen_waiting = time.monotonic()
             urgent = request("urgent", list(range(3000, 3024)), 4)
             urgent.priority = 5
             finished = await asyncio.wait_for(generate(stub, urgent, "quiet-key"), 30)
             assert finished.usage.completion_tokens == 4
-            assert not low.done()  # still in the router's queue behind the reservation
+            assert not low.done() and waiting() == 1  # still in the router's queue behind the reservation
             hog.cancel()
+            cancelled = time.monotonic()
             finished = await asyncio.wait_for(low, 30)  # room again: it goes out now
             assert finished.usage.completion_tokens == 8
-            assert finished.timing.queue_ms > 500
+            assert finished.timing.queue_ms >= (cancelled - seen_waiting) * 1e3 - 1.0
 
             short = request("short-deadline", list(range(4000, 4024)), 8)
             hog = stub.Generate(
@@ -208,6 +234,11 @@ def test_high_priority_passes_a_full_worker_while_low_priority_waits_in_the_rout
             hog.cancel()
 
     asyncio.run(main())
+
+
+@pytest.fixture
+def workers(worker, second_worker):
+    return [worker, second_worker]
 
 
 @pytest.fixture

@@ -57,9 +57,9 @@ ALLOWED = {
 
 
 @pytest.fixture(scope="module")
-def worker(logs):
-    with procs.running_workers(logs, 1, "--num-threads", "1") as started:
-        yield started[0]
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py)."""
+    return plain_worker
 
 
 def keyed_router(logs, worker, *extra):

@@ -14,8 +14,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
@@ -27,19 +25,9 @@ FRANCE = [pb.ChatMessage(role="user", content="What is the capital of France?")]
 
 
 @pytest.fixture(scope="module")
-def worker_started(logs):
-    """Started but maybe still loading, so the reference engine below loads at the same time."""
-    proc = procs.start_worker(logs)
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def worker(worker_started):
-    procs.ready(worker_started)
-    return worker_started
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py): default engine flags, float32."""
+    return plain_worker
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +52,13 @@ def worker_stub(worker):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_gguf(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def engine(worker_started):
+def engine():
     """The reference: the same engine config in this process, no gRPC in between."""
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
 
     engine = AsyncEngine.from_config(
-        EngineConfig(dtype="float32", kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20))
+        EngineConfig(dtype="float32", kv_cache_bytes=int(procs.TEST_KV_CACHE_MB * 2**20), num_threads=1)
     )
     yield engine
     engine.shutdown()
@@ -117,18 +100,6 @@ def engine_output(engine, tokenizer, prompt_ids, max_tokens):
 
     ids = asyncio.run(run())
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def wait_idle(worker_stub, timeout_s):
-    """Polls the worker's load report until no sequence holds KV blocks; returns the time taken."""
-    start = time.monotonic()
-    while True:
-        load = worker_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
-        if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"worker still busy after {timeout_s} s: {load}")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("kind", ["prompt", "chat", "token_ids"])
@@ -208,7 +179,7 @@ def test_health_and_reflection(router):
     assert {"llm.v1.Generation", "grpc.health.v1.Health"} <= names
 
 
-def test_cancel_frees_kv_blocks_within_one_second(stub, worker_stub):
+def test_cancel_frees_kv_blocks_within_one_second(stub, worker, worker_stub):
     request = pb.GenerateRequest(
         prompt="Count to one thousand:", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
     )
@@ -221,17 +192,17 @@ def test_cancel_frees_kv_blocks_within_one_second(stub, worker_stub):
     load = worker_stub.GetLoad(worker_pb2.GetLoadRequest())
     assert load.num_running == 1 and load.num_free_blocks < load.num_total_blocks
     call.cancel()
-    assert wait_idle(worker_stub, timeout_s=1.0) < 1.0
+    assert procs.wait_all_blocks_free(worker.address, timeout_s=1.0)[1] < 1.0
 
 
-def test_deadline_propagates_to_worker(stub, worker_stub):
+def test_deadline_propagates_to_worker(stub, worker):
     request = pb.GenerateRequest(
         prompt="Write a long story:", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
     )
     with pytest.raises(grpc.RpcError) as info:
         collect(stub, request, timeout=1.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_idle(worker_stub, timeout_s=1.0)
+    procs.wait_all_blocks_free(worker.address, timeout_s=1.0)
 
 
 def _invalid_table(max_model_len):

@@ -28,29 +28,15 @@ OUTPUT_LEN = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    tenants = logs / "tenants.yaml"
-    tenants.write_text(
-        "tenants:\n"
-        + "".join(
-            f"  - name: {name}\n    key_sha256: {hash_key(key)}\n"
-            f"    weight: {2.0 if name == 'alice' else 1.0}\n"
-            for name, key in KEYS.items()
-        )
+def server(logs, plain_worker):
+    """The session's shared worker (tests/conftest.py) and a router of this module's tenants."""
+    tenants = "tenants:\n" + "".join(
+        f"  - name: {name}\n    key_sha256: {hash_key(key)}\n    weight: {2.0 if name == 'alice' else 1.0}\n"
+        for name, key in KEYS.items()
     )
-    worker = procs.start_worker(logs)
-    router = None
-    try:
-        procs.ready(worker)
-        router = procs.start_router(logs, [worker.address], "--tenants", str(tenants))
-        procs.ready(router)
-        procs.wait_for_workers(router.address, 1, metadata=(("authorization", f"Bearer {KEYS['alice']}"),))
-        yield worker, router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
+    alice = (("authorization", f"Bearer {KEYS['alice']}"),)
+    with procs.running_router(logs, [plain_worker.address], tenants=tenants, metadata=alice) as router:
+        yield plain_worker, router
 
 
 def test_two_tenant_load_report_agrees_with_the_server(server, tmp_path):

@@ -7,16 +7,13 @@ equals the request count), plus /targets service discovery, admission refusals b
 reason, and the JSON request log line carrying the trace id.
 """
 
-import contextlib
 import json
 import time
 import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
@@ -26,43 +23,32 @@ TOKEN_BUDGET = 600  # --max-tokens-in-flight: a request asking for more is refus
 
 
 @pytest.fixture(scope="module")
-def sink():
-    sink = OtlpSink()
-    yield sink
-    sink.stop()
+def sink(shared_sink):
+    """The session's OTLP receiver, which the shared worker exports to (tests/conftest.py)."""
+    return shared_sink
 
 
 @pytest.fixture(scope="module")
-def worker(logs, sink):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not the default 5 s
-        proc = procs.start_worker(logs, "--num-threads", "1", "--otlp-endpoint", sink.endpoint)
-    try:
-        procs.ready(proc)
-        yield proc
-    finally:
-        proc.stop()
+def worker(plain_worker):
+    """The session's shared worker: spans to `sink` within 50 ms, /metrics on an ephemeral port."""
+    return plain_worker
 
 
 @pytest.fixture(scope="module")
 def router(worker, logs, sink):
-    with contextlib.ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as mp:  # the router process inherits the setting
-            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-            proc = stack.enter_context(
-                procs.running_router(
-                    logs,
-                    [worker.address],
-                    "--otlp-endpoint",
-                    sink.endpoint,
-                    "--metrics-port",
-                    "0",
-                    "--log-format",
-                    "json",
-                    "--max-tokens-in-flight",
-                    str(TOKEN_BUDGET),
-                )
-            )
+    with procs.running_router(
+        logs,
+        [worker.address],
+        "--otlp-endpoint",
+        sink.endpoint,
+        "--metrics-port",
+        "0",
+        "--log-format",
+        "json",
+        "--max-tokens-in-flight",
+        str(TOKEN_BUDGET),
+        env=procs.FAST_SPAN_EXPORT,
+    ) as proc:
         yield proc
 
 
@@ -79,9 +65,7 @@ def router_metrics(router):
 
 @pytest.fixture(scope="module")
 def worker_metrics(worker):
-    address = procs.worker_metrics_address(worker.address)
-    assert address
-    return address
+    return procs.worker_metrics_address(worker.address)  # asserts that the worker names one
 
 
 def generate(stub, prompt_ids, max_tokens, request_id, metadata=()):
@@ -123,15 +107,6 @@ def request_trace(sink, request_id):
     return root, [s for s in spans if s.trace_id == root.trace_id]
 
 
-def scrape(address):
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def value(samples, name, **labels):
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -140,7 +115,7 @@ def wait_metrics(address, check, timeout_s=10.0):
     """Scrapes until `check(samples)` holds: a process records a request just after its last message."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(address)
+        samples = procs.scrape(address)
         if check(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
@@ -209,7 +184,7 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
     prompts = [list(range(3000 + 50 * i, 3000 + 50 * i + 8 + 5 * i)) for i in range(3)]
     max_tokens = 3
     sides = (("router", router_metrics), ("worker", worker_metrics))
-    before = {side: scrape(address) for side, address in sides}
+    before = {side: procs.scrape(address) for side, address in sides}
     for i, prompt in enumerate(prompts):
         generate(stub, prompt, max_tokens, f"metrics-{i}")
     with pytest.raises(grpc.RpcError) as refused:

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import grpc
 import pytest
@@ -27,15 +26,8 @@ def test_make_serve_runs_the_ray_launcher():
 
 
 def wait_router(proc: procs.Proc, timeout_s: float) -> str:
-    """The router's address from its "router listening on" line (the worker's comes first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.search(r"router listening on (\S+)", proc.log_tail(100_000))
-        if found:
-            return found.group(1)
-        assert proc.popen.poll() is None, proc.log_tail()
-        time.sleep(0.1)  # polling a log file; no event to wait on across processes
-    raise TimeoutError(f"no router within {timeout_s} s:\n{proc.log_tail()}")
+    """The router's address from its "router listening on" line (a worker's comes first)."""
+    return proc.wait_for_line(r"router listening on (\S+)", timeout_s).group(1)
 
 
 def alive(pid: int) -> bool:
@@ -89,9 +81,7 @@ def test_serve_streams_a_generation_and_stops_cleanly(tmp_path):
         proc.signal(signal.SIGTERM)
         assert proc.popen.wait(90) == 0, proc.log_tail()
         assert "stopped: router, workers worker-0, Ray" in proc.log_tail()
-        deadline = time.monotonic() + 15
-        while any(alive(p) for p in worker_pids):  # Ray reaps its workers as it shuts down
-            assert time.monotonic() < deadline, "a worker process outlived `make serve`"
-            time.sleep(0.1)
+        # Ray reaps its workers as it shuts down
+        procs.wait_until(lambda: not any(alive(p) for p in worker_pids), 15, "worker processes gone")
     finally:
         proc.stop()

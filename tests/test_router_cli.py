@@ -1,7 +1,6 @@
 """Process-level guards: the router never imports torch; neither server binds a public address
 without keys / an explicit flag; the CLI builds the config it says it does."""
 
-import os
 import subprocess
 import sys
 
@@ -10,12 +9,7 @@ import pytest
 from router.config import Limits, RouterConfig, parse_args
 from tests.procs import REPO
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """The parsers read LLM_*/OTEL_* variables: none from the environment the tests run in."""
-    for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_llm_env")  # tests/conftest.py: no LLM_*/OTEL_* leaks in
 
 
 def test_router_modules_do_not_import_torch():

@@ -6,9 +6,7 @@ exported no spans: only python -m router/worker read the variable.)"""
 
 from __future__ import annotations
 
-import re
 import signal
-import time
 
 import grpc
 import pytest
@@ -25,14 +23,7 @@ MAX_MODEL_LEN = 384
 
 def wait_router(proc: procs.Proc, timeout_s: float) -> str:
     """The router's address from its "router listening on" line (a worker's comes first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.search(r"router listening on (\S+)", proc.log_tail(200_000))
-        if found:
-            return found.group(1)
-        assert proc.popen.poll() is None, proc.log_tail()
-        time.sleep(0.1)  # polling a log file; no event to wait on across processes
-    raise TimeoutError(f"no router within {timeout_s} s:\n{proc.log_tail()}")
+    return proc.wait_for_line(r"router listening on (\S+)", timeout_s).group(1)
 
 
 def test_make_serve_exports_spans_from_router_and_workers(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ JSON and exporting spans over OTLP to a receiver in this process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import statistics
 import threading
@@ -31,7 +30,6 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.errors import AuthError
@@ -57,68 +55,35 @@ def auth(tenant: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {KEYS[tenant]}"),)
 
 
-class RawSink(OtlpSink):
-    """Also keeps every export request's bytes, so a search covers every attribute, event, status
-    message and resource field, not only what `SinkSpan` parses."""
-
-    def __init__(self):
-        self.raw: list[bytes] = []
-        super().__init__()
-
-    def Export(self, request, context):
-        with self._cond:
-            self.raw.append(request.SerializeToString())
-        return super().Export(request, context)
+@pytest.fixture(scope="module")
+def sink(shared_sink):
+    """The session's OTLP receiver (tests/conftest.py): it keeps every export request's bytes, so a
+    search covers every attribute, event, status message and resource field, not only what
+    `SinkSpan` parses."""
+    return shared_sink
 
 
 @pytest.fixture(scope="module")
-def sink():
-    sink = RawSink()
-    yield sink
-    sink.stop()
-
-
-@pytest.fixture(scope="module")
-def worker(logs, sink):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms
-        proc = procs.start_worker(
-            logs,
-            "--num-threads",
-            "1",
-            "--otlp-endpoint",
-            sink.endpoint,
-            "--log-format",
-            "json",
-            "--metrics-port",
-            "0",
-        )
-    try:
-        procs.ready(proc)
-        yield proc
-    finally:
-        proc.stop()
+def worker(plain_worker):
+    """The session's shared worker: JSON logs, /metrics, spans to `sink` within 50 ms."""
+    return plain_worker
 
 
 @pytest.fixture(scope="module")
 def router(worker, logs, sink):
-    with contextlib.ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as mp:  # the router process inherits the setting
-            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-            proc = stack.enter_context(
-                procs.running_router(
-                    logs,
-                    [worker.address],
-                    "--otlp-endpoint",
-                    sink.endpoint,
-                    "--log-format",
-                    "json",
-                    "--metrics-port",
-                    "0",
-                    tenants=TENANTS,
-                    metadata=auth("alice"),
-                )
-            )
+    with procs.running_router(
+        logs,
+        [worker.address],
+        "--otlp-endpoint",
+        sink.endpoint,
+        "--log-format",
+        "json",
+        "--metrics-port",
+        "0",
+        tenants=TENANTS,
+        metadata=auth("alice"),
+        env=procs.FAST_SPAN_EXPORT,
+    ) as proc:
         yield proc
 
 
@@ -382,7 +347,7 @@ def test_keys_never_appear_in_logs_spans_or_metrics(
     places = {
         "router log": router.log_path.read_bytes(),
         "worker log": worker.log_path.read_bytes(),
-        "OTLP export": b"".join(sink.raw),
+        "OTLP export": sink.raw(),
         "router /metrics": scrape_text(router_metrics).encode(),
         "worker /metrics": scrape_text(worker_metrics).encode(),
     }

@@ -9,12 +9,7 @@ import pytest
 from tests.procs import REPO
 from worker.__main__ import parse_args
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """The parsers read LLM_*/OTEL_* variables: none from the environment the tests run in."""
-    for name in [n for n in os.environ if n.startswith(("LLM_", "OTEL_"))]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_llm_env")  # tests/conftest.py: no LLM_*/OTEL_* leaks in
 
 
 def test_engine_flags():
