@@ -286,6 +286,10 @@ def test_bad_body_and_prompt_batches_are_400(router):
     batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode(), KEY)
     assert (bad_status, batch_status) == (400, 400)
     assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
+    missing_status, missing = post(f"{url}/embeddings", b"{}", KEY)  # not served: an OpenAI error too
+    method_status, method = post(f"{url}/models", b"{}", KEY)
+    assert (missing_status, method_status) == (404, 405)
+    assert missing["error"]["message"].startswith("POST /v1/embeddings") and "message" in method["error"]
 
 
 def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):

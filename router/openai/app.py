@@ -35,6 +35,7 @@ from contextlib import aclosing, suppress
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
@@ -218,6 +219,17 @@ def create_app(
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths (404) and methods (405) get OpenAI error objects too."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(
+            ApiError(exc.status_code, message, type_=kind).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def observed(parsed: Parsed, ctx: HttpCallContext) -> AsyncIterator[Chunk | Done]:
         """The gRPC pipeline's responses, unwrapped: `TokenChunk`s, then one `Finished`."""
