@@ -62,7 +62,7 @@ class OverloadArgs:
     factor: float = 3.0
     capacity_s: float = 20.0
     clients: int = 16
-    unloaded_requests: int = 20
+    unloaded_requests: int = 100  # the unloaded p99 is the target's yardstick: 20 made it the maximum
     max_tokens: int = 32
     words: tuple[int, int] = (8, 24)
     deadline_s: float = 60.0
