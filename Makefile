@@ -48,7 +48,8 @@ bench-host: install
 	$(PY) -m benchmarks.host_overhead $(ARGS)
 
 # Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
-# the router on 127.0.0.1:50051, in one process; Ctrl-C stops everything. TP=N: each worker spans
+# the router on 127.0.0.1:50051 (gRPC) and :8000 (OpenAI-compatible HTTP, docs/openai.md), in one
+# process; Ctrl-C stops everything. TP=N: each worker spans
 # N ranks (tensor parallel, docs/tensor-parallel.md; the default worker count is divided by N).
 WORKERS ?=
 TP ?=

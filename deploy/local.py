@@ -40,7 +40,7 @@ from common.auth import new_token
 from common.config_cli import Flags, new_parser, option, parse_or_exit
 from common.logs import setup_logging
 from deploy.ray_launch import LaunchConfig, launch_workers, ray_process_env, stop_workers
-from router.config import RouterConfig
+from router.config import DEFAULT_HTTP_PORT, RouterConfig
 from router.models import entries_for
 from worker.config import EngineConfig
 from worker.server_config import WorkerServerConfig
@@ -159,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         port = plan.router.port
         target = f"{plan.router.host}:{port}" if port else "<the router address printed below>"
         client = f".venv/bin/python -m devtools.client --target {target}"
+        http_port = plan.router.http_port  # None: 8000 (else announced below), 0: ephemeral, -1: off
+        base = (
+            f"http://{plan.router.http_host}:{http_port or DEFAULT_HTTP_PORT}"
+            if http_port is None or http_port > 0
+            else "<the 'HTTP API at' address printed below>"
+        )
+        curl = f"  curl -s {base}/v1/models  (OpenAI-compatible API: docs/openai.md)\n" if http_port != -1 else ""
         print(
             f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
             f"  {client} --chat 'What is the capital of France?'\n"
-            f"  {client} 'Once upon a time' --max-tokens 64\n"
+            f"  {client} 'Once upon a time' --max-tokens 64\n{curl}"
             f"A second router over the same workers needs their token (set LLM_WORKER_TOKEN for both):\n"
             f"  LLM_WORKER_TOKEN=... .venv/bin/python -m router --port 50052 --ray-address {ray_address} "
             f"--ray-namespace {namespace}\n"
