@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             if http_port is None or http_port > 0
             else "<the 'HTTP API at' address printed below>"
         )
-        curl = f"  curl -s {base}/v1/models  (OpenAI-compatible API: docs/openai.md)\n" if http_port != -1 else ""
+        curl = ""
+        if http_port != -1:
+            curl = f"  curl -s {base}/v1/models  (OpenAI-compatible API: docs/openai.md)\n"
         print(
             f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
             f"  {client} --chat 'What is the capital of France?'\n"
