@@ -17,8 +17,10 @@ Contract
   loads its shard (worker/tp/shard.py through the loader), allocates its own paged KV pool (its
   KV heads only), answers ("ready", num_blocks) or ("error", message) on `conn`, then runs the
   forward of each step message until ("stop",), or until rank 0 is gone (EOF on `conn`), or a
-  collective fails (exit code 1: rank 0 sees it and restarts the group). ("reduce", shape, n):
-  n bare all-reduces, for the benchmark.
+  collective fails (exit code 1: rank 0 sees it and restarts the group). ("logits", hidden): the
+  sampled rows' final hidden states; the rank computes its vocabulary slice of their logits
+  (`logits_slice`) and gathers it to rank 0. ("reduce", shape, n): n bare all-reduces, for the
+  benchmark.
 - proven by tests/test_tp_model.py and tests/test_tp_serve.py (a rank killed mid-stream).
 """
 
@@ -68,6 +70,27 @@ class Collectives:
         self.reduce_s += time.perf_counter() - start
         self.num_reduces += 1
         return x
+
+    def gather_to_0(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (same shape) on rank 0, in rank order; None on the other ranks."""
+        from torch.distributed import GatherOptions
+
+        opts = GatherOptions()
+        opts.rootRank = 0
+        out = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            self.pg.gather([out] if out is not None else [], [x], opts).wait()
+        except RuntimeError as exc:
+            raise GroupFailed(f"rank {self.rank}: gather failed: {str(exc).splitlines()[0]}") from exc
+        return out
+
+
+def logits_slice(model, hidden: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank r's vocab-parallel share of the logits, (S, V/N): rows [r*V/N, (r+1)*V/N) of the
+    (replicated) lm_head, or of the tied embedding."""
+    weight = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    n = weight.shape[0] // size
+    return torch.nn.functional.linear(hidden, weight[rank * n : (rank + 1) * n])
 
 
 def new_store(size: int, timeout_s: float = JOIN_TIMEOUT_S):
@@ -169,19 +192,22 @@ def rank_main(rank: int, size: int, config: EngineConfig, port: int, conn) -> No
             return  # rank 0 is gone
         if msg[0] == "stop":
             return
-        if msg[0] == "reduce":  # benchmarks/tp_bench.py: the collective alone, no compute
-            _, shape, count = msg
-            try:
-                for _ in range(count):
-                    collectives.all_reduce(torch.zeros(shape, dtype=runner.model.dtype, device=runner.device))
-            except GroupFailed as exc:
-                log.warning("%s; exiting", exc)
-                sys.exit(1)
-            continue
-        input_ids, positions, meta = decode_step(msg, runner.device)
         try:
             with torch.inference_mode():
-                runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
+                serve_message(msg, runner, collectives, rank, size)
         except GroupFailed as exc:
             log.warning("%s; exiting", exc)
             sys.exit(1)
+
+
+def serve_message(msg: tuple, runner, collectives: Collectives, rank: int, size: int) -> None:
+    if msg[0] == "step":
+        input_ids, positions, meta = decode_step(msg, runner.device)
+        runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
+    elif msg[0] == "logits":  # the sampled rows' hidden states: this rank's vocab slice to rank 0
+        hidden = torch.from_numpy(msg[1]).to(runner.device)
+        collectives.gather_to_0(logits_slice(runner.model, hidden, rank, size).contiguous())
+    elif msg[0] == "reduce":  # benchmarks/tp_bench.py: the collective alone, no compute
+        _, shape, count = msg
+        for _ in range(count):
+            collectives.all_reduce(torch.zeros(shape, dtype=runner.model.dtype, device=runner.device))

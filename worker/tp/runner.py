@@ -5,7 +5,8 @@ Contract
   over rank 0's shard wrapped in `LeaderModel`; the scheduler, block manager and sampler run only
   here, once. Each forward first sends the step (its flat inputs and attention metadata, i.e. the
   plan in block ids) to every other rank, then runs rank 0's shard; the shards meet in the
-  all-reduces. Logits come from rank 0's replicated lm_head only.
+  all-reduces. Logits are vocab-parallel: each rank multiplies the sampled rows' hidden states by
+  its slice of the (replicated) lm_head, rank 0 gathers the slices.
 - `TPGroup`: starts ranks 1..N-1 as processes of this node (multiprocessing spawn: one process
   per device), each with a pipe for its step messages, written by a sender thread per rank (a
   stuck rank's full pipe blocks that thread, never the engine); the group's collectives; `restart()`
@@ -38,7 +39,16 @@ import torch.nn as nn
 
 from worker.config import EngineConfig, default_num_threads
 from worker.tp.errors import GroupFailed
-from worker.tp.group import JOIN_TIMEOUT_S, connect, encode_step, install, new_store, rank_device, rank_main
+from worker.tp.group import (
+    JOIN_TIMEOUT_S,
+    connect,
+    encode_step,
+    install,
+    logits_slice,
+    new_store,
+    rank_device,
+    rank_main,
+)
 from worker.tp.shard import check_size, read_model_config, shard_mode
 
 log = logging.getLogger(__name__)
@@ -90,16 +100,21 @@ class _Sender:
 
 
 class LeaderModel(nn.Module):
-    """Rank 0's shard; each forward first hands the step to the other ranks."""
+    """Rank 0's shard; each forward first hands the step to the other ranks, and the logits are
+    vocab-parallel: every rank computes its slice, rank 0 gathers them."""
 
-    def __init__(self, inner: nn.Module, send):
+    def __init__(self, inner: nn.Module, group: TPGroup):
         super().__init__()
         self.inner = inner
-        self._send = send
+        self._group = group
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
-        self._send(input_ids, positions, meta)
+        self._group.send(input_ids, positions, meta)
         return self.inner(input_ids, positions, kv_caches, meta, backend)
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = self._group.logits(hidden)  # (S, V)
+        return logits.float() if upcast else logits
 
     def __getattr__(self, name: str):
         try:
@@ -199,13 +214,26 @@ class TPGroup:
         self._rank_blocks = blocks
         log.info("tensor-parallel group of %d ranks up; rank pids %s", self.size, self.pids())
 
-    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+    def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
                 raise GroupFailed(f"rank {rank} {_describe(proc.exitcode)}")
+
+    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        self._check_alive()
         msg = encode_step(input_ids, positions, meta)
         for sender in self.senders:
             sender.put(msg)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, V) logits of the sampled rows' hidden states (S, C): each rank's vocabulary slice,
+        gathered to rank 0."""
+        self._check_alive()
+        msg = ("logits", hidden.detach().cpu().numpy())
+        for sender in self.senders:
+            sender.put(msg)
+        parts = self.collectives.gather_to_0(logits_slice(self.model, hidden, 0, self.size).contiguous())
+        return torch.cat(parts, dim=-1)
 
     def time_all_reduce(self, shape: tuple[int, ...], count: int, dtype: torch.dtype) -> float:
         """Mean seconds of one bare all-reduce of `shape` over the group (every rank doing only
@@ -277,7 +305,7 @@ def build_runner(config: EngineConfig):
         loaded = group.loaded
         runner = ModelRunner.from_model(
             dataclasses.replace(config, device=rank_device(config.device, 0)),
-            LeaderModel(group.model, group.send),
+            LeaderModel(group.model, group),
             loaded.eos_token_ids,
             loaded.name,
         )

@@ -13,14 +13,15 @@ Contract
   - row-parallel (input columns split): o_proj and down_proj: rows are read in chunks of 2,048 and
     narrowed to the rank's columns (safetensors reads only the columns); their outputs are partial
     sums that one all-reduce per projection adds up (worker/model/llama.py `all_reduce`);
-  - embedding, lm_head and norms are replicated (every rank holds them; only rank 0 computes the
-    logits): docs/tensor-parallel.md gives the measured reason.
+  - embedding, lm_head and norms are replicated in memory; the logits are vocab-parallel (each
+    rank multiplies by its V/N rows of the lm_head, rank 0 gathers them): docs/tensor-parallel.md
+    gives the measured reason.
 - quantized weights: tensor parallel runs dense weights. quantization "auto" dequantizes quantized
   GGUF tensors to --dtype (logged); an explicit int8/int4 is refused (ValueError), since the int4
   groups and per-row scales would have to be cut along the shard boundaries.
 - failure modes (ValueError, at start, before any rank process exists): a size that does not divide
-  the KV heads, the q heads or the intermediate size, naming the model's counts and the sizes that
-  would work.
+  the KV heads, the q heads, the intermediate size or the vocabulary, naming the model's counts
+  and the sizes that would work.
 - proven by tests/test_tp_model.py (every rank's slices reassemble the unsharded weights; the
   sharded group's logits equal TP=1's; the invalid sizes).
 """
@@ -48,6 +49,7 @@ def _problems(cfg: ModelConfig, size: int) -> list[str]:
         ("KV heads", cfg.num_kv_heads),
         ("attention heads", cfg.num_heads),
         ("intermediate size", cfg.intermediate_size),
+        ("vocabulary entries", cfg.vocab_size),  # vocab-parallel logits
     )
     return [f"{count} {what}" for what, count in counts if count % size]
 
