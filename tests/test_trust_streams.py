@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from common.auth import METADATA_KEY
+from devtools.stalled_client import StalledClient
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
-from devtools.stalled_client import StalledClient
 
 MAX_NUM_SEQS = 2
 IDLE_S = 1.0  # the router's
