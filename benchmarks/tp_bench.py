@@ -10,8 +10,9 @@ Contract
   rank 0 spent inside all-reduces per step (including waiting for the slowest rank), their share of
   the step, the all-reduces per step, one bare all-reduce of a decode step's partials (batch x
   hidden; every rank doing only that: the communication without waiting for a slower rank) and
-  that times the all-reduces per step, the prefill step of the batch, and rank 0's lm_head time for
-  the batch (what a vocab-parallel lm_head would split). Printed as a Markdown table; with
+  that times the all-reduces per step, the prefill step of the batch, rank 0's lm_head time for
+  the batch (at TP > 1 vocab-parallel: its slice, the others' in parallel, and the gather) and a
+  bare collective of the gather's size (batch x vocab/N). Printed as a Markdown table; with
   --write-docs also written as the "Tensor parallel" section of docs/benchmarks.md.
 - on CPU this is a communication figure (gloo over loopback, one thread per rank, ranks sharing
   the machine's cores), not a speed claim; on a machine with N GPUs `--device cuda` gives the NCCL
@@ -129,12 +130,12 @@ def measure(size: int, args) -> dict:
             if group:
                 reduce_s += group.collectives.reduce_s - before[0]
                 reduces += group.collectives.num_reduces - before[1]
-        hidden_size = engine.runner.model_config.hidden_size
-        bare_ms = (
-            group.time_all_reduce((args.batch, hidden_size), 50, engine.runner.model.dtype) * 1e3
-            if group
-            else 0
-        )
+        dtype = engine.runner.model.dtype
+        shape = (args.batch, engine.runner.model_config.hidden_size)  # one decode step's partials
+        bare_ms = group.time_all_reduce(shape, 50, dtype) * 1e3 if group else 0.0
+        # What a vocab-parallel lm_head would add per step: rank 0 collecting the S x V/N logit
+        # slices; timed as a bare all-reduce of that size (an all-gather moves as much per rank).
+        gather_ms = group.time_all_reduce((args.batch, vocab // size), 10, dtype) * 1e3 if group else 0.0
         model = engine.runner.model
         hidden = torch.randn(args.batch, engine.runner.model_config.hidden_size, dtype=model.dtype)
         hidden = hidden.to(engine.runner.device)
@@ -162,6 +163,7 @@ def measure(size: int, args) -> dict:
         "share": reduce_ms / mean_step_ms,
         "reduces": reduces // args.steps,
         "bare_ms": bare_ms,
+        "gather_ms": gather_ms,
         "prefill_ms": prefill_ms,
         "lm_head_ms": lm_head_ms,
     }
@@ -170,14 +172,15 @@ def measure(size: int, args) -> dict:
 def table(rows: list[dict]) -> str:
     lines = [
         "| TP | decode step (median ms) | in all-reduce (ms/step) | share of step | all-reduces/step "
-        "| bare all-reduce (ms) | x per step (ms) | prefill step (ms) | lm_head, rank 0 (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bare all-reduce (ms) | x per step (ms) | prefill step (ms) | lm_head, rank 0 (ms) "
+        "| logit slices collected (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['step_ms']:.1f} | {r['reduce_ms']:.1f} | {r['share']:.0%} | {r['reduces']} "
             f"| {r['bare_ms']:.3f} | {r['bare_ms'] * r['reduces']:.1f} | {r['prefill_ms']:.0f} "
-            f"| {r['lm_head_ms']:.2f} |"
+            f"| {r['lm_head_ms']:.2f} | {r['gather_ms']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -227,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} torch thread(s) per rank. Command: `{command.strip()}`.\n\n{table(rows)}\n\n"
         '"in all-reduce" is rank 0\'s time inside the collectives during the steps, waiting for the slowest '
         'rank included; "bare all-reduce" is one collective of a decode step\'s partials with every rank '
-        "doing nothing else. On CPU the ranks share the machine's cores: when ranks x threads exceed the "
-        "CPUs, both include waiting for descheduled ranks. A communication figure, not a speed claim "
-        "(docs/tensor-parallel.md).\n"
+        'doing nothing else; "lm_head" is the batch\'s logits on rank 0 (at TP > 1 vocab-parallel: its '
+        'slice while the others compute theirs, then the gather); "logit slices collected" is a bare '
+        "collective of the gather's size (batch x vocab/N). On CPU the ranks share the machine's cores: "
+        "when ranks x threads exceed the CPUs, these include waiting for descheduled ranks. "
+        "A communication figure, not a speed claim (docs/tensor-parallel.md).\n"
     )
     print(text)
     if args.write_docs:
