@@ -218,3 +218,21 @@ def test_penalties_without_history_are_refused():
 def test_invalid_new_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_mixed_batch_matches_the_reference_row_by_row():
+    """Every case in one batch, with plain rows between them: the batched bias and penalty ops put
+    each row's own adjustment in its own row."""
+    rng = torch.Generator().manual_seed(5)
+    params = [p for case in CASES for p in (SamplingParams(**case), SamplingParams())]
+    logits = torch.randn(len(params), VOCAB, generator=rng) * 3
+    histories = [_history(rng) for _ in params]
+    adjusted = adjust_logits(logits, params, histories)
+    for i, (prompt, tokens) in enumerate(histories):
+        expect = reference_adjusted(logits[i].tolist(), params[i], prompt, tokens)
+        assert adjusted[i].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-5), (i, params[i])
+    gens = [torch.Generator().manual_seed(200 + i) for i in range(len(params))]
+    tokens, _ = sample(logits, params, gens, histories)
+    for i, (prompt, so_far) in enumerate(histories):
+        noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(200 + i)).tolist()
+        assert tokens[i] == reference_choice(logits[i].tolist(), params[i], prompt, so_far, noise), i

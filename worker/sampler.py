@@ -53,37 +53,53 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def _flat(rows: list[int], token_lists: list[Sequence[int]], vocab: int, dev) -> torch.Tensor:
+    """Positions `row * vocab + token` of every listed token below `vocab` in a flattened [R, V]."""
+    flat = [k * vocab + t for k, tokens in zip(rows, token_lists) for t in tokens if t < vocab]
+    return torch.tensor(flat, dtype=torch.long, device=dev)
+
+
 def adjust_logits(
     logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[History] | None
 ) -> torch.Tensor:
-    """Logit bias and penalties, row by row (a copy when any row has them; else `logits` itself)."""
-    rows = [i for i, p in enumerate(params) if p.logit_bias or p.needs_history]
-    if not rows:
+    """Logit bias and penalties (a copy when any row has them; else `logits` itself). A few batched
+    ops whatever the number of rows: a launch-bound GPU step does not pay per row."""
+    if not any(p.logit_bias or p.needs_history for p in params):
         return logits
-    if any(params[i].needs_history for i in rows) and histories is None:
-        raise ValueError("penalties need each row's token history")
     out = logits.clone()
-    vocab, dev = logits.shape[-1], logits.device
-    for i in rows:
-        p, row = params[i], out[i]
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=dev)
-            keep = ids < vocab
-            bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=dev)
-            row.index_add_(0, ids[keep], bias[keep])
-        if not p.needs_history:
-            continue
-        prompt, tokens = histories[i]
-        if p.repetition_penalty != 1.0 and len(tokens):
-            seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
-            seen[torch.tensor(list(tokens), dtype=torch.long, device=dev)] = True
-            r = p.repetition_penalty
-            row.copy_(torch.where(seen, torch.where(row > 0, row / r, row * r), row))
-        output = list(tokens[len(prompt) :])
-        if output and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=dev), minlength=vocab)
-            counts = counts[:vocab].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    vocab, dev, dtype = logits.shape[-1], logits.device, logits.dtype
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        ids = [[t for t, _ in params[i].logit_bias] for i in biased]
+        vals = [b for i in biased for t, b in params[i].logit_bias if t < vocab]
+        out.view(-1).index_add_(
+            0, _flat(biased, ids, vocab, dev), torch.tensor(vals, dtype=dtype, device=dev)
+        )
+    penalized = [i for i, p in enumerate(params) if p.needs_history]
+    if not penalized:
+        return out
+    if histories is None:
+        raise ValueError("penalties need each row's token history")
+    repeat = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    if repeat:  # over prompt and output tokens: positive logits divided, negative multiplied
+        seen = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=dev)
+        seen.view(-1)[_flat(list(range(len(repeat))), [histories[i][1] for i in repeat], vocab, dev)] = True
+        r = torch.tensor([params[i].repetition_penalty for i in repeat], dtype=dtype, device=dev)[:, None]
+        idx = torch.tensor(repeat, device=dev)
+        sub = out[idx]
+        factor = torch.where(sub > 0, 1.0 / r, r)  # x / r == x * (1 / r) up to rounding
+        out[idx] = torch.where(seen, sub * factor, sub)
+    counted = [i for i in penalized if params[i].frequency_penalty or params[i].presence_penalty]
+    if counted:  # over the output so far: frequency x count, presence once
+        outputs = [histories[i][1][len(histories[i][0]) :] for i in counted]
+        flat = _flat(list(range(len(counted))), outputs, vocab, dev)
+        counts = torch.zeros(len(counted) * vocab, dtype=dtype, device=dev)
+        counts.index_add_(0, flat, torch.ones(len(flat), dtype=dtype, device=dev))
+        counts = counts.view(len(counted), vocab)
+        freq = torch.tensor([params[i].frequency_penalty for i in counted], dtype=dtype, device=dev)
+        pres = torch.tensor([params[i].presence_penalty for i in counted], dtype=dtype, device=dev)
+        idx = torch.tensor(counted, device=dev)
+        out[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(dtype)
     return out
 
 
