@@ -120,6 +120,29 @@ def test_rows_reclaimed_and_grown_without_drop():
     assert set(batch.row_of) == {"renamed"}
 
 
+@pytest.mark.parametrize("mirror", [False, True])
+def test_tables_grow_wider_without_graphs(mirror):
+    """A table longer than max_blocks (a runner shared with an engine of a longer max_model_len)
+    widens the buffers, entries kept; the step's inputs still equal the reference."""
+    engine = make_engine(mirror, num_blocks=40)
+    runner = engine.runner
+    runner.input_batch = InputBatch(4, 2, 4, runner.device, mirror=mirror)  # 2 blocks = 8 tokens
+    engine.add_request("short", [3, 4, 5], SamplingParams(temperature=0, max_tokens=3))
+    engine.add_request("long", list(range(1, 21)), SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        check_same(runner, plan)
+        for seq in engine.scheduler.update(plan, runner.run(plan)):
+            if seq.is_finished:
+                runner.release(seq.request_id)
+    assert runner.input_batch.max_blocks >= 6
+    runner.input_batch = bound = InputBatch(4, 2, 4, runner.device, mirror=mirror)
+    bound.graph_bound = True  # a recorded graph holds the tables: they cannot move
+    engine.add_request("longer", list(range(1, 40)), SamplingParams(temperature=0, max_tokens=1))
+    with pytest.raises(ValueError, match="max_blocks"):
+        runner.prepare(engine.scheduler.schedule())
+
+
 def test_graph_rows_match_build_decode_inputs():
     engine = make_engine(False)
     for i, n in enumerate((5, 9, 2)):

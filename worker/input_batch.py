@@ -17,8 +17,8 @@ Contract:
   CUDA graph reads (worker/cuda_graphs.py), padding rows as that module's contract says.
 - Cost: O(1) Python per decoding sequence (no B x W lists); the slots come from the table by one
   numpy gather.
-- Fails how: a table wider than `max_blocks` raises ValueError; more live rows than `max_rows`
-  grow the buffers (only when no CUDA graph holds them: then RuntimeError).
+- Fails how: more live rows than `max_rows` or a table wider than `max_blocks` grow the buffers;
+  once a CUDA graph holds them they cannot move: RuntimeError / ValueError instead.
 - Proven by tests/test_input_batch.py: inputs equal `ModelRunner.prepare_reference` (the plain
   rebuild-everything path) step by step through preemption, prefix hits, aborts and reused ids.
 """
@@ -70,12 +70,15 @@ class InputBatch:
         self._staging_next = 0
         self._dev_buf: torch.Tensor | None = None
 
-    def _alloc_tables(self, max_rows: int) -> None:
+    def _alloc_tables(self, max_rows: int, max_blocks: int | None = None) -> None:
+        """(Re)allocate the tables with more rows or columns; the host copy carries every entry over
+        and the device mirror is copied from it whole."""
         old = getattr(self, "tables", None)
+        self.max_blocks = max_blocks or self.max_blocks
         self.tables = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, pin_memory=self.pin)
         self.tables_np = self.tables.numpy()
         if old is not None:
-            self.tables_np[: old.shape[0]] = old.numpy()
+            self.tables_np[: old.shape[0], : old.shape[1]] = old.numpy()
         self.tables_dev = self.tables.to(self.device, copy=True) if self.mirror else self.tables
         n_old = 0 if old is None else old.shape[0]
         if old is None:
@@ -139,7 +142,13 @@ class InputBatch:
             if row_list[row] is not table or row_len[row] != nb:
                 first = row_len[row] if row_list[row] is table else 0
                 if nb > self.max_blocks:
-                    raise ValueError(f"block table of {nb} blocks > max_blocks {self.max_blocks}")
+                    if self.graph_bound:
+                        raise ValueError(f"block table of {nb} blocks > max_blocks {self.max_blocks}")
+                    # Wider tables (a runner shared by engines of longer max_model_len, tests).
+                    self._alloc_tables(self.max_rows, max(nb, 2 * self.max_blocks))
+                    tables_np = self.tables_np
+                    upd_idx.clear()  # the new mirror holds every entry written so far
+                    upd_val.clear()
                 # A new list may be shorter than the row's last one: zero the rest (padding = 0).
                 end = max(nb, row_len[row]) if first == 0 else nb
                 vals = table[first:nb] + [0] * (end - nb)
