@@ -311,3 +311,19 @@ def test_a_stuck_rank_never_blocks_rank_0(tiny):
     assert group.procs == [] and group.senders == []
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_bfloat16_tp2_runs_close_to_tp1(tiny):
+    """bfloat16 (the CPU default dtype): the partials are summed in bfloat16, so the logits are close
+    to TP=1's, not equal; the step and logits messages carry bfloat16 through float32 exactly."""
+    from worker.tp.runner import build_runner
+
+    config = tp_config(tiny, 2, dtype="bfloat16")
+    ref_tokens, ref_logits = reference(config, PROMPTS[:2])
+    runner, group = build_runner(config)
+    try:
+        tokens, logits = alone(LLMEngine(config, runner), PROMPTS[:2])
+    finally:
+        group.stop()
+    assert [len(t) for t in tokens] == [len(t) for t in ref_tokens]
+    assert max_error(logits, ref_logits) <= 0.05

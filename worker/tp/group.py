@@ -205,7 +205,7 @@ def serve_message(msg: tuple, runner, collectives: Collectives, rank: int, size:
         input_ids, positions, meta = decode_step(msg, runner.device)
         runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
     elif msg[0] == "logits":  # the sampled rows' hidden states: this rank's vocab slice to rank 0
-        hidden = torch.from_numpy(msg[1]).to(runner.device)
+        hidden = torch.from_numpy(msg[1]).to(runner.device, runner.model.dtype)
         collectives.gather_to_0(logits_slice(runner.model, hidden, rank, size).contiguous())
     elif msg[0] == "reduce":  # benchmarks/tp_bench.py: the collective alone, no compute
         _, shape, count = msg

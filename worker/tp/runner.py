@@ -229,7 +229,7 @@ class TPGroup:
         """(S, V) logits of the sampled rows' hidden states (S, C): each rank's vocabulary slice,
         gathered to rank 0."""
         self._check_alive()
-        msg = ("logits", hidden.detach().cpu().numpy())
+        msg = ("logits", hidden.detach().float().cpu().numpy())  # numpy has no bfloat16; exact
         for sender in self.senders:
             sender.put(msg)
         parts = self.collectives.gather_to_0(logits_slice(self.model, hidden, 0, self.size).contiguous())
