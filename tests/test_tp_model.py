@@ -327,3 +327,20 @@ def test_bfloat16_tp2_runs_close_to_tp1(tiny):
         group.stop()
     assert [len(t) for t in tokens] == [len(t) for t in ref_tokens]
     assert max_error(logits, ref_logits) <= 0.05
+
+
+def test_worker_cli_refuses_a_size_the_model_cannot_split():
+    """`python -m worker --tensor-parallel-size 2` on the embedded SmolLM2 (3 KV heads): a usage
+    error (exit 2) naming the problem, before any engine, rank or port exists."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "--tensor-parallel-size", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "tensor_parallel_size 2 does not divide the 3 KV heads" in proc.stderr
+    assert "sizes that do: 1, 3" in proc.stderr and "Traceback" not in proc.stderr

@@ -23,7 +23,16 @@ def parser() -> tuple[argparse.ArgumentParser, Flags]:
 
 def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
     p, flags = parser()
-    return parse_or_exit(p, argv, flags.build)
+
+    def build(ns: argparse.Namespace) -> WorkerServerConfig:
+        config = flags.build(ns)
+        if config.engine.tensor_parallel_size > 1:  # a size the model cannot split: a usage error
+            from worker.tp.shard import check_size, read_model_config
+
+            check_size(read_model_config(config.engine.model), config.engine.tensor_parallel_size)
+        return config
+
+    return parse_or_exit(p, argv, build)
 
 
 def main(argv: list[str] | None = None) -> int:
