@@ -21,10 +21,11 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
 
-PROBE_TIMEOUT_S = 0.5
+PROBE_TIMEOUT_S = 1.0
 DOWN_AFTER = 2
 # Test routers probe every 0.2 s (procs.start_router): a hung worker is declared down after about
-# DOWN_AFTER * (0.2 + PROBE_TIMEOUT_S) = 1.4 s.
+# DOWN_AFTER * (0.2 + PROBE_TIMEOUT_S) = 2.4 s. (With 0.5 s, a machine at load average 10 once had
+# the healthy worker miss two probes too, and its streams ended with the hung one's.)
 ROUTER_ARGS = ("--health-timeout-s", str(PROBE_TIMEOUT_S), "--down-after-probes", str(DOWN_AFTER))
 OK = grpc.StatusCode.OK
 # A draining worker lets open streams finish for this long (default 10 s): on a busy shared machine

@@ -23,10 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from common.telemetry import TelemetryConfig
 from common.tls import channel_credentials
+from devtools import client
 from loadtest.grpc_client import GrpcClient, SendOptions
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router import client
 from router.config import RouterConfig
 from router.tenants import hash_key
 from tests import procs
