@@ -16,8 +16,9 @@ Protocol:
   decodes and the share that replayed a graph, and ITL p50 / lockstep decode step time (1.0 = as
   fast per token as lockstep decode).
 - FP8 (`fp8_section`): the same random model at batch 1 and `fp8_batch`, prompt P + N output
-  tokens, engine with graphs: bf16; `--quantization fp8` (W8A8 linears, worker/model/fp8.py);
-  fp8 weights + `--kv-cache-dtype fp8`. Decode tok/s as in the engine section, and the speedup over
+  tokens, engine with graphs: bf16; `--quantization fp8` (W8A8 linears, worker/model/fp8.py) with
+  the activation quantization as torch ops and as one Triton kernel; fp8 weights +
+  `--kv-cache-dtype fp8`. Decode tok/s as in the engine section, and the speedup over
   bf16. Then the real checkpoint (SmolLM2 GGUF when $SMOLLM2_GGUF / the gguf package are here, as
   for gpu_bench's checkpoint check): bf16 vs fp8 weights vs fp8 weights + fp8 KV, greedy, the
   checkpoint prompts: relative max logit error at each sampled step (max |fp8 - bf16| / max |bf16|
@@ -253,10 +254,14 @@ FP8_VARIANTS = [
     ("fp8", dict(quantization="fp8")),
     ("fp8+kv", dict(quantization="fp8", kv_cache_dtype="fp8")),
 ]
+# Speed also with the activation quantization as plain torch ops (~6 kernels per linear instead of
+# one Triton kernel: fp8.ACT_QUANT), to show what the fused quantizer buys.
+SPEED_VARIANTS = [(n, e, "triton") for n, e in FP8_VARIANTS]
+SPEED_VARIANTS.insert(1, ("fp8 torch-act", dict(quantization="fp8"), "torch"))
 
 
 def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
-    from worker.model.fp8 import quantize_model_fp8
+    from worker.model import fp8
 
     out = res["fp8"] = {"speed": [], "checkpoint": {}}
     p, n = sizes["prompt_len"], sizes["output_len"]
@@ -265,20 +270,26 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
     vocab = sizes["model"].vocab_size
     prompts = {b: torch.randint(0, vocab, (b, p), generator=gen).tolist() for b in batches}
     model = random_model(sizes, device)
-    for name, extra in FP8_VARIANTS:
+    for name, extra, act_quant in SPEED_VARIANTS:
         if time.perf_counter() > deadline:
             out["speed"].append({"variant": name, "skipped": "time budget"})
             continue
         if extra.get("quantization") == "fp8":
-            quantize_model_fp8(model)  # in place, once; bf16 ran first
-        engine = make_engine(model, device, max(batches), 2048, **extra)
-        timed_generate(engine, prompts[1], 4)  # warm-up
-        for b in batches:
-            row = dict(variant=name, **lockstep(engine, prompts[b], n))
-            out["speed"].append(row)
-            print(f"  fp8 speed {name} batch {b}: decode {row['decode_tok_s']} tok/s", flush=True)
-            save()
-        del engine
+            fp8.quantize_model_fp8(model)  # in place, once; bf16 ran first
+        fp8.ACT_QUANT = act_quant  # read at each forward: the graphs record this path
+        try:
+            engine = make_engine(model, device, max(batches), 2048, **extra)
+            timed_generate(engine, prompts[1], 4)  # warm-up
+            for b in batches:
+                row = dict(variant=name, **lockstep(engine, prompts[b], n))
+                out["speed"].append(row)
+                print(f"  fp8 speed {name} batch {b}: decode {row['decode_tok_s']} tok/s", flush=True)
+                save()
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not cost the others
+            out["speed"].append({"variant": name, "skipped": f"{type(exc).__name__}: {exc}"[:200]})
+        finally:
+            fp8.ACT_QUANT = "triton"
+        engine = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
     base = {r["batch_size"]: r.get("decode_tok_s") for r in out["speed"] if r["variant"] == "bf16"}
@@ -364,7 +375,8 @@ def fp8_markdown(res: dict) -> list[str]:
     lines = [
         "",
         "**FP8** (random 1B shape, prompt + output as the engine section, CUDA graphs): decode tok/s; "
-        "fp8 = W8A8 linears via torch._scaled_mm (embedding / LM head stay bf16), +kv = fp8 KV cache.",
+        "fp8 = W8A8 linears via torch._scaled_mm (embedding / LM head stay bf16; activations quantized "
+        "by one Triton kernel, or by torch ops in 'fp8 torch-act'), +kv = fp8 KV cache.",
         "",
         "| variant | batch | decode step ms | decode tok/s | speedup vs bf16 |",
         "|---|---:|---:|---:|---:|",

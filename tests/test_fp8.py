@@ -69,6 +69,26 @@ def test_fp8_linear_matches_reference(bias, shape):
     assert float((out.float() - dense).abs().max() / dense.abs().max()) < 0.1
 
 
+@pytest.mark.parametrize("k", [64, 3000])
+def test_triton_quantize_rows_matches_torch(k):
+    """The one-kernel activation quantizer == quantize_fp8: scales exactly, and the scaled clamped
+    values exactly (float32 output; the interpreter cannot round to fp8) or, on CUDA, the fp8
+    values exactly."""
+    from worker.kernels.triton_quant import quantize_rows_fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    x = (torch.randn(6, k) * torch.logspace(-3, 3, 6)[:, None]).to(device, torch.bfloat16)
+    x[4] = 0
+    ref_q, ref_scale = quantize_fp8(x, dim=1)
+    q32, scale = quantize_rows_fp8(x, torch.float32)
+    assert torch.equal(scale, ref_scale) and scale[4] == 1
+    assert torch.equal(q32, (x.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX))
+    if device == "cuda":
+        q, _ = quantize_rows_fp8(x)
+        assert q.dtype == FP8 and torch.equal(q.float(), ref_q.float())
+
+
 def test_quantize_model_fp8_in_place():
     model = tiny_model()
     assert quantize_model_fp8(model) == 4 * TINY.num_layers  # qkv, o, gate|up, down per layer

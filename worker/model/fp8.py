@@ -6,7 +6,8 @@ Contract:
   channel, `scale = max|w[n]| / 448` (448 = the largest e4m3 value), `q = round(w / scale)`
   saturated; an all-zero row gets scale 1.
 - `Fp8Linear(q, scale, bias=None, out_dtype=bfloat16)`: `forward(x [..., K]) -> [..., N]` in
-  out_dtype. x is quantized per row the same way (`x_scale [M, 1]`), then
+  out_dtype. x is quantized per row the same way (`x_scale [M, 1]`; on CUDA by one Triton kernel,
+  worker/kernels/triton_quant.py, unless `ACT_QUANT = "torch"`), then
   `_scaled_mm(xq, q.T, scale_a=x_scale, scale_b=scale[None, :], out_dtype)` computes
   `(xq * x_scale) @ (q * scale).T` with float32 accumulation. `forward_reference(x)` is that same
   formula in float32 over the dequantized operands: the slow reference the op is tested against;
@@ -30,6 +31,9 @@ import torch.nn as nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# Activation quantization on CUDA: "triton" = one kernel per call (worker/kernels/triton_quant.py),
+# "torch" = quantize_fp8's ~6 kernels (the benchmark times both).
+ACT_QUANT = "triton"
 
 
 def quantize_fp8(w: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +73,13 @@ class Fp8Linear(nn.Module):
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         lead = x.shape[:-1]
-        xq, x_scale = quantize_fp8(x.reshape(-1, self.in_features), dim=1)  # (M, K), (M, 1)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and ACT_QUANT == "triton" and x2.stride(-1) == 1:
+            from worker.kernels.triton_quant import quantize_rows_fp8
+
+            xq, x_scale = quantize_rows_fp8(x2)  # one kernel, the same values as quantize_fp8
+        else:
+            xq, x_scale = quantize_fp8(x2, dim=1)  # (M, K), (M, 1)
         return xq, x_scale, lead
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
