@@ -3,7 +3,8 @@ SmolLM2, 9 / 3 heads, three rank processes over gloo) behind a real router.
 
 - Greedy text through the router equals the TP=1 worker's (the session's shared worker), batched too.
 - A rank SIGKILLed mid-stream: the stream ends UNAVAILABLE within a bound, the worker reports
-  NOT_SERVING while its group restarts, the whole group restarts (the other old rank is gone too),
+  NOT_SERVING while its group restarts and a router with a second worker serves through that one,
+  the whole group restarts (the other old rank is gone too),
   every KV block is back, and the router serves through the worker again with the same text.
 - `make serve TP=3` passes --tensor-parallel-size 3; what it runs (deploy.local: Ray, the worker
   actor and its TP group, the router) gives the TP=1 text (slow).
@@ -52,6 +53,14 @@ def tp_router(tp_worker, logs):
 
 
 @pytest.fixture(scope="module")
+def mixed_router(tp_worker, plain_worker, logs):
+    """A router over the TP=3 worker and the TP=1 one: it must route around the group while it
+    restarts."""
+    with procs.running_router(logs, [tp_worker.address, plain_worker.address]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
 def ref_router(plain_worker, logs):
     with procs.running_router(logs, [plain_worker.address]) as proc:
         yield proc
@@ -93,7 +102,7 @@ def test_tp3_text_through_the_router_equals_tp1(tp_router, ref_router):
         assert list(pool.map(lambda p: generate(tp_router, p), PROMPTS)) == expected
 
 
-def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router):
+def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router, mixed_router, plain_worker):
     before = generate(tp_router, PROMPTS[0])
     victim, *others = rank_pids(tp_worker)
     assert len(others) == TP - 2
@@ -126,6 +135,12 @@ def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router):
     assert "Traceback" not in outcome["details"]
     # Health NOT_SERVING is set before any stream is failed, and the restart takes seconds.
     procs.wait_health(tp_worker.address, timeout_s=5, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Meanwhile a router with another worker routes around the group: the TP=1 worker serves.
+    procs.wait_for_workers(mixed_router.address, 1, timeout_s=10)
+    looked_up = ("llm_prefix_cache_queries_total", ())
+    before_lookups = procs.scrape(plain_worker)[looked_up]
+    assert generate(mixed_router, PROMPTS[1])
+    assert procs.scrape(plain_worker)[looked_up] > before_lookups
     # The whole group restarts: new rank processes, the old survivors stopped.
     procs.wait_until(
         lambda: rank_pids(tp_worker) and victim not in rank_pids(tp_worker), 240, "group restart"
@@ -136,6 +151,7 @@ def test_rank_killed_mid_stream_restarts_the_group(tp_worker, tp_router):
     procs.wait_all_blocks_free(tp_worker.address)
     assert "tensor-parallel group restarted" in tp_worker.log_path.read_text(errors="replace")
     assert generate(tp_router, PROMPTS[0]) == before
+    procs.wait_for_workers(mixed_router.address, 2, timeout_s=30)  # and picks the group up again
 
 
 def test_make_serve_tp_passes_the_flag():
