@@ -200,14 +200,14 @@ def test_slices_reassemble_the_weights(tmp_path):
         if kind in ("o_proj", "down_proj"):
             assert all(p.shape[1] == t.shape[1] // 4 for p in parts)
             whole = torch.cat(parts, dim=1)
-        elif kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        elif kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") or name == "lm_head.weight":
             assert all(p.shape[0] == t.shape[0] // 4 for p in parts)
             whole = torch.cat(parts, dim=0)
-        else:  # embedding, lm_head, norms: replicated
+        else:  # embedding, norms: replicated
             whole = parts[0]
             assert all(torch.equal(p, whole) for p in parts)
         assert torch.equal(whole, t.dense()), name
-    assert any(".bias" in n for n in full)
+    assert any(".bias" in n for n in full) and "lm_head.weight" in full  # untied: split too
 
 
 def test_invalid_sizes_fail_before_any_process(tiny):

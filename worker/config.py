@@ -72,6 +72,7 @@ class ModelConfig:
     qkv_bias: bool = False
     rope_scaling: RopeScaling | None = None
     name: str = "llama"
+    lm_head_rows: int | None = None  # tensor parallel: this rank's vocabulary rows of an untied lm_head
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

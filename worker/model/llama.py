@@ -165,7 +165,8 @@ class LlamaModel(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        rows = cfg.lm_head_rows or cfg.vocab_size  # a tensor-parallel rank holds only its vocab rows
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
 
     def forward(
         self,

@@ -86,9 +86,11 @@ class Collectives:
 
 
 def logits_slice(model, hidden: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank r's vocab-parallel share of the logits, (S, V/N): rows [r*V/N, (r+1)*V/N) of the
-    (replicated) lm_head, or of the tied embedding."""
-    weight = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    """Rank r's vocab-parallel share of the logits, (S, V/N): its untied lm_head (loaded as rows
+    [r*V/N, (r+1)*V/N) only, worker/tp/shard.py), or those rows of the replicated tied embedding."""
+    if model.lm_head is not None:
+        return model.lm_head(hidden)
+    weight = model.embed_tokens.weight
     n = weight.shape[0] // size
     return torch.nn.functional.linear(hidden, weight[rank * n : (rank + 1) * n])
 

@@ -13,9 +13,10 @@ Contract
   - row-parallel (input columns split): o_proj and down_proj: rows are read in chunks of 2,048 and
     narrowed to the rank's columns (safetensors reads only the columns); their outputs are partial
     sums that one all-reduce per projection adds up (worker/model/llama.py `all_reduce`);
-  - embedding, lm_head and norms are replicated in memory; the logits are vocab-parallel (each
-    rank multiplies by its V/N rows of the lm_head, rank 0 gathers them): docs/tensor-parallel.md
-    gives the measured reason.
+  - the logits are vocab-parallel (each rank multiplies by its V/N rows of the lm_head, rank 0
+    gathers them: docs/tensor-parallel.md gives the measured reason), so an untied lm_head is
+    row-split (each rank reads and holds V/N rows); the embedding (also a tied lm_head) and the
+    norms are replicated.
 - quantized weights: tensor parallel runs dense weights. quantization "auto" dequantizes quantized
   GGUF tensors to --dtype (logged); an explicit int8/int4 is refused (ValueError), since the int4
   groups and per-row scales would have to be cut along the shard boundaries.
@@ -71,6 +72,7 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         num_heads=cfg.num_heads // size,
         num_kv_heads=cfg.num_kv_heads // size,
         intermediate_size=cfg.intermediate_size // size,
+        lm_head_rows=None if cfg.tie_embeddings else cfg.vocab_size // size,
     )
 
 
@@ -132,7 +134,8 @@ def shard_tensors(
         raise ValueError(f"rank {rank} outside [0, {size})")
     d = cfg.head_dim
     q, kv, f = cfg.num_heads * d // size, cfg.num_kv_heads * d // size, cfg.intermediate_size // size
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": f, "up_proj": f}
+    v = cfg.vocab_size // size  # an untied lm_head: vocab-parallel rows (a tied one is the embedding)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": f, "up_proj": f, "lm_head": v}
     cols = {"o_proj": q, "down_proj": f}
     out: dict[str, CheckpointTensor] = {}
     for name, t in tensors.items():
