@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_fused import fused_markdown, fused_section
+from benchmarks.gpu_mixed import mixed_checkpoint_markdown, mixed_checkpoint_section
 from benchmarks.gpu_steady import fp8_markdown, fp8_section, steady_markdown, steady_section
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import LLMEngine
@@ -864,6 +865,7 @@ def markdown(res: dict) -> str:
         ]
     lines += fused_markdown(res)
     lines += checkpoint_markdown(res)
+    lines += mixed_checkpoint_markdown(res)
     if "engine" in res:
         e = res["engine_setup"]
         errors = [f"{k}: {v}" for k, v in e.items() if k.endswith("_error")]
@@ -977,6 +979,8 @@ def main() -> None:
     ]
     if not args.skip_checkpoint:
         sections.append(("checkpoint", checkpoint_section))
+        if not args.skip_hot_path:
+            sections.append(("mixed_checkpoint", mixed_checkpoint_section))  # benchmarks/gpu_mixed.py
     if not args.skip_engine:
         sections += [("engine", engine_section), ("roofline", roofline_section)]
         if not args.skip_hot_path:  # benchmarks/gpu_steady.py

@@ -122,6 +122,10 @@ def test_smoke_run_writes_tables(tmp_path):
                 )
     assert "**Engine decode vs the HBM roofline**" in table
 
+    # Mixed-step graphs vs eager on the checkpoint (benchmarks/gpu_mixed.py): skipped, with why.
+    assert "gguf" in res["mixed_checkpoint"]["skipped"], res["mixed_checkpoint"]
+    assert "Real checkpoint, mixed steps (graphs vs eager): no checkpoint here" in table
+
     # Steady serving (benchmarks/gpu_steady.py): lockstep, then Poisson arrivals; no KV block leaks.
     steady = res["steady"]
     assert steady["lockstep"]["saturation_req_s"] > 0 and steady["kv_blocks_leaked"] == 0
