@@ -12,7 +12,8 @@
 # are rewritten after every case and every section runs in its own try, so what it measured
 # stays): at most ~8.5 min in all.
 # Benchmark sections on an H200 (estimates; the first run of the new ones will tell): bandwidth
-# ~10 s, attention ~25 s, fused kernels ~5 s, real checkpoint ~30 s, engine + transformers eager
+# ~10 s, attention ~25 s, fused kernels ~5 s, real checkpoint ~30 s (+ ~15 s with staggered
+# arrivals: mixed steps, benchmarks/gpu_mixed.py), engine + transformers eager
 # ~90 s, roofline 0 s (computed from the engine's timings), steady serving with Poisson arrivals
 # ~40 s and FP8 speed + checkpoint accuracy ~50 s (benchmarks/gpu_steady.py). The transformers
 # static cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
