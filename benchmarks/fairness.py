@@ -22,7 +22,8 @@ same seeded request streams, so drift in a shared machine's load hits both sides
 Exit status: 0 when at every level VTC kept b / a within `--tolerance` of the weights while both
 were backlogged for at least `--min-backlogged` of the time, and within the bound; 1 with the
 reason otherwise (too little backlog: the run cannot show the weights; a ratio outside; calibration
-that served nothing). FCFS is the control and has no pass mark.
+that served nothing; a process that did not start or a worker that stopped answering). FCFS is the
+control and has no pass mark.
 """
 
 from __future__ import annotations
@@ -302,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 levels.append({"load": load, "rates": rates, "figures": figures, "config": config})
                 level_points.append(points)
+        except (RuntimeError, TimeoutError, OSError, grpc.RpcError) as exc:
+            # a process that did not start, a port, a worker that stopped answering: say so, no traceback
+            why = f"{type(exc).__name__}: {exc}"
+            print(f"bench-fairness: the run could not be measured: {why}", file=sys.stderr)
+            return 1
         finally:
             for proc in procs:
                 proc.stop()

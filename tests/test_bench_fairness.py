@@ -5,7 +5,8 @@ for its first token) are backlogged; the b / a service ratio counts only the tim
 were; the verdict passes weights honoured within the tolerance, and names the reason otherwise
 (too little backlog, a ratio outside the tolerance, a swing over the bound). The plot draws a run
 whose backlog series is empty (the old benchmark crashed on mismatched series lengths). Load
-levels are multiples of the measured capacity; bad arguments are usage errors.
+levels are multiples of the measured capacity; bad arguments are usage errors; a stack that does
+not start ends the run with exit status 1 and the reason, not a traceback.
 """
 
 from __future__ import annotations
@@ -116,3 +117,12 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
         fairness.parse_args(argv)
     assert exit_.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_a_stack_that_does_not_start_is_a_reason_and_exit_1_not_a_traceback(tmp_path, capsys):
+    # the workers refuse a negative KV pool at start-up: the run cannot be measured, and says why
+    argv = ["--kv-cache-mb", "-1", "--out-dir", str(tmp_path), "--no-progress"]
+    assert fairness.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "bench-fairness: the run could not be measured: RuntimeError" in err
+    assert "Traceback" not in err.split("bench-fairness:")[-1]
