@@ -4,8 +4,9 @@
 # (benchmarks/gpu_bench.py) in what time is left.
 # Uses only what that machine has (python3 with torch, triton, transformers, pytest, pytest-xdist).
 # Also `make bench-host` (benchmarks/host_overhead.py) on that machine's CPU, the host of a GPU engine.
-# Writes to $OUT (else results/): gpu_info.txt, gpu_tests.log, gpu_tests.xml, host_overhead.{json,log},
-# gpu_bench.{json,md} (7 files: a device call brings back at most 8).
+# Writes to $OUT (else results/): gpu_info.txt, gpu_tests.log, host_overhead.{json,log},
+# gpu_bench.{json,md}, gpu_profile.{json,md} (benchmarks/gpu_profile.py: kernel time per decode
+# step) (8 files: a device call brings back at most 8).
 # GPU_SESSION_S (default 480) bounds the whole script: the tests get at most 150 s (they took ~30 s
 # on an H200 before the fp8 and mixed-step tests were added), bench-host at most 60 s, the
 # benchmark skips cases that would start past the budget and is killed 20 s after it (its files
@@ -85,7 +86,6 @@ parallel=""
 python3 -c "import xdist" 2>/dev/null && parallel="-n 4"
 test_s=$((budget / 2)); [ "$test_s" -gt 150 ] && test_s=150
 timeout "$test_s" python3 -m pytest -q -p no:cacheprovider $parallel \
-    --junitxml="$OUT/gpu_tests.xml" \
     tests/test_kernels.py tests/test_cuda_graphs.py tests/test_fp8.py \
     > "$OUT/gpu_tests.log" 2>&1
 tests_rc=$?
@@ -107,5 +107,16 @@ else
         --out-dir "$OUT" --time-budget-s "$left" --skip-hf-compiled
 fi
 bench_rc=$?
+
+# Where a decode step's time goes (kernel time per step by kernel vs wall time; ~25 s), if time is left.
+left=$(( budget + 20 - ($(date +%s) - start) ))
+if [ "$left" -gt 30 ]; then
+    timeout -k 5 "$left" python3 -m benchmarks.gpu_profile --out-dir "$OUT" --time-budget-s $((left - 10)) \
+        > "$OUT/gpu_profile.log" 2>&1
+    echo "profile: exit $? ($(grep -c '^## ' "$OUT/gpu_profile.md" 2>/dev/null || echo 0) cases)"
+    tail -n 3 "$OUT/gpu_profile.log" && rm -f "$OUT/gpu_profile.log"  # the 9th file would not come back
+else
+    echo "profile: skipped, ${left} s left"
+fi
 echo "gpu session: tests exit $tests_rc, benchmark exit $bench_rc, $(( $(date +%s) - start )) s"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -29,6 +29,9 @@ TINY = ModelConfig(
     head_dim=16,
     max_position=256,
 )
+# On a GPU machine the op tests run on CUDA (the path serving uses; that machine's torch may also
+# lack the CPU build's row-wise scaled_mm), elsewhere on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 41], [44, 12, 3], [120, 110, 100, 90, 80, 70]]
 
 
@@ -57,10 +60,10 @@ def test_quantize_fp8_error_bound():
 def test_fp8_linear_matches_reference(bias, shape):
     torch.manual_seed(2)
     k, n = shape
-    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    lin = torch.nn.Linear(k, n, bias=bias).to(DEVICE, torch.bfloat16)
     f = Fp8Linear.from_linear(lin)
     assert f.use_op == (k % 16 == 0 and n % 16 == 0)
-    x = torch.randn(3, 5, k).to(torch.bfloat16)
+    x = torch.randn(3, 5, k).to(DEVICE, torch.bfloat16)
     out, ref = f(x), f.forward_reference(x)
     assert out.shape == (3, 5, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
@@ -98,7 +101,9 @@ def test_quantize_model_fp8_in_place():
 
 
 def run_engine(model: LlamaModel, **overrides) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
-    config = EngineConfig(kv_cache_bytes=2**21, max_num_seqs=4, max_num_batched_tokens=64, **overrides)
+    config = EngineConfig(
+        kv_cache_bytes=2**21, max_num_seqs=4, max_num_batched_tokens=64, device=DEVICE, **overrides
+    )
     runner = ModelRunner.from_model(config, model)
     logits: dict[str, list[torch.Tensor]] = {}
     runner.logits_observer = lambda ids, rows: [
@@ -112,18 +117,22 @@ def run_engine(model: LlamaModel, **overrides) -> tuple[list[list[int]], dict[st
 def test_engine_fp8_weights_match_the_reference_formula():
     """--quantization fp8 through the engine: the _scaled_mm path gives the tokens and (to bf16
     rounding) the logits of the same engine running Fp8Linear.forward_reference."""
-    fast_tokens, fast_logits = run_engine(tiny_model(), quantization="fp8", attention_backend="torch")
-    model = tiny_model()
+    fast_tokens, fast_logits = run_engine(
+        tiny_model(device=DEVICE), quantization="fp8", attention_backend="torch", enforce_eager=True
+    )
+    model = tiny_model(device=DEVICE)
     quantize_model_fp8(model)
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.forward = m.forward_reference
-    ref_tokens, ref_logits = run_engine(model, quantization="fp8", attention_backend="torch")
+    ref_tokens, ref_logits = run_engine(
+        model, quantization="fp8", attention_backend="torch", enforce_eager=True
+    )
     assert fast_tokens == ref_tokens
     for rid, ref in ref_logits.items():
         assert float((fast_logits[rid] - ref).abs().max() / ref.abs().max()) < 2e-2
     # And close to bf16 (a random model's logits are flat, so only the error is checked).
-    _, bf16_logits = run_engine(tiny_model(), attention_backend="torch")
+    _, bf16_logits = run_engine(tiny_model(device=DEVICE), attention_backend="torch", enforce_eager=True)
     for rid, ref in bf16_logits.items():
         assert float((fast_logits[rid] - ref).abs().max() / ref.abs().max()) < 0.15
 
