@@ -107,7 +107,7 @@ class Overloaded(RouterError):
 # host:port and bare IP addresses (IPv4, bracketed IPv6, names with a port): what a worker's
 # address looks like in an internal message.
 _ADDRESS = re.compile(
-    r"\[[0-9A-Fa-f:.]+\](?::\d+)?"
+    r"\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?"
     r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
     r"|\b[A-Za-z0-9][A-Za-z0-9.-]*:\d{2,5}\b(?![.\d])"
 )

@@ -236,3 +236,26 @@ def test_sampling_is_the_routers_decision_not_the_callers(monkeypatch, ratio, fl
         assert format(obs.span.get_span_context().trace_id, "032x") == trace_id  # the trace continues
     finally:
         obs.finish()
+
+
+# -- client messages: no internal address -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "message, scrubbed",
+    [
+        ("worker 127.0.0.1:50051 rejected the request", "worker <worker> rejected the request"),
+        ("worker [::1]:4000 was lost", "worker <worker> was lost"),
+        ("worker llm-gpu-0.llm.svc:50051 failed", "worker <worker> failed"),
+        (
+            "chat.messages[0].role: must be one of system, user",
+            "chat.messages[0].role: must be one of system, user",
+        ),
+        ("prompt: 12 tokens do not fit the model's context of 1088 tokens", None),
+    ],
+)
+def test_addresses_are_scrubbed_from_client_messages(message, scrubbed):
+    from router.errors import Unavailable, status_of
+
+    code, sent, _ = status_of(Unavailable(message))
+    assert code == grpc.StatusCode.UNAVAILABLE and sent == (scrubbed or message)
