@@ -265,9 +265,12 @@ def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05) -> 
     return time.monotonic() - start
 
 
-def worker_load(address: str) -> worker_pb2.LoadReport:
+def worker_load(address: str, metadata=()) -> worker_pb2.LoadReport:
+    """`metadata`: the worker token (common.auth) for a worker that requires one."""
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(
+            worker_pb2.GetLoadRequest(), metadata=metadata, timeout=2.0
+        )
 
 
 @contextlib.contextmanager

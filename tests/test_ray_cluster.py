@@ -20,6 +20,7 @@ import time
 import grpc
 import pytest
 
+from common.auth import METADATA_KEY
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests import procs
@@ -57,23 +58,27 @@ def workers(sim, tmp_path_factory):
     )
 
 
-def start_router(ray_address: str, logs) -> procs.Proc:
-    proc = procs.Proc(
-        "router",
-        [
-            "-m",
+def start_router(ray_address: str, logs, token: str) -> procs.Proc:
+    os.environ["LLM_WORKER_TOKEN"] = token  # the launch's worker token (issue 17); Proc copies the env
+    try:
+        proc = procs.Proc(
             "router",
-            "--port",
-            "0",
-            "--ray-address",
-            ray_address,
-            "--health-poll-s",
-            "0.2",
-            "--drain-grace-s",
-            "20",
-        ],
-        logs,
-    )
+            [
+                "-m",
+                "router",
+                "--port",
+                "0",
+                "--ray-address",
+                ray_address,
+                "--health-poll-s",
+                "0.2",
+                "--drain-grace-s",
+                "20",
+            ],
+            logs,
+        )
+    finally:
+        del os.environ["LLM_WORKER_TOKEN"]
     try:
         procs.ready(proc)
         procs.wait_for_workers(proc.address, NUM_WORKERS, timeout_s=60)
@@ -86,7 +91,7 @@ def start_router(ray_address: str, logs) -> procs.Proc:
 
 @pytest.fixture(scope="module")
 def router(sim, workers, logs):
-    proc = start_router(sim.address, logs)  # a driver of the cluster
+    proc = start_router(sim.address, logs, workers.token)  # a driver of the cluster
     yield proc
     proc.stop()
 
@@ -152,12 +157,13 @@ def wait_all_busy(
     router: procs.Proc,
     num_queued: int,
     timeout_s: float = 60.0,
+    token: str = "",
 ):
     """Until `num_streaming` requests stream, every worker runs one (its only slot) and the
     router's queue holds `num_queued` (the router fills only free sequence slots)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = [procs.worker_load(a) for a in addrs]
+        loads = [procs.worker_load(a, ((METADATA_KEY, token),)) for a in addrs]
         streaming = sum(e.is_set() for e in streams.first_token)
         queued = procs.scrape(router)[("llm_router_queue_length", ())]
         if (
@@ -180,7 +186,9 @@ def test_four_workers_placed_two_per_node_discovered_and_all_serve(sim, workers,
     # 2 requests per worker: the balancer gives each idle worker one; the rest wait in the router.
     addrs = list(addresses(workers).values())
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(addrs, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)  # every worker serves one
+    wait_all_busy(
+        addrs, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS, token=workers.token
+    )  # one each
     streams.join(120)
     assert streams.outcomes == [("ok", 200, 200)] * (2 * NUM_WORKERS)
 
@@ -191,7 +199,9 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
     victim = workers.handles[victim_name]
     old_pid = ray.get(victim.pid.remote())
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(list(before.values()), streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)
+    wait_all_busy(
+        list(before.values()), streams, NUM_WORKERS, router, num_queued=NUM_WORKERS, token=workers.token
+    )
 
     os.kill(old_pid, signal.SIGKILL)
     killed_s = time.monotonic()
@@ -202,7 +212,8 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
     assert len(failed) == 1, streams.outcomes
     code, tokens, details = failed[0]
     assert code == grpc.StatusCode.UNAVAILABLE
-    assert tokens > 0 and "lost mid-stream" in details and before[victim_name] in details
+    # the worker is named in the router's log, never to clients (issue 17)
+    assert tokens > 0 and "lost mid-stream" in details and before[victim_name] not in details
     assert [o for o in streams.outcomes if o[0] == "ok"] == [("ok", 200, 200)] * (2 * NUM_WORKERS - 1)
 
     # Ray restarts the actor (new process, model reloaded, new port)
@@ -226,13 +237,16 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
 
     # and it takes requests again
     streams = Streams(stub, 2 * NUM_WORKERS, max_tokens=200)
-    wait_all_busy(list(addresses(workers).values()), streams, NUM_WORKERS, router, num_queued=NUM_WORKERS)
+    busy = list(addresses(workers).values())
+    wait_all_busy(busy, streams, NUM_WORKERS, router, num_queued=NUM_WORKERS, token=workers.token)
     streams.join(120)
     assert streams.outcomes == [("ok", 200, 200)] * (2 * NUM_WORKERS)
 
 
-def test_two_routers_serve_the_same_workers_and_stopping_one_spares_the_other(sim, router, stub, logs):
-    second = start_router(sim.client_address, logs)  # through Ray Client, as from outside
+def test_two_routers_serve_the_same_workers_and_stopping_one_spares_the_other(
+    sim, workers, router, stub, logs
+):
+    second = start_router(sim.client_address, logs, workers.token)  # through Ray Client, as from outside
     try:
         with grpc.insecure_channel(second.address) as channel:
             second_stub = generation_pb2_grpc.GenerationStub(channel)
