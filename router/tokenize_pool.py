@@ -27,7 +27,10 @@ T = TypeVar("T")
 
 
 class TokenizePool:
-    def __init__(self, threads: int = 2, max_waiting: int = 32, retry_after_ms: int = 500, registry=None):
+    # 2 threads: tokenizing is CPU work the router shares with its event loop. max_waiting bounds
+    # memory, not latency: a burst of hundreds of ordinary prompts (milliseconds each) must fit;
+    # floods are bounded earlier, by each tenant's request rate and concurrency (router.admission).
+    def __init__(self, threads: int = 2, max_waiting: int = 1024, retry_after_ms: int = 500, registry=None):
         if threads < 1 or max_waiting < 0:
             raise ValueError("a tokenize pool needs threads >= 1 and max_waiting >= 0")
         self._calls = Counter(
