@@ -10,15 +10,19 @@ Contract
   `model` must name a served model (INVALID_ARGUMENT listing them; it may be left empty when one
   is served) with a healthy worker whose tokenizer matches (else UNAVAILABLE); sampling fields
   left unset take the model's generation defaults.
-  Stage order: drain check -> auth -> validate -> early shedding (admission caps; with
-  `queue_requests=False` also "no worker has a free slot") -> tokenize -> fit to context -> admit
-  (refusal: RESOURCE_EXHAUSTED + retry-after-ms) -> wait in the fair queue until dispatched to a
-  worker with room (with `queue_requests=False`: placed at once or refused, never queued) -> relay.
-  A request's priority 0 means the tenant's `default_priority`.
+  Stage order: drain check -> auth -> validate (priority above the tenant's max_priority:
+  PERMISSION_DENIED) -> early shedding (the tenant's request rate and the admission caps, after
+  which the request counts against its tenant's concurrency; with `queue_requests=False` also "no
+  worker has a free slot") -> tokenize (router.tokenize_pool: off the event loop, bounded) -> fit
+  to context -> admit (refusal: RESOURCE_EXHAUSTED + retry-after-ms; a deadline it cannot meet:
+  DEADLINE_EXCEEDED) -> wait in the fair queue until dispatched to a worker with room (with
+  `queue_requests=False`: placed at once or refused, never queued) -> relay. A request's priority
+  0 means the tenant's `default_priority`; a call without a deadline gets the tenant's
+  `default_deadline_s`, and none runs past its `max_deadline_s`.
 - observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
   hands the route span's trace context to the worker call, records metrics and the log line.
 - proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table),
-  tests/test_observability_e2e.py.
+  tests/test_observability_e2e.py, tests/test_trust_admission.py.
 """
 
 from __future__ import annotations
