@@ -31,7 +31,7 @@ OK = grpc.StatusCode.OK
 # A draining worker lets open streams finish for this long (default 10 s): on a busy shared machine
 # a 12-token stream beside a restarting worker's model load has taken longer, and the rolling
 # restart then lost it ("Cancelling all calls") although nothing was wrong with the drain.
-WORKER_ARGS = ("--drain-grace-s", "60")
+WORKER_ARGS = ("--drain-grace-s", "60", "--num-threads", "1")  # one torch thread each: two workers, 2 cores
 
 
 def request(
