@@ -186,7 +186,10 @@ def start_worker(
     # float32 pinned (the worker's default is auto = bfloat16): TEST_KV_CACHE_MB's block count and
     # context above, and the tests' exact greedy outputs, are float32's. --enforce-eager: these
     # tests are about the servers, and compiling the CPU step would add seconds to every start
-    # (the compiled step is tested in process: tests/test_cpu_compile.py).
+    # (the compiled step is tested in process: tests/test_cpu_compile.py). One torch thread: test
+    # workers share two cores with each other, the router and the test (as tests/conftest.py's
+    # runner; two workers of two threads made test_faults 2.6x slower, and two threads' OpenMP
+    # barriers under CPU steal were 1-5x slower than one).
     return Proc(
         "worker",
         [
@@ -199,6 +202,8 @@ def start_worker(
             "--dtype",
             "float32",
             "--enforce-eager",
+            "--num-threads",  # `extra` may give another count (the last one counts)
+            "1",
             "--drain-announce-s",
             "0.5",
             *extra,
@@ -208,11 +213,10 @@ def start_worker(
     )
 
 
-# The session's shared worker (tests/conftest.py `shared_worker`): start_worker's defaults and one
-# torch thread (as tests/conftest.py's runner: on these shared cores two threads' OpenMP barriers
-# were 1-5x slower), plus what the modules that share it read: JSON logs, /metrics on an ephemeral
-# port, spans to the session's OTLP sink within 50 ms (OTEL_BSP_SCHEDULE_DELAY, not the default 5 s).
-SHARED_WORKER_ARGS = ("--num-threads", "1", "--log-format", "json", "--metrics-port", "0")
+# The session's shared worker (tests/conftest.py `shared_worker`): start_worker's defaults, plus what
+# the modules that share it read: JSON logs, /metrics on an ephemeral port, spans to the session's
+# OTLP sink within 50 ms (OTEL_BSP_SCHEDULE_DELAY, not the default 5 s).
+SHARED_WORKER_ARGS = ("--log-format", "json", "--metrics-port", "0")
 FAST_SPAN_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 
 
