@@ -6,4 +6,5 @@ imports them.
 - devtools.otlp_sink: an in-memory OTLP/gRPC trace receiver (the collector end of tests and
   benchmarks; `python -m devtools.otlp_sink` prints spans while developing).
 - devtools.client: the command-line gRPC client (`python -m devtools.client`).
+- devtools.stalled_client: a client that stops reading its streams (the trust soak and tests).
 """
