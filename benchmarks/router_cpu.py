@@ -109,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         launched = launch_workers(
             LaunchConfig(num_workers=a.workers, engine=engine, cpus_per_worker=2 / a.workers)
         )
-        router = LocalProcess(
-            "router", ["-m", "router", "--port", "0", "--ray-address", sim.address], quiet=True
-        )
+        os.environ["LLM_WORKER_TOKEN"] = launched.token  # the launch's worker token; the child inherits it
+        try:  # --model: the workers' model, so ids and tokenizer fingerprints match
+            router = LocalProcess(
+                "router",
+                ["-m", "router", "--port", "0", "--ray-address", sim.address, "--model", str(model)],
+                quiet=True,
+            )
+        finally:
+            del os.environ["LLM_WORKER_TOKEN"]
         try:
             target = router.wait_listening(120)
             wait_workers(target, a.workers)

@@ -106,6 +106,8 @@ class Tokenizer:
         """A Hugging Face model directory: `tokenizer.json`, `tokenizer_config.json`, and the chat
         template from `chat_template.jinja` when present (newer layout) or the config."""
         directory = pathlib.Path(path)
+        if not (directory / "tokenizer.json").is_file():
+            raise ValueError(f"{directory} has no tokenizer.json: a model directory must ship its tokenizer")
         backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
         template_file = directory / "chat_template.jinja"

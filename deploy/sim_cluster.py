@@ -9,8 +9,11 @@ Contract
   `client_port`, the head also serves Ray Client at `client_address` (`ray://127.0.0.1:PORT`), the
   way a router outside the cluster (KubeRay's router Deployment) connects.
 - `write_tiny_llama(path)`: a random 2-layer Llama safetensors checkpoint (~13 MB) with the
-  embedded tokenizer's vocabulary, so a router tokenizing with SmolLM2 can drive it; it loads in
-  well under a second, which keeps four workers cheap on a small machine. Its text is noise.
+  embedded tokenizer's vocabulary and that tokenizer's files (tokenizer.json +
+  tokenizer_config.json: workers fingerprint their model's tokenizer at start, and routers refuse a
+  worker whose fingerprint differs from theirs), so a router tokenizing with SmolLM2 can drive it;
+  it loads in well under a second, which keeps four workers cheap on a small machine. Its text is
+  noise.
 - state: the cluster's processes (Ray's), until exit.
 - failure modes: Ray's own (ports, memory).
 """
@@ -119,4 +122,15 @@ def write_tiny_llama(path: pathlib.Path, vocab_size: int = SMOLLM2_VOCAB_SIZE, s
         "eos_token_id": 2,
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    _write_embedded_tokenizer(path)
     return path
+
+
+def _write_embedded_tokenizer(path: pathlib.Path) -> None:
+    from common.model_files import default_model_path
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(default_model_path())
+    tok._backend.save(str(path / "tokenizer.json"))
+    eos = tok._backend.id_to_token(tok.eos_token_id)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))

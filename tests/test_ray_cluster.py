@@ -47,8 +47,12 @@ def sim():
 
 
 @pytest.fixture(scope="module")
-def workers(sim, tmp_path_factory):
-    model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+def model(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def workers(sim, model):
     engine = EngineConfig(
         model=str(model), device="cpu", kv_cache_bytes=8 * 2**20, num_threads=1, max_num_seqs=MAX_NUM_SEQS
     )
@@ -58,7 +62,7 @@ def workers(sim, tmp_path_factory):
     )
 
 
-def start_router(ray_address: str, logs, token: str) -> procs.Proc:
+def start_router(ray_address: str, logs, token: str, model: str) -> procs.Proc:
     os.environ["LLM_WORKER_TOKEN"] = token  # the launch's worker token (issue 17); Proc copies the env
     try:
         proc = procs.Proc(
@@ -70,6 +74,8 @@ def start_router(ray_address: str, logs, token: str) -> procs.Proc:
                 "0",
                 "--ray-address",
                 ray_address,
+                "--model",  # the workers' model: its id and tokenizer fingerprint must match theirs
+                model,
                 "--health-poll-s",
                 "0.2",
                 "--drain-grace-s",
@@ -90,8 +96,8 @@ def start_router(ray_address: str, logs, token: str) -> procs.Proc:
 
 
 @pytest.fixture(scope="module")
-def router(sim, workers, logs):
-    proc = start_router(sim.address, logs, workers.token)  # a driver of the cluster
+def router(sim, workers, logs, model):
+    proc = start_router(sim.address, logs, workers.token, model)  # a driver of the cluster
     yield proc
     proc.stop()
 
@@ -244,9 +250,9 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
 
 
 def test_two_routers_serve_the_same_workers_and_stopping_one_spares_the_other(
-    sim, workers, router, stub, logs
+    sim, workers, router, stub, logs, model
 ):
-    second = start_router(sim.client_address, logs, workers.token)  # through Ray Client, as from outside
+    second = start_router(sim.client_address, logs, workers.token, model)  # via Ray Client
     try:
         with grpc.insecure_channel(second.address) as channel:
             second_stub = generation_pb2_grpc.GenerationStub(channel)

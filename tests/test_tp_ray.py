@@ -26,24 +26,9 @@ from worker.config import EngineConfig  # noqa: E402
 TP = 2
 
 
-def with_tokenizer(model):
-    """The embedded SmolLM2 tokenizer (the tiny model has its vocabulary) as tokenizer.json +
-    tokenizer_config.json: workers fingerprint their model directory's tokenizer at start."""
-    import json
-
-    from common.model_files import default_model_path
-    from common.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(default_model_path())
-    tok._backend.save(str(model / "tokenizer.json"))
-    eos = tok._backend.id_to_token(tok.eos_token_id)
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
-    return model
-
-
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
-    model = with_tokenizer(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+    model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
     engine = EngineConfig(
         model=str(model),
         device="cpu",
