@@ -49,7 +49,8 @@ FIELD = re.compile(
     r"stop_token_ids)): "
 )
 ROLES = ("system", "user", "assistant", "tool", "", "User", "<|im_start|>")
-_tokenize = GenerationService._tokenize.__get__(SimpleNamespace(_tokenizer=TOKENIZER))
+_MODELS = SimpleNamespace(tokenizer=lambda model: TOKENIZER)  # the one model the harness serves
+_tokenize = GenerationService._tokenize.__get__(SimpleNamespace(_models=_MODELS))
 
 
 def _float(fdp: atheris.FuzzedDataProvider) -> float:

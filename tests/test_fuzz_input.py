@@ -225,7 +225,8 @@ def test_raw_bytes_parse_or_fail_with_decode_error_only(raw, flips):
 @pytest.fixture(scope="module")
 def tokenize(tokenizer):
     assert tokenizer.vocab_size == VOCAB
-    return GenerationService._tokenize.__get__(SimpleNamespace(_tokenizer=tokenizer))
+    models = SimpleNamespace(tokenizer=lambda model: tokenizer)  # the one model the fuzzer serves
+    return GenerationService._tokenize.__get__(SimpleNamespace(_models=models))
 
 
 @settings(FUZZ, max_examples=150)
