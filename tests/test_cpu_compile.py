@@ -138,3 +138,27 @@ def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
         err_eager = ((eag - ref).norm() / ref.norm()).item()
         assert int(comp.argmax()) == int(ref.argmax())
         assert err_compiled < max(2 * err_eager, 0.02), (err_compiled, err_eager)
+
+
+def test_a_step_needing_a_new_graph_recompiles_instead_of_failing(runner):
+    """After warm-up the step skips guard checks; a step the graph does not cover (here: block
+    tables as int64, a guard the warm-up never saw) made dynamo refuse the call ("Recompilation
+    triggered with skip_guard_eval_unsafe stance"), failing the request. It now recompiles with
+    guards checked from then on, and still matches eager."""
+    compiled = runner.cpu_compiled
+    if compiled is None:
+        pytest.fail("the shared runner should compile its CPU step (compiler available here)")
+    positions, meta = _meta([1, 3], [9, 3])
+    meta = dataclasses.replace(meta, block_tables=meta.block_tables.to(torch.int64))
+    ids = torch.randint(0, runner.model_config.vocab_size, (positions.shape[0],))
+    snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        eager = runner.model(
+            ids, positions, runner.kv_caches, dataclasses.replace(meta), runner.backend
+        ).clone()
+        for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
+            k.copy_(k0)
+            v.copy_(v0)
+        out = compiled(ids, positions, dataclasses.replace(meta)).clone()
+    err = ((out - eager).abs().max() / eager.abs().max()).item()
+    assert err < 1e-4, f"relative error {err:.2e}"

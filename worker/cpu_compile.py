@@ -171,6 +171,7 @@ class CompiledCpuForward:
         step = types.FunctionType(code, _layer_step.__globals__, code.co_name)
         self._layer = torch.compile(step, dynamic=True, fullgraph=True)
         self._warm = False
+        self._skip_guards = True  # until a step shows the graph does not cover everything
 
     @staticmethod
     def supported(device: torch.device) -> bool:
@@ -197,11 +198,21 @@ class CompiledCpuForward:
             # The graph was traced on inference tensors (the engine's steps run in inference
             # mode); a caller's ordinary tensor would fail a guard, so it is copied once.
             args = tuple(a if a.is_inference() else a.clone() for a in pad_inputs(input_ids, positions, meta))
-        if not self._warm or len(self.warm_sizes) > 1:
+        if not self._warm or len(self.warm_sizes) > 1 or not self._skip_guards:
             return self._forward(*args)[:t]
         # After warm-up the one graph covers every layer and step (all sizes symbolic, same
-        # dtypes), so the per-call check of each layer's tensor guards is skipped.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        # dtypes), so the per-call check of each layer's tensor guards is skipped. Should a step
+        # still need a new graph (a guard the warm-up did not cover: seen when another engine in
+        # the same process had compiled first), dynamo refuses under that stance; the guards are
+        # then checked again for good and the step recompiles instead of failing.
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._forward(*args)[:t]
+        except RuntimeError as exc:
+            if "Recompilation triggered" not in str(exc):
+                raise
+            self._skip_guards = False
+            log.warning("CPU model step: a step needed a new graph; guards are checked from now on")
             return self._forward(*args)[:t]
 
     def warmup(self) -> bool:
