@@ -45,44 +45,9 @@ SECTION = "## Tensor parallel: step time and all-reduce share"
 
 def smollm2_shaped(path: Path, seed: int = 0) -> Path:
     """Random safetensors Llama of SmolLM2-135M's sizes with 12 q / 6 KV heads (see the docstring)."""
-    import json
+    from deploy.sim_cluster import write_tiny_llama  # (the Ray helpers there load lazily)
 
-    from safetensors.torch import save_file
-
-    hidden, inter, layers, heads, kv_heads, head_dim, vocab = 576, 1536, 30, 12, 6, 48, 49152
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen) * 0.02  # noqa: E731
-    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights |= {
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-        }
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(path / "model.safetensors"))
-    config = {
-        "model_type": "llama",
-        "_name_or_path": "smollm2-shaped-random",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": True,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_tiny_llama(path, seed=seed, sizes=(576, 1536, 30, 12, 6), name="smollm2-shaped-random")
 
 
 def build(size: int, args) -> tuple[LLMEngine, object]:

@@ -79,11 +79,18 @@ class SimulatedCluster:
         self.cluster.shutdown()
 
 
-def write_tiny_llama(path: pathlib.Path, vocab_size: int = SMOLLM2_VOCAB_SIZE, seed: int = 0) -> pathlib.Path:
+def write_tiny_llama(
+    path: pathlib.Path,
+    vocab_size: int = SMOLLM2_VOCAB_SIZE,
+    seed: int = 0,
+    sizes: tuple[int, int, int, int, int] = (64, 128, 2, 4, 2),
+    name: str = "tiny-llama-sim",
+) -> pathlib.Path:
+    """`sizes`: hidden, intermediate, layers, query heads, KV heads (head_dim = hidden / heads)."""
     import torch
     from safetensors.torch import save_file
 
-    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    hidden, inter, layers, heads, kv_heads = sizes
     head_dim = hidden // heads
     gen = torch.Generator().manual_seed(seed)
 
@@ -108,7 +115,7 @@ def write_tiny_llama(path: pathlib.Path, vocab_size: int = SMOLLM2_VOCAB_SIZE, s
     save_file(weights, str(path / "model.safetensors"))
     config = {
         "model_type": "llama",
-        "_name_or_path": "tiny-llama-sim",
+        "_name_or_path": name,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": inter,

@@ -127,7 +127,7 @@ class StalledClient:
                         self._changed.notify_all()
                 elif kind == GOAWAY:
                     break
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError):  # the server closed the connection: the reader's job ends
             pass
         finally:
             with self._changed:

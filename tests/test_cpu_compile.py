@@ -53,6 +53,23 @@ def test_pad_inputs_keeps_real_rows_and_adds_inert_padding(lens_new, lens_ctx):
     assert bool((q_lens >= 1).all()) and bool((lens >= q_lens).all())  # well-formed sequences
 
 
+def compiled_vs_eager(runner, positions: torch.Tensor, meta: AttentionMetadata) -> float:
+    """Relative max error of the compiled step against the eager model on random ids: cached
+    prefixes hold the same random K/V for both runs (restored in between); the step writes the
+    new rows."""
+    ids = torch.randint(0, runner.model_config.vocab_size, (positions.shape[0],))
+    snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        eager = runner.model(
+            ids, positions, runner.kv_caches, dataclasses.replace(meta), runner.backend
+        ).clone()
+        for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
+            k.copy_(k0)
+            v.copy_(v0)
+        compiled = runner.cpu_compiled(ids, positions, dataclasses.replace(meta)).clone()
+    return ((compiled - eager).abs().max() / eager.abs().max()).item()
+
+
 def test_compiled_forward_matches_eager_on_mixed_steps(runner):
     """Decode rows, a fresh prompt and a chunk after a cached prefix, in one compiled graph."""
     if runner.cpu_compiled is None:
@@ -61,18 +78,7 @@ def test_compiled_forward_matches_eager_on_mixed_steps(runner):
     torch.manual_seed(0)
     for lens_new, lens_ctx in cases:
         positions, meta = _meta(lens_new, lens_ctx)
-        ids = torch.randint(0, runner.model_config.vocab_size, (positions.shape[0],))
-        # Cached prefixes hold the same random K/V for both runs; the step writes the new rows.
-        snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        with torch.inference_mode():
-            eager = runner.model(
-                ids, positions, runner.kv_caches, dataclasses.replace(meta), runner.backend
-            ).clone()
-            for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
-                k.copy_(k0)
-                v.copy_(v0)
-            compiled = runner.cpu_compiled(ids, positions, dataclasses.replace(meta)).clone()
-        err = ((compiled - eager).abs().max() / eager.abs().max()).item()
+        err = compiled_vs_eager(runner, positions, meta)
         assert err < 1e-4, f"{lens_new}/{lens_ctx}: relative error {err:.2e}"
 
 
@@ -145,20 +151,9 @@ def test_a_step_needing_a_new_graph_recompiles_instead_of_failing(runner):
     tables as int64, a guard the warm-up never saw) made dynamo refuse the call ("Recompilation
     triggered with skip_guard_eval_unsafe stance"), failing the request. It now recompiles with
     guards checked from then on, and still matches eager."""
-    compiled = runner.cpu_compiled
-    if compiled is None:
+    if runner.cpu_compiled is None:
         pytest.fail("the shared runner should compile its CPU step (compiler available here)")
     positions, meta = _meta([1, 3], [9, 3])
     meta = dataclasses.replace(meta, block_tables=meta.block_tables.to(torch.int64))
-    ids = torch.randint(0, runner.model_config.vocab_size, (positions.shape[0],))
-    snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    with torch.inference_mode():
-        eager = runner.model(
-            ids, positions, runner.kv_caches, dataclasses.replace(meta), runner.backend
-        ).clone()
-        for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
-            k.copy_(k0)
-            v.copy_(v0)
-        out = compiled(ids, positions, dataclasses.replace(meta)).clone()
-    err = ((out - eager).abs().max() / eager.abs().max()).item()
+    err = compiled_vs_eager(runner, positions, meta)
     assert err < 1e-4, f"relative error {err:.2e}"

@@ -8,8 +8,8 @@
 
 
 class GroupFailed(RuntimeError):
-    pass
+    """A rank died, or a collective failed or timed out (rank 0's step raises it)."""
 
 
 class GroupUnavailable(RuntimeError):
-    pass
+    """Ends each stream in flight when its group failed (answered UNAVAILABLE)."""
