@@ -662,26 +662,39 @@ def checkpoint_prompts(path, num: int, vocab: int) -> tuple[list[list[int]], str
         return ids, f"seeded token ids ({type(exc).__name__}: {exc})"[:200]
 
 
-def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
-    """Graph replay vs eager, greedy, on the real SmolLM2 weights (see the module docstring, 2c)."""
-    out = res["checkpoint"] = {"dtype": sizes["ckpt_dtype"]}
+def load_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float):
+    """The real checkpoint ($SMOLLM2_GGUF, else the embedded one) in `ckpt_dtype`, unquantized, as
+    (loaded model, path); None, with `out["skipped"]` saying why, when --skip-checkpoint, the time
+    budget or a missing file / gguf package rules it out. Shared by every checkpoint section."""
+    if sizes.get("skip_checkpoint"):
+        out["skipped"] = "--skip-checkpoint"
+        return None
     left = deadline - time.perf_counter()
     if left < sizes["ckpt_min_s"]:
         out["skipped"] = f"time budget: {left:.0f} s left"
-        return
+        return None
     path = os.environ.get("SMOLLM2_GGUF") or None
     try:
         from worker.model.loader import load_model
 
-        start = time.perf_counter()
-        loaded = load_model(path, sizes["ckpt_dtype"], device, quantization="none")
+        return load_model(path, sizes["ckpt_dtype"], device, quantization="none"), path
     except (ImportError, FileNotFoundError) as exc:
         out["skipped"] = (
             f"no checkpoint here ({type(exc).__name__}: {exc}); on the GPU machine "
             "benchmarks/gpu_session.sh brings the GGUF and the gguf package (see there)"
         )[:400]
+        return None
+
+
+def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
+    """Graph replay vs eager, greedy, on the real SmolLM2 weights (see the module docstring, 2c)."""
+    out = res["checkpoint"] = {"dtype": sizes["ckpt_dtype"]}
+    start = time.perf_counter()
+    found = load_checkpoint(out, sizes, device, deadline)
+    if found is None:
         print(f"  checkpoint: {out['skipped']}", flush=True)
         return
+    loaded, path = found
     out.update(model=loaded.name, load_s=time.perf_counter() - start, path=str(path or "embedded"))
     n = sizes["ckpt_requests"]
     prompts, out["prompts"] = checkpoint_prompts(path, n, loaded.config.vocab_size)

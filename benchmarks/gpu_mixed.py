@@ -13,7 +13,6 @@ Result: `res["mixed_checkpoint"]`. Proven by tests/test_gpu_bench.py (smoke: the
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -53,23 +52,13 @@ def staggered(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
 
 
 def mixed_checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
-    from benchmarks.gpu_bench import checkpoint_prompts
+    from benchmarks.gpu_bench import checkpoint_prompts, load_checkpoint
 
     out = res["mixed_checkpoint"] = {}
-    if sizes.get("skip_checkpoint"):
-        out["skipped"] = "--skip-checkpoint"
+    found = load_checkpoint(out, sizes, device, deadline)
+    if found is None:
         return
-    if deadline - time.perf_counter() < sizes["ckpt_min_s"]:
-        out["skipped"] = "time budget"
-        return
-    path = os.environ.get("SMOLLM2_GGUF") or None
-    try:
-        from worker.model.loader import load_model
-
-        loaded = load_model(path, sizes["ckpt_dtype"], device, quantization="none")
-    except (ImportError, FileNotFoundError) as exc:
-        out["skipped"] = f"no checkpoint here ({type(exc).__name__}: {exc})"[:300]
-        return
+    loaded, path = found
     n = sizes["ckpt_requests"]
     prompts, out["prompts"] = checkpoint_prompts(path, n, loaded.config.vocab_size)
     max_tokens = sizes["ckpt_max_tokens"][1]

@@ -30,7 +30,6 @@ Proven by tests/test_gpu_bench.py (the smoke run, tiny sizes on CPU).
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
@@ -301,23 +300,13 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
 
 
 def fp8_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float) -> None:
-    from benchmarks.gpu_bench import checkpoint_prompts
+    from benchmarks.gpu_bench import checkpoint_prompts, load_checkpoint
     from worker.model.fp8 import quantize_model_fp8
 
-    if sizes.get("skip_checkpoint"):
-        out["skipped"] = "--skip-checkpoint"
+    found = load_checkpoint(out, sizes, device, deadline)
+    if found is None:
         return
-    if deadline - time.perf_counter() < sizes["ckpt_min_s"]:
-        out["skipped"] = "time budget"
-        return
-    path = os.environ.get("SMOLLM2_GGUF") or None
-    try:
-        from worker.model.loader import load_model
-
-        loaded = load_model(path, sizes["ckpt_dtype"], device, quantization="none")
-    except (ImportError, FileNotFoundError) as exc:
-        out["skipped"] = f"no checkpoint here ({type(exc).__name__}: {exc})"[:300]
-        return
+    loaded, path = found
     num = sizes["ckpt_requests"]
     prompts, out["prompts"] = checkpoint_prompts(path, num, loaded.config.vocab_size)
     max_tokens = sizes["ckpt_max_tokens"][1]
