@@ -189,7 +189,13 @@ class WorkerRegistry(abc.ABC):
                     address, channel, worker_pb2_grpc.WorkerStub(channel), breaker=self._breaker_factory()
                 )
         for address in set(self._handles) - set(addresses):
-            await self._handles.pop(address).channel.close()
+            gone = self._handles.pop(address)
+            # Its open streams end as lost (UNAVAILABLE to their clients); closing the channel
+            # alone would cancel them like a client's cancel, and their clients would get no
+            # status at all until their own deadlines.
+            for stream in list(gone.streams):
+                stream.cancel_down(f"worker {address} left the registry (no longer discovered)")
+            await gone.channel.close()
         await asyncio.gather(*(self._probe(h) for h in self._handles.values()))
         self._notify()
 

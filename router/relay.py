@@ -230,7 +230,7 @@ class Relay:
             if not stream.down_reason:
                 raise  # the client's cancellation (or the deadline), not the worker's
             raise WorkerLost(
-                f"{stream.down_reason} after {num_out} tokens",
+                f"worker {worker.address} was lost mid-stream after {num_out} tokens ({stream.down_reason})",
                 retryable=num_out == 0,
                 code=grpc.StatusCode.UNAVAILABLE,
             ) from None

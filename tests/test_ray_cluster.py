@@ -217,7 +217,7 @@ def test_killed_worker_is_restarted_and_rediscovered_in_flight_as_in_grpc_issue(
     # went to the surviving workers and completed like all the others
     assert len(failed) == 1, streams.outcomes
     code, tokens, details = failed[0]
-    assert code == grpc.StatusCode.UNAVAILABLE
+    assert code == grpc.StatusCode.UNAVAILABLE, failed[0]
     # the worker is named in the router's log, never to clients (issue 17)
     assert tokens > 0 and "lost mid-stream" in details and before[victim_name] not in details
     assert [o for o in streams.outcomes if o[0] == "ok"] == [("ok", 200, 200)] * (2 * NUM_WORKERS - 1)

@@ -128,6 +128,40 @@ def test_restarting_actor_is_left_out_until_it_answers_at_its_new_port(fake):
     assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7100"]
 
 
+def test_streams_on_a_worker_that_leaves_discovery_end_as_lost_not_as_client_cancels(fake):
+    """A restarting actor drops out of discovery; its handle's open streams must end as worker
+    losses (UNAVAILABLE to their clients). Before, only its channel was closed, which cancels the
+    calls like a client's cancel: the router sent no status and the client waited for its own
+    deadline (a 120 s hang seen in test_ray_cluster's killed-worker test)."""
+
+    class Call:
+        def __init__(self):
+            self.cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    fake.names = [("llm", "worker-0"), ("llm", "worker-1")]
+    fake.answers = {"worker-0": Ref("127.0.0.1:1"), "worker-1": Ref("127.0.0.1:2")}  # nothing listens
+
+    async def main():
+        registry = registry_on(fake, probe_timeout_s=0.2, down_after_probes=5)  # probes: not yet down
+        await registry._refresh()
+        on_1 = registry.track(registry._handles["127.0.0.1:2"], Call())
+        on_0 = registry.track(registry._handles["127.0.0.1:1"], Call())
+        fake.answers["worker-1"] = Ref(ready=False)  # restarting: asked again, no answer yet
+        await registry._refresh()  # the failed probes made both unhealthy, so both are asked
+        assert "127.0.0.1:2" not in registry._handles
+        try:
+            return on_0, on_1
+        finally:
+            await registry.stop()
+
+    on_0, on_1 = asyncio.run(main())
+    assert on_1.call.cancelled and "left the registry" in on_1.down_reason
+    assert not on_0.call.cancelled and on_0.down_reason == ""  # still discovered: left alone
+
+
 def test_dead_actor_is_dropped_and_forgotten_when_unlisted(fake):
     fake.names = [("llm", "worker-0"), ("llm", "worker-1")]
     fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref(error=RayError("actor died"))}
