@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/llm/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
 PYTEST_ARGS ?=
+# make test: test modules run on this many pytest-xdist processes (0: one process, no xdist).
+TEST_PROCS ?= 2
 
 .PHONY: install protos lint test test-all soak serve bench bench-attention bench-grpc bench-tracing bench-gpu gpu-session check-triton loadtest bench-fairness clean
 
@@ -32,10 +34,10 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: install protos
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-all: install protos
-	$(PY) -m pytest -q --runslow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --runslow $(PYTEST_ARGS)
 
 bench: install protos
 	$(PY) -m benchmarks.engine_vs_hf $(ARGS)

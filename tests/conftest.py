@@ -24,7 +24,40 @@ def pytest_addoption(parser):
     )
 
 
+# `make test` runs the modules on two pytest-xdist processes, a whole module each (--dist
+# loadfile: module fixtures, and the processes they start, exist once). xdist hands out modules in
+# collection order, so the longest go first and the short ones fill in at the end: without this the
+# last long module starts late and runs alone on one core. Seconds per module alone (2-vCPU EPYC,
+# 2026-11-30); a module not listed keeps its place after these.
+LONGEST_FIRST = (
+    "test_tp_serve",
+    "test_soak",
+    "test_faults",
+    "test_ray_cluster",
+    "test_fairness_e2e",
+    "test_trust_limits",
+    "test_openai_e2e",
+    "test_gpu_bench",
+    "test_cpu_attention",
+    "test_loadtest_e2e",
+    "test_trust_admission",
+    "test_engine_hf",
+    "test_tenant_isolation",
+    "test_quant",
+    "test_openai_serving_e2e",
+    "test_trust_auth",
+    "test_trust_streams",
+    "test_tp_model",
+)
+
+
+def _module_rank(item) -> int:
+    name = item.path.stem
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: the order inside a module, and of the rest, is kept
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow soak: runs with --runslow (make test-all)")
