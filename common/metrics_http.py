@@ -36,6 +36,9 @@ from common.net import bind_address
 
 log = logging.getLogger(__name__)
 MAX_THREADS = 16  # connections served at once
+# How often the serving thread checks for `close()`: socketserver's default of 0.5 s made every
+# router and worker stop wait up to half a second for its /metrics thread.
+SHUTDOWN_POLL_S = 0.05
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -127,7 +130,9 @@ class MetricsServer:
             self.scheme = "https"
         self.host = host
         self.port = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics-http", daemon=True
+        )
         self._thread.start()
 
     @property

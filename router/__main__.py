@@ -5,6 +5,7 @@ Contract: the flags and their `LLM_*` variables come from `RouterConfig`'s field
 """
 
 import asyncio
+import gc
 import sys
 
 from common.logs import setup_logging
@@ -20,4 +21,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Served and stopped: the interpreter's final collection would walk every object grpc and the tokenizer
+    # allocated (measured 1.3 s of a worker's 2.5 s stop, 0.2 s of a router's); frozen, it skips them.
+    gc.freeze()
+    sys.exit(status)

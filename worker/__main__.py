@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 
 from common.config_cli import Flags, new_parser, parse_or_exit
@@ -44,4 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Served and stopped: the interpreter's final collection would walk every object torch and the model
+    # allocated (measured 1.3 s of a worker's 2.5 s stop, 0.2 s of a router's); frozen, it skips them.
+    gc.freeze()
+    sys.exit(status)
