@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -195,4 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Everything is stopped: skip the interpreter's final collection over every object torch, Ray and
+    # the router allocated (0.6 s of a 2.5 s stop), as python -m worker / router do.
+    gc.freeze()
+    sys.exit(status)
