@@ -3,7 +3,9 @@ processes, its idle check, and one measured Generate call.
 
 Contract
 - `Stack(num_workers, worker_args, router_args)`: quiet child processes on ephemeral ports (the
-  router's /metrics on a free port); `wait_ready()`; `wait_idle()` polls until every worker reports
+  router's /metrics on a free port); `running_workers`: addresses of workers already serving that
+  the router uses too (the tests' shared worker; not stopped here, not in `pids()`);
+  `wait_ready()`; `wait_idle()` polls until every worker reports
   nothing running or waiting with every KV block free and every router gauge of open work
   (`IDLE_GAUGES`, summed over labels) is 0, and returns what it saw; `stop()` drains and stops.
 - `one_call(stub, request, timeout_s)` -> `Outcome` (status name, send/end times, TTFT, tokens).
@@ -62,7 +64,11 @@ class Stack:
     """Workers and a router as child processes (quiet); `stop()` drains and stops them."""
 
     def __init__(
-        self, num_workers: int = 1, worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()
+        self,
+        num_workers: int = 1,
+        worker_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+        running_workers: tuple[str, ...] = (),
     ):
         self.workers = [
             LocalProcess(
@@ -72,7 +78,7 @@ class Stack:
             )
             for i in range(num_workers)
         ]
-        self.worker_addresses = [w.wait_listening() for w in self.workers]
+        self.worker_addresses = [w.wait_listening() for w in self.workers] + list(running_workers)
         metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.router = LocalProcess(
@@ -101,7 +107,7 @@ class Stack:
             while True:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     models = (await stub.ListModels(pb.ListModelsRequest(), timeout=2)).models
-                    if models and models[0].num_workers == len(self.workers):
+                    if models and models[0].num_workers == len(self.worker_addresses):
                         return
                 if time.monotonic() > deadline:
                     raise TimeoutError("router did not see its workers")
