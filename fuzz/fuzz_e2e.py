@@ -1,10 +1,12 @@
 """End-to-end fuzzing at scale: hostile gRPC calls and hostile HTTP requests against real worker
 and router processes on 127.0.0.1.
 
-    python -m fuzz.fuzz_e2e --grpc-calls 10000 --http-calls 2000 [--seed 9]
+    python -m fuzz.fuzz_e2e --grpc-calls 10000 --http-calls 2000 [--seed 9] [--worker HOST:PORT]
 
 Contract
-- input: counts, a seed (every input is drawn from `random.Random(seed)`), an output path.
+- input: counts, a seed (every input is drawn from `random.Random(seed)`), an output path; the
+  worker is started here, or `--worker` names one already serving (its KV pool must be whole at the
+  end, so nothing else may use it meanwhile; it is not stopped).
 - gRPC: the generators of tests/test_fuzz_e2e.py (every request field hostile now and then,
   hostile metadata, raw and corrupted protobuf bytes, tiny deadlines) through `Generate` and
   `ListModels`, 16 at a time. Every status must be one a client can act on (tests/test_fuzz_e2e.py
@@ -199,15 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-calls", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=9)
     p.add_argument("--out", default=str(REPO / "docs" / "reliability" / "fuzz_e2e.json"))
+    p.add_argument("--worker", default="", help="host:port of a running worker to use (default: start one)")
     a = p.parse_args(argv)
     logs = pathlib.Path(tempfile.mkdtemp(prefix="fuzz-e2e-"))
     rng = random.Random(a.seed)
-    worker = procs.start_worker(logs, "--num-threads", "1")
+    worker = None if a.worker else procs.start_worker(logs, "--num-threads", "1")
     try:
-        procs.ready(worker)
+        if worker is not None:
+            procs.ready(worker)
+        worker_address = a.worker or worker.address
         with procs.running_router(
             logs,
-            [worker.address],
+            [worker_address],
             "--default-max-tokens",
             "4",
             "--http-port",
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             http_results = asyncio.run(run_http(http_url(router), model, rng, a.http_calls))
             http_s = time.monotonic() - start
-            load, _ = procs.wait_all_blocks_free(worker.address, timeout_s=60)
+            load, _ = procs.wait_all_blocks_free(worker_address, timeout_s=60)
             with grpc.insecure_channel(router.address) as channel:  # still serving
                 msgs = list(
                     generation_pb2_grpc.GenerationStub(channel).Generate(
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             log = router.log_path.read_text(errors="replace")
     finally:
-        worker.stop()
+        if worker is not None:
+            worker.stop()
     bad_grpc = {k: v for k, v in grpc_results.items() if k not in ALLOWED}
     bad_http = {k: v for k, v in http_results.items() if int(k) >= 500}
     checks = {

@@ -1,7 +1,9 @@
 """End-to-end fuzzing (fuzz/fuzz_e2e.py) through both fronts of a real router: hostile gRPC calls
 never get UNKNOWN or INTERNAL, hostile HTTP requests to the OpenAI-compatible front never get a
 5xx, the KV pool is whole afterwards, the router still serves and logs no traceback. A short run
-here; the issue's 10,000-input run with --runslow (`make test-all`) or `python -m fuzz.fuzz_e2e`."""
+here, through a router of its own over the session's shared worker (tests/conftest.py); the issue's
+10,000-input run, with a worker of its own, with --runslow (`make test-all`) or
+`python -m fuzz.fuzz_e2e`."""
 
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import pytest
 from fuzz import fuzz_e2e
 
 
-def test_short_fuzz_run_through_grpc_and_http(capsys):
-    assert fuzz_e2e.main(["--grpc-calls", "100", "--http-calls", "300", "--seed", "5", "--out", ""]) == 0, (
-        capsys.readouterr().out
-    )
+def test_short_fuzz_run_through_grpc_and_http(plain_worker, capsys):
+    argv = ["--worker", plain_worker.address, "--grpc-calls", "100", "--http-calls", "150", "--seed", "5"]
+    assert fuzz_e2e.main([*argv, "--out", ""]) == 0, capsys.readouterr().out
 
 
 @pytest.mark.slow
