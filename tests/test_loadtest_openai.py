@@ -72,7 +72,8 @@ def fake_server():
     def start():
         server = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
         server.received = []
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        # shutdown() returns once serve_forever next polls: every 0.05 s, not the default 0.5 s
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return server
 
