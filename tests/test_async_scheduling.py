@@ -348,3 +348,40 @@ def test_smollm2_matches_sync(make_engine, tokenizer):
     assert_same(sync, overlapped)
     assert sync["s1"].finish_reason is FinishReason.ABORT
     assert engine.stats().num_overlapped_steps > 0
+
+
+def test_async_engine_streams_with_backpressure_match_sync():
+    """Through AsyncEngine (the worker's loop thread) with a 2-output stream buffer and slow readers:
+    parked sequences can finish from the step already in flight; every stream still gets the
+    synchronous engine's tokens and the pool ends whole."""
+    import asyncio
+
+    from worker.async_engine import AsyncEngine
+
+    config = tiny_config(num_kv_blocks=64)
+    runner = tiny_runner(config)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (i + 1) for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
+    want = LLMEngine(config, runner=runner).generate(prompts, params)
+
+    engine = LLMEngine(dataclasses.replace(config, async_scheduling=True), runner=runner)
+    served = AsyncEngine(engine, stream_buffer=2)
+    served.start()
+
+    async def consume(i: int) -> list[int]:
+        tokens = []
+        async for out in served.generate(f"s{i}", prompts[i], params[i]):
+            tokens += out.new_token_ids
+            await asyncio.sleep(0.01 * (i % 3))  # slow readers fill their buffers
+        return tokens
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(consume(i) for i in range(5)))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        served.shutdown()
+    assert got == want
+    assert engine.stats().num_overlapped_steps > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

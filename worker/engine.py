@@ -32,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,10 @@ from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 Sampled = dict[str, tuple[int, float | None]]
+
+
+def _omp_passive() -> bool:
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
 @dataclass
@@ -86,6 +91,11 @@ class LLMEngine:
         self.num_steps = 0
         self.step_s_total = 0.0
         self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1
+        if self.async_scheduling and self.runner.device.type == "cpu" and not _omp_passive():
+            log.warning(
+                "async scheduling on CPU without OMP_WAIT_POLICY=PASSIVE: libgomp's spinning team "
+                "beside the engine thread made steps up to 10x slower (docs/benchmarks.md)"
+            )
         self.num_overlapped_steps = 0  # launched while another step was in flight
         self.num_sync_steps = 0  # launched with nothing in flight
         self.fallbacks: Counter[str] = Counter()  # why a next plan was not launched early
