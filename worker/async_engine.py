@@ -15,6 +15,8 @@ Contract:
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
   them, and the loop goes on serving new requests.
+- Async scheduling (EngineConfig.async_scheduling): a parked sequence may still finish, from the
+  step already in flight when it was parked; its stream gets that output (one past the buffer).
 - Proven by tests/test_grpc_e2e.py (it drives an AsyncEngine directly) and the other gRPC
   end-to-end tests; backpressure by tests/test_trust_streams.py.
 """
@@ -115,6 +117,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()  # the executor thread of async scheduling, if any
 
     async def generate(
         self,
@@ -166,7 +170,9 @@ class AsyncEngine:
                 continue
             parked = self._park()
             scheduler = engine.scheduler
-            if parked and not (scheduler.running or scheduler.waiting or engine._aborted):
+            if parked and not (
+                scheduler.running or scheduler.waiting or engine._aborted or engine.has_in_flight
+            ):
                 self._unpark(parked)  # every stream's reader is behind: wait for one to read
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
@@ -215,7 +221,8 @@ class AsyncEngine:
             return
         s = self.engine.scheduler
         s.max_num_seqs += len(running)
-        s.running.extend(running)
+        # With async scheduling a parked sequence can finish: its step was already in flight.
+        s.running.extend(seq for seq in running if not seq.is_finished)
         for seq in waiting:
             bisect.insort(s.waiting, seq, key=Sequence.sort_key)
         for seq in running + waiting:

@@ -100,10 +100,13 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Hash the blocks that became full of computed tokens, so later requests can share them."""
+    def commit(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Hash the blocks that became full of computed tokens, so later requests can share them.
+        `num_computed`: the computed tokens whose values are known (async scheduling: the count a
+        finished step reached; default seq.num_computed_tokens)."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        upto = seq.num_computed_tokens if num_computed is None else num_computed
+        for i in range(len(seq.block_hashes), upto // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.salt)
             seq.block_hashes.append(h)

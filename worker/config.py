@@ -201,6 +201,15 @@ class EngineConfig:
             "1-8 and equal at 32 (benchmarks/cpu_steps.py, docs/cpu-serving.md)"
         ),
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=option(
+            "overlap scheduling with the model: plan step N+1 (one placeholder token per decoding "
+            "sequence) while step N runs on its own thread, and feed N's tokens into N+1; the same "
+            "tokens as without it. Falls back to a synchronous step before a preemption and for "
+            "penalties; ignored with tensor parallelism (worker/engine.py). Off until measured on a GPU"
+        ),
+    )
 
     tensor_parallel_size: int = field(
         default=1,

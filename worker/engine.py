@@ -1,29 +1,64 @@
-"""LLMEngine: the synchronous core of a worker (scheduler + block manager + model runner).
+"""LLMEngine: the core of a worker (scheduler + block manager + model runner), one thread.
 
 Contract:
 - `add_request(request_id, prompt_token_ids, sampling, priority=0, salt="")` queues a request
   (ValueError for duplicates, empty or over-long prompts).
-- `abort(request_id)` ends it at once and frees its blocks; its final output comes from the next
-  `step()` with finish_reason ABORT.
+- `abort(request_id)` ends it at once (its blocks are freed at once, or when the step in flight that
+  holds it returns); its final output comes from the next `step()` with finish_reason ABORT.
 - `step() -> list[RequestOutput]`: one scheduler plan, one forward pass, one sampled token per
   sampling sequence; an output for every sequence that produced tokens or finished.
-- State: everything lives here and is touched by one thread only (AsyncEngine's loop thread).
-- Proven by tests/test_engine_*.py; `stats()` exposes counters for metrics.
+- State: everything lives here and is touched by one thread only (AsyncEngine's loop thread);
+  with async scheduling the model runner belongs to one executor thread instead.
+- Async scheduling (`EngineConfig.async_scheduling`): `step()` launches step N+1 on the executor
+  thread before it waits for step N, so planning step N+1 (schedule, block allocation), committing
+  step N and building its outputs overlap the forward pass. The plan of N+1 counts one placeholder
+  token per sequence sampling in N (`Scheduler.advance`); the executor writes N's sampled token into
+  that slot before it builds N+1's inputs (the jobs run in order on one thread, so N's tokens are
+  there: no extra sync). Each `step()` still returns the outputs of exactly one step, and tokens,
+  finish reasons and usage counts are the synchronous engine's. What overlaps: decodes, prompt
+  chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded sampling,
+  logprobs, logit bias, stop token ids, EOS, max_tokens (a sequence whose pending token is its last
+  is left out of the next plan), aborts (the step in flight drops the token; blocks are freed when it
+  returns). What runs synchronously (plan made once nothing is in flight, counted in
+  `num_sync_steps`, reason in `fallbacks`): the first step after idling; a next plan that would
+  preempt (KV pool short, or a waiting request of higher priority): no preemption while a step is in
+  flight; a plan with a sequence whose sampling needs its token history (repetition, frequency or
+  presence penalty). Stop strings are matched by the router, which aborts: an abort here.
+  Not with tensor parallelism (the flag is ignored there).
+- Proven by tests/test_engine_*.py and tests/test_async_scheduling.py (async == sync on random
+  workloads); `stats()` exposes counters for metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
+from worker.scheduler import Scheduler, SchedulerOutput
+from worker.sequence import PLACEHOLDER, Sequence
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+Sampled = dict[str, tuple[int, float | None]]
+
+
+def _omp_passive() -> bool:
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+
+
+@dataclass
+class _Launched:
+    """A step handed to the executor: its plan and the future of (sampled tokens, seconds)."""
+
+    plan: SchedulerOutput
+    future: Future
 
 
 class LLMEngine:
@@ -55,6 +90,18 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.step_s_total = 0.0
+        self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1
+        if self.async_scheduling and self.runner.device.type == "cpu" and not _omp_passive():
+            log.warning(
+                "async scheduling on CPU without OMP_WAIT_POLICY=PASSIVE: libgomp's spinning team "
+                "beside the engine thread made steps up to 10x slower (docs/benchmarks.md)"
+            )
+        self.num_overlapped_steps = 0  # launched while another step was in flight
+        self.num_sync_steps = 0  # launched with nothing in flight
+        self.fallbacks: Counter[str] = Counter()  # why a next plan was not launched early
+        self._in_flight: deque[_Launched] = deque()
+        self._pending_releases: list[str] = []  # runner.release calls for the executor thread
+        self._executor: ThreadPoolExecutor | None = None
 
     def add_request(
         self,
@@ -74,14 +121,27 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
-        self.runner.release(request_id)
+        self._release(request_id)
         self._aborted.append(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
+
+    @property
+    def has_in_flight(self) -> bool:
+        """A launched step has not returned its outputs yet (async scheduling)."""
+        return bool(self._in_flight)
+
+    def close(self) -> None:
+        """Stop the executor thread (async scheduling), after the step in flight."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         plan = self.scheduler.schedule()
@@ -91,18 +151,138 @@ class LLMEngine:
         sampled = self.runner.run(plan)
         self.step_s_total += time.perf_counter() - start
         self.num_steps += 1
+        self.num_sync_steps += 1
         for seq in self.scheduler.update(plan, sampled):
             if seq.is_finished:
                 self.runner.release(seq.request_id)
             outputs.append(self._output(seq))
         return outputs
 
+    # -- async scheduling -----------------------------------------------------------------
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch the next step if it can be planned now, then return the oldest one's outputs."""
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        if not self._in_flight:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return outputs
+            self._launch(plan)
+        plan = self._plan_ahead()
+        if plan is not None:
+            self._launch(plan)
+        outputs.extend(self._finish_oldest())
+        return outputs
+
+    def _plan_ahead(self) -> SchedulerOutput | None:
+        """The next plan, made while a step is in flight; None when it must wait (a fallback)."""
+        plan = self.scheduler.schedule(speculative=True)
+        if plan.blocked:
+            # Left as planned (allocations, admissions): the synchronous plan starts from there.
+            self.fallbacks["preemption"] += 1
+            return None
+        if plan.is_empty:
+            return None
+        if any(s.samples and s.seq.sampling.needs_history for s in plan.scheduled):
+            self.fallbacks["penalties"] += 1
+            return None
+        return plan
+
+    def _launch(self, plan: SchedulerOutput) -> None:
+        """Hand `plan` to the executor thread (behind the step in flight, if any)."""
+        prev = self._in_flight[-1].future if self._in_flight else None
+        if prev is None:
+            self.num_sync_steps += 1
+        else:
+            self.num_overlapped_steps += 1
+        # Placeholders of the step in flight that this plan feeds to the model.
+        feeds = [(s.seq, s.start) for s in plan.scheduled if s.seq.token_ids[s.start] == PLACEHOLDER]
+        releases, self._pending_releases = self._pending_releases, []
+        self.scheduler.advance(plan)
+        self.scheduler.pinned.update(s.seq for s in plan.scheduled)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        future = self._executor.submit(self._run_step, plan, prev, feeds, releases)
+        self._in_flight.append(_Launched(plan, future))
+
+    def _run_step(
+        self,
+        plan: SchedulerOutput,
+        prev: Future | None,
+        feeds: list[tuple[Sequence, int]],
+        releases: list[str],
+    ) -> tuple[Sampled, float]:
+        """Executor thread: the runner's releases, the previous step's tokens written into this
+        plan's placeholders (the engine thread writes the same values when it commits), the step."""
+        for request_id in releases:
+            self.runner.release(request_id)
+        if feeds:
+            sampled = prev.result()[0]  # done: it ran on this thread before
+            for seq, pos in feeds:
+                seq.token_ids[pos] = sampled[seq.request_id][0]
+        start = time.perf_counter()
+        sampled = self.runner.run(plan)
+        return sampled, time.perf_counter() - start
+
+    def _finish_oldest(self) -> list[RequestOutput]:
+        launched = self._in_flight[0]
+        try:
+            sampled, seconds = launched.future.result()
+        except BaseException:
+            self._recover()
+            raise
+        self._in_flight.popleft()
+        self.step_s_total += seconds
+        self.num_steps += 1
+        touched = self.scheduler.commit(launched.plan, sampled)
+        self._unpin()
+        outputs = []
+        for seq in touched:
+            if seq.is_finished:
+                self._release(seq.request_id)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _unpin(self) -> None:
+        """Pin exactly the sequences of the plans still in flight; free what that releases; with
+        nothing in flight the executor is idle and takes the pending releases now."""
+        pinned = self.scheduler.pinned
+        pinned.clear()
+        for launched in self._in_flight:
+            pinned.update(s.seq for s in launched.plan.scheduled)
+        self.scheduler.free_deferred()
+        if not self._in_flight:
+            for request_id in self._pending_releases:
+                self.runner.release(request_id)
+            self._pending_releases.clear()
+
+    def _recover(self) -> None:
+        """A step failed: wait for the rest, undo every launched plan (newest first), so the
+        engine is as the last committed step left it."""
+        for launched in self._in_flight:
+            try:
+                launched.future.result()
+            except BaseException:  # noqa: BLE001 - the first failure is the one re-raised
+                log.debug("a step queued behind a failed one failed too", exc_info=True)
+        for launched in reversed(self._in_flight):
+            self.scheduler.rollback(launched.plan)
+        self._in_flight.clear()
+        self._unpin()
+
+    def _release(self, request_id: str) -> None:
+        """runner.release, on the thread that owns the runner: now, or with the next launch."""
+        if self._in_flight:
+            self._pending_releases.append(request_id)
+        else:
+            self.runner.release(request_id)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         # Slices of the tail only: no copy of the whole output per step.
         emitted, num_prompt = seq.num_emitted_tokens, len(seq.prompt_token_ids)
-        new = seq.token_ids[num_prompt + emitted :]
+        known = seq.num_known_tokens  # placeholders are not output
+        new = seq.token_ids[num_prompt + emitted : known]
         new_lp = seq.logprobs[emitted:] if seq.sampling.logprobs else None
-        seq.num_emitted_tokens = len(seq.token_ids) - num_prompt
+        seq.num_emitted_tokens = known - num_prompt
         queue_s = (seq.first_scheduled_s - seq.arrival_s) if seq.first_scheduled_s else 0.0
         ttft_s = (seq.first_token_s - seq.arrival_s) if seq.first_token_s else 0.0
         return RequestOutput(
@@ -131,6 +311,8 @@ class LLMEngine:
             self.block_manager.num_prefix_hits,
             s.num_prompt_tokens,
             s.num_generation_tokens,
+            self.num_overlapped_steps,
+            self.num_sync_steps,
         )
 
     def generate(

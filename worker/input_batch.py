@@ -129,16 +129,16 @@ class InputBatch:
         width = 0
         t = 0
         for i, s in enumerate(plan.scheduled):
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
+            # The plan's copy of the sequence's state (ScheduledSeq): with async scheduling the
+            # engine thread moves the sequence on while this step is built.
+            seq, n, start = s.seq, s.num_new_tokens, s.start
             row = row_of.get(seq.request_id)
             if row is None:
                 if live is None:
                     live = {x.seq.request_id for x in plan.scheduled}
                 row = self._assign(seq.request_id, live)
                 tables_np = self.tables_np  # reallocated if the rows grew
-            table = seq.block_table
-            nb = len(table)
+            table, nb = s.block_table, s.num_blocks
             if row_list[row] is not table or row_len[row] != nb:
                 first = row_len[row] if row_list[row] is table else 0
                 if nb > self.max_blocks:
@@ -168,7 +168,7 @@ class InputBatch:
             else:
                 ids.extend(seq.token_ids[start : start + n])
             t += n
-            if start + n == len(seq.token_ids):
+            if s.samples:
                 logits_rows.append(t - 1)
                 sample_idx.append(i)
         st = np.array(starts, dtype=np.int64)

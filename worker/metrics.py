@@ -7,7 +7,9 @@ Contract
   `worker.observe`) and, from `EngineStats`: gauges `llm_num_requests_running`,
   `llm_num_requests_waiting`, `llm_kv_cache_usage_ratio`, `llm_kv_cache_free_blocks`,
   `llm_kv_cache_total_blocks`; counters `llm_preemptions_total`, `llm_prefix_cache_queries_total`,
-  `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache).
+  `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
+  `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
+  ran, async scheduling / with none in flight).
 - state: the registry (one per worker process).
 - proven by: tests/test_observability_e2e.py (counters equal a known workload).
 """
@@ -55,6 +57,14 @@ class EngineCollector:
         yield CounterMetricFamily(
             "llm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=s.num_prefix_hits
         )
+        steps = CounterMetricFamily(
+            "llm_engine_steps",
+            "Engine steps, by whether they were planned during the step before",
+            labels=["mode"],
+        )
+        steps.add_metric(["overlapped"], s.num_overlapped_steps)
+        steps.add_metric(["synchronous"], s.num_sync_steps)
+        yield steps
 
 
 class WorkerMetrics:

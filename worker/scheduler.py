@@ -11,8 +11,16 @@ Contract:
 - Fails how: when KV blocks run out, the lowest-priority, newest running sequence is preempted by
   recompute (blocks freed, it returns to the front of its priority class in `waiting`). A waiting
   sequence of higher priority may preempt a lower-priority running one.
+- Async scheduling (worker/engine.py): `advance(plan)` applies a launched plan before its tokens
+  are known (computed counts move on; each sampling sequence gets a PLACEHOLDER token), so
+  `schedule(speculative=True)` plans the next step while it runs; that plan never preempts (it sets
+  `blocked` instead: the engine then drops it and schedules synchronously) and leaves out sequences
+  whose pending token is certainly their last (max_tokens, max_model_len). `commit(plan, sampled)`
+  fills the placeholders in and checks stop conditions. A sequence that ends while a plan in flight
+  holds it (`pinned`) keeps its blocks until the engine calls `free_deferred()`.
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
-  at the end) and tests/test_engine_batching.py (batched == alone, token for token).
+  at the end), tests/test_engine_batching.py (batched == alone, token for token) and
+  tests/test_async_scheduling.py (async == sync).
 """
 
 from __future__ import annotations
@@ -22,25 +30,36 @@ import time
 from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager
-from worker.sequence import Sequence, SequenceStatus
+from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from worker.types import FinishReason
 
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step. The sequence's state at planning time is copied here (its
+    start position, block table and length), so a plan in flight stays what it was while the
+    engine thread plans the next step (async scheduling)."""
+
     seq: Sequence
     num_new_tokens: int
+    start: int = field(init=False)  # seq.num_computed_tokens when planned
+    block_table: list[int] = field(init=False)  # the list itself: it only grows by append
+    num_blocks: int = field(init=False)  # its length when planned
+    samples: bool = field(init=False)  # computes the last outstanding token, so it samples
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last outstanding token (so it samples)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        seq = self.seq
+        self.start = seq.num_computed_tokens
+        self.block_table = seq.block_table
+        self.num_blocks = len(seq.block_table)
+        self.samples = self.start + self.num_new_tokens == seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    blocked: bool = False  # speculative only: it stopped where a synchronous plan would preempt
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,6 +90,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # cumulative, counted when a request is first scheduled
         self.num_generation_tokens = 0  # cumulative sampled tokens
+        self.pinned: set[Sequence] = set()  # in a plan in flight (async scheduling)
+        self.deferred: list[Sequence] = []  # finished while pinned: blocks not freed yet
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,15 +122,23 @@ class Scheduler:
         return bool(self.requests)
 
     # -- planning -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, speculative: bool = False) -> SchedulerOutput:
+        """The next step's plan. `speculative`: a step is in flight (async scheduling): never
+        preempt (stop and set `blocked`), and skip sequences whose pending token ends them."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if speculative and seq.num_placeholders and self._ends_by_length(seq, seq.num_tokens):
+                i += 1  # its placeholder is its last token, whatever it turns out to be
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
+                if speculative:
+                    out.blocked = True
+                    return out
                 victim = self.running[-1]  # lowest priority, newest
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -120,10 +149,10 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, speculative)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, speculative: bool = False) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -132,6 +161,9 @@ class Scheduler:
             while not self.bm.allocate(seq, n):
                 victim = self.running[-1] if self.running else None
                 if victim is None or victim.priority >= seq.priority:
+                    break
+                if speculative:
+                    out.blocked = True
                     break
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -185,14 +217,84 @@ class Scheduler:
         self.num_generation_tokens += len(touched)
         return touched
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
+        """Why `token`, the sequence's `num_tokens`-th (default: its last), ends it; None if not."""
         sp = seq.sampling
         if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
             return FinishReason.STOP
-        num_tokens = len(seq.token_ids)
-        if num_tokens - len(seq.prompt_token_ids) >= sp.max_tokens or num_tokens >= self.max_model_len:
+        if self._ends_by_length(seq, len(seq.token_ids) if num_tokens is None else num_tokens):
             return FinishReason.LENGTH
         return None
+
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """A sequence of `num_tokens` tokens has reached max_tokens or max_model_len."""
+        return (
+            num_tokens - len(seq.prompt_token_ids) >= seq.sampling.max_tokens
+            or num_tokens >= self.max_model_len
+        )
+
+    # -- async scheduling -----------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """A plan was launched: count its tokens as computed and give every sampling sequence a
+        placeholder for the token it will sample, before the step returns."""
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_placeholders += 1
+
+    def commit(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
+        """`update` for a plan that went through `advance`: hash the blocks it filled, put the
+        sampled tokens in the placeholders, finish what is done. A sequence that ended while the
+        plan ran (aborted, or stopped by the step before) has its token dropped. Returns the
+        sequences that produced a token."""
+        now = time.monotonic()
+        touched = []
+        bs = self.bm.block_size
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            done = s.start + s.num_new_tokens
+            if done // bs > len(seq.block_hashes):
+                self.bm.commit(seq, done)
+            if not s.samples:
+                continue
+            token, logprob = sampled[seq.request_id]
+            seq.token_ids[done] = token
+            seq.num_placeholders -= 1
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            reason = self._stop_reason(seq, token, done + 1)
+            if reason is not None:
+                if seq in self.running:  # a backpressured sequence is parked outside it
+                    self.running.remove(seq)
+                self._finish(seq, reason)
+            touched.append(seq)
+        self.num_generation_tokens += len(touched)
+        return touched
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """Undo `advance` for a launched plan whose step failed (plans undone newest first)."""
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = s.start
+            if s.samples:
+                seq.token_ids.pop()
+                seq.num_placeholders -= 1
+
+    def free_deferred(self) -> None:
+        """Free the blocks of finished sequences no plan in flight holds any more."""
+        keep = [seq for seq in self.deferred if seq in self.pinned]
+        for seq in self.deferred:
+            if seq not in self.pinned:
+                self.bm.free(seq)
+        self.deferred = keep
 
     # -- helpers --------------------------------------------------------------------------
     def _enqueue(self, seq: Sequence) -> None:
@@ -207,7 +309,13 @@ class Scheduler:
         self._enqueue(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.bm.free(seq)
+        if seq in self.pinned:
+            self.deferred.append(seq)  # a step in flight still writes its KV
+        else:
+            self.bm.free(seq)
+        if seq.num_placeholders:  # tokens it will never get
+            del seq.token_ids[-seq.num_placeholders :]
+            seq.num_placeholders = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
@@ -218,4 +326,6 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
-        self.bm.check_integrity(live)
+        assert all(s.is_finished for s in self.deferred)
+        assert not any(s.num_placeholders for s in self.waiting), "placeholders outside a running plan"
+        self.bm.check_integrity(live + self.deferred)

@@ -4,6 +4,9 @@
 cache. There is no prefill or decode phase: each step computes some of the
 `num_tokens - num_computed_tokens` outstanding tokens (a prompt chunk, or the one newest token).
 `block_table` lists the physical KV blocks backing positions 0.., block_size tokens each.
+With async scheduling (worker/engine.py) the last `num_placeholders` entries of `token_ids` are
+`PLACEHOLDER`: tokens a step in flight is sampling, counted as outstanding by the scheduler so the
+next step can be planned before they are known; they are replaced when that step commits.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from worker.types import FinishReason, SamplingParams
+
+PLACEHOLDER = -1  # a token a step in flight has not returned yet (never a vocabulary id)
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +46,7 @@ class Sequence:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
+    num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -52,6 +58,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose value is known: all of them but the trailing placeholders."""
+        return len(self.token_ids) - self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -107,6 +107,8 @@ class EngineStats:
     num_prefix_hits: int  # cumulative prompt tokens found there
     num_prompt_tokens: int  # cumulative
     num_generation_tokens: int  # cumulative
+    num_overlapped_steps: int = 0  # cumulative: planned while the step before ran (async scheduling)
+    num_sync_steps: int = 0  # cumulative: planned with no step in flight
 
     @property
     def kv_usage(self) -> float:
