@@ -113,6 +113,7 @@ FULL = dict(
     hf_compile=dict(mode="reduce-overhead"),
     hf_compile_min_s=150.0,
     ckpt_min_s=45.0,
+    warm_up=True,
 )
 SMOKE = dict(
     model=TINY,
@@ -122,7 +123,7 @@ SMOKE = dict(
     contexts=[32, 80],
     engine_batch_sizes=[1, 2],
     prompt_len=8,
-    output_len=4,
+    output_len=3,  # two decode steps after the first token: the fewest that time decode
     fused_tokens=[1, 8],
     max_num_batched_tokens=64,
     max_model_len=64,
@@ -134,6 +135,9 @@ SMOKE = dict(
     hf_compile=dict(backend="eager", mode=None),
     hf_compile_min_s=0.0,
     ckpt_min_s=0.0,
+    # no untimed warm-up runs of our engine: on CPU, Triton interprets (nothing compiles, no graphs
+    # to record), and each interpreted step costs a tenth of a second
+    warm_up=False,
 )
 BLOCK_SIZE = 16
 LONG_CONTEXT = 8192
@@ -500,7 +504,7 @@ def engine_section(res: dict, sizes: dict, device: torch.device, deadline: float
             else:
                 run = engine_run_fn(model, sizes, device, enforce_eager=side == "eager")
             setup[f"{side}_setup_s"] = time.perf_counter() - start
-            if side != "hf_compiled":
+            if side != "hf_compiled" and sizes.get("warm_up", True):
                 run(prompts[2], 4)  # warm-up: Triton compiles
             for b in batch_sizes:
                 if time.perf_counter() > deadline:
@@ -515,8 +519,10 @@ def engine_section(res: dict, sizes: dict, device: torch.device, deadline: float
                         f"  {side} batch {b:4d}: compile + warm-up {time.perf_counter() - start:.1f} s",
                         flush=True,
                     )
-                elif side != "hf":  # this batch's prefill shapes compile / autotune outside the timing
-                    run(prompts[b], 2)  # (else t_1 can exceed t_N: batch 16 read 352% of the roofline)
+                elif side != "hf" and sizes.get("warm_up", True):
+                    # this batch's prefill shapes compile / autotune outside the timing (else t_1
+                    # can exceed t_N: batch 16 read 352% of the roofline)
+                    run(prompts[b], 2)
                 rows[b][side], tokens[side, b] = throughput(run, prompts[b], output_len)
                 print(
                     f"  {side:11s} batch {b:4d}: decode {fmt(rows[b][side]['decode_tok_s'], '10.1f')} "

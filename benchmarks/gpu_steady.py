@@ -191,7 +191,9 @@ def steady_section(res: dict, sizes: dict, device: torch.device, deadline: float
     out["cuda_graphs"] = engine.runner.cuda_graphs is not None
     gen = torch.Generator().manual_seed(3)
     vocab = sizes["model"].vocab_size
-    timed_generate(engine, torch.randint(0, vocab, (2, p), generator=gen).tolist(), 4)  # warm-up
+    warm_up = torch.randint(0, vocab, (2, p), generator=gen).tolist()
+    if sizes.get("warm_up", True):  # gpu_bench.SMOKE: none (CPU, Triton interpreted)
+        timed_generate(engine, warm_up, 4)
     prompts = torch.randint(0, vocab, (st["steady_max_seqs"], p), generator=gen).tolist()
     lock = out["lockstep"] = lockstep(engine, prompts, n)
     print(f"  steady: lockstep {lock}", flush=True)
@@ -278,7 +280,8 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
         fp8.ACT_QUANT = act_quant  # read at each forward: the graphs record this path
         try:
             engine = make_engine(model, device, max(batches), 2048, **extra)
-            timed_generate(engine, prompts[1], 4)  # warm-up
+            if sizes.get("warm_up", True):
+                timed_generate(engine, prompts[1], 4)
             for b in batches:
                 row = dict(variant=name, **lockstep(engine, prompts[b], n))
                 out["speed"].append(row)
