@@ -7,6 +7,9 @@ equals transformers' greedy `generate` for >= 32 tokens.
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
 from worker.types import SamplingParams
@@ -19,6 +22,29 @@ PROMPTS = [
         {"role": "user", "content": "List three prime numbers and explain why 1 is not prime."},
     ],
 ]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' LlamaForCausalLM on the same GGUF, float32: the reference no one here wrote
+    (tests/conftest.py's, which only this module uses), loaded in half the time: transformers parses
+    the whole GGUF twice (config, then tensors: 3.5 s each, mostly the 49k-token vocabulary) and
+    builds gguf's tensor-name map once per submodule (397 times, 5 s). Both are pure functions of
+    their arguments, so they are memoized while it loads; the conversion itself (name mapping, q/k
+    un-permutation, dequantization) is transformers' and gguf's own, and gives the same weights."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from common.model_files import default_model_path
+
+    path = default_model_path()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
