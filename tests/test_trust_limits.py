@@ -17,17 +17,18 @@ from router.errors import scrub_addresses
 from tests import procs
 
 SMALL_KV_MB = 16  # about a third of TEST_KV_CACHE_MB's context
+RANDOM_SIZES = 2
 
 
 @pytest.fixture(scope="module")
-def workers(logs):
-    big = procs.start_worker(logs, "--num-threads", "1")
-    small = procs.start_worker(logs, "--num-threads", "1", kv_cache_mb=SMALL_KV_MB)
+def workers(plain_worker, logs):
+    """The large context is the session's shared worker (TEST_KV_CACHE_MB, tests/conftest.py); the
+    small one is this module's own. Listed large first, as the router is given them."""
+    small = procs.start_worker(logs, kv_cache_mb=SMALL_KV_MB)
     try:
-        procs.ready(big, small)
-        yield big, small
+        procs.ready(small)
+        yield plain_worker, small
     finally:
-        big.stop()
         small.stop()
 
 
@@ -48,8 +49,10 @@ def test_heterogeneous_contexts_never_internal_never_an_address(workers, logs):
         with grpc.insecure_channel(router.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             results = []
+            # the boundaries: fits both, the large one only, the large one barely, neither; then a
+            # few random sizes (each served one costs a prefill of up to the large context)
             sizes = [small_len - 20, small_len + 40, big_len - 30, big_len + 10]
-            sizes += [rng.randint(20, big_len + 50) for _ in range(12)]
+            sizes += [rng.randint(20, big_len + 50) for _ in range(RANDOM_SIZES)]
             for i, size in enumerate(sizes):
                 max_tokens = rng.randint(2, 8)
                 request = pb.GenerateRequest(
