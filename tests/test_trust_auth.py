@@ -3,13 +3,12 @@
 Real processes over 127.0.0.1: a `python -m worker` with a token (from LLM_WORKER_TOKEN, the way
 the launchers hand it over), direct calls with no token or a wrong one (UNAUTHENTICATED, before
 anything runs: no sequence, no salt), the router with the token (served), the router without it
-(UNAVAILABLE, no worker address in the message), and `make serve` (deploy/local.py, which starts
-its workers with the Ray launcher): its worker refuses a direct call while its router serves.
+(UNAVAILABLE, no worker address in the message). `make serve` (deploy/local.py, which starts its
+workers with the Ray launcher): its worker refuses a direct call while its router serves, checked on
+tests/test_serve_telemetry.py's stack (one Ray stack for both; `worker_calls` is shared).
 """
 
 from __future__ import annotations
-
-import re
 
 import grpc
 import pytest
@@ -77,14 +76,13 @@ def test_direct_worker_calls_without_the_token_are_unauthenticated(worker):
 
 def test_router_with_the_token_serves_and_without_it_sees_no_worker(worker, logs):
     request = pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_tokens=3))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLM_WORKER_TOKEN", TOKEN)
-        with procs.running_router(logs, [worker.address]) as router:
+    bad = procs.start_router(logs, [worker.address], "--worker-token", "some-other-token")  # starts meanwhile
+    try:
+        # the launchers' way again: the token in the router's environment
+        with procs.running_router(logs, [worker.address], env={"LLM_WORKER_TOKEN": TOKEN}) as router:
             with grpc.insecure_channel(router.address) as channel:
                 msgs = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
             assert msgs[-1].finished.usage.completion_tokens == 3
-    bad = procs.start_router(logs, [worker.address], "--worker-token", "some-other-token")
-    try:
         bad.wait_listening(procs.START_TIMEOUT_S)
         with grpc.insecure_channel(bad.address) as channel:
             with pytest.raises(grpc.RpcError) as err:
@@ -94,44 +92,3 @@ def test_router_with_the_token_serves_and_without_it_sees_no_worker(worker, logs
         assert "no healthy worker" in err.value.details()  # its probes were refused too
     finally:
         bad.stop()
-
-
-def test_make_serve_workers_refuse_direct_calls(tmp_path):
-    pytest.importorskip("ray")
-    from tests.test_ray_serve import wait_router
-
-    proc = procs.Proc(
-        "serve",
-        [
-            "-m",
-            "deploy.local",
-            "--port",
-            "0",
-            "--workers",
-            "1",
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--kv-cache-mb",
-            str(procs.TEST_KV_CACHE_MB),
-        ],
-        tmp_path,
-    )
-    try:
-        address = wait_router(proc, procs.START_TIMEOUT_S)
-        procs.wait_for_workers(address, 1, timeout_s=60)
-        found = re.search(r"Ready: workers on (\S+?)\.\s", proc.log_tail(100_000))
-        assert found, proc.log_tail()
-        with grpc.insecure_channel(found.group(1)) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            codes = worker_calls(stub, ())
-        assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
-        with grpc.insecure_channel(address) as channel:  # while its own router is served
-            msgs = list(
-                generation_pb2_grpc.GenerationStub(channel).Generate(
-                    pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_tokens=2)), timeout=60
-                )
-            )
-        assert msgs[-1].finished.usage.completion_tokens == 2
-    finally:
-        proc.stop(60)
