@@ -25,7 +25,10 @@ from tests import procs
 
 MAX_NUM_SEQS = 2
 IDLE_S = 1.0  # the router's
-WORKER_IDLE_S = 8.0
+# Longer than the control call of the backpressure test takes (CONTROL_TOKENS decode steps, about
+# 1 s on a busy 2-vCPU machine), which must end while the stalled call is still parked.
+WORKER_IDLE_S = 5.0
+CONTROL_TOKENS = 20  # an unthrottled 8-token prompt would pass its first 16-token block within them
 TOKEN = "streams-test-token"
 TENANTS = f"""
 tenants:
@@ -142,7 +145,9 @@ def test_worker_stops_generating_for_a_reader_that_stops_reading(worker):
     """Backpressure on the worker: a direct call (with the token) whose reader never takes a byte.
     Its sequence stops after about `--stream-buffer-messages` tokens (an 8-token prompt then stays
     within its first 16-token KV block) instead of running on towards max_tokens = 900, and it
-    keeps its slot until the worker's idle timeout aborts it."""
+    keeps its slot until the worker's idle timeout aborts it. The proof that it stopped: a second
+    call read normally runs CONTROL_TOKENS decode steps beside it (the worker batches both), in
+    which an unthrottled sequence would have grown past its first block."""
     client = StalledClient(worker.address)
     try:
         message = worker_pb2.WorkerRequest(
@@ -155,14 +160,25 @@ def test_worker_stops_generating_for_a_reader_that_stops_reading(worker):
         while load(worker.address).num_running == 0:
             assert time.monotonic() < deadline, "the stalled call never started"
             time.sleep(0.05)  # polling another process's state
-        used = []
-        window_end = time.monotonic() + 6.0  # ~60 tokens' time unthrottled; 4 blocks' worth
-        while time.monotonic() < window_end:
-            report = load(worker.address)
-            used.append(report.num_total_blocks - report.num_free_blocks)
-            time.sleep(0.1)  # sampling the worker's state over the window
-        assert max(used) == 1, f"the sequence kept generating for a reader that takes nothing: {used}"
-        assert report.num_running == 1  # parked, not finished: it still holds its slot and block
+        control = worker_pb2.WorkerRequest(
+            request_id="control",
+            prompt_token_ids=[5000 + i for i in range(8)],
+            sampling=worker_pb2.WorkerSampling(max_tokens=CONTROL_TOKENS, top_p=1.0, ignore_eos=True),
+        )
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            outputs = list(stub.Generate(control, metadata=((METADATA_KEY, TOKEN),), timeout=60))
+        assert sum(len(out.token_ids) for out in outputs) == CONTROL_TOKENS
+        deadline = time.monotonic() + 10
+        # the worker updates its load report just after a step's outputs go out: poll for the
+        # report that no longer counts the control call
+        while (report := load(worker.address)).num_running > 1:
+            assert time.monotonic() < deadline, f"the control call never left: {report}"
+            time.sleep(0.05)  # polling another process's state
+        # parked, not finished: it still holds its slot (and, below, its one block)
+        assert report.num_running == 1, f"the stalled call ended before the control call did: {report}"
+        used = report.num_total_blocks - report.num_free_blocks  # the control's blocks are free again
+        assert used == 1, f"the sequence kept generating for a reader that takes nothing: {report}"
         wait_all_free(worker.address, 30)  # the worker's idle timeout (WORKER_IDLE_S) ends it
     finally:
         client.close()
