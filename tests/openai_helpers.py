@@ -1,12 +1,16 @@
-"""Helpers of the OpenAI front's end-to-end tests (tests/test_openai_e2e.py): the announced HTTP
-URL, raw POSTs, gRPC generation with the same request, a throwaway certificate."""
+"""Helpers of the OpenAI front's end-to-end tests (tests/test_openai_e2e.py,
+tests/test_openai_serving_e2e.py): the announced HTTP URL, raw POSTs, a client that leaves, gRPC
+generation with the same request, a throwaway certificate."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import select
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from protos.llm.v1 import generation_pb2 as pb
@@ -38,6 +42,22 @@ def post(url: str, body: bytes, key: str, timeout_s: float = 60.0) -> tuple[int,
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def post_and_leave(url: str, body: bytes, key: str, ready, what: str, timeout_s: float = 30.0) -> bool:
+    """A client that leaves: POSTs `body`, waits until `ready()` (state in another process, polled:
+    procs.wait_until) and closes the connection without reading. Returns whether any response byte
+    had arrived by then (a status line, for one)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        conn.request(
+            "POST", parts.path, body, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        )
+        procs.wait_until(ready, timeout_s, what)
+        return bool(select.select([conn.sock], [], [], 0)[0])
+    finally:
+        conn.close()
 
 
 def grpc_generate(stub, metadata, **fields) -> tuple[str, pb.Finished]:

@@ -23,7 +23,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.tenants import hash_key
 from tests import procs
-from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post
+from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post, post_and_leave
 
 KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -38,9 +38,9 @@ STORY = "Once upon a time, in a small village at the edge of a great forest, the
 
 
 @pytest.fixture(scope="module")
-def worker(logs):
-    with procs.running_workers(logs, 1) as (proc,):
-        yield proc
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py): default engine flags, float32."""
+    return plain_worker
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def router(worker, logs, sink):
         sink.endpoint,
         tenants=TENANTS,
         metadata=AUTH,
+        env=procs.FAST_SPAN_EXPORT,  # spans reach the sink within 50 ms, not the default 5 s
     ) as proc:
         yield proc
 
@@ -307,7 +308,17 @@ def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):
     assert int(headers["retry-after-ms"]) > 0
 
 
+def worker_requests(worker) -> dict[str, float]:
+    """The worker's llm_requests_total by final status (stop, length, cancelled, ...)."""
+    samples = procs.scrape(procs.worker_metrics_address(worker.address))
+    return {
+        dict(labels)["status"]: v for (name, labels), v in samples.items() if name == "llm_requests_total"
+    }
+
+
 def test_disconnecting_clients_free_their_kv(client, router, worker):
+    """Both calls would run 400 tokens (seconds): the worker must end them as cancelled, at once."""
+    before = worker_requests(worker)
     long = dict(model="", prompt=STORY, max_tokens=400, temperature=0)
     with client.completions.create(stream=True, extra_body={"ignore_eos": True}, **long) as stream:
         next(iter(stream))  # a token arrived: the sequence holds KV blocks now
@@ -315,10 +326,23 @@ def test_disconnecting_clients_free_their_kv(client, router, worker):
         assert busy.num_running == 1 and busy.num_free_blocks < busy.num_total_blocks
     load, _ = procs.wait_all_blocks_free(worker.address)
     assert load.num_running == 0
-    # a whole (non-streaming) response the client stops waiting for
-    with pytest.raises(TimeoutError):  # urllib closes the connection when the read times out
-        post(f"{http_url(router)}/completions", json.dumps({**long, "ignore_eos": True}).encode(), KEY, 3.0)
+    # a whole (non-streaming) response the client stops waiting for, once its sequence runs
+    started = post_and_leave(
+        f"{http_url(router)}/completions",
+        json.dumps({**long, "ignore_eos": True}).encode(),
+        KEY,
+        lambda: procs.worker_load(worker.address).num_running == 1,
+        "the whole response's sequence running",
+    )
+    assert not started  # nothing to read before the whole response
     procs.wait_all_blocks_free(worker.address)
+
+    def cancelled() -> float:
+        return worker_requests(worker).get("cancelled", 0.0) - before.get("cancelled", 0.0)
+
+    procs.wait_until(lambda: cancelled() >= 2, 30, "the worker counting both calls cancelled")
+    after = worker_requests(worker)
+    assert cancelled() == 2 and after.get("length", 0.0) == before.get("length", 0.0), (before, after)
 
 
 def test_traceparent_parents_the_router_span_of_an_http_request(client, sink):
@@ -373,7 +397,7 @@ def test_load_tester_openai_target_counts_equal_the_grpc_target(router, worker, 
         "--num-requests",
         "4",
         "--rate",
-        "1",
+        "4",
         "--seed",
         "5",
         "--tenant",

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front's serving life, end to end with real router and worker
 processes and the official `openai` SDK: no worker -> 503; SIGTERM lets an open HTTP stream finish;
 a router with a TLS certificate serves the API over HTTPS; a request that waits in the router's
-fair queue (the worker's one slot taken) and whose client leaves is taken out of the queue, and
-nothing stays behind (queue, open calls, KV blocks). The API itself: tests/test_openai_e2e.py.
+fair queue (the worker's KV capacity reserved by a running stream) and whose client leaves is
+taken out of the queue, and nothing stays behind (queue, open calls, KV blocks). The API itself:
+tests/test_openai_e2e.py.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import openai
 import pytest
 
 from tests import procs
-from tests.openai_helpers import http_url, post, self_signed
+from tests.openai_helpers import http_url, post, post_and_leave, self_signed
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
 
 
 @pytest.fixture(scope="module")
-def worker(logs):
-    with procs.running_workers(logs, 1) as (proc,):
-        yield proc
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py): default engine flags, float32."""
+    return plain_worker
 
 
 def test_no_worker_is_503(logs):
@@ -88,9 +89,11 @@ def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
         proc.stop()
 
 
-def test_a_client_gone_while_queued_leaves_nothing_behind(logs):
-    """With the worker's one slot taken, a request waits in the router's fair queue before any
-    status line is sent; its client leaving takes it out of the queue and releases its ticket."""
+def test_a_client_gone_while_queued_leaves_nothing_behind(worker, logs):
+    """With the worker's KV capacity reserved by a running stream (the router places a request only
+    where its prompt + max_tokens fit: router/dispatcher.py), a request waits in the router's fair
+    queue before any status line is sent; its client leaving takes it out of the queue and
+    releases its ticket."""
 
     def router_state(proc) -> dict[str, float]:
         return {
@@ -106,27 +109,31 @@ def test_a_client_gone_while_queued_leaves_nothing_behind(logs):
             time.sleep(0.05)
         return state
 
-    with procs.running_workers(logs, 1, "--max-num-seqs", "1") as (one_slot,):
-        with procs.running_router(
-            logs, [one_slot.address], "--http-port", "0", "--metrics-port", "0"
-        ) as proc:
-            url = http_url(proc)
-            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
-                stream = c.completions.create(
-                    model="", prompt=STORY, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
-                )
-                next(iter(stream))  # it runs: the worker's only slot is taken
-                with pytest.raises(TimeoutError):  # queued: no status line within 3 s, then the client leaves
-                    post(
-                        f"{url}/completions",
-                        json.dumps({"prompt": "queued", "max_tokens": 5}).encode(),
-                        "",
-                        3.0,
-                    )
-                state = wait_for(proc, lambda s: s.get("llm_router_queue_length") == 0, "an empty queue")
-                assert state["llm_router_open_calls"] == 1  # only the running stream
-                stream.close()
-            wait_for(proc, lambda s: s.get("llm_router_open_calls") == 0, "no open call")
-            procs.wait_all_blocks_free(one_slot.address)
-            admitted = procs.scrape(proc)[("llm_admitted_requests_total", (("tenant", "default"),))]
-            assert admitted == 2  # the queued request was admitted, then left
+    with procs.running_router(logs, [worker.address], "--http-port", "0", "--metrics-port", "0") as proc:
+        url = http_url(proc)
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
+            [model] = c.models.list().data
+            context = model.model_extra["max_model_len"]  # the worker's KV capacity, in tokens
+            stream = c.completions.create(
+                model="",
+                prompt=STORY,
+                max_tokens=context - 64,  # with the prompt, all but a few tokens of the capacity
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            next(iter(stream))  # it runs, holding its reservation
+            started = post_and_leave(  # needs more room than is left: it waits in the queue
+                f"{url}/completions",
+                json.dumps({"prompt": "queued", "max_tokens": 100}).encode(),
+                "",
+                lambda: router_state(proc).get("llm_router_queue_length") == 1,
+                "the request queued",
+            )
+            assert not started  # queued: no status line yet when its client left
+            state = wait_for(proc, lambda s: s.get("llm_router_queue_length") == 0, "an empty queue")
+            assert state["llm_router_open_calls"] == 1  # only the running stream
+            stream.close()
+        wait_for(proc, lambda s: s.get("llm_router_open_calls") == 0, "no open call")
+        procs.wait_all_blocks_free(worker.address)
+        admitted = procs.scrape(proc)[("llm_admitted_requests_total", (("tenant", "default"),))]
+        assert admitted == 2  # the queued request was admitted, then left
