@@ -20,7 +20,7 @@ import pytest
 
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from tests.procs import metrics_url, ready, scrape, start_router, start_worker
+from tests.procs import metrics_url, ready, scrape, start_router, start_worker, stop_all
 from tests.tiny_models import hub_cache, write_checkpoint, write_gguf_vocab
 
 transformers = pytest.importorskip("transformers")
@@ -69,11 +69,8 @@ def _stack(dirs, spm_gguf, logs):
         router = start_router(logs, addresses, "--model", models, "--metrics-port", "0")
         ready(router)
         yield router, workers
-    finally:
-        if router is not None:
-            router.stop()
-        for w in workers.values():
-            w.stop()
+    finally:  # side by side: each stop is mostly a drain announcement to wait out
+        stop_all(*([router] if router is not None else []), *workers.values())
 
 
 def _stub(router):

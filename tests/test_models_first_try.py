@@ -11,14 +11,15 @@ import sys
 
 import pytest
 
-from tests.procs import REPO, running_router, running_workers
+from tests.procs import REPO, running_router
 
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def router(logs):
-    with running_workers(logs, 1) as workers, running_router(logs, [w.address for w in workers]) as proc:
+def router(plain_worker, logs):
+    """A router of its own over the session's shared worker (tests/conftest.py: the embedded model)."""
+    with running_router(logs, [plain_worker.address]) as proc:
         yield proc
 
 
