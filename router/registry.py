@@ -129,9 +129,13 @@ class WorkerRegistry(abc.ABC):
         ]
 
     def models(self) -> dict[str, ModelSpec]:
+        """Each served model with the longest context among its healthy workers: a request longer
+        than one worker's context may still fit another's (placement picks one that holds it)."""
         specs: dict[str, ModelSpec] = {}
         for h in self.healthy():
-            specs.setdefault(h.info.model, ModelSpec(h.info.model, h.info.max_model_len, h.info.vocab_size))
+            known = specs.get(h.info.model)
+            if known is None or h.info.max_model_len > known.max_model_len:
+                specs[h.info.model] = ModelSpec(h.info.model, h.info.max_model_len, h.info.vocab_size)
         return specs
 
     def mark_failed(self, handle: WorkerHandle, reason: str) -> None:

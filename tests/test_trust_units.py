@@ -259,3 +259,20 @@ def test_addresses_are_scrubbed_from_client_messages(message, scrubbed):
 
     code, sent, _ = status_of(Unavailable(message))
     assert code == grpc.StatusCode.UNAVAILABLE and sent == (scrubbed or message)
+
+
+@pytest.mark.parametrize("order", [(512, 2048), (2048, 512)])
+def test_served_context_is_the_longest_of_the_healthy_workers_whatever_their_order(order):
+    """Workers of one model with different contexts: the router validates against the longest
+    (before: the first listed, so with the small worker first a prompt only the large one holds was
+    refused)."""
+    from protos.llm.v1 import worker_pb2
+    from router.registry import StaticRegistry, WorkerHandle
+
+    registry = StaticRegistry(())
+    for i, max_len in enumerate(order):
+        info = worker_pb2.WorkerInfo(model="m", max_model_len=max_len, vocab_size=100)
+        registry._handles[f"w{i}"] = WorkerHandle(f"w{i}", None, None, info=info, healthy=True)
+    assert registry.models()["m"].max_model_len == 2048
+    registry._handles["w0" if order[0] == 2048 else "w1"].healthy = False
+    assert registry.models()["m"].max_model_len == 512  # only the healthy ones count
