@@ -53,6 +53,10 @@ def test_serve_streams_a_generation_and_stops_cleanly(tmp_path):
             "float32",
             "--kv-cache-mb",
             str(procs.TEST_KV_CACHE_MB),
+            # as procs.start_worker: its SIGTERM drain announces NOT_SERVING 0.5 s, not 2 s (the
+            # router here is this process's own, stopped first)
+            "--worker-drain-announce-s",
+            "0.5",
         ],
         tmp_path,
     )
