@@ -102,48 +102,55 @@ def workers(logs):
         procs.stop_all(*started.values())
 
 
-def test_hung_worker_streams_end_unavailable_and_traffic_moves_to_the_other(workers, logs):
+@pytest.fixture(scope="module")
+def router(workers, logs):
+    """A router over both workers (their ports stay when a test restarts them), for the tests whose
+    router takes no other flags."""
+    with procs.running_router(logs, [w.address for w in workers.values()], *ROUTER_ARGS) as proc:
+        yield proc
+
+
+def test_hung_worker_streams_end_unavailable_and_traffic_moves_to_the_other(workers, router):
     a, b = workers.values()
-    with procs.running_router(logs, [a.address, b.address], *ROUTER_ARGS) as router:
-        # long enough to be running when the worker hangs right after every first token (64 tokens,
-        # seconds here), short enough that the two on the other worker finish soon after
-        streams = [Stream(router.address, request(64)) for _ in range(4)]
+    # long enough to be running when the worker hangs right after every first token (64 tokens,
+    # seconds here), short enough that the two on the other worker finish soon after
+    streams = [Stream(router.address, request(64)) for _ in range(4)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first_token.wait(120)
+    on_a = procs.worker_load(a.address).num_running
+    assert on_a > 0 and procs.worker_load(b.address).num_running > 0, "expected streams on both workers"
+    a.signal(signal.SIGSTOP)
+    hung_at = time.monotonic()
+    try:
         for s in streams:
-            s.start()
-        for s in streams:
-            assert s.first_token.wait(120)
-        on_a = procs.worker_load(a.address).num_running
-        assert on_a > 0 and procs.worker_load(b.address).num_running > 0, "expected streams on both workers"
-        a.signal(signal.SIGSTOP)
-        hung_at = time.monotonic()
-        try:
-            for s in streams:
-                s.result()
-            lost = [s for s in streams if s.code != OK]
-            assert len(lost) == on_a, [(s.code, s.details) for s in streams]
-            for s in lost:
-                assert s.code == grpc.StatusCode.UNAVAILABLE, s.details
-                # the worker is named in the router's log, never to clients (issue 17)
-                assert "stopped answering" in s.details and a.address not in s.details, s.details
-            detect_s = max(s.ended_at for s in lost) - hung_at
-            # Bound: DOWN_AFTER probes of (poll + timeout) each, plus scheduling slack on a busy box.
-            assert detect_s < 10.0, detect_s
-            t = time.monotonic()
-            served = [call(router.address, request(4, f"Count to {i}:"), timeout_s=60) for i in range(3)]
-            assert all(s.code == OK for s in served), [(s.code, s.details) for s in served]
-            served_s = time.monotonic() - t
-        finally:
-            a.signal(signal.SIGCONT)
-        resumed_at = time.monotonic()
-        procs.wait_for_workers(router.address, 2)
-        back_s = time.monotonic() - resumed_at
-        _, freed_s = procs.wait_all_blocks_free(a.address, timeout_s=15.0)
-        print(
-            f"\nhung worker: {len(lost)} stream(s) on it ended UNAVAILABLE {detect_s:.2f} s after it hung "
-            f"({lost[0].details!r}); 3 new requests served by the other worker in {served_s:.2f} s; "
-            f"back in rotation {back_s:.2f} s after resuming; its KV blocks all free after "
-            f"{freed_s:.2f} s more"
-        )
+            s.result()
+        lost = [s for s in streams if s.code != OK]
+        assert len(lost) == on_a, [(s.code, s.details) for s in streams]
+        for s in lost:
+            assert s.code == grpc.StatusCode.UNAVAILABLE, s.details
+            # the worker is named in the router's log, never to clients (issue 17)
+            assert "stopped answering" in s.details and a.address not in s.details, s.details
+        detect_s = max(s.ended_at for s in lost) - hung_at
+        # Bound: DOWN_AFTER probes of (poll + timeout) each, plus scheduling slack on a busy box.
+        assert detect_s < 10.0, detect_s
+        t = time.monotonic()
+        served = [call(router.address, request(4, f"Count to {i}:"), timeout_s=60) for i in range(3)]
+        assert all(s.code == OK for s in served), [(s.code, s.details) for s in served]
+        served_s = time.monotonic() - t
+    finally:
+        a.signal(signal.SIGCONT)
+    resumed_at = time.monotonic()
+    procs.wait_for_workers(router.address, 2)
+    back_s = time.monotonic() - resumed_at
+    _, freed_s = procs.wait_all_blocks_free(a.address, timeout_s=15.0)
+    print(
+        f"\nhung worker: {len(lost)} stream(s) on it ended UNAVAILABLE {detect_s:.2f} s after it hung "
+        f"({lost[0].details!r}); 3 new requests served by the other worker in {served_s:.2f} s; "
+        f"back in rotation {back_s:.2f} s after resuming; its KV blocks all free after "
+        f"{freed_s:.2f} s more"
+    )
 
 
 def test_worker_failing_every_call_is_kept_out_by_its_circuit_breaker(workers, logs):
@@ -210,43 +217,43 @@ def test_router_restart_while_workers_keep_running(workers, logs):
         second.stop()
 
 
-def test_rolling_restart_of_every_worker_under_load_loses_no_request(workers, logs):
-    with procs.running_router(logs, [w.address for w in workers.values()], *ROUTER_ARGS) as router:
-        stop = threading.Event()
-        outcomes: list[Stream] = []
-        done = threading.Condition()
+def test_rolling_restart_of_every_worker_under_load_loses_no_request(workers, router, logs):
+    procs.wait_for_workers(router.address, 2)  # as an earlier test left them
+    stop = threading.Event()
+    outcomes: list[Stream] = []
+    done = threading.Condition()
 
-        def client(n: int) -> None:
-            i = 0
-            while not stop.is_set():
-                outcome = call(router.address, request(12, f"Client {n}, request {i}:"), timeout_s=120)
-                with done:
-                    outcomes.append(outcome)
-                    done.notify_all()
-                i += 1
-
-        def wait_outcomes(count: int) -> None:
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            outcome = call(router.address, request(12, f"Client {n}, request {i}:"), timeout_s=120)
             with done:
-                assert done.wait_for(lambda: len(outcomes) >= count, 180), f"{len(outcomes)} < {count} calls"
+                outcomes.append(outcome)
+                done.notify_all()
+            i += 1
 
-        clients = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(3)]
-        started_at = time.monotonic()
-        for t in clients:
-            t.start()
-        wait_outcomes(3)
-        for port, old in list(workers.items()):
-            assert old.stop(timeout_s=60) == 0, old.log_tail()  # SIGTERM: drains, exits 0
-            workers[port] = procs.start_worker(logs, "--port", str(port), *WORKER_ARGS)
-            procs.ready(workers[port])
-            procs.wait_for_workers(router.address, 2)
-        wait_outcomes(len(outcomes) + 3)
-        stop.set()
-        for t in clients:
-            t.join(180)
-            assert not t.is_alive(), "a client outlived its calls' deadlines"
-        failed = [(s.code, s.details) for s in outcomes if s.code != OK]
-        assert not failed, failed
-        print(
-            f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s "
-            "while both workers were restarted one after the other: 0 failed"
-        )
+    def wait_outcomes(count: int) -> None:
+        with done:
+            assert done.wait_for(lambda: len(outcomes) >= count, 180), f"{len(outcomes)} < {count} calls"
+
+    clients = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(3)]
+    started_at = time.monotonic()
+    for t in clients:
+        t.start()
+    wait_outcomes(3)
+    for port, old in list(workers.items()):
+        assert old.stop(timeout_s=60) == 0, old.log_tail()  # SIGTERM: drains, exits 0
+        workers[port] = procs.start_worker(logs, "--port", str(port), *WORKER_ARGS)
+        procs.ready(workers[port])
+        procs.wait_for_workers(router.address, 2)
+    wait_outcomes(len(outcomes) + 3)
+    stop.set()
+    for t in clients:
+        t.join(180)
+        assert not t.is_alive(), "a client outlived its calls' deadlines"
+    failed = [(s.code, s.details) for s in outcomes if s.code != OK]
+    assert not failed, failed
+    print(
+        f"\nrolling restart: {len(outcomes)} requests over {time.monotonic() - started_at:.0f} s "
+        "while both workers were restarted one after the other: 0 failed"
+    )
