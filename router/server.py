@@ -49,12 +49,16 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int, health_poll_s: float = 1.0) -> list[tuple[str, int]]:
+    """Worker channel options. Reconnect attempts to a worker that went away back off up to twice
+    the health-probe period (200 ms to 2 s): a restarted worker is reconnected within about two
+    probes, not up to 2 s after the probes could have seen it."""
+    max_backoff_ms = int(min(2000.0, max(200.0, 2000.0 * health_poll_s)))
     return [
         *message_options(max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.max_reconnect_backoff_ms", max_backoff_ms),
     ]
 
 
@@ -65,7 +69,7 @@ async def serve(config: RouterConfig) -> int:
     if problem:
         raise SystemExit(problem)
     models = await asyncio.to_thread(ModelTable.from_entries, config.model, config.allow_download)
-    options = channel_options(config.max_message_bytes)
+    options = channel_options(config.max_message_bytes, config.health_poll_s)
     registry_args = dict(
         poll_s=config.health_poll_s,
         channel_options=tuple(options),

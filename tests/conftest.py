@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in the test processes: `make test` runs two of them side by side on two
+# cores, and two threads each (OpenMP barriers under contention) made the same in-process work
+# 4-20x slower (measured in test_gpu_bench's engines and transformers' generate). Tests about
+# threading set their own count and restore this one.
+torch.set_num_threads(1)
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -134,21 +140,6 @@ def tokenizer():
     from common.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_model_path())
-
-
-@pytest.fixture(scope="session")
-def hf_model():
-    """transformers' LlamaForCausalLM on the same GGUF, float32: the reference no one here wrote."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from common.model_files import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model():
-    """transformers' LlamaForCausalLM on the same GGUF, float32: the reference no one here wrote
-    (tests/conftest.py's, which only this module uses), loaded in half the time: transformers parses
-    the whole GGUF twice (config, then tensors: 3.5 s each, mostly the 49k-token vocabulary) and
-    builds gguf's tensor-name map once per submodule (397 times, 5 s). Both are pure functions of
-    their arguments, so they are memoized while it loads; the conversion itself (name mapping, q/k
-    un-permutation, dequantization) is transformers' and gguf's own, and gives the same weights."""
+    """transformers' LlamaForCausalLM on the same GGUF, float32: the reference no one here wrote,
+    loaded in half the time: transformers parses the whole GGUF twice (config, then tensors: 3.5 s
+    each, mostly the 49k-token vocabulary) and builds gguf's tensor-name map once per submodule
+    (397 times, 5 s). Both are pure functions of their arguments, so they are memoized while it
+    loads; the conversion itself (name mapping, q/k un-permutation, dequantization) is
+    transformers' and gguf's own, and gives the same weights."""
     import gguf
     from transformers import AutoModelForCausalLM
 

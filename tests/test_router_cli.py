@@ -101,3 +101,12 @@ def test_parse_fairness_args():
 def test_bad_fairness_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
         RouterConfig(**kwargs)
+
+
+@pytest.mark.parametrize("poll_s, max_backoff_ms", [(0.2, 400), (1.0, 2000), (5.0, 2000), (0.01, 200)])
+def test_worker_reconnect_backoff_follows_the_health_probe_period(poll_s, max_backoff_ms):
+    from router.server import channel_options
+
+    options = dict(channel_options(4 * 2**20, poll_s))
+    assert options["grpc.max_reconnect_backoff_ms"] == max_backoff_ms
+    assert options["grpc.min_reconnect_backoff_ms"] == 200
