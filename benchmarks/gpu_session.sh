@@ -16,7 +16,8 @@
 # ~10 s, attention ~25 s, fused kernels ~5 s, real checkpoint ~30 s (+ ~15 s with staggered
 # arrivals: mixed steps, benchmarks/gpu_mixed.py), engine + transformers eager
 # ~90 s, roofline 0 s (computed from the engine's timings), steady serving with Poisson arrivals
-# ~40 s and FP8 speed + checkpoint accuracy ~50 s (benchmarks/gpu_steady.py). The transformers
+# ~50 s (its highest load twice: synchronous and async scheduling) and FP8 speed + checkpoint
+# accuracy ~50 s (benchmarks/gpu_steady.py). The transformers
 # static cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
 # (--skip-hf-compiled) to leave the time to the new sections; `make bench-gpu` still runs it.
 #

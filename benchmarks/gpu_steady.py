@@ -14,7 +14,9 @@ Protocol:
   inter-token latency (ITL, the time between a request's consecutive tokens) p50/p90/p99, TTFT
   p50/p99, the mean number of running requests, the share of steps that mixed prompt chunks with
   decodes and the share that replayed a graph, and ITL p50 / lockstep decode step time (1.0 = as
-  fast per token as lockstep decode).
+  fast per token as lockstep decode). Then the highest fraction once more, same seed and
+  arrivals, on an engine with async scheduling (`async_row`), with its overlapped / synchronous
+  step counts.
 - FP8 (`fp8_section`): the same random model at batch 1 and `fp8_batch`, prompt P + N output
   tokens, engine with graphs: bf16; `--quantization fp8` (W8A8 linears, worker/model/fp8.py) with
   the activation quantization as torch ops and as one Triton kernel; fp8 weights +
@@ -116,8 +118,8 @@ def poisson_run(
     plans = {"steps": 0, "mixed": 0, "running": 0}
     schedule = engine.scheduler.schedule
 
-    def counting_schedule():
-        plan = schedule()
+    def counting_schedule(*args, **kwargs):  # async scheduling plans with speculative=True
+        plan = schedule(*args, **kwargs)
         if plan.scheduled:
             decode = sum(s.num_new_tokens == 1 for s in plan.scheduled)
             plans["steps"] += 1
@@ -185,9 +187,8 @@ def steady_section(res: dict, sizes: dict, device: torch.device, deadline: float
     st = STEADY_FULL if sizes["model"].name != "random-tiny" else STEADY_SMOKE
     out = res["steady"] = {"config": dict(st, prompt_len=sizes["prompt_len"], output_len=sizes["output_len"])}
     p, n = sizes["prompt_len"], sizes["output_len"]
-    engine = make_engine(
-        random_model(sizes, device), device, st["steady_max_seqs"], st["steady_batched_tokens"]
-    )
+    model = random_model(sizes, device)
+    engine = make_engine(model, device, st["steady_max_seqs"], st["steady_batched_tokens"])
     out["cuda_graphs"] = engine.runner.cuda_graphs is not None
     gen = torch.Generator().manual_seed(3)
     vocab = sizes["model"].vocab_size
@@ -212,6 +213,30 @@ def steady_section(res: dict, sizes: dict, device: torch.device, deadline: float
         save()
     bm = engine.block_manager
     out["kv_blocks_leaked"] = bm.num_blocks - bm.num_free_blocks
+    async_row(out, model, device, st, lock, p, n, deadline)
+    save()
+
+
+def async_row(out: dict, model, device: torch.device, st: dict, lock: dict, p: int, n: int, deadline):
+    """The highest load again, same seed and arrivals, on an engine with async scheduling
+    (--async-scheduling: step N+1 planned while step N runs): ITL and throughput beside the
+    synchronous row above, and its overlapped / synchronous step counts."""
+    k, frac = len(st["steady_fractions"]) - 1, st["steady_fractions"][-1]
+    if time.perf_counter() + st["steady_duration_s"] * 2 > deadline:
+        out["async"] = {"fraction": frac, "skipped": "time budget"}
+        return
+    engine = make_engine(
+        model, device, st["steady_max_seqs"], st["steady_batched_tokens"], async_scheduling=True
+    )
+    row = poisson_run(engine, frac * lock["saturation_req_s"], st["steady_duration_s"], p, n, seed=k)
+    stats = engine.stats()
+    row.update(fraction=frac, overlapped_steps=stats.num_overlapped_steps, sync_steps=stats.num_sync_steps)
+    if row["itl_p50_ms"] and lock["decode_step_ms"]:
+        row["itl_p50_over_lockstep_step"] = row["itl_p50_ms"] / lock["decode_step_ms"]
+    bm = engine.block_manager
+    row["kv_blocks_leaked"] = bm.num_blocks - bm.num_free_blocks
+    out["async"] = row
+    print(f"  steady {frac:.0%} of saturation, async scheduling: {row}", flush=True)
 
 
 def steady_markdown(res: dict) -> list[str]:
@@ -226,7 +251,8 @@ def steady_markdown(res: dict) -> list[str]:
         "",
         f"**Steady serving** (Poisson arrivals, prompt {c['prompt_len']} + {c['output_len']} output "
         f"tokens, max {c['steady_max_seqs']} running, token budget {c['steady_batched_tokens']} per "
-        f"step, {mode}, synchronous engine): lockstep {lock['batch_size']} requests: decode step "
+        f"step, {mode}, synchronous engine; the async row: async scheduling): lockstep "
+        f"{lock['batch_size']} requests: decode step "
         f"{f(lock['decode_step_ms'], '.2f')} ms ({f(lock['decode_tok_s'], '.0f')} tok/s), saturation "
         f"{lock['saturation_req_s']:.1f} req/s. KV blocks leaked after the runs: "
         f"{s.get('kv_blocks_leaked')}.",
@@ -235,12 +261,15 @@ def steady_markdown(res: dict) -> list[str]:
         "| mean running | mixed steps | graph steps | ITL p50 / lockstep step |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in s.get("rates", []):
+    rows = [(r, "") for r in s.get("rates", [])]
+    rows += [(s["async"], " async")] if "async" in s else []
+    for r, label in rows:
         if "skipped" in r:
-            lines.append(f"| {r['fraction']:.0%} | {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {r['fraction']:.0%}{label} | {r['skipped']} | | | | | | | | |")
             continue
         lines.append(
-            f"| {r['fraction']:.0%} | {r['rate_req_s']:.1f} | {r['requests']} | {r['output_tok_s']:.0f} | "
+            f"| {r['fraction']:.0%}{label} | {r['rate_req_s']:.1f} | {r['requests']} | "
+            f"{r['output_tok_s']:.0f} | "
             f"{f(r['itl_p50_ms'], '.2f')} / {f(r['itl_p90_ms'], '.2f')} / {f(r['itl_p99_ms'], '.2f')} | "
             f"{f(r['ttft_p50_ms'], '.1f')} / {f(r['ttft_p99_ms'], '.1f')} | {r['mean_running']:.1f} | "
             f"{r['mixed_step_share']:.0%} | {r['graph_step_share']:.0%} | "

@@ -134,7 +134,10 @@ def test_smoke_run_writes_tables(tmp_path):
     for rate in steady["rates"]:
         assert rate["requests"] >= 2 and rate["output_tok_s"] > 0, rate
         assert rate["itl_p50_ms"] > 0 and rate["ttft_p50_ms"] > 0 and rate["mean_running"] > 0, rate
-    assert "**Steady serving**" in table
+    # the highest load again with async scheduling: overlapped steps, nothing leaked, in the table
+    row = steady["async"]
+    assert row["overlapped_steps"] > 0 and row["kv_blocks_leaked"] == 0 and row["output_tok_s"] > 0, row
+    assert "**Steady serving**" in table and "% async |" in table
     # FP8: bf16, fp8 weights, fp8 weights + KV at two batch sizes; the checkpoint part says why not.
     speed = res["fp8"]["speed"]
     assert [(r["variant"], r["batch_size"]) for r in speed] == [
