@@ -20,29 +20,18 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from loadtest.environment import cpu_model
 
 CONFIGS = {
     "float32": dict(dtype="float32", quantization="none"),
     "bfloat16": dict(dtype="bfloat16", quantization="auto"),
 }
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly".split()
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: platform's answer below
-    return platform.processor() or "unknown"
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -54,24 +43,6 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def in_thread(fn):
-    """fn() on a fresh thread (the engine thread of a worker); its result or its exception."""
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="bench-engine")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def timed_run(engine, batch, sampling) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     out = engine.generate(batch, sampling)
@@ -79,6 +50,7 @@ def timed_run(engine, batch, sampling) -> tuple[float, list[list[int]]]:
 
 
 def bench_dtype(name: str, args) -> dict:
+    from worker.async_engine import on_new_thread
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.types import SamplingParams
@@ -86,7 +58,7 @@ def bench_dtype(name: str, args) -> dict:
     config = EngineConfig(
         kv_cache_bytes=256 * 2**20, max_num_seqs=64, num_threads=args.threads, **CONFIGS[name]
     )
-    sync = in_thread(lambda: LLMEngine(config))
+    sync = on_new_thread(lambda: LLMEngine(config))
     overlapped = LLMEngine(dataclasses.replace(config, async_scheduling=True), runner=sync.runner)
     from common.model_files import default_model_path
     from common.tokenizer import Tokenizer
@@ -97,11 +69,11 @@ def bench_dtype(name: str, args) -> dict:
     times: dict[str, list[float]] = {"sync": [], "async": []}
     outputs = {}
     for mode, engine in engines.items():  # warm-up (compiled attention op, allocator)
-        in_thread(lambda engine=engine: timed_run(engine, batch, sampling))
+        on_new_thread(lambda engine=engine: timed_run(engine, batch, sampling))
     steps_before = (overlapped.num_overlapped_steps, overlapped.num_sync_steps)
     for _ in range(args.repeats):
         for mode, engine in engines.items():
-            seconds, outputs[mode] = in_thread(lambda engine=engine: timed_run(engine, batch, sampling))
+            seconds, outputs[mode] = on_new_thread(lambda engine=engine: timed_run(engine, batch, sampling))
             times[mode].append(seconds)
     if outputs["sync"] != outputs["async"]:
         raise AssertionError(f"{name}: async scheduling changed the tokens")

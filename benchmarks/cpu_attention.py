@@ -20,7 +20,6 @@ exceed the DRAM read rate, which goes to stderr with the machine's name for comp
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 
 import torch
 
+from loadtest.environment import cpu_model
 from worker.kernels import cpu_attention, reference, torch_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -83,17 +83,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # no /proc/cpuinfo (not Linux): fall through to the platform's name
-    return platform.processor() or platform.machine()
 
 
 def check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:

@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.cpu_attention import cpu_model
+from loadtest.environment import cpu_model
 
 STEPS = [
     (

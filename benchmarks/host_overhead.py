@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -48,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.environment import cpu_model
 from loadtest.stats import percentile
 from worker.config import EngineConfig, ModelConfig
 from worker.cuda_graphs import bucket_for, capture_sizes
@@ -226,17 +226,6 @@ def slope_us(rows: list[dict]) -> float:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var * 1e3 if var else 0.0
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.check_output(["lscpu"], text=True, env={**os.environ, "LC_ALL": "C"})
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass  # neither /proc/cpuinfo nor lscpu: fall through to the platform's name
-    return platform.processor() or platform.machine()
 
 
 def table(rows: list[dict]) -> list[str]:

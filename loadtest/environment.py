@@ -40,14 +40,15 @@ def git_revision() -> dict:
     return {"commit": commit, "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]))}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (recorded with every benchmark: the machines vary)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass  # no /proc/cpuinfo (not Linux): fall through to the platform's name
-    return platform.processor()
+    return platform.processor() or platform.machine()
 
 
 def machine() -> dict:
@@ -56,7 +57,7 @@ def machine() -> dict:
         "host": platform.node(),
         "os": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "gpus": gpus,

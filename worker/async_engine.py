@@ -30,6 +30,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -38,6 +39,7 @@ from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 DEFAULT_STREAM_BUFFER = 64  # outputs per stream (WorkerServerConfig.stream_buffer_messages)
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,26 +60,31 @@ class _Stream:
         return self.produced - self.consumed >= self.limit
 
 
+def on_new_thread(fn: Callable[[], T], name: str = "engine-build") -> T:
+    """fn() run on a short-lived thread, waited for; its result, or its exception re-raised here."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def build_engine_off_main_thread(config: EngineConfig) -> LLMEngine:
     """LLMEngine(config), built in a short-lived thread so that the process's main thread never
     runs an OpenMP parallel region. If it did (loading the weights does), libgomp would keep that
     thread's idle team alive next to the engine thread's own; with more OpenMP threads than cores
     it throttles its spin-waits, and every parallel region on the engine thread then waits for a
     futex wake-up: a decode step of SmolLM2 on 2 cores took 15.5 ms instead of 8.8 ms."""
-    box: dict = {}
-
-    def build() -> None:
-        try:
-            box["engine"] = LLMEngine(config)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=build, name="engine-build")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["engine"]
+    return on_new_thread(lambda: LLMEngine(config))
 
 
 class AsyncEngine:

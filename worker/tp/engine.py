@@ -26,9 +26,8 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 
-from worker.async_engine import DEFAULT_STREAM_BUFFER, AsyncEngine
+from worker.async_engine import DEFAULT_STREAM_BUFFER, AsyncEngine, on_new_thread
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.tp.errors import GroupFailed, GroupUnavailable
@@ -48,26 +47,16 @@ class TPAsyncEngine(AsyncEngine):
     def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> TPAsyncEngine:
         from worker.tp.runner import build_runner
 
-        box: dict = {}
-
-        def build() -> None:  # off the main thread: see async_engine.build_engine_off_main_thread
+        def build() -> tuple[LLMEngine, object]:  # off the main thread: see build_engine_off_main_thread
+            runner, group = build_runner(config)
             try:
-                runner, group = build_runner(config)
-                try:
-                    box["engine"] = LLMEngine(config, runner)
-                except BaseException:
-                    group.stop()
-                    raise
-                box["group"] = group
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
+                return LLMEngine(config, runner), group
+            except BaseException:
+                group.stop()
+                raise
 
-        thread = threading.Thread(target=build, name="engine-build")
-        thread.start()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        engine = cls(box["engine"], box["group"], stream_buffer)
+        built, group = on_new_thread(build)
+        engine = cls(built, group, stream_buffer)
         engine.start()
         return engine
 
