@@ -21,8 +21,9 @@ Contract
 - failure modes: a bad flag or variable -> usage error (exit 2) before Ray starts; a worker that
   cannot start -> the error is printed, everything is torn down, exit status 1. A signal during
   start-up tears down what was started.
-- proven by: tests/test_ray_serve.py, tests/test_serve_telemetry.py (spans from router and worker
-  actor, LLM_* variables reaching the engine), tests/test_config_cli.py (flags and defaults).
+- proven by: tests/test_ray_serve.py (a streamed answer, spans from router and worker actor,
+  LLM_* variables reaching the engine, the worker token, the clean stop), tests/test_config_cli.py
+  (flags and defaults).
 """
 
 from __future__ import annotations

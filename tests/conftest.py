@@ -55,7 +55,6 @@ LONGEST_FIRST = (
     "test_openai_e2e",
     "test_async_scheduling",
     "test_cuda_graphs",
-    "test_serve_telemetry",
     "test_grpc_e2e",
     "test_trust_streams",
     "test_grpc_two_workers",

@@ -1,5 +1,16 @@
-"""`make serve` (issue 5, acceptance 4): local Ray in-process, a worker actor with the embedded
-model and the router, from one command; a streamed generation; SIGTERM stops it all cleanly."""
+"""`make serve` (python -m deploy.local: Ray in-process, a worker actor with the embedded model and
+the router, from one command), one stack for the module (starting Ray and a worker actor is the
+cost here):
+- a chat request streams the greedy answer, then finishes;
+- it honours the standard OTEL_* environment and the LLM_* variables: with
+  OTEL_EXPORTER_OTLP_ENDPOINT pointing at an OTLP/gRPC sink in this process, one request yields a
+  trace with spans from both the router and the worker actor; LLM_MAX_MODEL_LEN reaches the
+  worker's engine (before, such a stack exported no spans: only python -m router/worker read it);
+- its worker refuses direct calls (no token: issue 17 item 1, as tests/test_trust_auth.py for
+  `python -m worker`) while its router serves;
+- SIGTERM stops it all (router, worker actor, Ray) with status 0 and Ray reaps the worker
+  processes (checked in the fixture's teardown: a failure there is reported as an error).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +22,15 @@ import subprocess
 import grpc
 import pytest
 
+from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
-from protos.llm.v1 import generation_pb2_grpc
+from protos.llm.v1 import generation_pb2_grpc, worker_pb2_grpc
 from tests import procs
+from tests.test_trust_auth import worker_calls
 
 pytest.importorskip("ray")
+
+MAX_MODEL_LEN = 384
 
 
 def test_make_serve_runs_the_ray_launcher():
@@ -38,50 +53,51 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_serve_streams_a_generation_and_stops_cleanly(tmp_path):
-    # float32: the greedy answer checked below is float32's (make serve's default dtype is auto = bfloat16)
-    proc = procs.Proc(
-        "serve",
-        [
-            "-m",
-            "deploy.local",
-            "--port",
-            "0",
-            "--workers",
-            "1",
-            "--dtype",
-            "float32",
-            "--kv-cache-mb",
-            str(procs.TEST_KV_CACHE_MB),
-            # as procs.start_worker: its SIGTERM drain announces NOT_SERVING 0.5 s, not 2 s (the
-            # router here is this process's own, stopped first)
-            "--worker-drain-announce-s",
-            "0.5",
-        ],
-        tmp_path,
-    )
+@pytest.fixture(scope="module")
+def sink():
+    sink = OtlpSink()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(sink, tmp_path_factory):
+    """(process, router address) of one `make serve` stack; its teardown checks the clean stop."""
+    with pytest.MonkeyPatch.context() as m:  # the stack inherits these; this process does not keep them
+        m.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        m.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not the default 5 s
+        m.setenv("LLM_MAX_MODEL_LEN", str(MAX_MODEL_LEN))
+        m.setenv("LLM_ENFORCE_EAGER", "true")  # no compiled-decode warm-up: a quick start
+        m.delenv("LLM_OTLP_ENDPOINT", raising=False)
+        m.delenv("LLM_WORKER_TOKEN", raising=False)  # the stack makes its own token
+        proc = procs.Proc(
+            "serve",
+            [
+                "-m",
+                "deploy.local",
+                "--port",
+                "0",
+                "--workers",
+                "1",
+                # float32: the greedy answer checked below is float32's (the default is auto = bfloat16)
+                "--dtype",
+                "float32",
+                "--kv-cache-mb",  # float32: 32 MiB hold more than MAX_MODEL_LEN tokens
+                "32",
+                "--max-num-seqs",
+                "4",
+                # as procs.start_worker's 0.5 s: the only router is the stack's own, stopped first
+                "--worker-drain-announce-s",
+                "0.2",
+            ],
+            tmp_path_factory.mktemp("serve"),
+        )
     try:
         address = wait_router(proc, procs.START_TIMEOUT_S)
         procs.wait_for_workers(address, 1, timeout_s=60)
-        with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            question = pb.ChatMessage(role="user", content="What is the capital of France?")
-            msgs = list(
-                stub.Generate(
-                    pb.GenerateRequest(
-                        chat=pb.Chat(messages=[question]),
-                        sampling=pb.SamplingParams(temperature=0.0),
-                        stopping=pb.StoppingCriteria(max_tokens=12),
-                    ),
-                    timeout=120,
-                )
-            )
-        chunks = [m.chunk for m in msgs if m.HasField("chunk")]
-        assert len(chunks) > 1 and msgs[-1].HasField("finished")  # streamed, then finished
-        assert "Paris" in "".join(c.text for c in chunks)
+        yield proc, address
         worker_pids = {int(p) for p in re.findall(r"WorkerActor pid=(\d+)", proc.log_tail(100_000))}
-        assert worker_pids
-
+        assert worker_pids, proc.log_tail()
         proc.signal(signal.SIGTERM)
         assert proc.popen.wait(90) == 0, proc.log_tail()
         assert "stopped: router, workers worker-0, Ray" in proc.log_tail()
@@ -89,3 +105,72 @@ def test_serve_streams_a_generation_and_stops_cleanly(tmp_path):
         procs.wait_until(lambda: not any(alive(p) for p in worker_pids), 15, "worker processes gone")
     finally:
         proc.stop()
+
+
+def test_make_serve_streams_a_chat_answer(stack):
+    _, address = stack
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        question = pb.ChatMessage(role="user", content="What is the capital of France?")
+        msgs = list(
+            stub.Generate(
+                pb.GenerateRequest(
+                    chat=pb.Chat(messages=[question]),
+                    sampling=pb.SamplingParams(temperature=0.0),
+                    stopping=pb.StoppingCriteria(max_tokens=12),
+                ),
+                timeout=120,
+            )
+        )
+    chunks = [m.chunk for m in msgs if m.HasField("chunk")]
+    assert len(chunks) > 1 and msgs[-1].HasField("finished")  # streamed, then finished
+    assert "Paris" in "".join(c.text for c in chunks)
+
+
+def test_make_serve_exports_spans_from_router_and_workers(stack, sink):
+    _, address = stack
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        [model] = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+        assert model.max_model_len == MAX_MODEL_LEN  # LLM_MAX_MODEL_LEN reached the engine
+        msgs = list(
+            stub.Generate(
+                pb.GenerateRequest(
+                    request_id="serve-traced",
+                    token_ids=pb.TokenIds(ids=[1, 2, 3, 4, 5]),
+                    sampling=pb.SamplingParams(temperature=0.0),
+                    stopping=pb.StoppingCriteria(max_tokens=3, ignore_eos=True),
+                ),
+                timeout=120,
+            )
+        )
+    assert msgs[-1].HasField("finished")
+
+    def traced_by_both(spans) -> bool:
+        """This request's trace holds a router span and a worker span; the router's worker call
+        carries "<request id>/<attempt suffix>" (other requests of the module have traces too)."""
+        ours = {
+            s.trace_id
+            for s in spans
+            if s.service == "llm-worker"
+            and str(s.attributes.get("llm.request_id", "")).startswith("serve-traced/")
+        }
+        return any(s.service == "llm-router" and s.trace_id in ours for s in spans)
+
+    sink.wait_for(traced_by_both, timeout_s=60)
+
+
+def test_make_serve_workers_refuse_direct_calls(stack):
+    proc, address = stack
+    found = re.search(r"Ready: workers on (\S+?)\.\s", proc.log_tail(100_000))
+    assert found, proc.log_tail()
+    with grpc.insecure_channel(found.group(1)) as channel:
+        codes = worker_calls(worker_pb2_grpc.WorkerStub(channel), ())
+    assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+    with grpc.insecure_channel(address) as channel:  # while its own router is served
+        msgs = list(
+            generation_pb2_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_tokens=2)), timeout=60
+            )
+        )
+    assert msgs[-1].finished.usage.completion_tokens == 2

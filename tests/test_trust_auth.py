@@ -5,7 +5,7 @@ the launchers hand it over), direct calls with no token or a wrong one (UNAUTHEN
 anything runs: no sequence, no salt), the router with the token (served), the router without it
 (UNAVAILABLE, no worker address in the message). `make serve` (deploy/local.py, which starts its
 workers with the Ray launcher): its worker refuses a direct call while its router serves, checked on
-tests/test_serve_telemetry.py's stack (one Ray stack for both; `worker_calls` is shared).
+tests/test_ray_serve.py's stack (one Ray stack for all its checks; `worker_calls` is shared).
 """
 
 from __future__ import annotations
