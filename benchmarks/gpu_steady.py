@@ -228,7 +228,10 @@ def async_row(out: dict, model, device: torch.device, st: dict, lock: dict, p: i
     engine = make_engine(
         model, device, st["steady_max_seqs"], st["steady_batched_tokens"], async_scheduling=True
     )
-    row = poisson_run(engine, frac * lock["saturation_req_s"], st["steady_duration_s"], p, n, seed=k)
+    try:
+        row = poisson_run(engine, frac * lock["saturation_req_s"], st["steady_duration_s"], p, n, seed=k)
+    finally:
+        engine.close()  # its executor thread
     stats = engine.stats()
     row.update(fraction=frac, overlapped_steps=stats.num_overlapped_steps, sync_steps=stats.num_sync_steps)
     if row["itl_p50_ms"] and lock["decode_step_ms"]:

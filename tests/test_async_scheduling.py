@@ -74,8 +74,14 @@ def random_sampling(rng: random.Random, penalties: bool) -> SamplingParams:
     if kind == "stop":
         stops = tuple(rng.sample(range(TINY.vocab_size), 3))
         return SamplingParams(temperature=0, stop_token_ids=stops, max_tokens=max_tokens)
-    if kind == "penalty":
-        return SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=max_tokens)
+    if kind == "penalty":  # every penalty reads the token history (a placeholder must not be in it)
+        return SamplingParams(
+            temperature=0,
+            repetition_penalty=rng.choice([1.0, 1.3]),
+            frequency_penalty=rng.choice([0.0, 0.7]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            max_tokens=max_tokens,
+        )
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5)
 
 

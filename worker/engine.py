@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
@@ -51,6 +53,37 @@ Sampled = dict[str, tuple[int, float | None]]
 
 def _omp_passive() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+
+
+class _StepThread:
+    """One daemon thread running submitted calls in order (async scheduling's executor). Daemon, as
+    AsyncEngine's loop thread: a step stuck in the model must not keep the process from exiting
+    (concurrent.futures' pool threads are joined at interpreter exit)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="engine-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """After the calls already submitted (at most `timeout_s`)."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started: nothing to run
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 @dataclass
@@ -101,7 +134,7 @@ class LLMEngine:
         self.fallbacks: Counter[str] = Counter()  # why a next plan was not launched early
         self._in_flight: deque[_Launched] = deque()
         self._pending_releases: list[str] = []  # runner.release calls for the executor thread
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: _StepThread | None = None
 
     def add_request(
         self,
@@ -136,7 +169,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the executor thread (async scheduling), after the step in flight."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(timeout_s=60.0)
             self._executor = None
 
     def step(self) -> list[RequestOutput]:
@@ -201,7 +234,7 @@ class LLMEngine:
         self.scheduler.advance(plan)
         self.scheduler.pinned.update(s.seq for s in plan.scheduled)
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+            self._executor = _StepThread()
         future = self._executor.submit(self._run_step, plan, prev, feeds, releases)
         self._in_flight.append(_Launched(plan, future))
 

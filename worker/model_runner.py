@@ -349,7 +349,15 @@ class ModelRunner:
             None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
             for seq in sampling
         ]
-        histories = [(seq.prompt_token_ids, seq.token_ids) for seq in sampling]  # for penalties
+        # For penalties: the known tokens only (async scheduling appends a placeholder for the
+        # token this step samples; a penalty never plans ahead, so nothing else moves meanwhile).
+        histories = [
+            (
+                seq.prompt_token_ids,
+                seq.token_ids[: seq.num_known_tokens] if seq.num_placeholders else seq.token_ids,
+            )
+            for seq in sampling
+        ]
         tokens, logprobs = sample(logits, params, gens, histories)
         return {
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
