@@ -29,7 +29,8 @@ Protocol (one GPU, no download: a randomly initialised Llama-3.2-1B-shaped model
    output token (t_1, mostly prefill) and N tokens (t_N); decode tok/s = B * (N - 1) / (t_N - t_1),
    end-to-end tok/s = B * N / t_N. Prefix caching is off so every run prefills. The engine's
    tokens are compared with transformers' (reported, not asserted: bf16 near-ties may differ).
-5. Steady serving (Poisson arrivals) and FP8 speed and accuracy: benchmarks/gpu_steady.py.
+5. Steady serving (Poisson arrivals): benchmarks/gpu_steady.py; FP8 speed and accuracy:
+   benchmarks/gpu_fp8.py.
 4. HBM roofline of engine decode: bytes a decode step must read (every weight once, the embedding
    table once via the tied LM head, plus the K/V of each sequence's mean decode context
    prompt + N/2) / decode step time (t_N - t_1) / (N - 1), as a share of the measured read
@@ -62,9 +63,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_fp8 import fp8_markdown, fp8_section
 from benchmarks.gpu_fused import fused_markdown, fused_section
 from benchmarks.gpu_mixed import mixed_checkpoint_markdown, mixed_checkpoint_section
-from benchmarks.gpu_steady import fp8_markdown, fp8_section, steady_markdown, steady_section
+from benchmarks.gpu_steady import steady_markdown, steady_section
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel

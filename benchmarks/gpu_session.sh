@@ -17,7 +17,7 @@
 # arrivals: mixed steps, benchmarks/gpu_mixed.py), engine + transformers eager
 # ~90 s, roofline 0 s (computed from the engine's timings), steady serving with Poisson arrivals
 # ~50 s (its highest load twice: synchronous and async scheduling) and FP8 speed + checkpoint
-# accuracy ~50 s (benchmarks/gpu_steady.py). The transformers
+# accuracy ~50 s (benchmarks/gpu_steady.py, benchmarks/gpu_fp8.py). The transformers
 # static cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
 # (--skip-hf-compiled) to leave the time to the new sections; `make bench-gpu` still runs it.
 #

@@ -21,7 +21,7 @@ Contract:
 - Fails how: `quantize_model_fp8` raises RuntimeError on a CUDA device below 8.9.
 - Proven by tests/test_fp8.py (op == reference formula, quantization error bounds, a model's
   greedy tokens with fp8 weights vs bf16 on CPU); the accuracy on a real checkpoint (logit error,
-  greedy agreement) by the GPU session (benchmarks/gpu_steady.py).
+  greedy agreement) by the GPU session (benchmarks/gpu_fp8.py).
 """
 
 from __future__ import annotations
