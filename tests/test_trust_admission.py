@@ -65,17 +65,7 @@ def router(worker, logs):
 
 
 def scrape_worker(address: str) -> dict:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = f"http://{procs.worker_metrics_address(address)}/metrics"
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return procs.scrape(procs.worker_metrics_address(address))
 
 
 def counter(samples, name: str, **labels) -> float:
