@@ -152,6 +152,16 @@ def shared_sink():
     sink.stop()
 
 
+@pytest.fixture(scope="module")
+def sink():
+    """A module's own OTLP receiver (for processes whose spans only that module reads)."""
+    from devtools.otlp_sink import OtlpSink
+
+    sink = OtlpSink()
+    yield sink
+    sink.stop()
+
+
 @pytest.fixture(scope="session")
 def shared_worker(tmp_path_factory, shared_sink):
     """One worker process for the session (procs.start_shared_worker); use `plain_worker`."""

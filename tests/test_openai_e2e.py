@@ -44,15 +44,6 @@ def worker(plain_worker):
 
 
 @pytest.fixture(scope="module")
-def sink():
-    from devtools.otlp_sink import OtlpSink
-
-    sink = OtlpSink()
-    yield sink
-    sink.stop()
-
-
-@pytest.fixture(scope="module")
 def router(worker, logs, sink):
     with procs.running_router(
         logs,

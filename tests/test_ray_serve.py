@@ -22,7 +22,6 @@ import subprocess
 import grpc
 import pytest
 
-from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2_grpc
 from tests import procs
@@ -51,13 +50,6 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.fixture(scope="module")
-def sink():
-    sink = OtlpSink()
-    yield sink
-    sink.stop()
 
 
 @pytest.fixture(scope="module")
