@@ -15,18 +15,24 @@ Contract
   it loads in well under a second, which keeps four workers cheap on a small machine. Its text is
   noise.
 - state: the cluster's processes (Ray's), until exit.
-- failure modes: Ray's own (ports, memory).
+- failure modes: Ray's own (ports, memory). Starting the head is tried `START_ATTEMPTS` times:
+  on a loaded 2-vCPU machine with another Ray starting beside it, a head node's raylet once never
+  registered with its GCS ("The current node timed out during startup", after Ray's fixed 30 s;
+  no raylet log was written); the partial cluster is shut down before the next attempt.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 from common.ray_names import DEFAULT_NAMESPACE
 from deploy.ray_launch import ray_process_env
 
 SMOLLM2_VOCAB_SIZE = 49152
+START_ATTEMPTS = 2
+log = logging.getLogger(__name__)
 
 
 class SimulatedCluster:
@@ -61,7 +67,19 @@ class SimulatedCluster:
         head = {"num_cpus": 0, "include_dashboard": False}
         if self.client_port:
             head["ray_client_server_port"] = self.client_port
-        self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            cluster = Cluster(initialize_head=False)
+            try:
+                cluster.add_node(**head)
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a start timeout
+                cluster.shutdown()
+                if attempt == START_ATTEMPTS:
+                    raise
+                log.warning(
+                    "Ray head did not start (attempt %d of %d: %s); retrying", attempt, START_ATTEMPTS, exc
+                )
+        self.cluster = cluster
         try:
             for _ in range(self.num_nodes):
                 self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)

@@ -187,3 +187,43 @@ def test_router_loads_ray_only_for_ray_discovery():
         "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_simulated_cluster_retries_a_head_that_does_not_start_then_gives_up(monkeypatch):
+    """deploy.sim_cluster: a head start that fails (Ray's bare Exception after its 30 s wait) is
+    shut down and tried again, START_ATTEMPTS times in all, then the error is raised."""
+    import ray
+    import ray.cluster_utils
+
+    from deploy import sim_cluster
+
+    clusters = []
+
+    class FakeCluster:
+        def __init__(self, initialize_head: bool):
+            assert not initialize_head
+            self.nodes, self.stopped, self.address = [], False, "127.0.0.1:1"
+            clusters.append(self)
+
+        def add_node(self, **args):
+            if "num_gpus" not in args and len(clusters) < failures + 1:  # the head, failing
+                raise Exception("The current node timed out during startup.")
+            self.nodes.append(args)
+
+        def wait_for_nodes(self):
+            assert len(self.nodes) == 3  # the head and two nodes
+
+        def shutdown(self):
+            self.stopped = True
+
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", FakeCluster)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    failures = 1
+    with sim_cluster.SimulatedCluster(2, 2) as sim:
+        assert sim.cluster is clusters[-1] and len(clusters) == 2 and clusters[0].stopped
+    clusters.clear()
+    failures = sim_cluster.START_ATTEMPTS
+    with pytest.raises(Exception, match="timed out during startup"):
+        sim_cluster.SimulatedCluster(2, 2).__enter__()
+    assert len(clusters) == sim_cluster.START_ATTEMPTS and all(c.stopped for c in clusters)
