@@ -349,15 +349,11 @@ class ModelRunner:
             None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
             for seq in sampling
         ]
-        # For penalties: the known tokens only (async scheduling appends a placeholder for the
-        # token this step samples; a penalty never plans ahead, so nothing else moves meanwhile).
-        histories = [
-            (
-                seq.prompt_token_ids,
-                seq.token_ids[: seq.num_known_tokens] if seq.num_placeholders else seq.token_ids,
-            )
-            for seq in sampling
-        ]
+        # Penalties read the known tokens only (async scheduling appends a placeholder for the token
+        # this step samples; a penalty never plans ahead, so nothing else moves meanwhile; no copy
+        # without placeholders).
+        known = [s.token_ids[: s.num_known_tokens] if s.num_placeholders else s.token_ids for s in sampling]
+        histories = [(seq.prompt_token_ids, ids) for seq, ids in zip(sampling, known)]
         tokens, logprobs = sample(logits, params, gens, histories)
         return {
             seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
