@@ -671,8 +671,9 @@ def checkpoint_prompts(path, num: int, vocab: int) -> tuple[list[list[int]], str
 
 
 def load_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float):
-    """The real checkpoint ($SMOLLM2_GGUF, else the embedded one) in `ckpt_dtype`, unquantized, as
-    (loaded model, path); None, with `out["skipped"]` saying why, when --skip-checkpoint, the time
+    """The real checkpoint ($SMOLLM2_GGUF, else the embedded one) in `ckpt_dtype`, unquantized, and
+    its `ckpt_requests` prompts (`checkpoint_prompts`, recorded in `out["prompts"]`), as (loaded
+    model, path, prompts); None, with `out["skipped"]` saying why, when --skip-checkpoint, the time
     budget or a missing file / gguf package rules it out. Shared by every checkpoint section."""
     if sizes.get("skip_checkpoint"):
         out["skipped"] = "--skip-checkpoint"
@@ -685,13 +686,15 @@ def load_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: floa
     try:
         from worker.model.loader import load_model
 
-        return load_model(path, sizes["ckpt_dtype"], device, quantization="none"), path
+        loaded = load_model(path, sizes["ckpt_dtype"], device, quantization="none")
     except (ImportError, FileNotFoundError) as exc:
         out["skipped"] = (
             f"no checkpoint here ({type(exc).__name__}: {exc}); on the GPU machine "
             "benchmarks/gpu_session.sh brings the GGUF and the gguf package (see there)"
         )[:400]
         return None
+    prompts, out["prompts"] = checkpoint_prompts(path, sizes["ckpt_requests"], loaded.config.vocab_size)
+    return loaded, path, prompts
 
 
 def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
@@ -702,10 +705,9 @@ def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: f
     if found is None:
         print(f"  checkpoint: {out['skipped']}", flush=True)
         return
-    loaded, path = found
+    loaded, path, prompts = found
     out.update(model=loaded.name, load_s=time.perf_counter() - start, path=str(path or "embedded"))
-    n = sizes["ckpt_requests"]
-    prompts, out["prompts"] = checkpoint_prompts(path, n, loaded.config.vocab_size)
+    n = len(prompts)
     lo, hi = sizes["ckpt_max_tokens"]
     max_tokens = [lo + (hi - lo) * i // max(n - 1, 1) for i in range(n)]  # the batch shrinks as they finish
     out["prompt_lens"], out["max_tokens"] = [len(p) for p in prompts], max_tokens

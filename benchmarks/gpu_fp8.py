@@ -77,15 +77,14 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
 
 
 def fp8_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float) -> None:
-    from benchmarks.gpu_bench import checkpoint_prompts, load_checkpoint
+    from benchmarks.gpu_bench import load_checkpoint
     from worker.model.fp8 import quantize_model_fp8
 
     found = load_checkpoint(out, sizes, device, deadline)
     if found is None:
         return
-    loaded, path = found
-    num = sizes["ckpt_requests"]
-    prompts, out["prompts"] = checkpoint_prompts(path, num, loaded.config.vocab_size)
+    loaded, _, prompts = found
+    num = len(prompts)
     max_tokens = sizes["ckpt_max_tokens"][1]
     out.update(model=loaded.name, requests=num, max_tokens=max_tokens)
     results = {}

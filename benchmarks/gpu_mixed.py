@@ -52,15 +52,14 @@ def staggered(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
 
 
 def mixed_checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
-    from benchmarks.gpu_bench import checkpoint_prompts, load_checkpoint
+    from benchmarks.gpu_bench import load_checkpoint
 
     out = res["mixed_checkpoint"] = {}
     found = load_checkpoint(out, sizes, device, deadline)
     if found is None:
         return
-    loaded, path = found
-    n = sizes["ckpt_requests"]
-    prompts, out["prompts"] = checkpoint_prompts(path, n, loaded.config.vocab_size)
+    loaded, _, prompts = found
+    n = len(prompts)
     max_tokens = sizes["ckpt_max_tokens"][1]
     cuda = device.type == "cuda"
     tokens = {}
