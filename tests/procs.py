@@ -59,12 +59,14 @@ def worker_metrics_address(address: str) -> str:
     return info.metrics_address
 
 
-def wait_all_blocks_free(address: str, timeout_s: float = 30.0) -> tuple[worker_pb2.LoadReport, float]:
+def wait_all_blocks_free(
+    address: str, timeout_s: float = 30.0, metadata=()
+) -> tuple[worker_pb2.LoadReport, float]:
     """Polls until the worker reports nothing running or waiting and every KV block free; returns
-    that load report and the seconds it took."""
+    that load report and the seconds it took. `metadata`: as `worker_load`."""
     start = time.monotonic()
     while True:
-        load = worker_load(address)
+        load = worker_load(address, metadata)
         if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks:
             return load, time.monotonic() - start
         assert time.monotonic() - start < timeout_s, f"worker {address} still holds work: {load}"

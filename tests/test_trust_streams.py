@@ -61,21 +61,11 @@ def worker(logs):
 
 
 def load(address: str) -> worker_pb2.LoadReport:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(
-            worker_pb2.GetLoadRequest(), metadata=((METADATA_KEY, TOKEN),), timeout=5
-        )
+    return procs.worker_load(address, ((METADATA_KEY, TOKEN),))
 
 
 def wait_all_free(address: str, timeout_s: float) -> worker_pb2.LoadReport:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        report = load(address)
-        idle = report.num_running == report.num_waiting == 0
-        if idle and report.num_free_blocks == report.num_total_blocks:
-            return report
-        assert time.monotonic() < deadline, f"worker still holds work: {report}"
-        time.sleep(0.05)  # polling another process's state; no event to wait on
+    return procs.wait_all_blocks_free(address, timeout_s, ((METADATA_KEY, TOKEN),))[0]
 
 
 def idle_endings(router: procs.Proc) -> float:
