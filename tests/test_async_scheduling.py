@@ -288,15 +288,15 @@ def test_step_failure_rolls_back_to_the_last_committed_step():
     tokens = []
     for _ in range(3):
         tokens += [t for o in engine.step() for t in o.new_token_ids]
-    real_run, calls = runner.run, []
+    real_launch, calls = runner.launch, []
 
-    def failing_run(plan):
+    def failing_launch(plan, *args):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected")
-        return real_run(plan)
+        return real_launch(plan, *args)
 
-    runner.run = failing_run
+    runner.launch = failing_launch
     try:
         with pytest.raises(RuntimeError, match="injected"):
             for _ in range(2):  # the step in flight returns; the one launched with it fails
@@ -307,7 +307,7 @@ def test_step_failure_rolls_back_to_the_last_committed_step():
         while engine.has_unfinished_requests():
             tokens += [t for o in engine.step() for t in o.new_token_ids]
     finally:
-        runner.run = real_run
+        runner.launch = real_launch
         engine.close()
     assert tokens == want[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -200,7 +200,10 @@ def test_graph_replay_matches_eager_on_cuda():
         if runner.cuda_graphs is not None:
             assert runner.cuda_graphs.sizes == [1, 2, 4, 8]
             run = runner.cuda_graphs.run
-            runner.cuda_graphs.run = lambda step, size: (replays.append(len(step.rows)), run(step, size))[1]
+            runner.cuda_graphs.run = lambda step, size, tokens=None: (
+                replays.append(len(step.rows)),
+                run(step, size, tokens),
+            )[1]
         logits = {}
         runner.logits_observer = lambda ids, rows: [
             logits.setdefault(i, []).append(r.clone()) for i, r in zip(ids, rows)
@@ -263,7 +266,10 @@ def test_runner_graph_path_with_mixed_steps_matches_eager(where):
                 )
                 runner.cuda_graphs.eager_replay = True
             run = runner.cuda_graphs.run
-            runner.cuda_graphs.run = lambda step, size: (kinds.append(size), run(step, size))[1]
+            runner.cuda_graphs.run = lambda step, size, tokens=None: (
+                kinds.append(size),
+                run(step, size, tokens),
+            )[1]
         engine = LLMEngine(config, runner=runner)
         schedule = engine.scheduler.schedule
 

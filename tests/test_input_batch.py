@@ -21,7 +21,8 @@ from worker.cuda_graphs import build_decode_inputs
 from worker.engine import LLMEngine
 from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
-from worker.model_runner import ModelRunner, plain_greedy
+from worker.model_runner import ModelRunner
+from worker.sampler import plain_greedy
 from worker.types import SamplingParams
 
 TINY = ModelConfig(

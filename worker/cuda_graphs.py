@@ -169,10 +169,11 @@ class CudaGraphRunner:
             return None
         return bucket_for(len(plan.scheduled), self.sizes)
 
-    def run(self, step: HostStep, batch_size: int) -> torch.Tensor:
+    def run(self, step: HostStep, batch_size: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the graph of `batch_size` over a decode step built by `InputBatch.build`: hidden
-        states of its sequences (a view of the static output, overwritten by the next replay)."""
-        self.batch.load_graph_inputs(step, batch_size, self.inputs)
+        states of its sequences (a view of the static output, overwritten by the next replay).
+        `tokens`: the previous step's sampled tokens, read on the device where `step.feed` says."""
+        self.batch.load_graph_inputs(step, batch_size, self.inputs, tokens)
         if self.eager_replay:
             out = self.forward_static(batch_size)
         else:

@@ -12,19 +12,20 @@ Contract:
 - Async scheduling (`EngineConfig.async_scheduling`): `step()` launches step N+1 on the executor
   thread before it waits for step N, so planning step N+1 (schedule, block allocation), committing
   step N and building its outputs overlap the forward pass. The plan of N+1 counts one placeholder
-  token per sequence sampling in N (`Scheduler.advance`); the executor writes N's sampled token into
-  that slot before it builds N+1's inputs (the jobs run in order on one thread, so N's tokens are
-  there: no extra sync). Each `step()` still returns the outputs of exactly one step, and tokens,
-  finish reasons and usage counts are the synchronous engine's. What overlaps: decodes, prompt
-  chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded sampling,
-  logprobs, logit bias, stop token ids, EOS, max_tokens (a sequence whose pending token is its last
-  is left out of the next plan), aborts (the step in flight drops the token; blocks are freed when it
-  returns). What runs synchronously (plan made once nothing is in flight, counted in
+  token per sequence sampling in N (`Scheduler.advance`); N+1's inputs read N's sampled token in
+  that slot from N's token tensor on the device (`ModelRunner.launch(plan, prev, feeds)`), so the
+  executor queues N+1 behind N without waiting for N's tokens on the host: the one host sync per
+  step is the engine thread's, when it commits N. Each `step()` still returns the outputs of exactly
+  one step, and tokens, finish reasons and usage counts are the synchronous engine's. What overlaps:
+  decodes, prompt chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded
+  sampling, logprobs, logit bias, stop token ids, EOS, max_tokens (a sequence whose pending token is
+  its last is left out of the next plan), aborts (the step in flight drops the token; blocks are
+  freed when it returns). What runs synchronously (plan made once nothing is in flight, counted in
   `num_sync_steps`, reason in `fallbacks`): the first step after idling; a next plan that would
   preempt (KV pool short, or a waiting request of higher priority): no preemption while a step is in
   flight; a plan with a sequence whose sampling needs its token history (repetition, frequency or
-  presence penalty). Stop strings are matched by the router, which aborts: an abort here.
-  Not with tensor parallelism (the flag is ignored there).
+  presence penalty). Stop strings are matched by the router, which aborts: an abort here. Not with
+  tensor parallelism (the flag is ignored there).
 - Proven by tests/test_engine_*.py and tests/test_async_scheduling.py (async == sync on random
   workloads); `stats()` exposes counters for metrics.
 """
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
+from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import PLACEHOLDER, Sequence
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
@@ -135,6 +137,7 @@ class LLMEngine:
         self._in_flight: deque[_Launched] = deque()
         self._pending_releases: list[str] = []  # runner.release calls for the executor thread
         self._executor: _StepThread | None = None
+        self._last_ready = 0.0  # when the last committed step's tokens reached the host
 
     def add_request(
         self,
@@ -228,8 +231,9 @@ class LLMEngine:
             self.num_sync_steps += 1
         else:
             self.num_overlapped_steps += 1
-        # Placeholders of the step in flight that this plan feeds to the model.
-        feeds = [(s.seq, s.start) for s in plan.scheduled if s.seq.token_ids[s.start] == PLACEHOLDER]
+        # Sequences whose input is the token of the step in flight (a placeholder here): the runner
+        # reads it from that step's tokens on the device.
+        feeds = frozenset(s.seq.request_id for s in plan.scheduled if s.seq.token_ids[s.start] == PLACEHOLDER)
         releases, self._pending_releases = self._pending_releases, []
         self.scheduler.advance(plan)
         self.scheduler.pinned.update(s.seq for s in plan.scheduled)
@@ -239,33 +243,31 @@ class LLMEngine:
         self._in_flight.append(_Launched(plan, future))
 
     def _run_step(
-        self,
-        plan: SchedulerOutput,
-        prev: Future | None,
-        feeds: list[tuple[Sequence, int]],
-        releases: list[str],
-    ) -> tuple[Sampled, float]:
-        """Executor thread: the runner's releases, the previous step's tokens written into this
-        plan's placeholders (the engine thread writes the same values when it commits), the step."""
+        self, plan: SchedulerOutput, prev: Future | None, feeds: frozenset[str], releases: list[str]
+    ) -> tuple[SampledTokens, float]:
+        """Executor thread: the runner's releases, then the step queued on the device, its
+        placeholders read from the previous step's tokens there (no host sync: on a GPU this
+        returns while the device still runs the previous step; the engine thread writes the same
+        values into the sequences when it commits)."""
         for request_id in releases:
             self.runner.release(request_id)
-        if feeds:
-            sampled = prev.result()[0]  # done: it ran on this thread before
-            for seq, pos in feeds:
-                seq.token_ids[pos] = sampled[seq.request_id][0]
+        prev_tokens = prev.result()[0] if feeds else None  # done: it ran on this thread before
         start = time.perf_counter()
-        sampled = self.runner.run(plan)
-        return sampled, time.perf_counter() - start
+        return self.runner.launch(plan, prev_tokens, feeds), start
 
     def _finish_oldest(self) -> list[RequestOutput]:
         launched = self._in_flight[0]
         try:
-            sampled, seconds = launched.future.result()
+            tokens, start = launched.future.result()
+            sampled = tokens.to_host()  # the step's one host sync
         except BaseException:
             self._recover()
             raise
         self._in_flight.popleft()
-        self.step_s_total += seconds
+        # Device time of this step: from its launch, or from the previous step's end if later.
+        ready = time.perf_counter()
+        self.step_s_total += ready - max(start, self._last_ready)
+        self._last_ready = ready
         self.num_steps += 1
         touched = self.scheduler.commit(launched.plan, sampled)
         self._unpin()

@@ -9,12 +9,14 @@ Contract:
   entries appended since the last step (block tables only grow by `append`; `BlockManager.free`
   replaces the list). Changed entries reach the device as one scatter per step. Rows go back to a
   free list on `drop`; if none is free, rows of requests absent from the plan are reclaimed.
-- Output: `build(plan)` -> `HostStep` (numpy: token ids, positions, slots, seq lens, query start
-  offsets, rows, and the rows that sample); `eager_inputs(step)` -> `(input_ids, positions,
-  AttentionMetadata)` on the device after ONE host-to-device copy (a pinned staging buffer, two of
-  them alternating, each reused only after its copy completed); `graph_inputs(step, batch_size,
-  dst)` writes the padded `[5, B]` int64 rows (ids, positions, slots, seq lens, table rows) that a
-  CUDA graph reads (worker/cuda_graphs.py), padding rows as that module's contract says.
+- Output: `build(plan, live, feed)` -> `HostStep` (numpy: token ids, positions, slots, seq lens,
+  query start offsets, rows, the rows that sample, and the token indices `feed` names: their ids
+  are read on the device from the previous step's sampled tokens, async scheduling's hand-off);
+  `eager_inputs(step, tokens)` -> `(input_ids, positions, AttentionMetadata)` on the device after
+  ONE host-to-device copy (a pinned staging buffer, two of them alternating, each reused only
+  after its copy completed); `load_graph_inputs(step, batch_size, dst, tokens)` writes the padded
+  `[5, B]` int64 rows (ids, positions, slots, seq lens, table rows) that a CUDA graph reads
+  (worker/cuda_graphs.py), padding rows as that module's contract says.
 - Cost: O(1) Python per decoding sequence (no B x W lists); the slots come from the table by one
   numpy gather.
 - Fails how: more live rows than `max_rows` or a table wider than `max_blocks` grow the buffers;
@@ -47,6 +49,9 @@ class HostStep:
     sample_seq_idx: list[int]  # sequence index of each sampling row
     max_query_len: int
     updates: tuple[np.ndarray, np.ndarray]  # flat table indices and values changed this step
+    # Token indices whose id is read on the device from the previous step's tokens, and the row
+    # of each there (async scheduling's placeholders; the host `ids` hold 0 at those indices).
+    feed: tuple[np.ndarray, np.ndarray]
 
 
 class InputBatch:
@@ -112,9 +117,12 @@ class InputBatch:
         self.row_of[request_id] = row
         return row
 
-    def build(self, plan: SchedulerOutput, live: set[str] | None = None) -> HostStep:
+    def build(
+        self, plan: SchedulerOutput, live: set[str] | None = None, feed: dict[str, int] | None = None
+    ) -> HostStep:
         """Host inputs of `plan`; `live`: request ids whose rows must not be reclaimed (default: the
-        plan's)."""
+        plan's); `feed`: {request_id: row in the previous step's sampled tokens} of the decoding
+        sequences whose input token is that one (its host value, a placeholder, is not read)."""
         bs, tables_np = self.block_size, self.tables_np
         row_of, row_list, row_len = self.row_of, self.row_list, self.row_len
         ids: list[int] = []
@@ -125,7 +133,8 @@ class InputBatch:
         sample_idx: list[int] = []
         upd_idx: list[int] = []
         upd_val: list[int] = []
-        live: set[str] | None = None
+        feed_dst: list[int] = []
+        feed_src: list[int] = []
         width = 0
         t = 0
         for i, s in enumerate(plan.scheduled):
@@ -164,7 +173,13 @@ class InputBatch:
             starts.append(start)
             counts.append(n)
             if n == 1:
-                ids.append(seq.token_ids[start])
+                src = feed.get(seq.request_id) if feed else None
+                if src is None:
+                    ids.append(seq.token_ids[start])
+                else:
+                    ids.append(0)
+                    feed_dst.append(t)
+                    feed_src.append(src)
             else:
                 ids.extend(seq.token_ids[start : start + n])
             t += n
@@ -194,6 +209,7 @@ class InputBatch:
             sample_idx,
             int(cnt.max()),
             (np.array(upd_idx, dtype=np.int64), np.array(upd_val, dtype=np.int64)),
+            (np.array(feed_dst, dtype=np.int64), np.array(feed_src, dtype=np.int64)),
         )
 
     # -- device transfer -------------------------------------------------------------------
@@ -227,9 +243,23 @@ class InputBatch:
         if n:
             self.tables_dev.view(-1)[dev[off : off + n]] = dev[off + n : off + 2 * n].to(torch.int32)
 
-    def eager_inputs(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    @staticmethod
+    def _feed(ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """ids[dst] = tokens[src] where the device is (no host sync)."""
+        if dst.shape[0]:
+            assert tokens is not None, "a step with placeholders needs the previous step's tokens"
+            ids[dst] = tokens.index_select(0, src)
+
+    def eager_inputs(
+        self, step: HostStep, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device inputs of `step`; `tokens`: the previous step's sampled tokens, if `step.feed`."""
         t, s, w = step.ids.shape[0], step.rows.shape[0], step.width
+        feed_dst, feed_src = step.feed
+        f = feed_dst.shape[0]
         if not self.mirror:
+            ids = torch.from_numpy(step.ids)
+            self._feed(ids, torch.from_numpy(feed_dst), torch.from_numpy(feed_src), tokens)
             meta = AttentionMetadata(
                 slot_mapping=torch.from_numpy(step.slots),
                 block_tables=torch.from_numpy(self.tables_np[step.rows, :w]),
@@ -238,15 +268,17 @@ class InputBatch:
                 max_query_len=step.max_query_len,
                 max_seq_len=int(step.seq_lens.max()),
             )
-            return torch.from_numpy(step.ids), torch.from_numpy(step.positions), meta
+            return ids, torch.from_numpy(step.positions), meta
         upd_idx, upd_val = step.updates
         n = upd_idx.shape[0]
         dev = self._stage(
             [step.ids, step.positions, step.slots, step.seq_lens, step.query_start_loc, step.rows]
-            + [upd_idx, upd_val]
+            + [upd_idx, upd_val, feed_dst, feed_src]
         )
         o = 3 * t + 2 * s + 1
         self._apply_updates(dev, o + s, n)
+        fo = o + s + 2 * n
+        self._feed(dev[:t], dev[fo : fo + f], dev[fo + f : fo + 2 * f], tokens)
         meta = AttentionMetadata(
             slot_mapping=dev[2 * t : 3 * t],
             block_tables=self.tables_dev[:, :w].index_select(0, dev[o : o + s]),
@@ -267,15 +299,22 @@ class InputBatch:
         out[:, s:] = np.array([[0], [0], [-1], [1], [0]], dtype=np.int64)
         return out
 
-    def load_graph_inputs(self, step: HostStep, batch_size: int, dst: torch.Tensor) -> None:
+    def load_graph_inputs(
+        self, step: HostStep, batch_size: int, dst: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> None:
         """Write the graph rows into `dst` ([5, >= B] int64 on the device) and apply the step's
-        table updates (one transfer on CUDA)."""
+        table updates (one transfer on CUDA); `tokens`: the previous step's, if `step.feed`."""
         rows = self.graph_rows(step, batch_size)
+        feed_dst, feed_src = step.feed
+        f = feed_dst.shape[0]
         if not self.mirror:
             dst[:, :batch_size].copy_(torch.from_numpy(rows))
+            self._feed(dst[0], torch.from_numpy(feed_dst), torch.from_numpy(feed_src), tokens)
             return
         upd_idx, upd_val = step.updates
         n = upd_idx.shape[0]
-        dev = self._stage([rows.reshape(-1), upd_idx, upd_val])
+        dev = self._stage([rows.reshape(-1), upd_idx, upd_val, feed_dst, feed_src])
         self._apply_updates(dev, 5 * batch_size, n)
         dst[:, :batch_size].copy_(dev[: 5 * batch_size].view(5, batch_size))
+        fo = 5 * batch_size + 2 * n
+        self._feed(dst[0], dev[fo : fo + f], dev[fo + f : fo + 2 * f], tokens)

@@ -9,8 +9,10 @@ Contract:
   rebuild it is tested against), runs the model, computes logits only for sequences that finish
   their outstanding tokens this step, and samples. Greedy rows without logprobs or logit
   processing take the argmax of the model-dtype logits (no float32 copy); one host sync per step
-  (the tokens' `.tolist()`), two when logprobs are asked for.
-- Output: `{request_id: (token_id, logprob | None)}` for the sampling sequences.
+  (the tokens' copy to the host), two when logprobs are asked for.
+- Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
+  `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
+  and read there by the next step's placeholders (async scheduling), their host copy on demand.
 - State: the model weights, the paged KV cache (`kv_caches[layer] = (K, V)`, each
   `[num_blocks, block_size, num_kv_heads, head_dim]`), one torch.Generator per sampling request.
 - Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
@@ -36,9 +38,8 @@ from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
-from worker.sampler import sample
+from worker.sampler import SampledTokens, plain_greedy, sample_tokens
 from worker.scheduler import SchedulerOutput
-from worker.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -286,29 +287,44 @@ class ModelRunner:
             logits_rows,
         )
 
-    @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        """One step: {request_id: (token, logprob | None)} of the sampling sequences."""
+        return self.launch(plan).to_host()
+
+    @torch.inference_mode()
+    def launch(
+        self, plan: SchedulerOutput, prev: SampledTokens | None = None, feeds: frozenset[str] = frozenset()
+    ) -> SampledTokens:
+        """Queue one step on the device; its tokens stay there (`SampledTokens`). `feeds`: requests
+        whose token at their step start is a placeholder for what `prev` (the step before, still
+        maybe running) sampled: read from `prev.tokens` on the device, no host sync (async
+        scheduling). On CPU the step has run when this returns."""
         if torch.get_num_threads() != self.config.num_threads:
             # Another runner in this process (tests) changed torch's global pool; the compiled
             # step also guards on it.
             torch.set_num_threads(self.config.num_threads)
         for seq in plan.preempted:
             self.input_batch.drop(seq.request_id)
-        hidden, sampling = self._forward(plan)
+        feed = None
+        if feeds:
+            assert prev is not None, "placeholders to feed without the step that samples them"
+            feed = (prev.tokens, {rid: prev.row(rid) for rid in feeds})
+        hidden, sampling = self._forward(plan, feed)
         if not sampling:
-            return {}
+            return SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
         return self._sample(sampling, hidden)
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list]:
+    def _forward(self, plan: SchedulerOutput, feed=None) -> tuple[torch.Tensor, list]:
         """Hidden states of the sampling rows (S, C) and their sequences, in the same order."""
         batch = self.input_batch
         graphs = self.cuda_graphs
+        tokens, rows = feed if feed is not None else (None, None)
         if graphs is not None:
             decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
             size = bucket_for(len(decode), graphs.sizes) if decode else None
             if size is not None and len(decode) == len(plan.scheduled):
-                step = batch.build(plan)
-                hidden = graphs.run(step, size)
+                step = batch.build(plan, feed=rows)
+                hidden = graphs.run(step, size, tokens)
                 return take_rows(hidden, step.sample_seq_idx), [
                     plan.scheduled[i].seq for i in step.sample_seq_idx
                 ]
@@ -320,28 +336,28 @@ class ModelRunner:
                 pstep = batch.build(SchedulerOutput(chunks), live)
                 input_ids, positions, meta = batch.eager_inputs(pstep)
                 h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-                dstep = batch.build(SchedulerOutput(decode), live)
-                h_d = take_rows(graphs.run(dstep, size), dstep.sample_seq_idx)
+                dstep = batch.build(SchedulerOutput(decode), live, feed=rows)
+                h_d = take_rows(graphs.run(dstep, size, tokens), dstep.sample_seq_idx)
                 seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
                 seqs += [decode[i].seq for i in dstep.sample_seq_idx]
                 return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs
-        step = batch.build(plan)
-        input_ids, positions, meta = batch.eager_inputs(step)
+        step = batch.build(plan, feed=rows)
+        input_ids, positions, meta = batch.eager_inputs(step, tokens)
         if self.cpu_compiled is not None:
             hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
         return take_rows(hidden, step.logits_rows), [plan.scheduled[i].seq for i in step.sample_seq_idx]
 
-    def _sample(self, sampling: list, hidden: torch.Tensor) -> dict[str, tuple[int, float | None]]:
+    def _sample(self, sampling: list, hidden: torch.Tensor) -> SampledTokens:
         params = [seq.sampling for seq in sampling]
+        request_ids = [seq.request_id for seq in sampling]
         if self.logits_observer is None and all(plain_greedy(p) for p in params):
             # Greedy without logprobs: on a GPU the argmax runs over the model-dtype logits (the
             # same token as over their float32 copy, which is not made); torch's CPU argmax is ~5x
-            # slower on bfloat16 than on float32, so there the copy stays. One host sync.
+            # slower on bfloat16 than on float32, so there the copy stays.
             logits = self.model.compute_logits(hidden, upcast=self.device.type == "cpu")
-            tokens = logits.argmax(dim=-1).tolist()
-            return {seq.request_id: (tokens[i], None) for i, seq in enumerate(sampling)}
+            return SampledTokens(request_ids, logits.argmax(dim=-1))
         logits = self.model.compute_logits(hidden)  # (S, V) float32
         if self.logits_observer is not None:
             self.logits_observer([seq.request_id for seq in sampling], logits)
@@ -354,11 +370,10 @@ class ModelRunner:
         # without placeholders).
         known = [s.token_ids[: s.num_known_tokens] if s.num_placeholders else s.token_ids for s in sampling]
         histories = [(seq.prompt_token_ids, ids) for seq, ids in zip(sampling, known)]
-        tokens, logprobs = sample(logits, params, gens, histories)
-        return {
-            seq.request_id: (tokens[i], logprobs[i] if logprobs and seq.sampling.logprobs else None)
-            for i, seq in enumerate(sampling)
-        }
+        tokens, logprobs = sample_tokens(logits, params, gens, histories)
+        if logprobs is not None:
+            logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
+        return SampledTokens(request_ids, tokens, logprobs)
 
 
 def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -367,32 +382,3 @@ def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == hidden.shape[0]:
         return hidden
     return hidden[rows]
-
-
-# Sampling fields that cannot change a greedy argmax; any other field away from its default (a
-# penalty, a logit bias, logprobs) sends the batch through `sample`.
-_GREEDY_NEUTRAL = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
-)
-_plain_greedy_cache: dict[int, tuple[SamplingParams, bool]] = {}
-
-
-def plain_greedy(p: SamplingParams) -> bool:
-    """True when `p` is greedy with nothing that alters the argmax or asks for logprobs (cached per
-    params object: requests usually share one)."""
-    hit = _plain_greedy_cache.get(id(p))
-    if hit is not None and hit[0] is p:
-        return hit[1]
-    ok = p.greedy
-    if ok:
-        for f in dataclasses.fields(p):
-            if f.name in _GREEDY_NEUTRAL:
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if getattr(p, f.name) != default:
-                ok = False
-                break
-    if len(_plain_greedy_cache) > 4096:
-        _plain_greedy_cache.clear()
-    _plain_greedy_cache[id(p)] = (p, ok)
-    return ok

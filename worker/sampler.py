@@ -2,8 +2,10 @@
 seeds, chosen-token and top-N logprobs.
 
 Contract: `sample(logits [S, V] float32, params, generators, histories) -> (token_ids [S],
-logprobs [S] | None)`; `histories[i]` = (prompt token ids, prompt + output token ids so far) of
-row i, needed only by rows with penalties (`SamplingParams.needs_history`).
+logprobs [S] | None)` (`sample_tokens`: the same with the tokens left on the device as `[S]`
+int64, wrapped by the model runner in a `SampledTokens`); `histories[i]` = (prompt token ids,
+prompt + output token ids so far) of row i, needed only by rows with penalties
+(`SamplingParams.needs_history`).
 Order of the steps, as vLLM applies them:
 1. `adjust_logits`: logit bias added; repetition penalty over prompt + output tokens (a positive
    logit divided by it, a negative one multiplied); frequency penalty x count and presence penalty
@@ -22,6 +24,7 @@ the pure-Python reference in worker/sampler_reference.py (logits, drawn tokens, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -116,12 +119,14 @@ def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return out
 
 
-def sample(
+def sample_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: Sequence[History] | None = None,
-) -> tuple[list[int], list[float] | None]:
+) -> tuple[torch.Tensor, list[float] | None]:
+    """`sample` with the tokens left on the logits' device ([S] int64, no host sync); the logprobs,
+    when any row asks for them, come back to the host (one sync)."""
     adjusted = adjust_logits(logits, params, histories)
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -132,9 +137,8 @@ def sample(
         for row, i in enumerate(random_rows):
             noise[row].exponential_(generator=generators[i])
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    token_list = tokens.tolist()
     if not any(p.logprobs for p in params):
-        return token_list, None
+        return tokens, None
     all_logprobs = logits.log_softmax(dim=-1)
     chosen = all_logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
     out: list[float] = list(chosen)
@@ -142,4 +146,78 @@ def sample(
         if p.top_logprobs > 0:
             values, ids = all_logprobs[i].topk(min(p.top_logprobs, logits.shape[-1]))
             out[i] = Logprob(chosen[i], tuple(zip(ids.tolist(), values.tolist())))
-    return token_list, out
+    return tokens, out
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: Sequence[History] | None = None,
+) -> tuple[list[int], list[float] | None]:
+    tokens, logprobs = sample_tokens(logits, params, generators, histories)
+    return tokens.tolist(), logprobs
+
+
+class SampledTokens:
+    """One step's sampled tokens: `tokens` ([S] int64) on the device, row i for `request_ids[i]`,
+    for the next step to read there (async scheduling: no host round trip between two steps); and
+    a copy on its way to the host (`to_host()`: the step's one host sync, on the thread that needs
+    the values). `logprobs[i]` is None for rows that did not ask for them."""
+
+    def __init__(
+        self, request_ids: list[str], tokens: torch.Tensor, logprobs: list[float | None] | None = None
+    ):
+        self.request_ids, self.tokens, self.logprobs = request_ids, tokens, logprobs
+        self._ready = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = tokens
+        self._rows: dict[str, int] | None = None
+
+    def row(self, request_id: str) -> int:
+        """The row of `request_id` in `tokens` (KeyError if it did not sample this step)."""
+        if self._rows is None:
+            self._rows = {rid: i for i, rid in enumerate(self.request_ids)}
+        return self._rows[request_id]
+
+    def to_host(self) -> dict[str, tuple[int, float | None]]:
+        """{request_id: (token, logprob | None)}, after the copy to the host has landed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids = self._host.tolist()
+        lps = self.logprobs or [None] * len(ids)
+        return {rid: (ids[i], lps[i]) for i, rid in enumerate(self.request_ids)}
+
+
+# Sampling fields that cannot change a greedy argmax; any other field away from its default (a
+# penalty, a logit bias, logprobs) sends the batch through `sample`.
+_GREEDY_NEUTRAL = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
+)
+_plain_greedy_cache: dict[int, tuple[SamplingParams, bool]] = {}
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """True when `p` is greedy with nothing that alters the argmax or asks for logprobs (cached per
+    params object: requests usually share one)."""
+    hit = _plain_greedy_cache.get(id(p))
+    if hit is not None and hit[0] is p:
+        return hit[1]
+    ok = p.greedy
+    if ok:
+        for f in dataclasses.fields(p):
+            if f.name in _GREEDY_NEUTRAL:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if getattr(p, f.name) != default:
+                ok = False
+                break
+    if len(_plain_greedy_cache) > 4096:
+        _plain_greedy_cache.clear()
+    _plain_greedy_cache[id(p)] = (p, ok)
+    return ok

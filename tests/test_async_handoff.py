@@ -1,0 +1,102 @@
+"""Async scheduling's device hand-off (worker/model_runner.py `launch`, worker/input_batch.py
+`feed`): step N+1 reads the tokens step N sampled from N's token tensor, not from the host.
+
+The executor thread never writes a sampled token into a sequence (only the engine thread does, when
+it commits), and `InputBatch.build` puts 0 in the host ids where a token is fed, so a hand-off that
+read the wrong row, or none, changes the tokens and fails the comparison with the synchronous
+engine. Each path the runner can take is run on CPU: the host inputs as they are (`mirror=False`,
+the CPU engine), the staged single transfer with the scatter on the "device" (`mirror=True`, the
+CUDA code path), and the decode-graph path (the static forward standing in for each replay, the
+scatter into the graph's static input row), with a mixed step (prompt chunks + decode graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.test_async_scheduling import assert_same, random_workload, run, tiny_config, tiny_runner
+from worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from worker.engine import LLMEngine
+from worker.input_batch import InputBatch
+from worker.scheduler import ScheduledSeq, SchedulerOutput
+from worker.sequence import PLACEHOLDER, Sequence
+from worker.types import SamplingParams
+
+
+def with_path(runner, path: str) -> None:
+    batch = runner.input_batch
+    if path in ("mirror", "graphs"):
+        runner.input_batch = InputBatch(
+            batch.max_rows, batch.max_blocks, batch.block_size, batch.device, mirror=True
+        )
+    if path == "graphs":
+        graphs = CudaGraphRunner(
+            runner.model,
+            runner.kv_caches,
+            runner.backend,
+            capture_sizes(runner.config.max_num_seqs),
+            runner.input_batch,
+        )
+        graphs.eager_replay = True
+        runner.cuda_graphs = graphs
+
+
+@pytest.mark.parametrize("path", ["host", "mirror", "graphs"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_tokens_handed_off_on_the_device_match_sync(path, seed):
+    config = tiny_config(num_kv_blocks=128)
+    requests = random_workload(seed)
+    runner = tiny_runner(config)
+    with_path(runner, path)
+    sync = run(LLMEngine(config, runner=runner), requests)
+    fed, mixed = [], []
+    build = runner.input_batch.build
+
+    def counting_build(plan, live=None, feed=None):
+        step = build(plan, live, feed)
+        fed.append(step.feed[0].shape[0])
+        assert (step.ids[step.feed[0]] == 0).all(), "a fed token's host id is read"
+        return step
+
+    runner.input_batch.build = counting_build
+    if runner.cuda_graphs is not None:
+        graph_run = runner.cuda_graphs.run
+
+        def counting_run(step, size, tokens=None):
+            mixed.append(bool(len(step.feed[0])))
+            return graph_run(step, size, tokens)
+
+        runner.cuda_graphs.run = counting_run
+    engine = LLMEngine(dataclasses.replace(config, async_scheduling=True), runner=runner)
+    try:
+        overlapped = run(engine, requests)
+    finally:
+        engine.close()
+    assert_same(sync, overlapped)
+    assert engine.stats().num_overlapped_steps > 0
+    assert sum(fed) > 0, "no step read its input token from the previous step's tokens"
+    if path == "graphs":
+        assert any(mixed), "no decode graph was fed on the device"
+
+
+def test_feed_reads_the_row_of_each_request():
+    """build + eager_inputs with a feed map: each fed id is its own request's row of `prev`."""
+    batch = InputBatch(4, 4, 4, torch.device("cpu"), mirror=True)
+    seqs = []
+    for i, n in enumerate((5, 9, 3)):
+        seq = Sequence(f"s{i}", list(range(10 * i, 10 * i + n)), SamplingParams(temperature=0))
+        seq.token_ids.append(PLACEHOLDER)
+        seq.block_table = [4 * i + b for b in range(-(-(n + 1) // 4))]
+        seq.num_computed_tokens = n
+        seqs.append(seq)
+    plan = SchedulerOutput([ScheduledSeq(s, 1) for s in seqs])
+    prev = torch.tensor([71, 70, 72])  # rows: s1, s0, s2
+    step = batch.build(plan, feed={"s0": 1, "s1": 0, "s2": 2})
+    ids, positions, _ = batch.eager_inputs(step, prev)
+    assert ids.tolist() == [70, 71, 72]
+    assert positions.tolist() == [5, 9, 3]
+    with pytest.raises(AssertionError, match="previous step's tokens"):
+        batch.eager_inputs(batch.build(plan, feed={"s0": 1}))
