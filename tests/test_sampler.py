@@ -101,7 +101,7 @@ def test_invalid_params_rejected(bad):
 
 # -- every sampling step against the pure-Python reference (worker/sampler_reference.py) --------
 
-from worker.sampler import adjust_logits, sampling_logits  # noqa: E402
+from worker.sampler import adjust_logits, penalty_state, record_tokens, sampling_logits  # noqa: E402
 from worker.sampler_reference import (  # noqa: E402
     reference_adjusted,
     reference_choice,
@@ -236,3 +236,28 @@ def test_a_mixed_batch_matches_the_reference_row_by_row():
     for i, (prompt, so_far) in enumerate(histories):
         noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(200 + i)).tolist()
         assert tokens[i] == reference_choice(logits[i].tolist(), params[i], prompt, so_far, noise), i
+
+
+def test_device_penalty_statistics_recorded_token_by_token_match_the_reference():
+    """The model runner's path: statistics built from the prompt alone, then each sampled token
+    recorded on the "device" (`record_tokens`); at every step the adjusted logits equal the
+    pure-Python reference over the whole history, for every penalty kind in one batch (plain rows
+    between, which record nothing)."""
+    rng = torch.Generator().manual_seed(9)
+    kinds = [c for c in CASES if SamplingParams(**c).needs_history]
+    params = [p for case in kinds for p in (SamplingParams(**case), SamplingParams())]
+    penalized = [i for i, p in enumerate(params) if p.needs_history]
+    prompts = [torch.randint(0, VOCAB, (8,), generator=rng).tolist() for _ in params]
+    states = list(penalty_state([(prompts[i], prompts[i]) for i in penalized], VOCAB, "cpu"))
+    outputs: list[list[int]] = [[] for _ in params]
+    for _ in range(12):
+        logits = torch.randn(len(params), VOCAB, generator=rng) * 3
+        adjusted = adjust_logits(logits, params, None, torch.stack(states))
+        for i, p in enumerate(params):
+            expect = reference_adjusted(logits[i].tolist(), p, prompts[i], prompts[i] + outputs[i])
+            assert adjusted[i].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-5), (i, p)
+        tokens = torch.randint(0, VOCAB // 3, (len(params),), generator=rng)  # repeats: counts > 1
+        record_tokens(states, tokens[penalized])
+        for i in penalized:
+            outputs[i].append(int(tokens[i]))
+    assert max(max(o.count(t) for t in o) for o in outputs if o) > 1

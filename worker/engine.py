@@ -18,13 +18,13 @@ Contract:
   step is the engine thread's, when it commits N. Each `step()` still returns the outputs of exactly
   one step, and tokens, finish reasons and usage counts are the synchronous engine's. What overlaps:
   decodes, prompt chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded
-  sampling, logprobs, logit bias, stop token ids, EOS, max_tokens (a sequence whose pending token is
-  its last is left out of the next plan), aborts (the step in flight drops the token; blocks are
-  freed when it returns). What runs synchronously (plan made once nothing is in flight, counted in
+  sampling, logprobs, logit bias, penalties (their token statistics live on the device, updated by
+  each sampled token), stop token ids, EOS, max_tokens (a sequence whose pending token is its last
+  is left out of the next plan), aborts (the step in flight drops the token; blocks are freed when it
+  returns). What runs synchronously (plan made once nothing is in flight, counted in
   `num_sync_steps`, reason in `fallbacks`): the first step after idling; a next plan that would
   preempt (KV pool short, or a waiting request of higher priority): no preemption while a step is in
-  flight; a plan with a sequence whose sampling needs its token history (repetition, frequency or
-  presence penalty). Stop strings are matched by the router, which aborts: an abort here. Not with
+  flight. Stop strings are matched by the router, which aborts: an abort here. Not with
   tensor parallelism (the flag is ignored there).
 - Proven by tests/test_engine_*.py and tests/test_async_scheduling.py (async == sync on random
   workloads); `stats()` exposes counters for metrics.
@@ -218,9 +218,6 @@ class LLMEngine:
             self.fallbacks["preemption"] += 1
             return None
         if plan.is_empty:
-            return None
-        if any(s.samples and s.seq.sampling.needs_history for s in plan.scheduled):
-            self.fallbacks["penalties"] += 1
             return None
         return plan
 

@@ -38,7 +38,7 @@ from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
-from worker.sampler import SampledTokens, plain_greedy, sample_tokens
+from worker.sampler import SampledTokens, penalty_state, plain_greedy, record_tokens, sample_tokens
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class ModelRunner:
         ]
         self.seed_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (sampler.penalty_state)
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
         log.info(
             "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
@@ -228,7 +229,16 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.penalties.pop(request_id, None)
         self.input_batch.drop(request_id)
+
+    def _penalty_row(self, seq) -> torch.Tensor:
+        row = self.penalties.get(seq.request_id)
+        if row is None:
+            prompt = seq.prompt_token_ids
+            row = penalty_state([(prompt, prompt)], self.model_config.vocab_size, self.device)[0]
+            self.penalties[seq.request_id] = row
+        return row
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self.generators.get(request_id)
@@ -365,12 +375,17 @@ class ModelRunner:
             None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
             for seq in sampling
         ]
-        # Penalties read the known tokens only (async scheduling appends a placeholder for the token
-        # this step samples; a penalty never plans ahead, so nothing else moves meanwhile; no copy
-        # without placeholders).
-        known = [s.token_ids[: s.num_known_tokens] if s.num_placeholders else s.token_ids for s in sampling]
-        histories = [(seq.prompt_token_ids, ids) for seq, ids in zip(sampling, known)]
-        tokens, logprobs = sample_tokens(logits, params, gens, histories)
+        # Penalties read per-request token statistics kept on the device (worker/sampler.py
+        # penalty_state), not the history on the host, which holds placeholders under async
+        # scheduling. A request's row is built from its prompt at its first sampling step (it has
+        # no output before) and counts every token it samples, until `release`.
+        penalized = [seq for seq in sampling if seq.sampling.needs_history]
+        states = [self._penalty_row(seq) for seq in penalized]
+        state = torch.stack(states) if states else None
+        tokens, logprobs = sample_tokens(logits, params, gens, state=state)
+        if states:
+            rows = [i for i, seq in enumerate(sampling) if seq.sampling.needs_history]
+            record_tokens(states, tokens[rows] if len(rows) < len(sampling) else tokens)
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return SampledTokens(request_ids, tokens, logprobs)

@@ -62,11 +62,40 @@ def _flat(rows: list[int], token_lists: list[Sequence[int]], vocab: int, dev) ->
     return torch.tensor(flat, dtype=torch.long, device=dev)
 
 
+def penalty_state(histories: Sequence[History], vocab: int, device) -> torch.Tensor:
+    """The token statistics penalties read, `[R, 2, V]` float32: `[:, 0]` counts each token of the
+    output so far (frequency, presence), `[:, 1]` is 1 for every token of prompt or output
+    (repetition). The model runner keeps one row per penalized request on the device, built from
+    its prompt at its first sampling step and updated by `record_tokens` with each sampled token,
+    so a step never reads the token history on the host (async scheduling overlaps it)."""
+    state = torch.zeros(len(histories) * 2 * vocab, dtype=torch.float32, device=device)
+    rows = range(len(histories))
+    outputs = [tokens[len(prompt) :] for prompt, tokens in histories]
+    state.index_fill_(0, _flat([2 * k + 1 for k in rows], [h[1] for h in histories], vocab, device), 1.0)
+    flat = _flat([2 * k for k in rows], outputs, vocab, device)
+    state.index_add_(0, flat, torch.ones(len(flat), dtype=torch.float32, device=device))
+    return state.view(len(histories), 2, vocab)
+
+
+def record_tokens(states: list[torch.Tensor], tokens: torch.Tensor) -> None:
+    """Count `tokens[k]` (on the device, no host sync) into `states[k]` (a `[2, V]` row)."""
+    one = torch.ones(1, dtype=torch.float32, device=tokens.device)
+    for k, state in enumerate(states):
+        token = tokens[k : k + 1]
+        state[0].index_add_(0, token, one)
+        state[1].index_fill_(0, token, 1.0)
+
+
 def adjust_logits(
-    logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[History] | None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: Sequence[History] | None,
+    state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logit bias and penalties (a copy when any row has them; else `logits` itself). A few batched
-    ops whatever the number of rows: a launch-bound GPU step does not pay per row."""
+    ops whatever the number of rows: a launch-bound GPU step does not pay per row. Penalties read
+    `state` (`penalty_state`'s `[P, 2, V]`, one row per penalized row in order) if given, else
+    the rows' `histories`."""
     if not any(p.logit_bias or p.needs_history for p in params):
         return logits
     out = logits.clone()
@@ -81,27 +110,28 @@ def adjust_logits(
     penalized = [i for i, p in enumerate(params) if p.needs_history]
     if not penalized:
         return out
-    if histories is None:
-        raise ValueError("penalties need each row's token history")
-    repeat = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    if state is None:
+        if histories is None:
+            raise ValueError("penalties need each row's token history")
+        state = penalty_state([histories[i] for i in penalized], vocab, dev)
+    repeat = [k for k, i in enumerate(penalized) if params[i].repetition_penalty != 1.0]
     if repeat:  # over prompt and output tokens: positive logits divided, negative multiplied
-        seen = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=dev)
-        seen.view(-1)[_flat(list(range(len(repeat))), [histories[i][1] for i in repeat], vocab, dev)] = True
-        r = torch.tensor([params[i].repetition_penalty for i in repeat], dtype=dtype, device=dev)[:, None]
-        idx = torch.tensor(repeat, device=dev)
+        seen = state[repeat, 1] > 0
+        rows = [penalized[k] for k in repeat]
+        r = torch.tensor([params[i].repetition_penalty for i in rows], dtype=dtype, device=dev)[:, None]
+        idx = torch.tensor(rows, device=dev)
         sub = out[idx]
         factor = torch.where(sub > 0, 1.0 / r, r)  # x / r == x * (1 / r) up to rounding
         out[idx] = torch.where(seen, sub * factor, sub)
-    counted = [i for i in penalized if params[i].frequency_penalty or params[i].presence_penalty]
+    counted = [
+        k for k, i in enumerate(penalized) if params[i].frequency_penalty or params[i].presence_penalty
+    ]
     if counted:  # over the output so far: frequency x count, presence once
-        outputs = [histories[i][1][len(histories[i][0]) :] for i in counted]
-        flat = _flat(list(range(len(counted))), outputs, vocab, dev)
-        counts = torch.zeros(len(counted) * vocab, dtype=dtype, device=dev)
-        counts.index_add_(0, flat, torch.ones(len(flat), dtype=dtype, device=dev))
-        counts = counts.view(len(counted), vocab)
-        freq = torch.tensor([params[i].frequency_penalty for i in counted], dtype=dtype, device=dev)
-        pres = torch.tensor([params[i].presence_penalty for i in counted], dtype=dtype, device=dev)
-        idx = torch.tensor(counted, device=dev)
+        counts = state[counted, 0].to(dtype)
+        rows = [penalized[k] for k in counted]
+        freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype, device=dev)
+        pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype, device=dev)
+        idx = torch.tensor(rows, device=dev)
         out[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(dtype)
     return out
 
@@ -124,10 +154,11 @@ def sample_tokens(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: Sequence[History] | None = None,
+    state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float] | None]:
     """`sample` with the tokens left on the logits' device ([S] int64, no host sync); the logprobs,
-    when any row asks for them, come back to the host (one sync)."""
-    adjusted = adjust_logits(logits, params, histories)
+    when any row asks for them, come back to the host (one sync). `state`: as `adjust_logits`."""
+    adjusted = adjust_logits(logits, params, histories, state)
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
