@@ -34,25 +34,26 @@ from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from worker.types import FinishReason
 
 
-@dataclass
+@dataclass(slots=True, init=False)
 class ScheduledSeq:
     """One sequence's share of a step. The sequence's state at planning time is copied here (its
     start position, block table and length), so a plan in flight stays what it was while the
-    engine thread plans the next step (async scheduling)."""
+    engine thread plans the next step (async scheduling). Built per sequence per step: slots and
+    a plain __init__ (host time per sequence, `make bench-host`)."""
 
     seq: Sequence
     num_new_tokens: int
-    start: int = field(init=False)  # seq.num_computed_tokens when planned
-    block_table: list[int] = field(init=False)  # the list itself: it only grows by append
-    num_blocks: int = field(init=False)  # its length when planned
-    samples: bool = field(init=False)  # computes the last outstanding token, so it samples
+    start: int  # seq.num_computed_tokens when planned
+    block_table: list[int]  # the list itself: it only grows by append
+    num_blocks: int  # its length when planned
+    samples: bool  # computes the last outstanding token, so it samples
 
-    def __post_init__(self) -> None:
-        seq = self.seq
-        self.start = seq.num_computed_tokens
-        self.block_table = seq.block_table
-        self.num_blocks = len(seq.block_table)
-        self.samples = self.start + self.num_new_tokens == seq.num_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seq, self.num_new_tokens = seq, num_new_tokens
+        self.start = start = seq.num_computed_tokens
+        self.block_table = table = seq.block_table
+        self.num_blocks = len(table)
+        self.samples = start + num_new_tokens == len(seq.token_ids)
 
 
 @dataclass
@@ -127,14 +128,21 @@ class Scheduler:
         preempt (stop and set `blocked`), and skip sequences whose pending token ends them."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=Sequence.sort_key)
+        running = self.running
+        running.sort(key=Sequence.sort_key)
+        room = self.bm.block_size  # tokens a block holds: most decodes need no new block
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if speculative and seq.num_placeholders and self._ends_by_length(seq, seq.num_tokens):
                 i += 1  # its placeholder is its last token, whatever it turns out to be
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n <= len(seq.block_table) * room:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self.bm.allocate(seq, n):
                 if speculative:
                     out.blocked = True

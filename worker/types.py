@@ -81,7 +81,7 @@ class Logprob(float):
         return obj
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
