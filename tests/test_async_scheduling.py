@@ -187,7 +187,7 @@ def sync_and_async(config: EngineConfig, requests: list[Request]) -> tuple[LLMEn
         overlapped = run(engine, requests)
     finally:
         engine.close()
-    assert not runner.generators, "a finished request's generator was not released"
+    assert not runner.sampler.generators, "a finished request's generator was not released"
     return engine, sync, overlapped
 
 
@@ -225,7 +225,7 @@ def test_penalties_overlap_and_match_sync(seed):
     engine, sync, overlapped = sync_and_async(tiny_config(num_kv_blocks=128), requests)
     assert_same(sync, overlapped)
     assert engine.stats().num_overlapped_steps > engine.stats().num_sync_steps
-    assert not engine.runner.penalties, "a finished request's penalty row was not released"
+    assert not engine.runner.sampler.penalties, "a finished request's penalty row was not released"
 
 
 def test_prefix_hits_and_usage_counts_match_sync():

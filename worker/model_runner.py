@@ -14,7 +14,10 @@ Contract:
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
 - State: the model weights, the paged KV cache (`kv_caches[layer] = (K, V)`, each
-  `[num_blocks, block_size, num_kv_heads, head_dim]`), one torch.Generator per sampling request.
+  `[num_blocks, block_size, num_kv_heads, head_dim]`), the per-request sampling state
+  (`RequestSampler`, worker/sampler.py: generators, Philox seeds and counters, penalty statistics).
+- Sampling on CUDA: rows without logprobs, logit bias or penalties go through the fused Triton
+  kernel (worker/kernels/triton_sampling.py) over the model-dtype logits; elsewhere worker/sampler.py.
 - Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
   after loading the weights times `gpu_memory_utilization` (CUDA).
 - CUDA: decode rows replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`; a mixed
@@ -38,7 +41,7 @@ from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
-from worker.sampler import SampledTokens, penalty_state, plain_greedy, record_tokens, sample_tokens
+from worker.sampler import RequestSampler, SampledTokens
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -155,9 +158,7 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        self.seed_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.generators: dict[str, torch.Generator] = {}
-        self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (sampler.penalty_state)
+        self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device))
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
         log.info(
             "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
@@ -228,26 +229,8 @@ class ModelRunner:
         return int(num_blocks)
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
-        self.penalties.pop(request_id, None)
+        self.sampler.release(request_id)
         self.input_batch.drop(request_id)
-
-    def _penalty_row(self, seq) -> torch.Tensor:
-        row = self.penalties.get(seq.request_id)
-        if row is None:
-            prompt = seq.prompt_token_ids
-            row = penalty_state([(prompt, prompt)], self.model_config.vocab_size, self.device)[0]
-            self.penalties[seq.request_id] = row
-        return row
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
 
     def prepare(
         self, plan: SchedulerOutput
@@ -360,35 +343,10 @@ class ModelRunner:
         return take_rows(hidden, step.logits_rows), [plan.scheduled[i].seq for i in step.sample_seq_idx]
 
     def _sample(self, sampling: list, hidden: torch.Tensor) -> SampledTokens:
-        params = [seq.sampling for seq in sampling]
-        request_ids = [seq.request_id for seq in sampling]
-        if self.logits_observer is None and all(plain_greedy(p) for p in params):
-            # Greedy without logprobs: on a GPU the argmax runs over the model-dtype logits (the
-            # same token as over their float32 copy, which is not made); torch's CPU argmax is ~5x
-            # slower on bfloat16 than on float32, so there the copy stays.
-            logits = self.model.compute_logits(hidden, upcast=self.device.type == "cpu")
-            return SampledTokens(request_ids, logits.argmax(dim=-1))
-        logits = self.model.compute_logits(hidden)  # (S, V) float32
-        if self.logits_observer is not None:
-            self.logits_observer([seq.request_id for seq in sampling], logits)
-        gens = [
-            None if seq.sampling.greedy else self._generator(seq.request_id, seq.sampling.seed)
-            for seq in sampling
-        ]
-        # Penalties read per-request token statistics kept on the device (worker/sampler.py
-        # penalty_state), not the history on the host, which holds placeholders under async
-        # scheduling. A request's row is built from its prompt at its first sampling step (it has
-        # no output before) and counts every token it samples, until `release`.
-        penalized = [seq for seq in sampling if seq.sampling.needs_history]
-        states = [self._penalty_row(seq) for seq in penalized]
-        state = torch.stack(states) if states else None
-        tokens, logprobs = sample_tokens(logits, params, gens, state=state)
-        if states:
-            rows = [i for i, seq in enumerate(sampling) if seq.sampling.needs_history]
-            record_tokens(states, tokens[rows] if len(rows) < len(sampling) else tokens)
-        if logprobs is not None:
-            logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
-        return SampledTokens(request_ids, tokens, logprobs)
+        def logits(upcast: bool) -> torch.Tensor:
+            return self.model.compute_logits(hidden, upcast=upcast)
+
+        return self.sampler.sample(sampling, logits, self.logits_observer)
 
 
 def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -397,3 +355,15 @@ def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == hidden.shape[0]:
         return hidden
     return hidden[rows]
+
+
+def fused_sampler(device: torch.device):
+    """The fused Triton sampling kernel on CUDA (worker/kernels/triton_sampling.py), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from worker.kernels.triton_sampling import fused_sample
+    except ImportError:  # no triton: the torch sampler
+        log.warning("triton is not importable: sampling runs on the torch path")
+        return None
+    return fused_sample

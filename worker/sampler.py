@@ -56,10 +56,20 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def on_device(values: list, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` as a tensor on `device`. On CUDA through pinned memory with a non-blocking copy:
+    `torch.tensor(values, device="cuda")` copies from pageable memory and synchronizes the stream,
+    which would make the host wait for the step in flight."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _flat(rows: list[int], token_lists: list[Sequence[int]], vocab: int, dev) -> torch.Tensor:
     """Positions `row * vocab + token` of every listed token below `vocab` in a flattened [R, V]."""
     flat = [k * vocab + t for k, tokens in zip(rows, token_lists) for t in tokens if t < vocab]
-    return torch.tensor(flat, dtype=torch.long, device=dev)
+    return on_device(flat, dev, torch.long)
 
 
 def penalty_state(histories: Sequence[History], vocab: int, device) -> torch.Tensor:
@@ -104,9 +114,7 @@ def adjust_logits(
     if biased:
         ids = [[t for t, _ in params[i].logit_bias] for i in biased]
         vals = [b for i in biased for t, b in params[i].logit_bias if t < vocab]
-        out.view(-1).index_add_(
-            0, _flat(biased, ids, vocab, dev), torch.tensor(vals, dtype=dtype, device=dev)
-        )
+        out.view(-1).index_add_(0, _flat(biased, ids, vocab, dev), on_device(vals, dev, dtype))
     penalized = [i for i, p in enumerate(params) if p.needs_history]
     if not penalized:
         return out
@@ -118,8 +126,8 @@ def adjust_logits(
     if repeat:  # over prompt and output tokens: positive logits divided, negative multiplied
         seen = state[repeat, 1] > 0
         rows = [penalized[k] for k in repeat]
-        r = torch.tensor([params[i].repetition_penalty for i in rows], dtype=dtype, device=dev)[:, None]
-        idx = torch.tensor(rows, device=dev)
+        r = on_device([params[i].repetition_penalty for i in rows], dev, dtype)[:, None]
+        idx = on_device(rows, dev)
         sub = out[idx]
         factor = torch.where(sub > 0, 1.0 / r, r)  # x / r == x * (1 / r) up to rounding
         out[idx] = torch.where(seen, sub * factor, sub)
@@ -129,9 +137,9 @@ def adjust_logits(
     if counted:  # over the output so far: frequency x count, presence once
         counts = state[counted, 0].to(dtype)
         rows = [penalized[k] for k in counted]
-        freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype, device=dev)
-        pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype, device=dev)
-        idx = torch.tensor(rows, device=dev)
+        freq = on_device([params[i].frequency_penalty for i in rows], dev, dtype)
+        pres = on_device([params[i].presence_penalty for i in rows], dev, dtype)
+        idx = on_device(rows, dev)
         out[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(dtype)
     return out
 
@@ -139,12 +147,12 @@ def adjust_logits(
 def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The logits the random draw uses for these (non-greedy) rows: temperature, min-p, top-k, top-p."""
     dev = logits.device
-    out = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    out = logits / on_device([p.temperature for p in params], dev)[:, None]
     if any(p.min_p > 0 for p in params):
-        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=dev))
+        out = apply_min_p(out, on_device([p.min_p for p in params], dev))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_k = on_device([p.top_k for p in params], dev)
+        top_p = on_device([p.top_p for p in params], dev)
         out = apply_top_k_top_p(out, top_k, top_p)
     return out
 
@@ -162,7 +170,7 @@ def sample_tokens(
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = on_device(random_rows, logits.device)
         probs = sampling_logits(adjusted[idx], [params[i] for i in random_rows]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(random_rows):
@@ -223,6 +231,119 @@ class SampledTokens:
         ids = self._host.tolist()
         lps = self.logprobs or [None] * len(ids)
         return {rid: (ids[i], lps[i]) for i, rid in enumerate(self.request_ids)}
+
+
+def fusable(p: SamplingParams) -> bool:
+    """Rows the fused kernel samples (worker/kernels/triton_sampling.py): no logprobs, logit bias or
+    penalties."""
+    return not (p.logprobs or p.logit_bias or p.needs_history)
+
+
+class RequestSampler:
+    """A model runner's sampling: the per-request state and, per row, the path.
+
+    - Plain greedy batches (`plain_greedy`): the argmax of the logits (on CPU of their float32
+      copy: torch's CPU argmax is ~5x slower on bfloat16).
+    - With `fused` (the Triton kernel, on CUDA): the rows it can take (`fusable`) are sampled from
+      the model-dtype logits in one launch, with no float32 `[S, V]` copy: noise from Philox keyed
+      by the request's seed and the number of tokens it sampled so far. A request's rows always
+      take the same path (it depends on its own parameters only), so a seed gives the same tokens
+      whatever else is in the batch.
+    - The other rows: `sample_tokens` over their float32 logits, with one `torch.Generator` per
+      request, and penalties reading the request's statistics on the device (`penalty_state`, built
+      from the prompt at its first sampling step, `record_tokens` after each).
+    Seeds of unseeded requests are drawn from a CPU generator seeded by the engine (a CUDA one
+    would sync to read it). `release(request_id)` drops a request's state.
+    """
+
+    def __init__(self, device: torch.device, seed: int, fused=None):
+        self.device, self.fused = torch.device(device), fused
+        self.seed_generator = torch.Generator().manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
+        self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (penalty_state)
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+        self.philox.pop(request_id, None)
+        self.penalties.pop(request_id, None)
+
+    def _seed(self, seed: int | None) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator)) if seed is None else seed
+
+    def _generator(self, seq) -> torch.Generator:
+        gen = self.generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(self._seed(seq.sampling.seed))
+            self.generators[seq.request_id] = gen
+        return gen
+
+    def _penalty_row(self, seq, vocab: int) -> torch.Tensor:
+        row = self.penalties.get(seq.request_id)
+        if row is None:  # its first sampling step: no output yet
+            prompt = seq.prompt_token_ids
+            row = self.penalties[seq.request_id] = penalty_state([(prompt, prompt)], vocab, self.device)[0]
+        return row
+
+    def sample(self, seqs: list, logits_fn, observer=None) -> SampledTokens:
+        """Tokens of `seqs` (each with `.request_id`, `.sampling`, `.prompt_token_ids`);
+        `logits_fn(upcast)` gives their logits `[S, V]` (float32 if `upcast`, else the model dtype);
+        `observer(request_ids, float32 logits)` (tests) sees every row, all on the torch path."""
+        params = [seq.sampling for seq in seqs]
+        request_ids = [seq.request_id for seq in seqs]
+        if observer is None and all(plain_greedy(p) for p in params):
+            logits = logits_fn(self.device.type == "cpu")
+            return SampledTokens(request_ids, logits.argmax(dim=-1))
+        fused = [i for i, p in enumerate(params) if fusable(p)] if self.fused and observer is None else []
+        if len(fused) == len(seqs):
+            return SampledTokens(request_ids, self._fused(logits_fn(False), seqs))
+        if fused:
+            logits = logits_fn(False)
+            rest = [i for i, p in enumerate(params) if not fusable(p)]
+            f_idx, r_idx = on_device(fused, self.device), on_device(rest, self.device)
+            tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+            tokens[f_idx] = self._fused(logits.index_select(0, f_idx), [seqs[i] for i in fused])
+            sub, logprobs = self._torch([seqs[i] for i in rest], logits.index_select(0, r_idx).float())
+            tokens[r_idx] = sub
+            if logprobs is not None:
+                merged: list = [None] * len(seqs)
+                for k, i in enumerate(rest):
+                    merged[i] = logprobs[k]
+                logprobs = merged
+            return SampledTokens(request_ids, tokens, logprobs)
+        logits = logits_fn(True)
+        if observer is not None:
+            observer(request_ids, logits)
+        tokens, logprobs = self._torch(seqs, logits)
+        return SampledTokens(request_ids, tokens, logprobs)
+
+    def _fused(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        floats, ints = [], []
+        for seq in seqs:
+            p = seq.sampling
+            state = self.philox.get(seq.request_id)
+            if state is None:
+                state = self.philox[seq.request_id] = [self._seed(p.seed), 0]
+            floats.append((p.temperature, p.top_p, p.min_p))
+            ints.append((p.top_k, state[0], state[1]))
+            state[1] += 1
+        f = on_device(floats, self.device, torch.float32).T
+        n = on_device(ints, self.device, torch.int64).T
+        return self.fused(logits.contiguous(), f[0], n[0], f[1], f[2], n[1], n[2])
+
+    def _torch(self, seqs: list, logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+        params = [seq.sampling for seq in seqs]
+        gens = [None if p.greedy else self._generator(seq) for seq, p in zip(seqs, params)]
+        penalized = [i for i, p in enumerate(params) if p.needs_history]
+        states = [self._penalty_row(seqs[i], logits.shape[-1]) for i in penalized]
+        state = torch.stack(states) if states else None
+        tokens, logprobs = sample_tokens(logits, params, gens, state=state)
+        if states:
+            rows = tokens if len(penalized) == len(seqs) else tokens[on_device(penalized, self.device)]
+            record_tokens(states, rows)
+        if logprobs is not None:
+            logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
+        return tokens, logprobs
 
 
 # Sampling fields that cannot change a greedy argmax; any other field away from its default (a
