@@ -41,7 +41,7 @@ from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.input_batch import InputBatch
 from worker.model.llama import LlamaModel
-from worker.sampler import RequestSampler, SampledTokens
+from worker.sampler import RequestSampler, SampledTokens, on_device
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -350,11 +350,12 @@ class ModelRunner:
 
 
 def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows] for increasing rows; all of them (the decode case) is a view, with no index
-    tensor to copy to the device (a pageable copy that would wait for the forward)."""
+    """hidden[rows] for increasing rows; all of them (the decode case) is a view. The index reaches
+    the device through pinned memory (`hidden[list]` copies it from pageable memory, which makes the
+    host wait for the forward)."""
     if len(rows) == hidden.shape[0]:
         return hidden
-    return hidden[rows]
+    return hidden.index_select(0, on_device(rows, hidden.device))
 
 
 def fused_sampler(device: torch.device):
