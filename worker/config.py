@@ -210,6 +210,12 @@ class EngineConfig:
             "penalties; ignored with tensor parallelism (worker/engine.py). Off until measured on a GPU"
         ),
     )
+    triton_gemv: bool = field(
+        default=False,
+        metadata=option(
+            "CUDA: run M<=16 linears in a Triton GEMV where startup timing finds it faster than cuBLAS"
+        ),
+    )
 
     tensor_parallel_size: int = field(
         default=1,
