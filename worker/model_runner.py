@@ -355,7 +355,7 @@ def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     host wait for the forward)."""
     if len(rows) == hidden.shape[0]:
         return hidden
-    return hidden.index_select(0, on_device(rows, hidden.device))
+    return hidden.index_select(0, on_device(rows, hidden.device, torch.int64))
 
 
 def fused_sampler(device: torch.device):

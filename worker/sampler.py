@@ -127,7 +127,7 @@ def adjust_logits(
         seen = state[repeat, 1] > 0
         rows = [penalized[k] for k in repeat]
         r = on_device([params[i].repetition_penalty for i in rows], dev, dtype)[:, None]
-        idx = on_device(rows, dev)
+        idx = on_device(rows, dev, torch.int64)
         sub = out[idx]
         factor = torch.where(sub > 0, 1.0 / r, r)  # x / r == x * (1 / r) up to rounding
         out[idx] = torch.where(seen, sub * factor, sub)
@@ -139,7 +139,7 @@ def adjust_logits(
         rows = [penalized[k] for k in counted]
         freq = on_device([params[i].frequency_penalty for i in rows], dev, dtype)
         pres = on_device([params[i].presence_penalty for i in rows], dev, dtype)
-        idx = on_device(rows, dev)
+        idx = on_device(rows, dev, torch.int64)
         out[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(dtype)
     return out
 
@@ -170,7 +170,7 @@ def sample_tokens(
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = on_device(random_rows, logits.device)
+        idx = on_device(random_rows, logits.device, torch.int64)
         probs = sampling_logits(adjusted[idx], [params[i] for i in random_rows]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(random_rows):
@@ -300,7 +300,8 @@ class RequestSampler:
         if fused:
             logits = logits_fn(False)
             rest = [i for i, p in enumerate(params) if not fusable(p)]
-            f_idx, r_idx = on_device(fused, self.device), on_device(rest, self.device)
+            f_idx = on_device(fused, self.device, torch.int64)
+            r_idx = on_device(rest, self.device, torch.int64)
             tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
             tokens[f_idx] = self._fused(logits.index_select(0, f_idx), [seqs[i] for i in fused])
             sub, logprobs = self._torch([seqs[i] for i in rest], logits.index_select(0, r_idx).float())
@@ -339,8 +340,8 @@ class RequestSampler:
         state = torch.stack(states) if states else None
         tokens, logprobs = sample_tokens(logits, params, gens, state=state)
         if states:
-            rows = tokens if len(penalized) == len(seqs) else tokens[on_device(penalized, self.device)]
-            record_tokens(states, rows)
+            idx = on_device(penalized, self.device, torch.int64)
+            record_tokens(states, tokens if len(penalized) == len(seqs) else tokens[idx])
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return tokens, logprobs
