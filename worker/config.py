@@ -206,8 +206,8 @@ class EngineConfig:
         metadata=option(
             "overlap scheduling with the model: plan step N+1 (one placeholder token per decoding "
             "sequence) while step N runs on its own thread, and feed N's tokens into N+1; the same "
-            "tokens as without it. Falls back to a synchronous step before a preemption and for "
-            "penalties; ignored with tensor parallelism (worker/engine.py). Off until measured on a GPU"
+            "tokens as without it. Falls back to a synchronous step before a preemption; ignored "
+            "with tensor parallelism (worker/engine.py). Off until measured on a GPU"
         ),
     )
     triton_gemv: bool = field(

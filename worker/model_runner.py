@@ -137,6 +137,11 @@ class ModelRunner:
             from worker.model.fp8 import quantize_model_fp8
 
             log.info("fp8 W8A8: %d linear layers converted", quantize_model_fp8(model))
+        if config.triton_gemv and self.device.type == "cuda":
+            from worker.model.gemv import use_triton_gemv
+
+            # Before the KV pool is sized (the timing's weight copies are freed) and graph capture.
+            log.info("triton gemv: %d linear layers swapped", use_triton_gemv(model))
         self.model, self.model_config = model, model.config
         self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
         self.backend = get_attention_backend(config.attention_backend, self.device)
