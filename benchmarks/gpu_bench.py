@@ -30,7 +30,8 @@ Protocol (one GPU, no download: a randomly initialised Llama-3.2-1B-shaped model
    end-to-end tok/s = B * N / t_N. Prefix caching is off so every run prefills. The engine's
    tokens are compared with transformers' (reported, not asserted: bf16 near-ties may differ).
 5. Steady serving (Poisson arrivals): benchmarks/gpu_steady.py; FP8 speed and accuracy:
-   benchmarks/gpu_fp8.py.
+   benchmarks/gpu_fp8.py; the decode step's Triton GEMV and fused sampling, alone and in the
+   engine (right after the bandwidth): benchmarks/gpu_decode.py.
 4. HBM roofline of engine decode: bytes a decode step must read (every weight once, the embedding
    table once via the tied LM head, plus the K/V of each sequence's mean decode context
    prompt + N/2) / decode step time (t_N - t_1) / (N - 1), as a share of the measured read
@@ -63,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_decode import decode_markdown, decode_section
 from benchmarks.gpu_fp8 import fp8_markdown, fp8_section
 from benchmarks.gpu_fused import fused_markdown, fused_section
 from benchmarks.gpu_mixed import mixed_checkpoint_markdown, mixed_checkpoint_section
@@ -928,6 +930,7 @@ def markdown(res: dict) -> str:
     lines += roofline_markdown(res)
     lines += steady_markdown(res)
     lines += fp8_markdown(res)
+    lines += decode_markdown(res)
     return "\n".join(lines) + "\n"
 
 
@@ -997,8 +1000,10 @@ def main() -> None:
         flush=True,
     )
     deadline = t0 + args.time_budget_s
-    sections = [
-        ("bandwidth", bandwidth_section),
+    sections = [("bandwidth", bandwidth_section)]
+    if not args.skip_hot_path:  # benchmarks/gpu_decode.py: GEMV, fused sampling, in the engine
+        sections.append(("decode", decode_section))
+    sections += [
         ("attention", attention_section),
         ("fused", lambda *a: fused_section(*a, time_ms)),
     ]

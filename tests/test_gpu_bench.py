@@ -146,6 +146,23 @@ def test_smoke_run_writes_tables(tmp_path):
     assert all(r["t_n_s"] > 0 for r in speed)
     assert "gguf" in res["fp8"]["checkpoint"]["skipped"]
     assert "| variant | batch | decode step ms | decode tok/s | speedup vs bf16 |" in table
+    # Decode-step kernels (benchmarks/gpu_decode.py): GEMV and fused sampling alone, then in the engine.
+    decode = res["decode"]
+    assert [(r["shape"], r["rows"]) for r in decode["gemv"]] == [
+        (s, m) for s in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for m in (1, 2)
+    ]
+    assert all(r["gemv_rel_err"] < 1e-5 and r["gemv_us"] > 0 for r in decode["gemv"])
+    assert [(r["batch"], r["same_tokens"]) for r in decode["sampling"]] == [(1, True), (2, True)]
+    assert [(r["variant"], r["batch_size"]) for r in decode["engine"]] == [
+        ("cublas", 1),
+        ("cublas", 2),
+        ("sampled torch", 2),
+        ("sampled fused", 2),
+        ("triton gemv", 1),
+        ("triton gemv", 2),
+    ]
+    assert all(r["decode_step_ms"] > 0 and r["roofline"] > 0 for r in decode["engine"])
+    assert "**Decode-step kernels**" in table and "| triton gemv | 2 |" in table
 
 
 def test_checkpoint_check_graphs_vs_eager_runs(tmp_path, monkeypatch):
