@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_tp_model",
     "test_tls",
     "test_engine_batching",
+    "test_triton_sampling",
     "test_openai_e2e",
     "test_async_scheduling",
     "test_cuda_graphs",
