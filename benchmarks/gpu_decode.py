@@ -45,8 +45,8 @@ def _roofline(model, cfg, batch: int, step_ms: float | None, sizes: dict, read_g
     return nbytes / (step_ms * 1e-3) / 1e9 / read_gbps
 
 
-def _sampled_step_ms(engine, prompts: list[list[int]], n: int) -> float | None:
-    """Lockstep decode step time with seeded non-greedy sampling (ignore_eos)."""
+def _sampled_lockstep(engine, prompts: list[list[int]], n: int) -> dict:
+    """`lockstep`'s row with seeded non-greedy sampling (ignore_eos)."""
 
     def run(tokens: int) -> float:
         params = [
@@ -57,7 +57,9 @@ def _sampled_step_ms(engine, prompts: list[list[int]], n: int) -> float | None:
         return time.perf_counter() - start
 
     t_1, t_n = run(1), run(n)
-    return (t_n - t_1) / (n - 1) * 1e3 if t_n > t_1 and n > 1 else None
+    step = (t_n - t_1) / (n - 1) * 1e3 if t_n > t_1 and n > 1 else None
+    tok_s = len(prompts) / step * 1e3 if step else None
+    return dict(batch_size=len(prompts), t_1_s=t_1, t_n_s=t_n, decode_step_ms=step, decode_tok_s=tok_s)
 
 
 def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
@@ -102,10 +104,8 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
 
                     engine.runner.sampler.fused = fused_sample
                 if sizes.get("warm_up", True):
-                    _sampled_step_ms(engine, prompts[1], 3)
-                step = _sampled_step_ms(engine, prompts[big], n)
-                tok_s = big / step * 1e3 if step else None
-                rows = [dict(batch_size=big, decode_step_ms=step, decode_tok_s=tok_s)]
+                    _sampled_lockstep(engine, prompts[1], 3)
+                rows = [_sampled_lockstep(engine, prompts[big], n)]
             else:
                 if sizes.get("warm_up", True):
                     lockstep(engine, prompts[1], 3)

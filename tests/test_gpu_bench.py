@@ -161,7 +161,9 @@ def test_smoke_run_writes_tables(tmp_path):
         ("triton gemv", 1),
         ("triton gemv", 2),
     ]
-    assert all(r["decode_step_ms"] > 0 and r["roofline"] > 0 for r in decode["engine"])
+    # Ran (3 output tokens on a busy CPU may time t_N <= t_1: then no step time, and no roofline).
+    for r in decode["engine"]:
+        assert r["t_n_s"] > 0 and (r["roofline"] is None) == (r["decode_step_ms"] is None), r
     assert "**Decode-step kernels**" in table and "| triton gemv | 2 |" in table
 
 

@@ -124,7 +124,7 @@ def adjust_logits(
         state = penalty_state([histories[i] for i in penalized], vocab, dev)
     repeat = [k for k, i in enumerate(penalized) if params[i].repetition_penalty != 1.0]
     if repeat:  # over prompt and output tokens: positive logits divided, negative multiplied
-        seen = state[repeat, 1] > 0
+        seen = state.index_select(0, on_device(repeat, dev, torch.int64))[:, 1] > 0
         rows = [penalized[k] for k in repeat]
         r = on_device([params[i].repetition_penalty for i in rows], dev, dtype)[:, None]
         idx = on_device(rows, dev, torch.int64)
@@ -135,7 +135,7 @@ def adjust_logits(
         k for k, i in enumerate(penalized) if params[i].frequency_penalty or params[i].presence_penalty
     ]
     if counted:  # over the output so far: frequency x count, presence once
-        counts = state[counted, 0].to(dtype)
+        counts = state.index_select(0, on_device(counted, dev, torch.int64))[:, 0].to(dtype)
         rows = [penalized[k] for k in counted]
         freq = on_device([params[i].frequency_penalty for i in rows], dev, dtype)
         pres = on_device([params[i].presence_penalty for i in rows], dev, dtype)
