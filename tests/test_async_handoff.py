@@ -100,3 +100,40 @@ def test_feed_reads_the_row_of_each_request():
     assert positions.tolist() == [5, 9, 3]
     with pytest.raises(AssertionError, match="previous step's tokens"):
         batch.eager_inputs(batch.build(plan, feed={"s0": 1}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts the executor's host syncs")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_the_executor_queues_steps_without_a_host_sync(enforce_eager):
+    """With async scheduling the executor thread must never wait for the device: every step it
+    launches runs under torch.cuda.set_sync_debug_mode("error"), which raises on any implicit
+    synchronization (.item(), .tolist(), a copy from pageable memory...). Greedy, sampled (fused
+    kernel), logit-bias and penalty rows; no logprobs (their values come back to the host by design)."""
+    config = tiny_config(
+        num_kv_blocks=128, device="cuda", attention_backend="triton", enforce_eager=enforce_eager
+    )
+    runner = tiny_runner(config)
+    launch = runner.launch
+
+    def guarded(plan, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = guarded
+    params = [
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, logit_bias=((5, 2.0),), seed=4, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, frequency_penalty=0.5, max_tokens=10, ignore_eos=True),
+    ]
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (i + 2) for i in range(4)]
+    engine = LLMEngine(dataclasses.replace(config, async_scheduling=True), runner=runner)
+    try:
+        out = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    assert [len(t) for t in out] == [9, 12, 7, 10]
+    assert engine.stats().num_overlapped_steps > 0

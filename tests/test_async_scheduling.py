@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from worker.config import EngineConfig, ModelConfig
+from worker.config import EngineConfig, ModelConfig, resolve_device
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
 from worker.model_runner import ModelRunner
@@ -60,8 +60,10 @@ class Result:
 
 
 def tiny_runner(config: EngineConfig) -> ModelRunner:
+    """On the config's device: `auto` is CUDA where there is one (make gpu-session runs these)."""
     torch.manual_seed(1)
-    return ModelRunner.from_model(config, LlamaModel(TINY).eval(), eos_token_ids=(EOS,))
+    model = LlamaModel(TINY).eval().to(resolve_device(config.device))
+    return ModelRunner.from_model(config, model, eos_token_ids=(EOS,))
 
 
 def random_sampling(rng: random.Random, penalties: bool) -> SamplingParams:
