@@ -352,6 +352,29 @@ def test_rotary_embedding(dtype):
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    """The MLP activation in one kernel == the model's torch code, F.silu(gate) * up; a
+    row-strided input (a slice of a wider activation), an intermediate size that is not a power of
+    two and spans more than one block (1536: SmolLM2's), and an empty batch."""
+    gen = torch.Generator().manual_seed(14)
+    tokens, inter = 5, 1536
+    x = (3 * torch.randn(tokens, 2 * inter + 8, generator=gen)).to(DEVICE, dtype)[:, : 2 * inter]
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = triton_norm.silu_and_mul(x)
+    assert out.shape == (tokens, inter) and out.dtype == dtype
+    if dtype == torch.float32:
+        assert rel_error(out, expected) < 1e-5
+    elif DEVICE == "cuda":  # both round the SiLU, then the product: ulps apart at most
+        torch.testing.assert_close(out, expected)
+    else:  # the interpreter truncates fp32 -> 16-bit casts (the GPU rounds): within one rounding
+        assert rel_error(out, expected) < TOLERANCE[dtype]
+    assert triton_norm.silu_and_mul(x[:0]).shape == (0, inter)
+    with pytest.raises(ValueError):
+        triton_norm.silu_and_mul(x[:, :7])  # odd width
+
+
 def test_norm_kernels_reject_bad_arguments():
     x = torch.zeros(3, 8, device=DEVICE)
     with pytest.raises(ValueError):

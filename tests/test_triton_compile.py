@@ -22,6 +22,7 @@ KERNELS = {
     "merge_splits_kernel",
     "store_kv_kernel",
     "rms_norm_kernel",
+    "silu_mul_kernel",
     "rope_kernel",
 }
 

@@ -7,10 +7,10 @@ Contract: `AttentionMetadata` is built once per step by the model runner and sha
 - `query_start_loc [num_seqs + 1] int32`: offsets of each sequence's new tokens in the flat batch.
 - `max_query_len`, `max_seq_len`: host-side ints, so kernels need no device sync.
 A backend offers `store_kv` and `paged_attention` with the signatures of worker/kernels/reference.py,
-and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None)` and
-`rotary_embedding(positions, q, k, cos, sin)` (worker/kernels/triton_norm.py) that the model then
-uses instead of its torch RMSNorm, residual add and RoPE ("triton" only: 3-10x faster per call on
-an H200, docs/kernels.md).
+and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None)`,
+`rotary_embedding(positions, q, k, cos, sin)` and `silu_and_mul(x)` (worker/kernels/triton_norm.py)
+that the model then uses instead of its torch RMSNorm, residual add, RoPE and MLP activation
+("triton" only: 3-10x faster per call on an H200, docs/kernels.md).
 "cpu" is a batched C++ op (worker/kernels/cpu_attention.py, built on first use: the CPU default
 when it builds, else "auto" falls back to "torch" with one warning naming why);
 "torch" is plain torch (worker/kernels/torch_attention.py: runs anywhere);

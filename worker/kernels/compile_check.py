@@ -4,10 +4,11 @@ The interpreter (`TRITON_INTERPRET=1`, what tests/test_kernels.py runs on CPU) c
 kernels compute but never lowers them: an op the GPU compiler rejects, a tile that spills
 registers, a `tl.dot` that misses the tensor cores or an fp32 dot that silently drops to tf32 all
 pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`,
-`rotary_embedding`) on small CPU tensors with `JITFunction.run` replaced: instead of launching, it
-specializes the call exactly as Triton's JIT does on a GPU (argument types, constexprs, 16-byte
-divisibility of pointers and ints) and compiles it with the Triton wheel's own LLVM and `ptxas`
-for the requested target (default sm_80 and sm_90: A100, H100/H200). Nothing runs on a device.
+`silu_and_mul`, `rotary_embedding`) on small CPU tensors with `JITFunction.run` replaced: instead
+of launching, it specializes the call exactly as Triton's JIT does on a GPU (argument types,
+constexprs, 16-byte divisibility of pointers and ints) and compiles it with the Triton wheel's own
+LLVM and `ptxas` for the requested target (default sm_80 and sm_90: A100, H100/H200). Nothing runs
+on a device.
 
 Contract:
 - Input: targets (`sm_80`, `sm_90`, ...), the cases (`MODELS` head layouts x `DTYPES` x `MODES`:
@@ -248,6 +249,8 @@ def _launch_all(model: str, dtype_name: str, modes, case: list[str]) -> None:
     weight = torch.ones(hidden, dtype=dtype)
     triton_norm.rms_norm(x, weight, 1e-5)
     triton_norm.rms_norm(x, weight, 1e-5, residual=x.clone())
+    case[0] = f"{model} {dtype_name} silu_and_mul"
+    triton_norm.silu_and_mul(torch.zeros(tokens, 8 * hidden, dtype=dtype))
     case[0] = f"{model} {dtype_name} rope"
     cos = torch.zeros(64, head_dim // 2, dtype=torch.float32)
     triton_norm.rotary_embedding(

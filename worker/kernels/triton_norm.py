@@ -1,4 +1,5 @@
-"""Triton fused RMSNorm (with optional residual add) and rotary embedding for the GPU path.
+"""Triton fused RMSNorm (with optional residual add), rotary embedding and SiLU-and-multiply for
+the GPU path.
 
 Contract (the plain-torch twins are `RMSNorm` and `RotaryEmbedding` in worker/model/llama.py):
 - `rms_norm(x [T, C], weight [C], eps, residual=None)`: with a residual, first
@@ -8,11 +9,15 @@ Contract (the plain-torch twins are `RMSNorm` and `RotaryEmbedding` in worker/mo
 - `rotary_embedding(positions [T] int, q [T, H, D], k [T, Hkv, D], cos [P, D/2], sin [P, D/2])`:
   non-interleaved (rotate-half) RoPE on q and k in one launch, in float32, returned in their
   dtypes as new tensors `(q_out, k_out)`.
+- `silu_and_mul(x [T, 2F])`: `silu(x[:, :F]) * x[:, F:]` ([T, F], x's dtype) in one kernel, rounded
+  as torch rounds `F.silu(gate) * up` (the SiLU rounded to x's dtype, then the product); the MLP's
+  activation (two kernels and a [T, F] temporary in torch).
 - State: none; inputs are not modified.
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch. Positions
   past the cos/sin tables are not checked (that would need a device sync).
-- Proven by: tests/test_kernels.py::test_rms_norm and ::test_rotary_embedding (vs the torch
-  formulas of worker/model/llama.py); compiled for sm_80/sm_90 by tests/test_triton_compile.py.
+- Proven by: tests/test_kernels.py::test_rms_norm, ::test_rotary_embedding and
+  ::test_silu_and_mul (vs the torch formulas of worker/model/llama.py); compiled for sm_80/sm_90
+  by tests/test_triton_compile.py.
 """
 
 from __future__ import annotations
@@ -249,3 +254,27 @@ def rotary_embedding(
             KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
         )
     return q_out, k_out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + F + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the input dtype
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] % 2 or not x.is_floating_point() or x.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul needs [T, 2F], floating point, last dim contiguous; got {x.shape}")
+    t, f = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, f, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(f), 1024)
+    if t > 0:
+        _silu_mul_kernel[(t, triton.cdiv(f, block))](x, out, f, x.stride(0), out.stride(0), BLOCK=block)
+    return out

@@ -126,9 +126,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.all_reduce = None  # tensor parallel (worker/tp): sums the row-parallel down_proj partials
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, F) each
-        out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, silu_and_mul=None) -> torch.Tensor:
+        """`silu_and_mul`: the fused kernel ([T, 2F] -> [T, F]) of the backend, if it has one."""
+        gate_up = self.gate_up_proj(x)  # (T, 2F)
+        if silu_and_mul is None:
+            gate, up = gate_up.chunk(2, dim=-1)  # (T, F) each
+            h = F.silu(gate) * up
+        else:
+            h = silu_and_mul(gate_up)
+        out = self.down_proj(h)
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
@@ -154,7 +160,7 @@ class DecoderLayer(nn.Module):
             h, residual = fused.rms_norm(x, norm1.weight, norm1.eps, residual)  # norm(x + residual)
         h = self.self_attn(h, rope_in, kv_cache, meta, backend)
         h, residual = fused.rms_norm(h, norm2.weight, norm2.eps, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, fused.silu_and_mul), residual
 
 
 class LlamaModel(nn.Module):
