@@ -75,7 +75,8 @@ def test_smoke_run_writes_tables(tmp_path):
     # Fused RMSNorm(+residual) and RoPE kernels timed against the model's torch code, same results.
     assert [r["tokens"] for r in res["fused"]] == [1, 8]
     for row in res["fused"]:
-        assert min(row[f"{op}_{side}_us"] for op in ("norm", "rope") for side in ("torch", "fused")) > 0
+        ops = ("norm", "rope", "silu")
+        assert min(row[f"{op}_{side}_us"] for op in ops for side in ("torch", "fused")) > 0
         assert row["max_rel_err"] < 1e-5, row
     assert "| tokens | norm torch | norm fused | speedup |" in table
 
