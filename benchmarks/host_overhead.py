@@ -4,7 +4,10 @@ Contract / protocol:
 - Runs the real `LLMEngine` on CPU: the scheduler, the block manager (prefix caching on, as by
   default), the model runner's input preparation (`ModelRunner.prepare`: token, position, slot,
   block-table and length tensors), the sampler (greedy argmax, or temperature/top-p sampling with
-  per-request generators) and the scheduler's update and output bookkeeping. The model is a stub:
+  per-request generators) and the scheduler's update and output bookkeeping. Sampled decoding is
+  measured twice: through the torch sampler (the CPU path), and through the fused path a GPU takes
+  (`RequestSampler` with its kernel replaced by a stub returning zeros: the per-row parameters,
+  Philox seeds and counters and their transfer, which is what the host pays there). The model is a stub:
   a 1-layer `LlamaModel` whose forward returns zeros [T, hidden] and whose `compute_logits` returns
   zeros [S, vocab] (hidden 576 as SmolLM2; vocab 256 by default, since an argmax or softmax over a
   real vocabulary is device math on a GPU, not host overhead). `enforce_eager`: no compiled CPU
@@ -71,6 +74,11 @@ class StubModel(LlamaModel):
         return torch.zeros(hidden.shape[0], self.config.vocab_size)
 
 
+def stub_fused_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
+    """The fused sampling kernel's signature (worker/kernels/triton_sampling.py), doing no math."""
+    return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+
 def stub_config(vocab_size: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size,
@@ -105,7 +113,7 @@ class Timers:
 PHASES = ["schedule", "prepare", "model_stub", "sample", "update", "other"]
 
 
-def measure(batch: int, args, temperature: float) -> dict:
+def measure(batch: int, args, temperature: float, fused: bool = False) -> dict:
     """Steady-state decode steps at `batch` sequences: a clean pass (step time only), then an
     instrumented pass (CPU time per phase, and the CUDA-graph path's input preparation)."""
     rng = random.Random(args.seed * 1000 + batch)
@@ -133,6 +141,8 @@ def measure(batch: int, args, temperature: float) -> dict:
     torch.manual_seed(0)
     model = StubModel(cfg).eval()
     engine = LLMEngine(config, runner=ModelRunner.from_model(config, model, name=cfg.name))
+    if fused:
+        engine.runner.sampler.fused = stub_fused_sample
     sampling = SamplingParams(
         temperature=temperature, top_p=0.95 if temperature else 1.0, max_tokens=max_tokens, ignore_eos=True
     )
@@ -206,6 +216,7 @@ def measure(batch: int, args, temperature: float) -> dict:
     row = {
         "batch_size": batch,
         "temperature": temperature,
+        "fused": fused,
         "setup_steps": setup_steps,
         "setup_s": setup_s,
         "context_len_mean": sum(map(len, prompts)) / batch,
@@ -236,6 +247,8 @@ def table(rows: list[dict]) -> list[str]:
     ]
     for r in rows:
         kind = "greedy" if r["temperature"] == 0 else f"T={r['temperature']}, top-p 0.95"
+        if r.get("fused"):
+            kind += ", fused path (stub kernel)"
         lines.append(
             f"| {kind} | {r['batch_size']} | {r['step_ms']:.3f} | {r['step_wall_ms']:.3f} / "
             f"{r['step_wall_p90_ms']:.3f} | {r['step_ms'] / r['batch_size'] * 1e3:.1f} | "
@@ -246,7 +259,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def headline(res: dict) -> str:
-    g, sampled = res["greedy"], res.get("sampled")
+    g, sampled, fused = res["greedy"], res.get("sampled"), res.get("sampled_fused")
     line = (
         f"**Greedy: B={g['batch_size']} step {g['step_ms']:.2f} ms, {g['per_sequence_us']:.1f} us per "
         f"added sequence** (least-squares slope of step time over B = "
@@ -256,6 +269,11 @@ def headline(res: dict) -> str:
         line += (
             f"; sampled (temperature {res['args']['temperature']}, top-p 0.95): B={sampled['batch_size']} "
             f"step {sampled['step_ms']:.2f} ms, {sampled['per_sequence_us']:.1f} us per added sequence"
+        )
+    if fused:
+        line += (
+            f"; the same through the GPU's fused sampling path (stub kernel): B={fused['batch_size']} "
+            f"step {fused['step_ms']:.2f} ms, {fused['per_sequence_us']:.1f} us per added sequence"
         )
     return line + "."
 
@@ -363,14 +381,16 @@ def main() -> None:
         "decode steps per batch size; thread CPU time",
         flush=True,
     )
-    for temperature in [0.0] + ([args.temperature] if args.temperature else []):
-        kind = "greedy" if temperature == 0 else "sampled"
+    modes = [("greedy", 0.0, False)]
+    if args.temperature:
+        modes += [("sampled", args.temperature, False), ("sampled_fused", args.temperature, True)]
+    for kind, temperature, fused in modes:
         rows = []
         for b in batch_sizes:
-            row = measure(b, args, temperature)
+            row = measure(b, args, temperature, fused)
             rows.append(row)
             print(
-                f"  {kind:7s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU "
+                f"  {kind:13s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU "
                 f"({row['step_wall_ms']:.3f} ms wall); schedule {row['schedule_ms']:.3f}, "
                 f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, "
                 f"update {row['update_ms']:.3f}, other {row['other_ms']:.3f}; "

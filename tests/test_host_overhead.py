@@ -54,18 +54,15 @@ def test_tiny_run_last_line_and_json(tmp_path):
     batch, step_ms, per_seq_us = int(m[1]), float(m[2]), float(m[3])
     assert batch == 32 and step_ms > 0 and per_seq_us > 0, last
     res = json.loads(out.read_text())
-    assert [(r["temperature"] > 0, r["batch_size"]) for r in res["rows"]] == [
-        (False, 1),
-        (False, 16),
-        (False, 32),
-        (True, 1),
-        (True, 16),
-        (True, 32),
+    modes = ((False, False), (True, False), (True, True))  # greedy; sampled: torch, fused path
+    assert [(r["temperature"] > 0, r["fused"], r["batch_size"]) for r in res["rows"]] == [
+        (sampled, fused, b) for sampled, fused in modes for b in (1, 16, 32)
     ]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["prepare_ms"] > 0 and r["graph_inputs_ms"] > 0
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n") and SECTION in text and "Command: `make bench-host" in text
+    assert "fused path (stub kernel)" in text
 
 
 def test_docs_section_replaces_only_its_own(tmp_path):
