@@ -12,14 +12,17 @@
 # benchmark skips cases that would start past the budget and is killed 20 s after it (its files
 # are rewritten after every case and every section runs in its own try, so what it measured
 # stays): at most ~8.5 min in all.
-# Benchmark sections on an H200 (estimates; the first run of the new ones will tell): bandwidth
-# ~10 s, attention ~25 s, fused kernels ~5 s, real checkpoint ~30 s (+ ~15 s with staggered
-# arrivals: mixed steps, benchmarks/gpu_mixed.py), engine + transformers eager
-# ~90 s, roofline 0 s (computed from the engine's timings), steady serving with Poisson arrivals
-# ~50 s (its highest load twice: synchronous and async scheduling) and FP8 speed + checkpoint
-# accuracy ~50 s (benchmarks/gpu_steady.py, benchmarks/gpu_fp8.py). The transformers
-# static cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
-# (--skip-hf-compiled) to leave the time to the new sections; `make bench-gpu` still runs it.
+# Benchmark sections on an H200, in this order (estimates; the first run of the new ones will
+# tell), the ones no GPU has measured yet first, so the deadline cuts the others: bandwidth ~10 s;
+# decode-step kernels ~90-150 s (Triton GEMV vs cuBLAS, fused vs torch sampling, the engine with
+# and without --triton-gemv, sampled torch vs fused; benchmarks/gpu_decode.py, with Triton
+# compiles); steady serving with Poisson arrivals ~50 s (its highest load twice: synchronous and
+# async scheduling) and FP8 speed + checkpoint accuracy ~50 s (benchmarks/gpu_steady.py,
+# benchmarks/gpu_fp8.py); then, measured in earlier sessions: fused kernels ~5 s, attention
+# ~25 s, real checkpoint ~30 s (+ ~15 s with staggered arrivals: benchmarks/gpu_mixed.py), engine
+# + transformers eager ~90 s, roofline 0 s (from the engine's timings). The transformers static
+# cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
+# (--skip-hf-compiled); `make bench-gpu` runs everything.
 #
 # The real-checkpoint check (graphs vs eager on SmolLM2) needs the embedded GGUF (94 MiB) and the
 # `gguf` package, which the GPU machine lacks, and one device call carries at most 64 MiB. So:
