@@ -54,7 +54,7 @@ def test_rows_take_their_path_and_match_their_reference():
         seq("t", temperature=0.8, top_p=0.9, seed=11),
         seq("g", temperature=0),  # greedy: the kernel's argmax
         seq("lp", temperature=0.7, seed=5, logprobs=True),  # torch path
-        seq("k", temperature=1.2, top_k=5, min_p=0.05, seed=12),
+        seq("k", temperature=1.2, top_k=5, min_p=0.05, seed=2**64 - 12),  # a uint64 seed past int64
         seq("pen", temperature=0, presence_penalty=1.5),  # torch path, penalty statistics
     ]
     fused_rows = [0, 1, 3]
@@ -66,7 +66,7 @@ def test_rows_take_their_path_and_match_their_reference():
         tokens = sampler.sample(seqs, lambda upcast, x=logits: x.float() if upcast else x).to_host()
         fused = [seqs[i] for i in fused_rows]
         seeds = [sampler.philox[s.request_id][0] for s in fused]  # "g" is unseeded: drawn
-        assert seeds[0] == 11 and seeds[2] == 12
+        assert seeds[0] == 11 and seeds[2] == -12  # the same 64 bits as an int64
         want = reference_rows(logits[fused_rows], fused, seeds, [step] * 3)
         assert [tokens[seqs[i].request_id][0] for i in fused_rows] == want.tolist()
         assert tokens["g"][0] == int(logits[1].float().argmax())

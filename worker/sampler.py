@@ -323,8 +323,9 @@ class RequestSampler:
         for seq in seqs:
             p = seq.sampling
             state = self.philox.get(seq.request_id)
-            if state is None:
-                state = self.philox[seq.request_id] = [self._seed(p.seed), 0]
+            if state is None:  # a uint64 seed (the API's range) as the int64 of the same 64 bits
+                seed = self._seed(p.seed) & (2**64 - 1)
+                state = self.philox[seq.request_id] = [seed - 2**64 if seed >= 2**63 else seed, 0]
             floats.append((p.temperature, p.top_p, p.min_p))
             ints.append((p.top_k, state[0], state[1]))
             state[1] += 1
