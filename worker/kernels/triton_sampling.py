@@ -71,6 +71,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _tile(base, offs, V, T):
+    """A tile of the row: in-range mask, x = logits / T (IEEE division, as torch) in float32, and
+    x's order-preserving int32 key (bits, negatives with the low 31 bits flipped)."""
+    ok = offs < V
+    x = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), T)
+    bits = x.to(tl.int32, bitcast=True)
+    return ok, x, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _search(base, V, T, m, lo, hi, target, MASS: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):
     """The largest key t in [lo, hi] with f(t) >= target, f(t) = count (MASS: sum of exp(x - m)) of
     the row's keys >= t; f is non-increasing and f(lo) >= target is the caller's to ensure (if not,
@@ -88,10 +98,7 @@ def _search(base, V, T, m, lo, hi, target, MASS: tl.constexpr, BLOCK: tl.constex
             acc = tl.zeros([BLOCK, NP], tl.int32)
         for start in range(0, V, BLOCK):
             offs = start + arange
-            ok = offs < V  # x = logits / T (IEEE division, as torch) and its int32 key
-            x = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), T)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            ok, x, key = _tile(base, offs, V, T)
             ge = (key[:, None] >= pk[None, :]) & ok[:, None]
             if MASS:
                 acc += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
@@ -193,10 +200,7 @@ def _sample_kernel(
             count = tl.zeros([BLOCK], tl.int32)
             for start in range(0, V, BLOCK):
                 offs = start + arange
-                ok = offs < V  # x = logits / T (IEEE division, as torch) and its int32 key
-                x = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), T)
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                ok, x, key = _tile(base, offs, V, T)
                 keep = ok & (tl.exp(x - m) >= min_p)
                 kmin = tl.minimum(kmin, tl.where(keep, key, 0x7FFFFFFF))
                 count += keep.to(tl.int32)
@@ -208,10 +212,7 @@ def _sample_kernel(
             mass = tl.zeros([BLOCK], tl.float32)
             for start in range(0, V, BLOCK):
                 offs = start + arange
-                ok = offs < V  # x = logits / T (IEEE division, as torch) and its int32 key
-                x = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), T)
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                ok, x, key = _tile(base, offs, V, T)
                 mass += tl.where(ok & (key >= thr), tl.exp(x - m), 0.0)
             target = top_p * tl.sum(mass, axis=0)
             thr = _search(base, V, T, m, thr, kmax, target, True, BLOCK, NP).to(tl.int32)
@@ -222,10 +223,7 @@ def _sample_kernel(
         score_idx = tl.zeros([BLOCK], tl.int32)
         for start in range(0, V, BLOCK):
             offs = start + arange
-            ok = offs < V  # x = logits / T (IEEE division, as torch) and its int32 key
-            x = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), T)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            ok, x, key = _tile(base, offs, V, T)
             if HAS_NOISE:
                 u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + offs, mask=ok, other=0.5)
             else:
