@@ -3,20 +3,29 @@
 Protocol, per weight shape (default: the 1.24B Llama of benchmarks/gpu_bench.py, LLAMA_1B: q|k|v
 3072x2048, o_proj 2048x2048, gate|up 16384x2048, down_proj 2048x8192, bfloat16) and row count M
 (default 1, 4, 8, 16):
-- Weights: copies of one random [N, K] weight, >= 256 MiB in all (`triton_gemv.weight_copies`),
+- Weights: copies of one random [N, K] weight, >= 256 MiB in all (`gemv_tuning.weight_copies`),
   cycled through so every call reads its weight from DRAM as a decode step does (16 layers, ~2 GiB
   of weights per step, far beyond the L2).
 - cuBLAS: `F.linear(x, W)`; gemv: `gemv(x, W, config=best_config(M, N, K))`, the best of the
   candidates timed the same way (all their times are kept in the row, `candidates_us`).
-- Timing: `triton_gemv.time_us` (a CUDA graph of >= 32 calls, median of 11 replays between CUDA
+- Timing: `gemv_tuning.time_us` (a CUDA graph of >= 32 calls, median of 11 replays between CUDA
   events): GPU time per call as a decode graph runs it, without Python launch overhead.
 - Checked in each row: max |out - ref| / max |ref| against the float32 product, for both.
 - Reported: us per call, GB/s of weight read (N * K * 2 bytes / time), and in the markdown the
   share of a given bandwidth (the measured read-only bandwidth; `__main__` measures it with
   benchmarks/gpu_bench.py's reader unless --bandwidth-gbs), plus the sum per decode step (each
   shape once per layer, 16 layers) for cuBLAS, gemv, and the faster of the two per shape.
-On CPU (`--smoke`, tests/test_gemv.py) the same code runs tiny shapes with Triton interpreted:
-the times mean nothing there, only that it runs and the values are right.
+- FP8 rows (`gemv_bench(..., fp8=True)`, the CLI's default; `kind: "fp8"`), per shape and M,
+  as `--quantization fp8` runs a projection: an e4m3 copy of the weight (N * K bytes, per-row
+  float32 scales: `gemv_tuning.weight_copies` / `weight_scale`), x in the bench dtype. The W8A16
+  GEMV (`gemv(x, q, scale=...)`, `best_config(..., weight_dtype=fp8)`) against the W8A8 path
+  (`Fp8Linear.forward_w8a8`: the Triton activation quantizer + `torch._scaled_mm`) and against
+  the dense row's cuBLAS time; errors vs the float32 product with the dequantized weight. The
+  step table sums dense cuBLAS, W8A8, the GEMV and the faster fp8 path per shape (what
+  `use_fp8_gemv` picks), with that as a speedup over dense cuBLAS: the projections' part of issue
+  19's FP8 target (>= 1.6x bf16 at batch 1 for the whole step, whose LM head stays bf16).
+On CPU (`TRITON_INTERPRET=1 ... --smoke`, tests/test_gemv.py) the same code runs tiny shapes
+with Triton interpreted: the times mean nothing there, only that it runs and the values are right.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import triton_gemv
+from worker.kernels import gemv_tuning, triton_gemv
+from worker.model.fp8 import FP8, Fp8Linear
 
 # (name, N, K) of benchmarks/gpu_bench.py's LLAMA_1B (checked by tests/test_gemv.py: shapes_of).
 LLAMA_1B_SHAPES = (
@@ -62,48 +72,103 @@ def gemv_bench(
     shapes=LLAMA_1B_SHAPES,
     rows=(1, 4, 8, 16),
     dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
 ) -> list[dict]:
     device = torch.device(device)
     results = []
     for name, n, k in shapes:
-        weights = triton_gemv.weight_copies(n, k, dtype, device, seed=n + k)
-        nbytes = n * k * weights[0].element_size()
-        for m in rows:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
-            config = triton_gemv.best_config(m, n, k, dtype, device)
-            cublas_us = triton_gemv.time_us([lambda w=w: F.linear(x, w) for w in weights], device)
-            gemv_us = triton_gemv.time_us(
-                [lambda w=w: triton_gemv.gemv(x, w, config=config) for w in weights], device
+        dense = _dense_rows(device, name, n, k, rows, dtype)
+        results += dense
+        if fp8:
+            results += _fp8_rows(device, name, n, k, rows, dtype, {r["rows"]: r["cublas_us"] for r in dense})
+    return results
+
+
+def _dense_rows(device, name, n, k, rows, dtype) -> list[dict]:
+    results = []
+    weights = gemv_tuning.weight_copies(n, k, dtype, device, seed=n + k)
+    nbytes = n * k * weights[0].element_size()
+    for m in rows:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
+        config = gemv_tuning.best_config(m, n, k, dtype, device)
+        cublas_us = gemv_tuning.time_us([lambda w=w: F.linear(x, w) for w in weights], device)
+        gemv_us = gemv_tuning.time_us(
+            [lambda w=w: triton_gemv.gemv(x, w, config=config) for w in weights], device
+        )
+        ref = x.float() @ weights[0].float().T
+        results.append(
+            dict(
+                shape=name,
+                kind="dense",
+                n=n,
+                k=k,
+                rows=m,
+                dtype=str(dtype).removeprefix("torch."),
+                weight_bytes=nbytes,
+                config=str(config),
+                cublas_us=cublas_us,
+                gemv_us=gemv_us,
+                speedup=cublas_us / gemv_us,
+                cublas_gbs=nbytes / cublas_us / 1e3,
+                gemv_gbs=nbytes / gemv_us / 1e3,
+                gemv_rel_err=rel_err(triton_gemv.gemv(x, weights[0], config=config), ref),
+                cublas_rel_err=rel_err(F.linear(x, weights[0]), ref),
+                candidates_us=gemv_tuning.tuning_times(m, n, k, dtype, device),
             )
-            ref = x.float() @ weights[0].float().T
-            results.append(
-                dict(
-                    shape=name,
-                    n=n,
-                    k=k,
-                    rows=m,
-                    dtype=str(dtype).removeprefix("torch."),
-                    weight_bytes=nbytes,
-                    config=str(config),
-                    cublas_us=cublas_us,
-                    gemv_us=gemv_us,
-                    speedup=cublas_us / gemv_us,
-                    cublas_gbs=nbytes / cublas_us / 1e3,
-                    gemv_gbs=nbytes / gemv_us / 1e3,
-                    gemv_rel_err=rel_err(triton_gemv.gemv(x, weights[0], config=config), ref),
-                    cublas_rel_err=rel_err(F.linear(x, weights[0]), ref),
-                    candidates_us=triton_gemv.tuning_times(m, n, k, dtype, device),
-                )
+        )
+    del weights
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def _fp8_rows(device, name, n, k, rows, dtype, bf16_us: dict[int, float]) -> list[dict]:
+    copies = gemv_tuning.weight_copies(n, k, FP8, device, seed=n + k)
+    scale = gemv_tuning.weight_scale(n, k, device, seed=n + k)
+    layers = [Fp8Linear(q, scale, None, dtype) for q in copies]  # W8A8 as the model runs it
+    ref_w = copies[0].float() * scale[:, None]
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
+        config = gemv_tuning.best_config(m, n, k, dtype, device, FP8)
+        w8a8_us = gemv_tuning.time_us([lambda f=f: f.forward_w8a8(x) for f in layers], device)
+        gemv_us = gemv_tuning.time_us(
+            [lambda q=q: triton_gemv.gemv(x, q, config=config, scale=scale) for q in copies], device
+        )
+        ref = x.float() @ ref_w.T
+        results.append(
+            dict(
+                shape=name,
+                kind="fp8",
+                n=n,
+                k=k,
+                rows=m,
+                dtype="float8_e4m3fn",
+                x_dtype=str(dtype).removeprefix("torch."),
+                weight_bytes=n * k,
+                config=str(config),
+                cublas_us=bf16_us[m],
+                w8a8_us=w8a8_us,
+                gemv_us=gemv_us,
+                speedup_vs_cublas=bf16_us[m] / gemv_us,
+                speedup_vs_w8a8=w8a8_us / gemv_us,
+                gemv_gbs=n * k / gemv_us / 1e3,
+                w8a8_gbs=n * k / w8a8_us / 1e3,
+                gemv_rel_err=rel_err(triton_gemv.gemv(x, copies[0], config=config, scale=scale), ref),
+                w8a8_rel_err=rel_err(layers[0].forward_w8a8(x), ref),
+                candidates_us=gemv_tuning.tuning_times(m, n, k, dtype, device, FP8),
             )
-        del weights
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        )
+    del copies, layers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
 def step_totals(rows: list[dict], layers: int = LLAMA_1B_LAYERS) -> list[dict]:
     """Per row count: the shapes' times summed once per layer (one decode step's projections)."""
     totals = []
+    rows = dense_rows(rows)
     for m in sorted({r["rows"] for r in rows}):
         sel = [r for r in rows if r["rows"] == m]
         totals.append(
@@ -118,6 +183,64 @@ def step_totals(rows: list[dict], layers: int = LLAMA_1B_LAYERS) -> list[dict]:
     return totals
 
 
+def dense_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("kind", "dense") == "dense"]
+
+
+def fp8_step_totals(rows: list[dict], layers: int = LLAMA_1B_LAYERS) -> list[dict]:
+    """Per row count, the fp8 rows summed once per layer: dense cuBLAS, W8A8, the GEMV, and the
+    faster fp8 path per shape (what use_fp8_gemv picks); speedup = cuBLAS / that."""
+    totals = []
+    rows = [r for r in rows if r.get("kind") == "fp8"]
+    for m in sorted({r["rows"] for r in rows}):
+        sel = [r for r in rows if r["rows"] == m]
+        t = dict(rows=m, weight_bytes=layers * sum(r["weight_bytes"] for r in sel))
+        for key in ("cublas_us", "w8a8_us", "gemv_us"):
+            t[key] = layers * sum(r[key] for r in sel)
+        t["best_us"] = layers * sum(min(r["w8a8_us"], r["gemv_us"]) for r in sel)
+        t["speedup_vs_cublas"] = t["cublas_us"] / t["best_us"]
+        totals.append(t)
+    return totals
+
+
+def fp8_markdown(rows: list[dict], bandwidth_gbs: float, layers: int) -> list[str]:
+    lines = [
+        "",
+        "FP8 weights (e4m3, per-row scales; N x K bytes): W8A16 Triton GEMV vs W8A8 (Triton activation "
+        "quantizer + torch._scaled_mm, as Fp8Linear) vs the dense weight's cuBLAS; rel. err. vs the float32 "
+        "product with the dequantized weight.",
+        "",
+        "| shape | N x K | rows | cuBLAS us (dense) | W8A8 us | fp8 gemv us | gemv vs cuBLAS | gemv vs W8A8 "
+        "| fp8 gemv GB/s | gemv config | rel. err. gemv / W8A8 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if r.get("kind") != "fp8":
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['cublas_us']:.1f} | "
+            f"{r['w8a8_us']:.1f} | {r['gemv_us']:.1f} | {r['speedup_vs_cublas']:.2f}x | "
+            f"{r['speedup_vs_w8a8']:.2f}x | "
+            f"{r['gemv_gbs']:.4g} ({r['gemv_gbs'] / bandwidth_gbs:.0%}) | {r['config']} | "
+            f"{r['gemv_rel_err']:.1e} / {r['w8a8_rel_err']:.1e} |"
+        )
+    lines += [
+        "",
+        f"FP8 per decode step ({layers} layers x these shapes; target: >= 1.6x the dense step at batch 1):",
+        "",
+        "| rows | cuBLAS us (dense) | W8A8 us | fp8 gemv us | faster fp8 path per shape, us | speedup "
+        "| its share of bandwidth |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in fp8_step_totals(rows, layers):
+        best_gbs = t["weight_bytes"] / t["best_us"] / 1e3
+        lines.append(
+            f"| {t['rows']} | {t['cublas_us']:.0f} | {t['w8a8_us']:.0f} | {t['gemv_us']:.0f} | "
+            f"{t['best_us']:.0f} | {t['speedup_vs_cublas']:.2f}x | {best_gbs / bandwidth_gbs:.0%} |"
+        )
+    return lines
+
+
 def rows_to_markdown(rows: list[dict], bandwidth_gbs: float, layers: int = LLAMA_1B_LAYERS) -> str:
     def share(gbs: float) -> str:
         return f"{gbs:.4g} ({gbs / bandwidth_gbs:.0%})"
@@ -130,7 +253,7 @@ def rows_to_markdown(rows: list[dict], bandwidth_gbs: float, layers: int = LLAMA
         "| rel. err. gemv / cuBLAS |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for r in rows:
+    for r in dense_rows(rows):
         lines.append(
             f"| {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['cublas_us']:.1f} | "
             f"{r['gemv_us']:.1f} | {r['speedup']:.2f}x | {share(r['cublas_gbs'])} | {share(r['gemv_gbs'])} | "
@@ -149,6 +272,8 @@ def rows_to_markdown(rows: list[dict], bandwidth_gbs: float, layers: int = LLAMA
             f"| {t['rows']} | {t['cublas_us']:.0f} | {t['gemv_us']:.0f} | {t['best_us']:.0f} | "
             f"{best_gbs / bandwidth_gbs:.0%} |"
         )
+    if any(r.get("kind") == "fp8" for r in rows):
+        lines += fp8_markdown(rows, bandwidth_gbs, layers)
     return "\n".join(lines) + "\n"
 
 
@@ -158,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--bandwidth-gbs", type=float, help="default: measured (4 GiB read-only reduction)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreted)")
+    p.add_argument("--no-fp8", action="store_true", help="dense rows only")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--md", help="write the markdown table here")
     args = p.parse_args(argv)
@@ -169,13 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         SMOKE_SHAPES if args.smoke else LLAMA_1B_SHAPES,
         tuple(int(v) for v in args.rows.split(",")),
         getattr(torch, args.dtype),
+        fp8=not args.no_fp8,
     )
     bandwidth = args.bandwidth_gbs
     if bandwidth is None and device.type == "cuda":
         from benchmarks.gpu_bench import read_bandwidth  # lazy: gpu_bench may import this module
 
         bandwidth = read_bandwidth(2**32, device)["gbps"]
-    bandwidth = bandwidth or statistics.median(r["gemv_gbs"] for r in rows)  # CPU: a placeholder
+    bandwidth = bandwidth or statistics.median(r["gemv_gbs"] for r in dense_rows(rows))  # CPU: a placeholder
     text = rows_to_markdown(rows, bandwidth)
     print(text)
     if args.json:

@@ -1,5 +1,6 @@
-"""Triton GEMV (worker/kernels/triton_gemv.py), its model pass (worker/model/gemv.py) and its
-benchmark (benchmarks/gpu_gemv.py).
+"""Triton GEMV (worker/kernels/triton_gemv.py, tuning in worker/kernels/gemv_tuning.py), its model
+pass (worker/model/gemv.py) and its benchmark (benchmarks/gpu_gemv.py); also the fp8-weight (W8A16)
+form of the kernel that worker/model/fp8.py uses at decode (its model tests: tests/test_fp8.py).
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set before
 triton's import, as in tests/test_kernels.py); cases are small there and grow on CUDA.
@@ -9,7 +10,8 @@ kernel accumulates in float32 and rounds once to the output dtype, so the bound 
 of the output plus float32 accumulation error (< 1e-5 here): half an ulp on a GPU (bfloat16 2^-8,
 float16 2^-11); the interpreter truncates float32 -> bfloat16 (a full ulp, 2^-7). float32: 1e-5.
 Outputs (and the split-K scratch) are poisoned with NaN before each call, so anything the kernel
-leaves unwritten fails.
+leaves unwritten fails. fp8 weights: the reference is the float32 product with the dequantized
+weight, `x.float() @ (q.float() * scale[:, None]).T + b` (widening e4m3 is exact), same bounds.
 """
 
 import os
@@ -31,9 +33,10 @@ import torch.nn as nn  # noqa: E402
 from benchmarks import gpu_gemv  # noqa: E402
 from worker.config import EngineConfig, ModelConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
+from worker.kernels import gemv_tuning as gt  # noqa: E402
 from worker.kernels import triton_gemv as tg  # noqa: E402
-from worker.kernels.triton_gemv import GemvConfig, gemv  # noqa: E402
-from worker.model.fp8 import quantize_model_fp8  # noqa: E402
+from worker.kernels.triton_gemv import FP8, GemvConfig, gemv  # noqa: E402
+from worker.model.fp8 import quantize_fp8, quantize_model_fp8  # noqa: E402
 from worker.model.gemv import GemvLinear, use_triton_gemv  # noqa: E402
 from worker.model.llama import LlamaModel  # noqa: E402
 from worker.model.quant import Int8Linear  # noqa: E402
@@ -64,11 +67,28 @@ def operands(m, n, k, dtype, bias, seed):
     return x, w, b, ref
 
 
-def run(x, w, b, config):
+def fp8_operands(m, n, k, dtype, bias, seed):
+    """x in dtype, W quantized per row to e4m3 with float32 scales (rows of different ranges)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
+    q, scale = quantize_fp8(w, dim=1)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    x, q, scale = x.to(DEVICE, dtype), q.to(DEVICE), scale[:, 0].to(DEVICE)
+    ref = x.float() @ (q.float() * scale[:, None]).T + (b.float() if bias else 0)
+    return x, q, b, ref, scale
+
+
+def case(fp8, *args):
+    """(x, w, b, ref, scale): fp8_operands, or operands with no scale."""
+    return fp8_operands(*args) if fp8 else (*operands(*args), None)
+
+
+def run(x, w, b, config, scale=None):
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
     for buf in tg._SCRATCH.values():  # a split whose partial is never written fails
         buf.fill_(float("nan"))
-    assert gemv(x, w, b, out=out, config=config) is out
+    assert gemv(x, w, b, out=out, config=config, scale=scale) is out
     assert not out.isnan().any(), "output left unwritten"
     return out
 
@@ -77,24 +97,55 @@ def run(x, w, b, config):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gemv_matches_float32_product(shape, dtype, bias, m):
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
+def test_gemv_matches_float32_product(fp8, shape, dtype, bias, m):
     """Every row count 1..16 with the default config of its bucket (fma for M=1, tl.dot above);
-    N and K not multiples of the blocks (and K not of 16), or all even."""
-    x, w, b, ref = operands(m, *shape, dtype, bias, seed=m)
-    out = run(x, w, b, tg.default_config(m))
+    N and K not multiples of the blocks (and K not of 16), or all even. fp8: an e4m3 weight with
+    per-row scales (W8A16), output in x's dtype, the same bound (widening is exact)."""
+    x, w, b, ref, scale = case(fp8, m, *shape, dtype, bias, m + 100 * fp8)
+    out = run(x, w, b, tg.default_config(m), scale=scale)
     assert out.dtype == dtype and out.shape == (m, shape[0])
     assert rel_error(out, ref) < BOUND[dtype]
 
 
-@pytest.mark.parametrize("config", ALL_CANDIDATES, ids=str)
+# Every dense candidate, and for fp8 weights the same plus the deeper fp8 tiles.
+CANDIDATE_CASES = [(c, False) for c in ALL_CANDIDATES] + [(c, True) for c in tg.candidates(1, FP8)]
+
+
+@pytest.mark.parametrize(
+    "config,fp8", CANDIDATE_CASES, ids=[f"{'fp8' if f else 'dense'}-{c}" for c, f in CANDIDATE_CASES]
+)
 @pytest.mark.parametrize("shape", CANDIDATE_SHAPES)
-def test_every_candidate(shape, config):
+def test_every_candidate(shape, config, fp8):
+    """Split-K included (fp8: the scale is applied once, after the splits are summed)."""
     n, k = shape
     assert tg.split_plan(k, config)[0] == config.split_k
     for m in [1] if not config.dot else [1, 5, 16]:
         for dtype in [torch.bfloat16, torch.float32]:
-            x, w, b, ref = operands(m, n, k, dtype, bias=m != 5, seed=k + m)
-            assert rel_error(run(x, w, b, config), ref) < BOUND[dtype], (m, dtype)
+            x, w, b, ref, scale = case(fp8, m, n, k, dtype, m != 5, k + m)
+            assert rel_error(run(x, w, b, config, scale=scale), ref) < BOUND[dtype], (m, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_weights_are_widened_exactly(dtype):
+    """Every e4m3 value (NaNs as 0) in each row's column 4i, picked out by one-hot row i of x (in
+    each of 4 K splits), scaled by powers of two: `out[i, n] = W[n, 4i] * scale[n]` exactly, in the
+    fma and tl.dot paths and split-K (the interpreter's own fp8 conversion is checked here)."""
+    n_idx, k_idx = torch.arange(256)[:, None], torch.arange(64)[None, :]
+    bits = (n_idx + 16 * (k_idx // 4)) % 256  # W[n, 4i] = n + 16 i (mod 256)
+    bits[(bits & 0x7F) == 0x7F] = 0  # the two NaN encodings
+    q = bits.to(torch.uint8).view(FP8).to(DEVICE)  # [256, 64]
+    scale = (2.0 ** (torch.arange(256) % 8 - 4)).to(DEVICE)
+    expected = (q.float() * scale[:, None]).T[::4]  # [16, 256]: row i is column 4i
+    assert len(q[:, 0].float().unique()) == 253  # 254 finite values, -0 == 0
+    configs = (tg.DEFAULTS[False], tg.DEFAULTS[True], GemvConfig(16, 16, split_k=4, dot=True))
+    configs += (GemvConfig(32, 16, split_k=4),)
+    for config in configs:
+        for m in [1] if not config.dot else [1, 16]:
+            x = torch.zeros(m, 64)
+            x[torch.arange(m), 4 * torch.arange(m)] = 1
+            out = run(x.to(DEVICE, dtype), q, None, config, scale=scale)
+            assert torch.equal(out.float(), expected[:m]), (config, m)
 
 
 def test_split_k_is_deterministic_and_reuses_one_scratch_buffer():
@@ -132,6 +183,11 @@ def test_gemv_rejects_bad_inputs():
         "bias": (x, w, dict(bias=torch.zeros(23, dtype=x.dtype, device=DEVICE))),
         "out": (x, w, dict(out=torch.empty(2, 23, dtype=x.dtype, device=DEVICE))),
         "fma with 2 rows": (x, w, dict(config=GemvConfig(16, 64))),
+        "fp8 without scale": (x, w.to(FP8), {}),
+        "scale with bf16": (x, w, dict(scale=torch.ones(24, device=DEVICE))),
+        "scale shape": (x, w.to(FP8), dict(scale=torch.ones(23, device=DEVICE))),
+        "scale dtype": (x, w.to(FP8), dict(scale=torch.ones(24, dtype=x.dtype, device=DEVICE))),
+        "fp8 x": (x.to(FP8), w.to(FP8), dict(scale=torch.ones(24, device=DEVICE))),
     }
     for name, (xi, wi, kw) in bad.items():
         with pytest.raises(ValueError):
@@ -142,17 +198,22 @@ def test_gemv_rejects_bad_inputs():
 
 
 def test_best_config():
+    assert len(tg.candidates(1, FP8)) == len(tg.candidates(1)) + len(tg.FP8_FMA_EXTRA + tg.FP8_DOT_EXTRA)
+    assert tg.candidates(2, FP8) == tg.DOT_CANDIDATES + tg.FP8_DOT_EXTRA
     if DEVICE == "cpu":  # no timing: the defaults, per bucket
-        assert tg.best_config(1, 64, 64, torch.bfloat16, "cpu") == tg.DEFAULTS[False]
-        assert tg.best_config(9, 64, 64, torch.bfloat16, "cpu") == tg.DEFAULTS[True]
-        assert tg.tuning_times(1, 64, 64, torch.bfloat16, "cpu") == {}
+        for wdt in (None, FP8):
+            assert gt.best_config(1, 64, 64, torch.bfloat16, "cpu", wdt) == tg.DEFAULTS[False]
+            assert gt.best_config(9, 64, 64, torch.bfloat16, "cpu", wdt) == tg.DEFAULTS[True]
+            assert gt.tuning_times(1, 64, 64, torch.bfloat16, "cpu", wdt) == {}
         return
     for m in (1, 4):
-        config = tg.best_config(m, 2048, 2048, torch.bfloat16, DEVICE)
-        times = tg.tuning_times(m, 2048, 2048, torch.bfloat16, DEVICE)
-        assert set(times) == {"F.linear"} | {str(c) for c in tg.candidates(m)}
-        assert all(t > 0 for t in times.values())
-        assert times[str(config)] == min(v for label, v in times.items() if label != "F.linear")
+        for wdt in (torch.bfloat16, FP8):  # one key per weight dtype, fp8 without F.linear
+            config = gt.best_config(m, 2048, 2048, torch.bfloat16, DEVICE, wdt)
+            times = gt.tuning_times(m, 2048, 2048, torch.bfloat16, DEVICE, wdt)
+            linear = {"F.linear"} if wdt != FP8 else set()
+            assert set(times) == linear | {str(c) for c in tg.candidates(m, wdt)}
+            assert all(t > 0 for t in times.values())
+            assert times[str(config)] == min(v for label, v in times.items() if label != "F.linear")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
@@ -172,6 +233,20 @@ def test_gemv_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_error(out, x.float() @ w.float().T + b.float()) < BOUND[torch.bfloat16]
+    config = tg.FP8_DOT_EXTRA[1]  # fp8 weight, split-K 4: the scale in the reduction
+    x, q, b, _, scale = fp8_operands(4, 2048, 2048, torch.bfloat16, True, seed=13)
+    out = torch.empty(4, 2048, dtype=torch.bfloat16, device=DEVICE)
+    gemv(x, q, b, out=out, config=config, scale=scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, q, b, out=out, config=config, scale=scale)
+    x.copy_(torch.randn(4, 2048, generator=torch.Generator().manual_seed(14)).to(DEVICE, x.dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = x.float() @ (q.float() * scale[:, None]).T + b.float()
+    assert rel_error(out, ref) < BOUND[torch.bfloat16]
 
 
 # --- the model pass --------------------------------------------------------------------------
@@ -302,10 +377,16 @@ def test_gemv_bench_smoke():
 
     assert gpu_gemv.shapes_of(LLAMA_1B) == gpu_gemv.LLAMA_1B_SHAPES
     shapes = gpu_gemv.SMOKE_SHAPES if DEVICE == "cpu" else gpu_gemv.LLAMA_1B_SHAPES[:1]
-    rows = gpu_gemv.gemv_bench(DEVICE, shapes=shapes, rows=(1, 3))
-    assert [(r["shape"], r["rows"]) for r in rows] == [(s[0], m) for s in shapes for m in (1, 3)]
+    rows = gpu_gemv.gemv_bench(DEVICE, shapes=shapes, rows=(1, 3), fp8=True)
+    kinds = ("dense", "fp8")
+    assert [(r["shape"], r["kind"], r["rows"]) for r in rows] == [
+        (s[0], kind, m) for s in shapes for kind in kinds for m in (1, 3)
+    ]
     for r in rows:
         assert r["gemv_us"] > 0 and r["cublas_us"] > 0 and r["gemv_rel_err"] < BOUND[torch.bfloat16]
-        assert r["weight_bytes"] == 2 * r["n"] * r["k"]
+        assert r["weight_bytes"] == (2 if r["kind"] == "dense" else 1) * r["n"] * r["k"]
+    for r in (r for r in rows if r["kind"] == "fp8"):  # W8A8 also rounds x to e4m3: larger error
+        assert r["w8a8_us"] > 0 and r["gemv_rel_err"] < r["w8a8_rel_err"] < 0.1
+    assert [t["rows"] for t in gpu_gemv.fp8_step_totals(rows)] == [1, 3]
     text = gpu_gemv.rows_to_markdown(rows, bandwidth_gbs=4492.0)
-    assert text.count("\n| qkv_proj |") == 2 and "Per decode step" in text
+    assert text.count("\n| qkv_proj |") == 4 and "Per decode step" in text and "FP8 per decode step" in text

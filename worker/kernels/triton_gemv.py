@@ -1,54 +1,56 @@
-"""Triton GEMV / skinny GEMM for decode: `y = x @ W^T (+ bias)` with x [M <= 16, K], W [N, K].
+"""Triton GEMV / skinny GEMM for decode: `y = x @ W^T (+ bias)` with x [M <= 16, K], W [N, K];
+also W8A16: `y = (x @ W.float()^T) * scale (+ bias)` for a float8_e4m3fn W with per-row scales.
 
 Contract:
-- Input: `gemv(x [M, K], weight [N, K], bias [N] | None, out=None, config=None)`; x and weight
-  of one dtype (bfloat16, float16 or float32), both with a contiguous last dim (any row stride),
-  1 <= M <= MAX_ROWS (16), on one device; `out` [M, N] in x's dtype with a contiguous last dim.
-  `config` (a `GemvConfig`) defaults to `best_config(M, N, K, dtype, device)`.
-- Output: `out` (new when None): `x @ W^T + bias` accumulated in float32 (products of the stored
-  values, no tf32: fp32 dots use "ieee"), bias added in float32, cast once to x's dtype.
+- Input: `gemv(x [M, K], weight [N, K], bias [N] | None, out=None, config=None, scale=None)`; x of
+  bfloat16, float16 or float32; weight of x's dtype, or float8_e4m3fn with `scale` [N] float32
+  (contiguous; only then); both with a contiguous last dim (any row stride), 1 <= M <= MAX_ROWS
+  (16), on one device; `out` [M, N] in x's dtype with a contiguous last dim. `config` (a
+  `GemvConfig`) defaults to `gemv_tuning.best_config(M, N, K, dtype, device, weight dtype)`.
+- Output: `out` (new when None): `x @ W^T` accumulated in float32 (products of the stored values,
+  no tf32: fp32 dots use "ieee"), times `scale[n]` once at the end (fp8), plus bias in float32,
+  cast once to x's dtype. fp8 weights are widened in registers (exact: every e4m3 value is a
+  bfloat16 / float16 / float32 value) and x is not quantized.
 - Kernels: each program reads a [BLOCK_N, BLOCK_K] tile of W per step over its share of K, so W
   is read exactly once (masked tails; `evict_first`, it is streamed). `dot=False` configs (M == 1
   only) keep a [BLOCK_N, BLOCK_K] float32 accumulator of products and reduce it once at the end;
-  `dot=True` configs pad x to 16 rows and use `tl.dot` (tensor cores for 16-bit types). Split-K
-  (`split_k > 1`, the grid is N/BLOCK_N x splits so N = K = 2048 still fills 132 SMs): each split
-  writes its float32 partial [M, N] into a scratch buffer and a second kernel sums the splits in
-  a fixed order, adds the bias and casts: deterministic (no atomics), and no memset.
+  `dot=True` configs pad x to 16 rows and use `tl.dot` (tensor cores for 16-bit types; an fp8
+  tile is converted to x's dtype first). Split-K (`split_k > 1`, the grid is N/BLOCK_N x splits so
+  N = K = 2048 still fills 132 SMs): each split writes its unscaled float32 partial [M, N] into a
+  scratch buffer and a second kernel sums the splits in a fixed order, applies the scale, adds the
+  bias and casts: deterministic (no atomics), and no memset.
 - CUDA-graph safety: no host syncs, and the scratch is one buffer per (device, N, splits), sized
   for 16 rows, allocated on first use and then reused by every call (never freed or moved), so a
   captured graph keeps valid pointers. Allocating one during capture raises RuntimeError: run
-  the shape once before capturing (`worker.model.gemv.use_triton_gemv` does). Calls sharing a
-  buffer must be ordered: one stream per device, as the engine runs.
-- Configs: `candidates(M)` (dot=False ones for M == 1, dot=True ones for every M);
-  `best_config` times them on CUDA (`tune`: CUDA-graph replay of a chain of calls over copies of
-  W that together exceed the L2 cache, CUDA events, median) once per (row bucket 1/2/4/8/16, N, K,
-  dtype, device) and caches the winner and every time (`TUNING`, F.linear's too, under "F.linear");
-  on CPU, and while a stream is capturing, it returns `DEFAULTS` without timing.
+  the shape once before capturing (`worker.model.gemv.use_triton_gemv` and
+  `worker.model.fp8.use_fp8_gemv` do). Calls sharing a buffer must be ordered: one stream per
+  device, as the engine runs.
+- Configs: `candidates(M, weight_dtype)` (dot=False ones for M == 1, dot=True ones for every M;
+  fp8 weights add tiles twice as deep in K, the same bytes per tile as the 16-bit ones);
+  timing and the cache of winners live in worker/kernels/gemv_tuning.py. `DEFAULTS` (no split-K)
+  on CPU and while a stream is capturing.
 - Cost: one launch (split_k == 1) or two; weight bytes read once; x re-read from L2 by every
   N tile; a split-K scratch of 4 * splits * 16 * N bytes per (N, splits), kept.
-- Fails how: ValueError for a wrong rank, shape, dtype, device or stride, M outside 1..16, or a
-  dot=False config with M > 1; RuntimeError for a scratch buffer first needed during capture.
+- Fails how: ValueError for a wrong rank, shape, dtype, device or stride, a scale missing for an
+  fp8 weight or given for another, M outside 1..16, or a dot=False config with M > 1;
+  RuntimeError for a scratch buffer first needed during capture.
 - Proven by tests/test_gemv.py (every candidate vs the float32 product on CPU under the
-  interpreter, M = 1..16, odd N and K, bias or not, NaN-poisoned output and scratch; on CUDA also
-  replay inside a CUDA graph); speed by benchmarks/gpu_gemv.py on a GPU.
+  interpreter, M = 1..16, odd N and K, bias or not, fp8 weights with scales, NaN-poisoned output
+  and scratch; on CUDA also replay inside a CUDA graph); speed by benchmarks/gpu_gemv.py on a GPU.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 MAX_ROWS = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8 = torch.float8_e4m3fn
 REDUCE_BLOCK_N = 128
-ROTATE_BYTES = 256 * 2**20  # weight copies cycled through when timing: > 4x an H200's 60 MiB L2
 
 
 @triton.jit
@@ -56,6 +58,7 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     out_ptr,
     M,
     N,
@@ -71,6 +74,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -98,8 +102,8 @@ def _gemv_kernel(
             xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
             if DOT_F32:  # float32 inputs, or the interpreter (it cannot tl.dot bfloat16)
                 acc = tl.dot(xs.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, wt, acc)
+            else:  # an fp8 tile widened to x's 16-bit type (exact); a no-op for 16-bit weights
+                acc = tl.dot(xs, wt.to(xs.dtype), acc)
         else:
             w_mask = n_ok[:, None] & k_ok[None, :]
             w = tl.load(
@@ -110,9 +114,11 @@ def _gemv_kernel(
     if not DOT:
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BN)
     mask = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:  # float32 partial of this split: scratch[pid_k, m, n]
+    if PARTIAL:  # unscaled float32 partial of this split: scratch[pid_k, m, n]
         tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
     else:
+        if HAS_SCALE:  # fp8 weight: its per-row scale, once
+            acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(out_ptr.dtype.element_ty)
@@ -123,6 +129,7 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(
     part_ptr,
     b_ptr,
+    s_ptr,
     out_ptr,
     M,
     N,
@@ -131,6 +138,7 @@ def _splitk_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -140,6 +148,8 @@ def _splitk_reduce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
         acc += tl.load(part_ptr + s * M * N + idx, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -193,13 +203,22 @@ DOT_CANDIDATES = (
     GemvConfig(64, 256, split_k=2, num_warps=8, dot=True, num_stages=3),
     GemvConfig(128, 128, split_k=8, dot=True, num_stages=3),
 )
+# fp8 weights: the same, plus tiles twice as deep in K (as many bytes per tile as the 16-bit
+# candidates above; num_warps 8 keeps the fma accumulator at 64 registers per thread).
+FP8_FMA_EXTRA = (
+    GemvConfig(16, 1024, num_warps=8),
+    GemvConfig(16, 512, split_k=2),
+    GemvConfig(32, 512, split_k=4, num_warps=8),
+)
+FP8_DOT_EXTRA = (
+    GemvConfig(32, 512, dot=True, num_stages=3, num_warps=8),
+    GemvConfig(64, 256, split_k=4, num_warps=8, dot=True, num_stages=3),
+)
 # CPU (the interpreter) and CUDA while capturing a graph without a tuned entry: no split-K, so
 # no scratch buffer is needed.
 DEFAULTS = {False: GemvConfig(16, 512), True: GemvConfig(32, 256, dot=True, num_stages=3)}
 
 _SCRATCH: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-_BEST: dict[tuple, GemvConfig] = {}
-TUNING: dict[tuple, dict[str, float]] = {}  # (bucket, N, K, dtype, device) -> label -> us per call
 
 
 def row_bucket(m: int) -> int:
@@ -209,8 +228,12 @@ def row_bucket(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def candidates(m: int) -> tuple[GemvConfig, ...]:
-    return FMA_CANDIDATES + DOT_CANDIDATES if row_bucket(m) == 1 else DOT_CANDIDATES
+def candidates(m: int, weight_dtype: torch.dtype | None = None) -> tuple[GemvConfig, ...]:
+    """The configs timed for bucket(m) rows; weight_dtype FP8 adds the deeper fp8 tiles."""
+    fma, dot = FMA_CANDIDATES, DOT_CANDIDATES
+    if weight_dtype == FP8:
+        fma, dot = fma + FP8_FMA_EXTRA, dot + FP8_DOT_EXTRA
+    return fma + dot if row_bucket(m) == 1 else dot
 
 
 def default_config(m: int) -> GemvConfig:
@@ -237,22 +260,29 @@ def _scratch(device: torch.device, splits: int, n: int) -> torch.Tensor:
     return buf
 
 
-def _check(x, weight, bias, out) -> tuple[int, int, int]:
+def _check(x, weight, bias, out, scale) -> tuple[int, int, int]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must share a dtype of {DTYPES}, got {x.dtype} and {weight.dtype}")
+    fp8 = weight.dtype == FP8
+    if x.dtype not in DTYPES or not (fp8 or weight.dtype == x.dtype):
+        raise ValueError(
+            f"x must be one of {DTYPES} and weight of x's dtype or {FP8}, got {x.dtype} and {weight.dtype}"
+        )
+    if fp8 != (scale is not None):
+        raise ValueError(f"scale goes with a {FP8} weight, and only with one")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or scale.stride(0) != 1):
+        raise ValueError(f"scale must be contiguous [{n}] float32, got {tuple(scale.shape)} {scale.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
             f"x and weight need a contiguous last dim, got strides {x.stride()}, {weight.stride()}"
         )
-    tensors = [weight] + [t for t in (bias, out) if t is not None]
+    tensors = [weight] + [t for t in (bias, out, scale) if t is not None]
     if any(t.device != x.device for t in tensors):
-        raise ValueError("x, weight, bias and out must be on one device")
+        raise ValueError("x, weight, bias, scale and out must be on one device")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{n}], got {tuple(bias.shape)}")
     if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1):
@@ -266,10 +296,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    m, n, k = _check(x, weight, bias, out)
+    m, n, k = _check(x, weight, bias, out, scale)
     if config is None:
-        config = best_config(m, n, k, x.dtype, x.device)
+        from worker.kernels.gemv_tuning import best_config  # it imports this module
+
+        config = best_config(m, n, k, x.dtype, x.device, weight.dtype)
     if not config.dot and m != 1:
         raise ValueError(f"config {config} (dot=False) takes one row, got {m}")
     if out is None:
@@ -277,9 +310,10 @@ def gemv(
     splits, per = split_plan(k, config)
     has_bias = bias is not None
     b = bias if has_bias else weight  # never read without HAS_BIAS
+    s = scale if scale is not None else weight  # never read without HAS_SCALE
     partial = _scratch(x.device, splits, n) if splits > 1 else out
     grid = (triton.cdiv(n, config.block_n), splits)
-    args = (x, weight, b, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0), per)
+    args = (x, weight, b, s, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0), per)
     _gemv_kernel[grid](
         *args,
         BLOCK_M=16 if config.dot else 1,
@@ -289,109 +323,19 @@ def gemv(
         EVEN_K=k % per == 0,
         PARTIAL=splits > 1,
         HAS_BIAS=has_bias,
+        HAS_SCALE=scale is not None,
         DOT_F32=INTERPRETED or x.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if splits > 1:
         meta = dict(
-            SPLIT_K=splits, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=REDUCE_BLOCK_N, HAS_BIAS=has_bias
+            SPLIT_K=splits,
+            BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=REDUCE_BLOCK_N,
+            HAS_BIAS=has_bias,
+            HAS_SCALE=scale is not None,
         )
-        _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](partial, b, out, m, n, out.stride(0), **meta)
+        grid = (triton.cdiv(n, REDUCE_BLOCK_N),)
+        _splitk_reduce_kernel[grid](partial, b, s, out, m, n, out.stride(0), **meta)
     return out
-
-
-def time_us(
-    fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 32, replays: int = 11
-) -> float:
-    """Median time per call of `fns` run in turn. CUDA: one untimed round on a side stream (compiles,
-    allocates scratch and cuBLAS workspaces), then a CUDA graph of >= min_calls calls replayed
-    `replays` times between CUDA events: GPU time as a decode graph sees it, without Python launch
-    overhead. CPU: wall clock of whole rounds, median of three."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        rounds = []
-        for _ in range(4):  # the first round warms up
-            start = time.perf_counter()
-            for fn in fns:
-                fn()
-            rounds.append((time.perf_counter() - start) * 1e6 / len(fns))
-        return statistics.median(rounds[1:])
-    main = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    main.wait_stream(side)
-    torch.cuda.synchronize(device)
-    repeat = triton.cdiv(min_calls, len(fns))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for fn in fns:
-                fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (repeat * len(fns)))
-    return statistics.median(times)
-
-
-def weight_copies(
-    n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> list[torch.Tensor]:
-    """Random [N, K] weights, on CUDA enough copies to cycle through more than the L2 cache
-    (ROTATE_BYTES, at most a quarter of the free memory) so each timed call reads from DRAM."""
-    size = n * k * torch.empty((), dtype=dtype).element_size()
-    count = 1
-    if device.type == "cuda":
-        count = max(1, min(64, min(ROTATE_BYTES, torch.cuda.mem_get_info(device)[0] // 4) // max(size, 1)))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    first = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
-    return [first] + [first.clone() for _ in range(count - 1)]
-
-
-def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """us per call of every candidate for bucket(m) rows, and of F.linear, same weights and x."""
-    device = torch.device(device)
-    rows = row_bucket(m)
-    weights = weight_copies(n, k, dtype, device)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    times = {"F.linear": time_us([lambda w=w: F.linear(x, w) for w in weights], device)}
-    for config in candidates(rows):
-        times[str(config)] = time_us([lambda w=w, c=config: gemv(x, w, config=c) for w in weights], device)
-    del weights
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return times
-
-
-def _key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> tuple:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return (row_bucket(m), n, k, dtype, device)
-
-
-def best_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> GemvConfig:
-    """The fastest candidate for bucket(m) rows of an [N, K] weight, timed once per key on CUDA
-    (and cached, with every time in TUNING); DEFAULTS on CPU or while a stream is capturing."""
-    key = _key(m, n, k, dtype, device)
-    if key[-1].type != "cuda" or (key not in _BEST and torch.cuda.is_current_stream_capturing()):
-        return default_config(m)
-    if key not in _BEST:
-        times = TUNING[key] = tune(m, n, k, dtype, key[-1])
-        by_label = {str(c): c for c in candidates(m)}
-        _BEST[key] = by_label[min(by_label, key=times.__getitem__)]
-    return _BEST[key]
-
-
-def tuning_times(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> dict[str, float]:
-    """TUNING's entry (us per call by config label and "F.linear") for that key; empty on CPU."""
-    return TUNING.get(_key(m, n, k, dtype, device), {})

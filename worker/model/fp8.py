@@ -1,39 +1,77 @@
-"""FP8 W8A8 linear layers (`--quantization fp8`): float8_e4m3fn weights with per-output-channel
-scales, activations quantized per token at run time, one `torch._scaled_mm` per projection.
+"""FP8 linear layers (`--quantization fp8`): float8_e4m3fn weights with per-output-channel scales;
+W8A8 through `torch._scaled_mm` (activations quantized per token at run time), and at decode
+(<= 16 rows, where timing says it wins) W8A16 through the Triton GEMV: bf16 activations against
+the fp8 weight widened in registers, no activation quantization.
 
 Contract:
 - `quantize_fp8(w [N, K]) -> (q float8_e4m3fn [N, K], scale float32 [N])`: symmetric per output
   channel, `scale = max|w[n]| / 448` (448 = the largest e4m3 value), `q = round(w / scale)`
   saturated; an all-zero row gets scale 1.
 - `Fp8Linear(q, scale, bias=None, out_dtype=bfloat16)`: `forward(x [..., K]) -> [..., N]` in
-  out_dtype. x is quantized per row the same way (`x_scale [M, 1]`; on CUDA by one Triton kernel,
-  worker/kernels/triton_quant.py, unless `ACT_QUANT = "torch"`), then
-  `_scaled_mm(xq, q.T, scale_a=x_scale, scale_b=scale[None, :], out_dtype)` computes
-  `(xq * x_scale) @ (q * scale).T` with float32 accumulation. `forward_reference(x)` is that same
-  formula in float32 over the dequantized operands: the slow reference the op is tested against;
-  `dequantize() -> float32 [N, K]`.
+  out_dtype, by one of two paths:
+  - W8A8 (`forward_w8a8`; every input unless the GEMV is enabled for its row count): x is
+    quantized per row the same way (`x_scale [M, 1]`; on CUDA by one Triton kernel,
+    worker/kernels/triton_quant.py, unless `ACT_QUANT = "torch"`), then
+    `_scaled_mm(xq, q.T, scale_a=x_scale, scale_b=scale[None, :], out_dtype)` computes
+    `(xq * x_scale) @ (q * scale).T` with float32 accumulation. `forward_reference(x)` is that
+    same formula in float32 over the dequantized operands (the slow reference it is tested
+    against); `dequantize() -> float32 [N, K]`.
+  - W8A16 (the GEMV, worker/kernels/triton_gemv.py): for x of M rows, 1 <= M <= gemv_max_rows,
+    whose row bucket (1, 2, 4, 8, 16) has a config in `gemv_configs`, x in out_dtype with a
+    contiguous last dim: `(x @ q.float().T) * scale + bias`, float32 accumulation, one rounding to
+    out_dtype. The numerics differ from W8A8: x is not rounded to fp8 (3 mantissa bits), so decode
+    steps are more accurate than the prefill of the same tokens; greedy tokens can differ from
+    a pure W8A8 run. `gemv_calls` / `w8a8_calls` count the Python calls per path (graph replays
+    run no Python).
 - `quantize_model_fp8(model) -> int`: swaps every `nn.Linear` inside the decoder layers (q|k|v,
-  o_proj, gate|up, down_proj) for an Fp8Linear, in place, and returns how many; the embedding, the
-  lm_head and the norms stay in the model dtype. Layers already converted are left alone.
+  o_proj, gate|up, down_proj) for an Fp8Linear (W8A8 everywhere), in place, and returns how many;
+  the embedding, the lm_head and the norms stay in the model dtype. Layers already converted are
+  left alone.
+- `use_fp8_gemv(model, max_rows=16, force=False) -> int`: enables the GEMV in each Fp8Linear of
+  the model, per row bucket up to max_rows's, where it was faster: on CUDA, per distinct (N, K,
+  out dtype) and bucket it takes the GEMV's best config (`gemv_tuning.best_config` with the fp8
+  weight dtype, timed once per process) and times the W8A8 path (quantizer + `_scaled_mm`) the
+  same way (`gemv_tuning.time_us`: random weights cycled through more than the L2, CUDA-graph
+  replay, median; cached per key in `W8A8_TIMES`); a bucket uses the GEMV when it was faster. Every
+  enabled config is launched once here (compiles, split-K scratch), so call it before CUDA-graph
+  capture, and before the KV pool is sized (the timing's weight copies are freed, then
+  `torch.cuda.empty_cache`). Returns how many modules use the GEMV in at least one bucket; the
+  times go to one log line per shape and to `model.fp8_gemv_report` (n, k, dtype, rows, modules,
+  config, gemv_us, w8a8_us, use). `force=True`: the default config in every bucket without timing
+  (also on CPU, where the kernel is interpreted: how the tests run it); without force, modules off
+  CUDA are left alone, and so are modules with float32 activations (the kernel takes them, but its
+  fp32 tl.dot configs spill registers on sm_90). Modules an earlier call enabled are left alone
+  (so a model the tests or benchmarks forced keeps the kernel through the runner's timed call);
+  the others are decided again (timings cached).
 - Where it runs: torch._scaled_mm on CUDA needs compute capability >= 8.9 (Ada, Hopper); torch
   2.13's CPU build runs it too (that is how tests/test_fp8.py checks it without a GPU). Shapes the
-  op refuses (K or N not a multiple of 16) fall back to the reference formula.
-- Fails how: `quantize_model_fp8` raises RuntimeError on a CUDA device below 8.9.
+  op refuses (K or N not a multiple of 16) fall back to the reference formula (or the GEMV).
+- Fails how: `quantize_model_fp8` raises RuntimeError on a CUDA device below 8.9; `use_fp8_gemv`
+  raises ValueError when max_rows is outside 1..16.
 - Proven by tests/test_fp8.py (op == reference formula, quantization error bounds, a model's
-  greedy tokens with fp8 weights vs bf16 on CPU); the accuracy on a real checkpoint (logit error,
-  greedy agreement) by the GPU session (benchmarks/gpu_fp8.py).
+  greedy tokens with fp8 weights vs bf16 on CPU; the GEMV path forced: logits vs bf16 and no worse
+  than W8A8's, fallbacks counted) and tests/test_gemv.py (the fp8 GEMV kernel); the accuracy on a
+  real checkpoint (logit error, greedy agreement) by the GPU session (benchmarks/gpu_fp8.py), the
+  GEMV vs W8A8 timing by benchmarks/gpu_gemv.py.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Activation quantization on CUDA: "triton" = one kernel per call (worker/kernels/triton_quant.py),
 # "torch" = quantize_fp8's ~6 kernels (the benchmark times both).
 ACT_QUANT = "triton"
+GEMV_MAX_ROWS = 16  # worker/kernels/triton_gemv.py MAX_ROWS (not imported here: triton stays lazy)
+# gemv_tuning.tuning_key(bucket, N, K, dtype, device, FP8) -> us per call of the W8A8 path
+W8A8_TIMES: dict[tuple, float] = {}
 
 
 def quantize_fp8(w: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +100,10 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype))
         self.out_dtype = out_dtype
         self.use_op = self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.gemv_max_rows = 0  # use_fp8_gemv sets these: rows up to this, buckets in configs
+        self.gemv_configs: dict = {}  # row bucket -> triton_gemv.GemvConfig
+        self.gemv_calls = 0
+        self.w8a8_calls = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -83,6 +125,21 @@ class Fp8Linear(nn.Module):
         return xq, x_scale, lead
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        config = self.gemv_configs.get(1 << (m - 1).bit_length()) if 1 <= m <= self.gemv_max_rows else None
+        if config is not None and x2.dtype == self.out_dtype and x2.stride(-1) == 1:
+            from worker.kernels.triton_gemv import gemv
+
+            self.gemv_calls += 1
+            out = gemv(x2, self.weight_t.t(), self.bias, config=config, scale=self.scale.view(-1))
+            return out.reshape(*x.shape[:-1], self.out_features)
+        self.w8a8_calls += 1
+        return self.forward_w8a8(x)
+
+    def forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """Activations quantized per row, then `_scaled_mm` (the reference formula for shapes it
+        refuses)."""
         if not self.use_op:
             return self.forward_reference(x)
         xq, x_scale, lead = self._quantize_input(x)
@@ -100,7 +157,11 @@ class Fp8Linear(nn.Module):
         return out.to(self.out_dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 W8A8"
+        text = f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 W8A8"
+        if self.gemv_configs:
+            buckets = ", ".join(f"{b}: {c}" for b, c in sorted(self.gemv_configs.items()))
+            text += f", W8A16 triton gemv up to {self.gemv_max_rows} rows {{{buckets}}}"
+        return text
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -126,3 +187,76 @@ def quantize_model_fp8(model: nn.Module) -> int:
                         setattr(parent, name, Fp8Linear.from_linear(child))
                     count += 1
     return count
+
+
+def w8a8_time_us(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> float:
+    """us per call of Fp8Linear's W8A8 path (quantizer + _scaled_mm) for `rows` rows of an [N, K]
+    weight, timed as the GEMV's candidates are (gemv_tuning.time_us over weight copies that exceed
+    the L2 cache); cached per key on CUDA."""
+    from worker.kernels import gemv_tuning
+
+    key = gemv_tuning.tuning_key(rows, n, k, dtype, device, FP8)
+    if key in W8A8_TIMES:
+        return W8A8_TIMES[key]
+    copies = gemv_tuning.weight_copies(n, k, FP8, key[-1])
+    scale = gemv_tuning.weight_scale(n, k, key[-1])
+    layers = [Fp8Linear(q, scale, None, dtype) for q in copies]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device=key[-1], dtype=dtype)
+    us = gemv_tuning.time_us([lambda f=f: f.forward_w8a8(x) for f in layers], key[-1])
+    del copies, layers
+    if key[-1].type == "cuda":
+        W8A8_TIMES[key] = us
+        torch.cuda.empty_cache()
+    return us
+
+
+@torch.no_grad()
+def use_fp8_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS, force: bool = False) -> int:
+    """Enable the W8A16 GEMV in the model's Fp8Linear modules where it is faster (see the module
+    docstring); returns how many modules use it in at least one row bucket."""
+    if not 1 <= max_rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"max_rows must be in 1..{GEMV_MAX_ROWS}, got {max_rows}")
+    from worker.kernels.gemv_tuning import best_config, tuning_times
+    from worker.kernels.triton_gemv import default_config, gemv, row_bucket
+
+    buckets = sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+    groups: dict[tuple, list[Fp8Linear]] = {}
+    for module in model.modules():
+        if not isinstance(module, Fp8Linear) or module.out_dtype not in (torch.bfloat16, torch.float16):
+            continue  # float32 activations: the kernel's fp32 tl.dot spills registers (sm_90)
+        if module.gemv_configs:
+            continue  # enabled by an earlier call (forced or timed): kept, as use_triton_gemv keeps its swaps
+        if force or module.weight_t.device.type == "cuda":
+            key = (module.out_features, module.in_features, module.out_dtype, module.weight_t.device)
+            groups.setdefault(key, []).append(module)
+    report, enabled = [], 0
+    for (n, k, dtype, device), members in groups.items():
+        configs, notes = {}, []
+        for bucket in buckets:
+            if force:
+                config, gemv_us, w8a8_us = default_config(bucket), None, None
+            else:
+                config = best_config(bucket, n, k, dtype, device, FP8)
+                gemv_us = tuning_times(bucket, n, k, dtype, device, FP8)[str(config)]
+                w8a8_us = w8a8_time_us(bucket, n, k, dtype, device)
+                notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {w8a8_us:.1f} us ({config})")
+            use = force or gemv_us < w8a8_us
+            if use:
+                configs[bucket] = config
+            dt = str(dtype).removeprefix("torch.")
+            row = dict(n=n, k=k, dtype=dt, rows=bucket, modules=len(members), config=str(config))
+            report.append(row | dict(gemv_us=gemv_us, w8a8_us=w8a8_us, use=use))
+        if notes:
+            text = "; ".join(notes)
+            log.info("fp8 gemv %dx%d, %d modules, W8A16 gemv vs W8A8: %s", n, k, len(members), text)
+        for module in members:
+            module.gemv_configs, module.gemv_max_rows = dict(configs), max_rows
+            for bucket, config in configs.items():  # compile, allocate split-K scratch: before capture
+                x = torch.zeros(bucket, k, dtype=dtype, device=device)
+                gemv(x, module.weight_t.t(), module.bias, config=config, scale=module.scale.view(-1))
+        enabled += len(members) if configs else 0
+    if groups:
+        model.fp8_gemv_report = report
+    if any(device.type == "cuda" for _, _, _, device in groups):
+        torch.cuda.empty_cache()
+    return enabled

@@ -36,8 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from worker.kernels import triton_gemv
-from worker.kernels.triton_gemv import GemvConfig, best_config, default_config, gemv, row_bucket
+from worker.kernels import gemv_tuning, triton_gemv
+from worker.kernels.gemv_tuning import best_config
+from worker.kernels.triton_gemv import GemvConfig, default_config, gemv, row_bucket
 
 log = logging.getLogger(__name__)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -114,7 +115,7 @@ def use_triton_gemv(model: nn.Module, max_rows: int = triton_gemv.MAX_ROWS, forc
                 config, gemv_us, linear_us = default_config(bucket), None, None
             else:
                 config = best_config(bucket, n, k, dtype, device)
-                times = triton_gemv.tuning_times(bucket, n, k, dtype, device)
+                times = gemv_tuning.tuning_times(bucket, n, k, dtype, device)
                 gemv_us, linear_us = times[str(config)], times["F.linear"]
                 notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {linear_us:.1f} us ({config})")
             use = force or gemv_us < linear_us
