@@ -3,12 +3,12 @@
 The interpreter (`TRITON_INTERPRET=1`, what tests/test_kernels.py runs on CPU) checks what the
 kernels compute but never lowers them: an op the GPU compiler rejects, a tile that spills
 registers, a `tl.dot` that misses the tensor cores or an fp32 dot that silently drops to tf32 all
-pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`,
-`silu_and_mul`, `rotary_embedding`) on small CPU tensors with `JITFunction.run` replaced: instead
-of launching, it specializes the call exactly as Triton's JIT does on a GPU (argument types,
-constexprs, 16-byte divisibility of pointers and ints) and compiles it with the Triton wheel's own
-LLVM and `ptxas` for the requested target (default sm_80 and sm_90: A100, H100/H200). Nothing runs
-on a device.
+pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`, `silu_and_mul`,
+`rotary_embedding`; without `--quick` also `fused_sample`) on small CPU tensors with
+`JITFunction.run` replaced: instead of launching, it specializes the call exactly as Triton's JIT
+does on a GPU (argument types, constexprs, 16-byte divisibility of pointers and ints) and compiles
+it with the Triton wheel's own LLVM and `ptxas` for the requested target (default sm_80 and sm_90:
+A100, H100/H200). Nothing runs on a device.
 
 Contract:
 - Input: targets (`sm_80`, `sm_90`, ...), the cases (`MODELS` head layouts x `DTYPES` x `MODES`:
@@ -278,7 +278,23 @@ def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[
         case = [""]
         with capture_launches(parse_target(target_name), case, results, seen):
             _launch_all(model, dtype_name, MODES, case)
+            if not quick:
+                _launch_sampling(dtype_name, case, 8 if parse_target(target_name).arch >= 90 else 4)
     return results
+
+
+def _launch_sampling(dtype_name: str, case: list[str], num_warps: int) -> None:
+    """The fused sampling kernel (worker/kernels/triton_sampling.py) over a Llama-3-sized row, with
+    the engine's Philox noise and the target's warp count (`default_warps`), compiled, not run; the
+    model does not change its specialization."""
+    from worker.kernels import triton_sampling
+
+    case[0] = f"{dtype_name} fused_sample"
+    rows = 2
+    f32 = torch.ones(rows, dtype=torch.float32)
+    i64 = torch.zeros(rows, dtype=torch.int64)
+    logits = torch.zeros(rows, 128256, dtype=DTYPES[dtype_name])
+    triton_sampling.fused_sample(logits, f32, i64, f32, f32 * 0, i64, i64, num_warps=num_warps)
 
 
 def format_table(results: list[CompiledLaunch]) -> str:
