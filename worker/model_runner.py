@@ -134,9 +134,13 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         if config.quantization == "fp8":
-            from worker.model.fp8 import quantize_model_fp8
+            from worker.model.fp8 import quantize_model_fp8, use_fp8_gemv
 
             log.info("fp8 W8A8: %d linear layers converted", quantize_model_fp8(model))
+            if self.device.type == "cuda":
+                # Decode rows (<= 16) read the fp8 weights through a Triton GEMV (W8A16) where
+                # startup timing beats _scaled_mm; before the KV pool is sized and graph capture.
+                log.info("fp8 W8A16 gemv at decode: %d linear layers", use_fp8_gemv(model))
         if config.triton_gemv and self.device.type == "cuda":
             from worker.model.gemv import use_triton_gemv
 
