@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.config import EngineConfig, ModelConfig
+from tests.tiny_llama import TINY
+from worker.config import EngineConfig
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, build_decode_inputs, capture_sizes, is_decode_only
 from worker.engine import LLMEngine
 from worker.input_batch import InputBatch
@@ -21,16 +22,6 @@ from worker.scheduler import ScheduledSeq, SchedulerOutput
 from worker.sequence import Sequence
 from worker.types import SamplingParams
 
-TINY = ModelConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position=256,
-)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

@@ -15,23 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.config import EngineConfig, ModelConfig
+from tests.tiny_llama import TINY
+from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.model.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_fp8, quantize_model_fp8, use_fp8_gemv
 from worker.model.llama import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
 
-TINY = ModelConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position=256,
-)
 # On a GPU machine the op tests run on CUDA (the path serving uses; that machine's torch may also
 # lack the CPU build's row-wise scaled_mm), elsewhere on CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,8 +2,8 @@
 pass (worker/model/gemv.py) and its benchmark (benchmarks/gpu_gemv.py); also the fp8-weight (W8A16)
 form of the kernel that worker/model/fp8.py uses at decode (its model tests: tests/test_fp8.py).
 
-Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set before
-triton's import, as in tests/test_kernels.py); cases are small there and grow on CUDA.
+Without CUDA the kernels run under the Triton interpreter (tests/triton_device.py); cases are small
+there and grow on CUDA.
 
 Error: max|out - ref| / max|ref| against the float32 product `x.float() @ W.float().T + b`. The
 kernel accumulates in float32 and rounds once to the output dtype, so the bound is one rounding
@@ -14,34 +14,26 @@ leaves unwritten fails. fp8 weights: the reference is the float32 product with t
 weight, `x.float() @ (q.float() * scale[:, None]).T + b` (widening e4m3 is exact), same bounds.
 """
 
-import os
-import sys
+import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set (see tests/test_kernels.py)"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch.nn as nn  # noqa: E402
-
-from benchmarks import gpu_gemv  # noqa: E402
-from worker.config import EngineConfig, ModelConfig  # noqa: E402
-from worker.engine import LLMEngine  # noqa: E402
-from worker.kernels import gemv_tuning as gt  # noqa: E402
-from worker.kernels import triton_gemv as tg  # noqa: E402
-from worker.kernels.triton_gemv import FP8, GemvConfig, gemv  # noqa: E402
-from worker.model.fp8 import quantize_fp8, quantize_model_fp8  # noqa: E402
-from worker.model.gemv import GemvLinear, use_triton_gemv  # noqa: E402
-from worker.model.llama import LlamaModel  # noqa: E402
-from worker.model.quant import Int8Linear  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
-from worker.types import SamplingParams  # noqa: E402
+from benchmarks import gpu_gemv
+from tests import tiny_llama
+from tests.triton_device import DEVICE
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.kernels import gemv_tuning as gt
+from worker.kernels import triton_gemv as tg
+from worker.kernels.triton_gemv import FP8, GemvConfig, gemv
+from worker.model.fp8 import quantize_fp8, quantize_model_fp8
+from worker.model.gemv import GemvLinear, use_triton_gemv
+from worker.model.llama import LlamaModel
+from worker.model.quant import Int8Linear
+from worker.model_runner import ModelRunner
+from worker.types import SamplingParams
 
 HALF_ULP = {torch.bfloat16: 2**-8, torch.float16: 2**-11}
 BOUND = {dt: u * (2 if dt == torch.bfloat16 and DEVICE == "cpu" else 1) + 1e-5 for dt, u in HALF_ULP.items()}
@@ -251,17 +243,7 @@ def test_gemv_replays_in_a_cuda_graph():
 
 # --- the model pass --------------------------------------------------------------------------
 
-TINY = ModelConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position=256,
-    tie_embeddings=False,
-)
+TINY = dataclasses.replace(tiny_llama.TINY, tie_embeddings=False)
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 41], [44, 12, 3, 90, 7]]  # 13 prompt rows, then 2 per decode
 MAX_TOKENS = 6
 

@@ -3,35 +3,22 @@
 Attention and store_kv are checked against worker/kernels/reference.py; RMSNorm and RoPE against
 the torch formulas of worker/model/llama.py, restated here.
 
-Without CUDA the kernels run under the Triton interpreter on CPU tensors. `TRITON_INTERPRET=1`
-must be set before triton is first imported (triton decorates its own `tl.*` helpers at import),
-so this module sets it before importing triton or the kernel modules, and refuses to run, with
-that explanation, if another module imported triton earlier without it. CPU cases are kept small
-(the interpreter runs each program in Python); with CUDA the parametrization grows to long
+Without CUDA the kernels run under the Triton interpreter on CPU tensors (tests/triton_device.py:
+`TRITON_INTERPRET=1` is set by tests/conftest.py before triton's first import). CPU cases are kept
+small (the interpreter runs each program in Python); with CUDA the parametrization grows to long
 contexts and larger batches.
 
 Relative error is max|a - b| / max|b| against the reference. Bounds: fp32 1e-5, fp16/bf16 1e-2.
 Every output buffer is poisoned with NaN before the call, so a row the kernel forgets fails.
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
-            "cannot run on CPU: set it in the environment or in tests/conftest.py"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from tests import attention_batches  # noqa: E402
-from tests.attention_batches import BLOCK_SIZE, TOLERANCE, rel_error  # noqa: E402
-from worker.kernels import reference, triton_attention, triton_norm, triton_store_kv  # noqa: E402
+from tests import attention_batches
+from tests.attention_batches import BLOCK_SIZE, TOLERANCE, rel_error
+from tests.triton_device import DEVICE
+from worker.kernels import reference, triton_attention, triton_norm, triton_store_kv
 
 BATCHES = dict(attention_batches.BATCHES)
 GQA = list(attention_batches.GQA)

@@ -1,9 +1,8 @@
 """The fused sampling kernel (worker/kernels/triton_sampling.py) against worker/sampler.py.
 
-Without CUDA the kernel runs under the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 set
-before triton is imported, as tests/test_kernels.py explains); cases stay small there (V <= 4096,
-a few rows; 2,000 one-row programs for the Philox draws, ~17 s of the module's ~40 s) and grow on
-CUDA (V up to 128,256, 20,000 draws, four distributions).
+Without CUDA the kernel runs under the Triton interpreter on CPU tensors (tests/triton_device.py);
+cases stay small there (V <= 4096, a few rows; 800 one-row programs for the Philox draws, ~7 s of
+the module's ~33 s) and grow on CUDA (V up to 128,256, 20,000 draws, four distributions).
 
 Exactness: with the same uniform noise the kernel must give the tokens `reference_fused_sample`
 gives (float32 logits, worker/sampler.py `sampling_logits`, softmax, argmax p / E): no tolerance.
@@ -19,30 +18,20 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set (see tests/test_kernels.py)"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from worker.kernels.triton_sampling import (  # noqa: E402
+from tests.triton_device import DEVICE
+from worker.kernels.triton_sampling import (
     fused_sample,
     philox_noise,
     reference_fused_sample,
 )
-from worker.sampler import sampling_logits  # noqa: E402
-from worker.types import SamplingParams  # noqa: E402
+from worker.sampler import sampling_logits
+from worker.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [64, 1000, 4096] + ([32000, 128256] if DEVICE == "cuda" else [])
