@@ -19,8 +19,6 @@ import shutil
 import subprocess
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COUNTERS = ("llm_requests_total", "llm_prompt_tokens_total", "llm_generation_tokens_total")
 
@@ -70,6 +68,10 @@ def scrape_counters(url: str, timeout_s: float = 5.0) -> dict:
             text = reply.read().decode("utf-8")
     except OSError as exc:
         return {"error": str(exc)}
+    # Here, not at the top: bench-host (cpu_model) runs on the GPU machine, which has no
+    # prometheus_client.
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

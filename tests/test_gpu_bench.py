@@ -4,8 +4,8 @@ transformers eager and static-cache + torch.compile, HBM roofline) and writes th
 needs nothing that the GPU machine lacks. The real-checkpoint check (graphs vs eager on SmolLM2)
 runs at tiny size in-process, and is skipped with a reason where the GGUF cannot be loaded.
 
-The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2 or safetensors;
-each test runs the script in a subprocess where those imports fail.
+The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2, safetensors or
+prometheus_client; each test runs the script in a subprocess where those imports fail.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_smoke_run_writes_tables(tmp_path):
     proc = run_python(
         "import runpy\nsys.argv = ['gpu_bench', '--smoke']\n"
         "runpy.run_module('benchmarks.gpu_bench', run_name='__main__')",
-        blocked=("gguf", "tokenizers", "jinja2"),
+        blocked=("gguf", "tokenizers", "jinja2", "prometheus_client"),
         env={"OUT": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
