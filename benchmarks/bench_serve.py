@@ -31,8 +31,8 @@ Contract
 - failure modes: a side that fails to start, errors or streams no tokens is named with the reason
   (and the log tail) and the exit status is 1; a failed llama.cpp build exits 1 with the reason.
   No traceback for these. Exit 2 for a bad command line.
-- Helpers shared with benchmarks/eval_ppl.py: `machine_info`, `git_commit`, `replace_section`,
-  `write_section`, `format_ratio`.
+- Helpers shared with benchmarks/eval_ppl.py: `machine_info`, `format_ratio` (the git revision and
+  the docs section: benchmarks/report.py).
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+
+from benchmarks.report import git_short, write_section
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -120,13 +122,6 @@ def machine_info() -> dict:
     }
 
 
-def git_commit() -> str:
-    """Short HEAD commit, "+dirty" when tracked files differ from it."""
-    commit = _run(["git", "rev-parse", "--short=12", "HEAD"]).strip() or "unknown"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"]).strip()
-    return commit + ("+dirty" if dirty else "")
-
-
 def format_ratio(ours: float | None, theirs: float | None) -> str:
     """`ratio 1.23x` = ours / theirs; "ratio n/a" when either is missing or theirs is 0."""
     value = ratio(ours, theirs)
@@ -137,48 +132,6 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     if ours is None or theirs is None or not theirs or math.isnan(ours) or math.isnan(theirs):
         return None
     return ours / theirs
-
-
-def replace_section(text: str, title: str, body: str) -> str:
-    """`text` with the level-2 section `## title` (up to the next level-2 heading) replaced by
-    `body`, or `body` appended when there is no such section. `body` starts with its heading."""
-    body = body.rstrip("\n") + "\n"
-    lines = text.splitlines(keepends=True)
-    heading = f"## {title}"
-    in_fence = False
-    start = end = None
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith("```"):
-            in_fence = not in_fence
-            continue
-        if in_fence:
-            continue
-        if start is None and line.rstrip("\n").rstrip() == heading:
-            start = i
-        elif start is not None and line.startswith("## "):
-            end = i
-            break
-    if start is None:
-        prefix = text.rstrip("\n")
-        return (prefix + "\n\n" if prefix else "") + body
-    end = len(lines) if end is None else end
-    after = "".join(lines[end:])
-    return "".join(lines[:start]) + body + ("\n" + after if after else "")
-
-
-def write_section(path: pathlib.Path, title: str, body: str) -> None:
-    """Replaces (or appends) one section of a Markdown file, creating the file when missing."""
-    text = (
-        path.read_text(encoding="utf-8")
-        if path.exists()
-        else (
-            "# Benchmarks\n\nGenerated sections: each is rewritten by the command it names and only by it.\n"
-        )
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(replace_section(text, title, body), encoding="utf-8")
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------- processes and memory
@@ -993,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(),
-        "commit": git_commit(),
+        "commit": git_short(),
         "command": shlex.join(
             ["python", "-m", "benchmarks.bench_serve", *(sys.argv[1:] if argv is None else argv)]
         ),

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.report import git_short
+
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing "
     "matches in distant mountain villages near rivers of gold and silver light"
@@ -231,13 +233,6 @@ def side_main(args) -> None:
 ORDER_LABELS = {"sorted": "length-sorted batches", "workload": "workload-order batches"}
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -278,7 +273,7 @@ def main() -> None:
         f"workload: {len(prompts)} prompts, {n_in} prompt tokens ({min(map(len, prompts))}-"
         f"{max(map(len, prompts))}), {n_out} output tokens ({min(outputs)}-{max(outputs)}), "
         f"seed {args.seed}, dtype {args.dtype}, threads {args.num_threads or 'default'}, "
-        f"{os.cpu_count()} CPUs, git {git_rev()}"
+        f"{os.cpu_count()} CPUs, git {git_short()}"
     )
     results = {}
     for side in ("engine", "hf"):
@@ -350,7 +345,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     summary = {
         "args": vars(args),
-        "git": git_rev(),
+        "git": git_short(),
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "output_tokens": n_out,

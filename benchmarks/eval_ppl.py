@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    from benchmarks.bench_serve import git_commit, machine_info, write_section
+    from benchmarks.bench_serve import machine_info
+    from benchmarks.report import git_short, write_section
     from common.model_files import default_model_path, read_gguf_metadata
 
     model_path = pathlib.Path(a.model) if a.model else default_model_path()
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(),
-        "commit": git_commit(),
+        "commit": git_short(),
         "command": shlex.join(
             ["python", "-m", "benchmarks.eval_ppl", *(sys.argv[1:] if argv is None else argv)]
         ),

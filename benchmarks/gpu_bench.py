@@ -55,7 +55,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -69,6 +68,7 @@ from benchmarks.gpu_fp8 import fp8_markdown, fp8_section
 from benchmarks.gpu_fused import fused_markdown, fused_section
 from benchmarks.gpu_mixed import mixed_checkpoint_markdown, mixed_checkpoint_section
 from benchmarks.gpu_steady import steady_markdown, steady_section
+from benchmarks.report import git_short
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
@@ -934,15 +934,6 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU (Triton interpreted)")
@@ -975,7 +966,7 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "smoke": args.smoke,
-        "git": git_rev(),
+        "git": git_short(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "model": dataclasses.asdict(sizes["model"]),

@@ -17,12 +17,12 @@ import asyncio
 import os
 import platform
 import random
-import subprocess
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from benchmarks.report import git_short
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
 from devtools.local import LocalProcess
@@ -107,15 +107,6 @@ def summarize(rounds: list[Round]) -> dict:
     }
 
 
-def git_revision() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown"
-
-
 async def main_async(a: argparse.Namespace) -> None:
     config = EngineConfig(
         dtype=a.dtype, kv_cache_bytes=int(a.kv_cache_mb * 2**20), max_num_seqs=a.max_num_seqs
@@ -124,7 +115,7 @@ async def main_async(a: argparse.Namespace) -> None:
     prompts = make_prompts(a.num_requests, a.seed)
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     print(
-        f"git {git_revision()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
+        f"git {git_short()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
         f"SmolLM2-135M {a.dtype} | {a.num_requests} concurrent requests, prompts "
         f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens, {a.output_len} output tokens, "
         f"max_num_seqs {a.max_num_seqs}, {a.rounds} rounds per side, seed {a.seed}",

@@ -42,7 +42,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import git_short, write_section
 from loadtest.environment import cpu_model
 from loadtest.stats import percentile
 from worker.config import EngineConfig, ModelConfig
@@ -308,29 +308,6 @@ def docs_section(res: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs_section(path: Path, section: str) -> None:
-    """Add the section to `path`, or replace the one already there (up to the next `## ` heading);
-    the rest of the file is left as it is."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n")
-
-
-def git_rev() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
@@ -370,7 +347,7 @@ def main() -> None:
         "machine": cpu_model(),
         "cpus": os.cpu_count(),
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "git": git_rev(),
+        "git": git_short(),
         "command": "make bench-host" + (' ARGS="' + " ".join(sys.argv[1:]) + '"' if sys.argv[1:] else ""),
         "args": {**vars(args), "batch_sizes": batch_sizes},
         "rows": [],
@@ -408,7 +385,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")
     if args.write_docs:
-        write_docs_section(Path(args.write_docs), docs_section(res))
+        write_section(Path(args.write_docs), SECTION[3:], docs_section(res))
         print(f'wrote the section "{SECTION[3:]}" of {args.write_docs}')
     g = res["greedy"]
     print(

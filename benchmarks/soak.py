@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from benchmarks.grpc_overhead import git_revision
+from benchmarks.report import git_short
 from benchmarks.soak_stack import Outcome, Stack, generate_request, one_call, quantiles_ms, rss_mib
 from benchmarks.soak_trust import TrustArgs, run_trust
 from loadtest.stats import percentile
@@ -286,7 +286,7 @@ def write(result: dict, name: str, args, out_dir: pathlib.Path) -> pathlib.Path:
     meta = {
         "scenario": name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_revision(),
+        "git": git_short(),
         "args": asdict(args),
     }
     path.write_text(json.dumps({**meta, **result}, indent=2) + "\n")

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from benchmarks.grpc_overhead import git_revision, make_prompts, wait_for_worker
+from benchmarks.grpc_overhead import make_prompts, wait_for_worker
+from benchmarks.report import git_short
 from devtools.local import LocalProcess
 from devtools.otlp_sink import OtlpSink
 from protos.llm.v1 import generation_pb2 as pb
@@ -265,7 +266,7 @@ def observation_cost_us(n: int) -> dict[str, float]:
 
 async def main_async(a: argparse.Namespace) -> None:
     print(
-        f"git {git_revision()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
+        f"git {git_short()} | {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
         f"SmolLM2-135M {a.dtype}, {a.num_threads} torch thread(s) per worker | {a.rounds} rounds of "
         f"{a.window_s:g} s, {a.concurrency} streams per stack, {a.output_len} output tokens, "
         f"max_num_seqs {a.max_num_seqs}, seed {a.seed}" + (" | A/A" if a.aa else ""),

@@ -17,29 +17,30 @@ import torch
 from benchmarks import bench_serve as bs
 from benchmarks import eval_ppl as ev
 from benchmarks import llamacpp as lc
+from benchmarks import report
 
 # ------------------------------------------------------------------ docs sections
 
 
 def test_replace_section_appends_then_replaces_only_its_own():
     doc = "# Benchmarks\n\nintro\n\n## Other\n\nkeep me\n"
-    once = bs.replace_section(doc, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv1\n")
+    once = report.replace_section(doc, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv1\n")
     assert once == doc + "\n## CPU serving vs llama.cpp\n\nv1\n"
     tail = once + "\n## Later\n\n```\n## not a heading inside a fence\n```\nlast\n"
-    twice = bs.replace_section(tail, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv2\n")
+    twice = report.replace_section(tail, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv2\n")
     assert "v1" not in twice and "v2" in twice
     assert "keep me" in twice and "## Later" in twice and "## not a heading inside a fence" in twice
     assert twice.index("## Other") < twice.index("v2") < twice.index("## Later")
     # rerun with the same body: unchanged
-    same = bs.replace_section(twice, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv2\n")
+    same = report.replace_section(twice, "CPU serving vs llama.cpp", "## CPU serving vs llama.cpp\n\nv2\n")
     assert same == twice
 
 
 def test_write_section_creates_the_file_and_keeps_other_sections(tmp_path):
     path = tmp_path / "docs" / "benchmarks.md"
-    bs.write_section(path, "A", "## A\n\none\n")
-    bs.write_section(path, "B", "## B\n\ntwo\n")
-    bs.write_section(path, "A", "## A\n\nthree\n")
+    report.write_section(path, "A", "## A\n\none\n")
+    report.write_section(path, "B", "## B\n\ntwo\n")
+    report.write_section(path, "A", "## A\n\nthree\n")
     text = path.read_text()
     assert text.startswith("# Benchmarks\n")
     assert "one" not in text and "three" in text and "two" in text

@@ -1,7 +1,7 @@
 """`make bench-host` (benchmarks/host_overhead.py) runs at tiny size: the real scheduler, block manager,
 input preparation and sampler around a no-math model stub, every measured step a decode of B
-sequences; its last line has the promised format with positive numbers; its docs section is added
-to docs/benchmarks.md or replaces its own earlier version, leaving other sections alone.
+sequences; its last line has the promised format with positive numbers; it writes its docs section
+(benchmarks/report.py `write_section`, tested in tests/test_bench_serve.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.host_overhead import LAST_LINE, SECTION, slope_us, write_docs_section
+from benchmarks.host_overhead import LAST_LINE, SECTION, slope_us
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MACHINE_LACKS = ("prometheus_client", "gguf", "tokenizers", "jinja2")
@@ -68,22 +68,6 @@ def test_tiny_run_last_line_and_json(tmp_path):
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n") and SECTION in text and "Command: `make bench-host" in text
     assert "fused path (stub kernel)" in text
-
-
-def test_docs_section_replaces_only_its_own(tmp_path):
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\n## Serving vs llama.cpp\n\nother engineer's table\n")
-    write_docs_section(docs, f"{SECTION}\n\nfirst run\n")
-    write_docs_section(docs, f"{SECTION}\n\nsecond run\n")
-    text = docs.read_text()
-    assert text.count(SECTION) == 1 and "second run" in text and "first run" not in text
-    assert "## Serving vs llama.cpp\n\nother engineer's table\n" in text
-    # A section after ours survives a replacement too.
-    docs.write_text(text + "\n## Perplexity\n\nppl table\n")
-    write_docs_section(docs, f"{SECTION}\n\nthird run\n")
-    text = docs.read_text()
-    assert "third run" in text and "second run" not in text and text.endswith("## Perplexity\n\nppl table\n")
-    assert text.index("## Serving vs llama.cpp") < text.index(SECTION) < text.index("## Perplexity")
 
 
 def test_slope_is_least_squares():
