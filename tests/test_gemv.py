@@ -43,6 +43,8 @@ ALL_CANDIDATES = tg.FMA_CANDIDATES + tg.DOT_CANDIDATES
 # K = 1801 (odd) and 2048: every candidate runs exactly its split_k splits (checked below).
 CANDIDATE_SHAPES = [(40, 1801), (72, 2048)] + ([(3072, 2048), (2048, 8192)] if DEVICE == "cuda" else [])
 SHAPES = [(37, 203), (64, 512)] + ([(3072, 2048), (4000, 1500)] if DEVICE == "cuda" else [])
+# Every row count on CUDA; on CPU (interpreted) each row bucket's edges and odd counts inside them.
+ROWS = range(1, 17) if DEVICE == "cuda" else (1, 2, 3, 5, 8, 11, 16)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,7 +87,7 @@ def run(x, w, b, config, scale=None):
     return out
 
 
-@pytest.mark.parametrize("m", range(1, 17))
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
