@@ -50,7 +50,6 @@ from worker.sequence import PLACEHOLDER, Sequence
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-Sampled = dict[str, tuple[int, float | None]]
 
 
 def _omp_passive() -> bool:
