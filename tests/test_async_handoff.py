@@ -8,6 +8,8 @@ engine. Each path the runner can take is run on CPU: the host inputs as they are
 the CPU engine), the staged single transfer with the scatter on the "device" (`mirror=True`, the
 CUDA code path), and the decode-graph path (the static forward standing in for each replay, the
 scatter into the graph's static input row), with a mixed step (prompt chunks + decode graph).
+Also AsyncEngine's backpressure when a parked sequence finishes from the step in flight, driven step
+by step (the AsyncEngine test in tests/test_async_scheduling.py reaches that case only by timing).
 """
 
 from __future__ import annotations
@@ -137,3 +139,35 @@ def test_the_executor_queues_steps_without_a_host_sync(enforce_eager):
         engine.close()
     assert [len(t) for t in out] == [9, 12, 7, 10]
     assert engine.stats().num_overlapped_steps > 0
+
+
+def test_a_parked_sequence_that_finishes_from_the_step_in_flight_is_not_rescheduled():
+    """AsyncEngine's backpressure with async scheduling, step by step on this thread (no timing):
+    a sequence is parked (its reader's buffer is full) while the step holding its last token is in
+    flight; that step finishes it, and unparking must not put the finished sequence back into the
+    running queue (it would be scheduled again) nor leak its slot or blocks."""
+    from types import SimpleNamespace
+
+    from worker.async_engine import AsyncEngine
+
+    config = dataclasses.replace(tiny_config(num_kv_blocks=64), async_scheduling=True)
+    engine = LLMEngine(config, runner=tiny_runner(config))
+    served = AsyncEngine(engine, stream_buffer=1)  # its loop thread is never started here
+    engine.add_request("x", [5, 9, 11, 4], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    try:
+        first = engine.step()  # the prefill returns token 1; the decode of token 2 is in flight
+        assert [o.new_token_ids for o in first if o.request_id == "x"] != [[]]
+        assert engine.has_in_flight
+        served._streams["x"] = SimpleNamespace(full=True, paused=False)  # the reader is behind
+        max_seqs = engine.scheduler.max_num_seqs
+        parked = served._park()
+        assert [s.request_id for s in parked[0]] == ["x"] and not engine.scheduler.running
+        outputs = engine.step()  # nothing new to plan; the step in flight finishes "x"
+        served._unpark(parked)
+    finally:
+        engine.close()
+    [out] = [o for o in outputs if o.request_id == "x"]
+    assert out.finished and out.num_output_tokens == 2
+    assert not engine.scheduler.running and not engine.has_unfinished_requests()
+    assert engine.scheduler.max_num_seqs == max_seqs
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
