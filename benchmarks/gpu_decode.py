@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from benchmarks.gpu_engine import decode_weight_bytes
 from benchmarks.gpu_steady import lockstep, make_engine, random_model
 from worker.types import SamplingParams
 
@@ -35,8 +36,6 @@ SAMPLED = dict(temperature=0.8, top_p=0.95)
 
 def _roofline(model, cfg, batch: int, step_ms: float | None, sizes: dict, read_gbps: float | None):
     """Share of the read bandwidth one decode step's bytes would need at `step_ms`."""
-    from benchmarks.gpu_bench import decode_weight_bytes
-
     if not step_ms or not read_gbps:
         return None
     elt = torch.empty((), dtype=sizes["dtype"]).element_size()

@@ -6,10 +6,10 @@ Protocol:
   the activation quantization as torch ops and as one Triton kernel; fp8 weights +
   `--kv-cache-dtype fp8`. Decode tok/s as in the engine section, and the speedup over
   bf16. Then the real checkpoint (SmolLM2 GGUF when $SMOLLM2_GGUF / the gguf package are here, as
-  for gpu_bench's checkpoint check): bf16 vs fp8 weights vs fp8 weights + fp8 KV, greedy, the
-  checkpoint prompts: relative max logit error at each sampled step (max |fp8 - bf16| / max |bf16|
-  per row, then the median and max over rows of the first step, and over all steps), and greedy
-  agreement (identical requests, share of tokens before the first divergence).
+  for the checkpoint check, benchmarks/gpu_checkpoint.py): bf16 vs fp8 weights vs fp8 weights + fp8
+  KV, greedy, the checkpoint prompts: relative max logit error at each sampled step (max |fp8 -
+  bf16| / max |bf16| per row, then the median and max over rows of the first step, and over all
+  steps), and greedy agreement (identical requests, share of tokens before the first divergence).
 Results go into the gpu_bench result dict (`res["fp8"]`), saved after every case.
 Proven by tests/test_gpu_bench.py (the smoke run, tiny sizes on CPU).
 """
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks.gpu_checkpoint import load_checkpoint
 from benchmarks.gpu_steady import lockstep, make_engine, random_model, timed_generate
 from worker.types import SamplingParams
 
@@ -77,7 +78,6 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
 
 
 def fp8_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float) -> None:
-    from benchmarks.gpu_bench import load_checkpoint
     from worker.model.fp8 import quantize_model_fp8
 
     found = load_checkpoint(out, sizes, device, deadline)

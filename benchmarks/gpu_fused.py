@@ -10,7 +10,7 @@ and dtype:
   the timing, as the model does) vs `triton_norm.rotary_embedding` (which gathers them itself);
 - silu: torch `F.silu(gate) * up` on the [T, 2 x intermediate] gate|up output vs
   `triton_norm.silu_and_mul`.
-Times come from `gpu_bench.time_ms` (CUDA-graph replay, median); outputs are compared (max
+Times come from `gpu_common.time_ms` (CUDA-graph replay, median); outputs are compared (max
 relative error). Speedup = torch time / fused time; a layer runs two norms, one RoPE and one SiLU-and-mul, so
 `layer_saving_us` = 2 x norm saving + rope saving + silu saving, times the model's layers per step.
 """

@@ -1,13 +1,14 @@
 """`make bench-gpu` section: graphs vs eager on the real checkpoint with staggered arrivals, so most
 steps are mixed (prompt chunks in one eager launch next to the decode graph, issue 19).
 
-Protocol: the SmolLM2 GGUF as in gpu_bench's checkpoint check (`$SMOLLM2_GGUF`, the gguf package;
-skipped with the reason when absent), bf16 on CUDA. The same requests (the checkpoint prompts,
-greedy, `ckpt_max_tokens[1]` tokens each, ignore_eos) reach two engines, one with CUDA graphs and
-one with `enforce_eager`, by the same schedule: one new request per engine step, with a token budget
-of 64 per step so long prompts take several chunks. Reported: the share of steps that mixed prompt
-chunks with decode rows and the share that replayed a graph (graphs side), and how many requests
-are token-identical between the two sides (bf16 near-ties may differ, as in the checkpoint check).
+Protocol: the SmolLM2 GGUF as in the checkpoint check (benchmarks/gpu_checkpoint.py:
+`$SMOLLM2_GGUF`, the gguf package; skipped with the reason when absent), bf16 on CUDA. The same
+requests (the checkpoint prompts, greedy, `ckpt_max_tokens[1]` tokens each, ignore_eos) reach two
+engines, one with CUDA graphs and one with `enforce_eager`, by the same schedule: one new request
+per engine step, with a token budget of 64 per step so long prompts take several chunks. Reported:
+the share of steps that mixed prompt chunks with decode rows and the share that replayed a graph
+(graphs side), and how many requests are token-identical between the two sides (bf16 near-ties may
+differ, as in the checkpoint check).
 Result: `res["mixed_checkpoint"]`. Proven by tests/test_gpu_bench.py (smoke: the skip path).
 """
 
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.gpu_checkpoint import load_checkpoint
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.model_runner import ModelRunner
@@ -52,8 +54,6 @@ def staggered(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
 
 
 def mixed_checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
-    from benchmarks.gpu_bench import load_checkpoint
-
     out = res["mixed_checkpoint"] = {}
     found = load_checkpoint(out, sizes, device, deadline)
     if found is None:

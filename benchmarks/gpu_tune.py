@@ -5,7 +5,7 @@ the decode key tile (DECODE_TILE_N) were first chosen without a GPU; this sweep 
 current ones (2026-11-30, H200: PROGRAMS_PER_SM 16, MIN_SPLIT_LEN 128, DECODE_TILE_N 64). This
 times the decode kernel of the `make bench-gpu` model (Llama-3.2-1B shape, bf16) at small batches
 and long contexts, where the split count decides how full the GPU is, for each setting, with
-`gpu_bench.attention_case` (CUDA graph replay, median, output checked against SDPA). Prints one
+`gpu_attention.attention_case` (CUDA graph replay, median, output checked against SDPA). Prints one
 markdown table: K/V GB/s per case.
 """
 
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from benchmarks import gpu_bench
+from benchmarks.gpu_attention import attention_case
+from benchmarks.gpu_bench import LLAMA_1B
 from worker.kernels import triton_attention as ta
 
 BATCHES = [1, 4, 16, 64]
@@ -40,7 +41,7 @@ SETTINGS = [
 def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("gpu_tune needs a CUDA device")
-    device, cfg = torch.device("cuda"), gpu_bench.LLAMA_1B
+    device, cfg = torch.device("cuda"), LLAMA_1B
     defaults = {k: getattr(ta, k) for k in SETTINGS[0]}
     header = ["setting"] + [f"B{b} L{c // 1024}k" for b, c in itertools.product(BATCHES, CONTEXTS)]
     print(
@@ -56,7 +57,7 @@ def main() -> int:
         t0, cells, err = time.perf_counter(), [], 0.0
         for b, c in itertools.product(BATCHES, CONTEXTS):
             try:
-                row = gpu_bench.attention_case(b, c, cfg, torch.bfloat16, device)
+                row = attention_case(b, c, cfg, torch.bfloat16, device)
                 cells.append(f"{row['paged_gbps']:.0f}")
                 err = max(err, row.get("max_rel_err_vs_sdpa", 0.0))
             except Exception as exc:  # noqa: BLE001 - keep the other settings' numbers

@@ -171,7 +171,8 @@ def test_smoke_run_writes_tables(tmp_path):
 def test_checkpoint_check_graphs_vs_eager_runs(tmp_path, monkeypatch):
     """The real-checkpoint section at tiny size on CPU (both sides eager there): loads SmolLM2,
     tokenizes text prompts, runs both engines and compares their greedy tokens."""
-    from benchmarks import gpu_bench
+    from benchmarks.gpu_bench import SMOKE
+    from benchmarks.gpu_checkpoint import checkpoint_markdown, checkpoint_section
 
     # The engines' default thread count follows OMP_NUM_THREADS: one, as run_python's (measured
     # beside another test process: 0.8 s per engine instead of 3.6-17 s with two threads).
@@ -179,7 +180,7 @@ def test_checkpoint_check_graphs_vs_eager_runs(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     res: dict = {}
     try:
-        gpu_bench.checkpoint_section(res, gpu_bench.SMOKE, torch.device("cpu"), float("inf"), lambda: None)
+        checkpoint_section(res, SMOKE, torch.device("cpu"), float("inf"), lambda: None)
     finally:
         torch.set_num_threads(threads)  # the engines set the process-wide pool
     c = res["checkpoint"]
@@ -187,19 +188,20 @@ def test_checkpoint_check_graphs_vs_eager_runs(tmp_path, monkeypatch):
     assert c["prompts"].startswith("text") and c["requests"] == 2 and c["max_tokens"] == [2, 3]
     assert c["identical"] == 2 and c["output_tokens"] == 5 and c["first_divergence"] == [None, None]
     assert not c["graphs_uses_cuda_graphs"]
-    assert "**2/2 token-identical**" in "\n".join(gpu_bench.checkpoint_markdown(res))
+    assert "**2/2 token-identical**" in "\n".join(checkpoint_markdown(res))
 
 
 def test_engine_side_needs_no_optional_packages():
     """Without safetensors even transformers fails to import; our side must still build and run."""
     code = """
 import torch
-from benchmarks import gpu_bench
+from benchmarks.gpu_bench import TINY
+from benchmarks.gpu_engine import build_models
 from worker.engine import LLMEngine
 from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
-model, hf, why = gpu_bench.build_models(gpu_bench.TINY, torch.float32, torch.device("cpu"))
+model, hf, why = build_models(TINY, torch.float32, torch.device("cpu"))
 config = EngineConfig(kv_cache_bytes=2**20, attention_backend="torch", enforce_eager=True)
 engine = LLMEngine(config, runner=ModelRunner.from_model(config, model))
 [out] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
