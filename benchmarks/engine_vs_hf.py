@@ -156,29 +156,15 @@ def dense_hf_model(dtype: str):
     """transformers' LlamaForCausalLM with the same dequantized weights as the engine: a plain dense
     model, as users run it (transformers' own GGUF path keeps weights packed and casts per matmul)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from benchmarks.gpu_engine import hf_llama_config
     from common.model_files import default_model_path, read_gguf_metadata
     from worker.model.loader import gguf_model_config, load_gguf_weights
 
     path = default_model_path()
     cfg = gguf_model_config(read_gguf_metadata(path))
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_eps,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    hf_cfg = hf_llama_config(cfg, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_cfg)
     weights = {f"model.{k}": v for k, v in load_gguf_weights(path, cfg).items()}

@@ -90,6 +90,26 @@ def load_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: floa
     return loaded, path, prompts
 
 
+def checkpoint_engine(loaded, sizes: dict, device: torch.device, max_seqs: int, batched: int, graphs: bool):
+    """An engine over the loaded checkpoint (`sizes["ckpt_dtype"]`, no prefix caching), with CUDA
+    graphs or eager (always eager off CUDA)."""
+    cuda = device.type == "cuda"
+    config = EngineConfig(
+        device=str(device),
+        dtype=sizes["ckpt_dtype"],
+        kv_cache_bytes=256 * 2**20,
+        gpu_memory_utilization=0.05,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        attention_backend="triton" if cuda else "torch",
+        enforce_eager=not (graphs and cuda),
+    )
+    runner = ModelRunner.from_model(config, loaded.model, loaded.eos_token_ids, loaded.name)
+    return LLMEngine(config, runner=runner)
+
+
 def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
     """Graph replay vs eager, greedy, on the real SmolLM2 weights (see the module docstring)."""
     out = res["checkpoint"] = {"dtype": sizes["ckpt_dtype"]}
@@ -109,22 +129,8 @@ def checkpoint_section(res: dict, sizes: dict, device: torch.device, deadline: f
         out["note"] = "CPU smoke: no CUDA graphs, so both sides run eagerly (exercises the code path only)"
     tokens = {}
     for side in ("graphs", "eager"):
-        config = EngineConfig(
-            device=str(device),
-            dtype=sizes["ckpt_dtype"],
-            kv_cache_bytes=256 * 2**20,
-            gpu_memory_utilization=0.05,
-            max_num_seqs=n,
-            max_num_batched_tokens=2048,
-            max_model_len=1024,
-            enable_prefix_caching=False,
-            attention_backend="triton" if cuda else "torch",
-            enforce_eager=side == "eager" or not cuda,
-        )
         start = time.perf_counter()
-        engine = LLMEngine(
-            config, runner=ModelRunner.from_model(config, loaded.model, loaded.eos_token_ids, loaded.name)
-        )
+        engine = checkpoint_engine(loaded, sizes, device, n, 2048, graphs=side == "graphs")
         out[f"{side}_uses_cuda_graphs"] = engine.runner.cuda_graphs is not None
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         tokens[side] = engine.generate(prompts, params)

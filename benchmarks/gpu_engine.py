@@ -34,29 +34,36 @@ from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
 
 
+def hf_llama_config(cfg: ModelConfig, **extra):
+    """transformers' LlamaConfig of the same shape as `cfg` (`extra` sets or overrides fields)."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
+    return LlamaConfig(**(fields | extra))
+
+
 def build_models(cfg: ModelConfig, dtype, device) -> tuple[LlamaModel, object, str | None]:
     """Our model and transformers' on the same random weights; (ours, None, why) without HF."""
     torch.manual_seed(0)
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
     except Exception as exc:  # noqa: BLE001 - transformers fails on a missing dependency
         hf, why = None, f"transformers unavailable: {type(exc).__name__}: {exc}"
     else:
-        hf_config = LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.max_position,
-            rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_eps,
-            tie_word_embeddings=cfg.tie_embeddings,
-        )
         with torch.device(device):
-            hf = LlamaForCausalLM(hf_config)
+            hf = LlamaForCausalLM(hf_llama_config(cfg))
         hf = hf.to(dtype).eval()
         hf.generation_config.eos_token_id = None
         why = None

@@ -18,10 +18,8 @@ import time
 
 import torch
 
-from benchmarks.gpu_checkpoint import load_checkpoint
-from worker.config import EngineConfig
+from benchmarks.gpu_checkpoint import checkpoint_engine, load_checkpoint
 from worker.engine import LLMEngine
-from worker.model_runner import ModelRunner
 from worker.types import SamplingParams
 
 
@@ -61,24 +59,9 @@ def mixed_checkpoint_section(res: dict, sizes: dict, device: torch.device, deadl
     loaded, _, prompts = found
     n = len(prompts)
     max_tokens = sizes["ckpt_max_tokens"][1]
-    cuda = device.type == "cuda"
     tokens = {}
     for side in ("graphs", "eager"):
-        config = EngineConfig(
-            device=str(device),
-            dtype=sizes["ckpt_dtype"],
-            kv_cache_bytes=256 * 2**20,
-            gpu_memory_utilization=0.05,
-            max_num_seqs=n,
-            max_num_batched_tokens=64,
-            max_model_len=1024,
-            enable_prefix_caching=False,
-            attention_backend="triton" if cuda else "torch",
-            enforce_eager=side == "eager" or not cuda,
-        )
-        engine = LLMEngine(
-            config, runner=ModelRunner.from_model(config, loaded.model, loaded.eos_token_ids, loaded.name)
-        )
+        engine = checkpoint_engine(loaded, sizes, device, n, 64, graphs=side == "graphs")
         start = time.perf_counter()
         tokens[side], counts = staggered(engine, prompts, max_tokens)
         out[side] = dict(
