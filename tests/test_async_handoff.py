@@ -171,3 +171,35 @@ def test_a_parked_sequence_that_finishes_from_the_step_in_flight_is_not_reschedu
     assert not engine.scheduler.running and not engine.has_unfinished_requests()
     assert engine.scheduler.max_num_seqs == max_seqs
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_load_report_includes_the_step_whose_token_a_reader_gets(monkeypatch):
+    """AsyncEngine refreshes its load report (`stats()`, what GetLoad serves the router) before it
+    hands a step's outputs to the streams: a client that has its first token and then reads the load
+    must not see its request still waiting (a stale report made tests/test_faults.py's hung-worker
+    count flaky)."""
+    import asyncio
+
+    from worker import async_engine
+
+    config = tiny_config(num_kv_blocks=64)
+    served = async_engine.AsyncEngine(LLMEngine(config, runner=tiny_runner(config)))
+    waiting_at_put = []
+    put = async_engine._Stream.put
+
+    def recording_put(stream, item):
+        waiting_at_put.append(served.stats().num_waiting)
+        put(stream, item)
+
+    monkeypatch.setattr(async_engine._Stream, "put", recording_put)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main() -> list[int]:
+        return [t async for out in served.generate("x", [5, 9, 11, 4], sp) for t in out.new_token_ids]
+
+    served.start()
+    try:
+        assert len(asyncio.run(main())) == 3
+    finally:
+        served.shutdown()
+    assert waiting_at_put and set(waiting_at_put) == {0}, waiting_at_put

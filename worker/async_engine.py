@@ -192,11 +192,13 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._unpark(parked)
+            # The load report first: a reader that got this step's token must not then read the
+            # load as it was before the step (the sequence still waiting, say).
+            self._stats = engine.stats()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-            self._stats = engine.stats()
             for observer in self.step_observers:
                 observer(engine, outputs)
 
