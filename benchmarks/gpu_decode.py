@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.gpu_engine import decode_weight_bytes
+from benchmarks.gpu_engine import decode_weight_bytes, kv_bytes_per_token, mean_decode_context
 from benchmarks.gpu_steady import lockstep, make_engine, random_model
 from worker.types import SamplingParams
 
@@ -34,15 +34,12 @@ GEMV_ROWS = (1, 4, 16)
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 
 
-def _roofline(model, cfg, batch: int, step_ms: float | None, sizes: dict, read_gbps: float | None):
-    """Share of the read bandwidth one decode step's bytes would need at `step_ms`."""
+def _roofline(step_bytes, batch: int, step_ms: float | None, read_gbps: float | None):
+    """Share of the read bandwidth a decode step of `batch` sequences (`step_bytes(batch)` bytes)
+    would need at `step_ms`."""
     if not step_ms or not read_gbps:
         return None
-    elt = torch.empty((), dtype=sizes["dtype"]).element_size()
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
-    mean_context = sizes["prompt_len"] + sizes["output_len"] / 2
-    nbytes = decode_weight_bytes(model) + batch * mean_context * kv_per_token
-    return nbytes / (step_ms * 1e-3) / 1e9 / read_gbps
+    return step_bytes(batch) / (step_ms * 1e-3) / 1e9 / read_gbps
 
 
 def _sampled_lockstep(engine, prompts: list[list[int]], n: int) -> dict:
@@ -84,6 +81,12 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
     prompts = {b: torch.randint(0, cfg.vocab_size, (b, p), generator=gen).tolist() for b in (1, big)}
     read_gbps = res.get("read", {}).get("gbps")
     model = random_model(sizes, device)
+    # The bytes a decode step reads (the GEMV pass below swaps modules, not weights): once.
+    weight_bytes, kv_token = decode_weight_bytes(model), kv_bytes_per_token(model)
+
+    def step_bytes(batch: int) -> float:
+        return weight_bytes + batch * mean_decode_context(sizes) * kv_token
+
     # The GEMV pass swaps the model's linears in place: it runs last.
     for variant in ("cublas", "sampled torch", "sampled fused", "triton gemv"):
         if time.perf_counter() > deadline:
@@ -114,7 +117,7 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
                 rows = [lockstep(engine, prompts[b], n) for b in (1, big)]
             for row in rows:
                 b, step = row["batch_size"], row["decode_step_ms"]
-                row.update(variant=variant, roofline=_roofline(model, cfg, b, step, sizes, read_gbps))
+                row.update(variant=variant, roofline=_roofline(step_bytes, b, step, read_gbps))
                 out["engine"].append(row)
                 print(f"  decode {variant} batch {b}: step {step} ms, roofline {row['roofline']}", flush=True)
             save()

@@ -174,15 +174,24 @@ def decode_weight_bytes(model: LlamaModel) -> int:
     return total
 
 
+def kv_bytes_per_token(model: LlamaModel) -> int:
+    """K and V bytes one token holds across the layers (in the model's dtype)."""
+    cfg = model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
+
+
+def mean_decode_context(sizes: dict) -> float:
+    """Keys a decode step attends to on average: steps j = 1..N-1 read prompt_len + j."""
+    return sizes["prompt_len"] + sizes["output_len"] / 2
+
+
 def engine_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
     cfg, batch_sizes, output_len = sizes["model"], sizes["engine_batch_sizes"], sizes["output_len"]
     model, hf, hf_missing = build_models(cfg, sizes["dtype"], device)
     setup = {k: sizes[k] for k in ("prompt_len", "output_len", "max_num_batched_tokens", "max_model_len")}
     setup["transformers"] = sys.modules["transformers"].__version__ if hf is not None else hf_missing
     setup["weight_bytes_per_step"] = decode_weight_bytes(model)
-    setup["kv_bytes_per_token"] = (
-        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
-    )
+    setup["kv_bytes_per_token"] = kv_bytes_per_token(model)
     gen = torch.Generator().manual_seed(1)
     prompts = {
         b: torch.randint(0, cfg.vocab_size, (b, sizes["prompt_len"]), generator=gen).tolist()
@@ -273,8 +282,7 @@ def roofline_section(res: dict, sizes: dict, device: torch.device, deadline: flo
     if not read_gbps or not setup:
         res["roofline"] = {"skipped": "needs the read bandwidth and the engine section"}
         return
-    n, prompt_len = sizes["output_len"], sizes["prompt_len"]
-    mean_context = prompt_len + n / 2  # decode steps j = 1..N-1 attend to prompt_len + j keys
+    n, mean_context = sizes["output_len"], mean_decode_context(sizes)
     rows = []
     for r in res.get("engine", []):
         b = r["batch_size"]
