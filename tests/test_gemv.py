@@ -374,3 +374,24 @@ def test_gemv_bench_smoke():
     assert [t["rows"] for t in gpu_gemv.fp8_step_totals(rows)] == [1, 3]
     text = gpu_gemv.rows_to_markdown(rows, bandwidth_gbs=4492.0)
     assert text.count("\n| qkv_proj |") == 4 and "Per decode step" in text and "FP8 per decode step" in text
+
+
+def test_choose_buckets_keeps_the_kernel_only_where_it_was_faster(monkeypatch):
+    """The timed decision both model passes share (gemv_tuning.choose_buckets), with fake timings
+    (on CPU nothing is timed): a bucket gets the GEMV only where it beat the path it replaces."""
+    cfg = {b: tg.default_config(b) for b in (1, 2, 4)}
+    gemv_us = {1: 5.0, 2: 9.0, 4: 20.0}
+    monkeypatch.setattr(gt, "best_config", lambda m, n, k, dtype, device, wd=None: cfg[m])
+    monkeypatch.setattr(gt, "tuning_times", lambda m, n, k, dtype, device, wd=None: {str(cfg[m]): gemv_us[m]})
+    baseline = ("linear", {1: 6.0, 2: 8.0, 4: 25.0}.__getitem__)
+    configs, rows, notes = gt.choose_buckets(8, 8, torch.bfloat16, torch.device("cpu"), (1, 2, 4), baseline)
+    assert configs == {1: cfg[1], 4: cfg[4]}
+    assert [(r["rows"], r["gemv_us"], r["linear_us"], r["use"]) for r in rows] == [
+        (1, 5.0, 6.0, True),
+        (2, 9.0, 8.0, False),
+        (4, 20.0, 25.0, True),
+    ]
+    assert len(notes) == 3
+    forced, rows, notes = gt.choose_buckets(8, 8, torch.bfloat16, "cpu", (1, 2), baseline, force=True)
+    assert forced == {1: tg.default_config(1), 2: tg.default_config(2)} and not notes
+    assert all(r["use"] and r["gemv_us"] is None for r in rows)

@@ -165,3 +165,36 @@ def tuning_times(
     """TUNING's entry (us per call by config label, and "F.linear" for dense) for that key; empty
     when never timed (always on CPU)."""
     return TUNING.get(tuning_key(m, n, k, dtype, device, weight_dtype), {})
+
+
+def choose_buckets(
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    buckets: Sequence[int],
+    baseline: tuple[str, Callable[[int], float]],
+    force: bool = False,
+    weight_dtype: torch.dtype | None = None,
+) -> tuple[dict[int, GemvConfig], list[dict], list[str]]:
+    """Per row bucket of an [N, K] weight: the GEMV's best config where it was timed faster than
+    the path it replaces (`baseline` = (its name, its time in us for a bucket), timed the same way),
+    or every bucket's default config with `force` (no timing). Returns (the configs to use by
+    bucket, one report row per bucket: rows, config, gemv_us, `<name>_us`, use; log notes)."""
+    name, baseline_us = baseline
+    configs: dict[int, GemvConfig] = {}
+    rows, notes = [], []
+    for bucket in buckets:
+        if force:
+            config, gemv_us, base_us = default_config(bucket), None, None
+        else:
+            config = best_config(bucket, n, k, dtype, device, weight_dtype)
+            gemv_us = tuning_times(bucket, n, k, dtype, device, weight_dtype)[str(config)]
+            base_us = baseline_us(bucket)
+            notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {base_us:.1f} us ({config})")
+        use = force or gemv_us < base_us
+        if use:
+            configs[bucket] = config
+        row = {"rows": bucket, "config": str(config), "gemv_us": gemv_us, f"{name}_us": base_us}
+        rows.append(row | {"use": use})
+    return configs, rows, notes

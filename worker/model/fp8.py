@@ -216,8 +216,8 @@ def use_fp8_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS, force: bool = 
     docstring); returns how many modules use it in at least one row bucket."""
     if not 1 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"max_rows must be in 1..{GEMV_MAX_ROWS}, got {max_rows}")
-    from worker.kernels.gemv_tuning import best_config, tuning_times
-    from worker.kernels.triton_gemv import default_config, gemv, row_bucket
+    from worker.kernels.gemv_tuning import choose_buckets
+    from worker.kernels.triton_gemv import gemv, row_bucket
 
     buckets = sorted({row_bucket(m) for m in range(1, max_rows + 1)})
     groups: dict[tuple, list[Fp8Linear]] = {}
@@ -231,21 +231,10 @@ def use_fp8_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS, force: bool = 
             groups.setdefault(key, []).append(module)
     report, enabled = [], 0
     for (n, k, dtype, device), members in groups.items():
-        configs, notes = {}, []
-        for bucket in buckets:
-            if force:
-                config, gemv_us, w8a8_us = default_config(bucket), None, None
-            else:
-                config = best_config(bucket, n, k, dtype, device, FP8)
-                gemv_us = tuning_times(bucket, n, k, dtype, device, FP8)[str(config)]
-                w8a8_us = w8a8_time_us(bucket, n, k, dtype, device)
-                notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {w8a8_us:.1f} us ({config})")
-            use = force or gemv_us < w8a8_us
-            if use:
-                configs[bucket] = config
-            dt = str(dtype).removeprefix("torch.")
-            row = dict(n=n, k=k, dtype=dt, rows=bucket, modules=len(members), config=str(config))
-            report.append(row | dict(gemv_us=gemv_us, w8a8_us=w8a8_us, use=use))
+        w8a8_us = lambda bucket: w8a8_time_us(bucket, n, k, dtype, device)  # noqa: B023, E731 - called at once
+        configs, rows, notes = choose_buckets(n, k, dtype, device, buckets, ("w8a8", w8a8_us), force, FP8)
+        shape = dict(n=n, k=k, dtype=str(dtype).removeprefix("torch."), modules=len(members))
+        report += [shape | row for row in rows]
         if notes:
             text = "; ".join(notes)
             log.info("fp8 gemv %dx%d, %d modules, W8A16 gemv vs W8A8: %s", n, k, len(members), text)

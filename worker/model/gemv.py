@@ -37,8 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from worker.kernels import gemv_tuning, triton_gemv
-from worker.kernels.gemv_tuning import best_config
-from worker.kernels.triton_gemv import GemvConfig, default_config, gemv, row_bucket
+from worker.kernels.triton_gemv import GemvConfig, gemv, row_bucket
 
 log = logging.getLogger(__name__)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -107,21 +106,13 @@ def use_triton_gemv(model: nn.Module, max_rows: int = triton_gemv.MAX_ROWS, forc
     report = []
     swapped = 0
     for (n, k, dtype, device), members in groups.items():
-        configs: dict[int, GemvConfig] = {}
-        notes = []
-        for bucket in buckets:
-            row = dict(n=n, k=k, dtype=str(dtype).removeprefix("torch."), rows=bucket, modules=len(members))
-            if force:
-                config, gemv_us, linear_us = default_config(bucket), None, None
-            else:
-                config = best_config(bucket, n, k, dtype, device)
-                times = gemv_tuning.tuning_times(bucket, n, k, dtype, device)
-                gemv_us, linear_us = times[str(config)], times["F.linear"]
-                notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {linear_us:.1f} us ({config})")
-            use = force or gemv_us < linear_us
-            if use:
-                configs[bucket] = config
-            report.append(row | dict(config=str(config), gemv_us=gemv_us, linear_us=linear_us, use=use))
+        # F.linear is timed with the GEMV's candidates (tuning_times), called at once: no late binding.
+        linear_us = lambda bucket: gemv_tuning.tuning_times(bucket, n, k, dtype, device)["F.linear"]  # noqa: B023, E731
+        configs, rows, notes = gemv_tuning.choose_buckets(
+            n, k, dtype, device, buckets, ("linear", linear_us), force
+        )
+        shape = dict(n=n, k=k, dtype=str(dtype).removeprefix("torch."), modules=len(members))
+        report += [shape | row for row in rows]
         if notes:
             log.info(
                 "triton gemv %dx%d %s, %d modules, gemv vs F.linear: %s",
