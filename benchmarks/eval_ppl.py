@@ -28,7 +28,7 @@ Contract
 - failure modes: a variant that fails to load or run is reported with its error and the exit
   status is 1 (docs not rewritten); a failed llama.cpp build or llama-perplexity run likewise.
 - `perplexity(tokens, n_ctx, logits_fn, ...)` is the model-free arithmetic (tested with known
-  answers in tests/test_bench_serve.py).
+  answers in tests/test_eval_ppl.py).
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    from benchmarks.bench_serve import machine_info
+    from benchmarks.host_stats import machine_info
     from benchmarks.report import git_short, write_section
     from common.model_files import default_model_path, read_gguf_metadata
 

@@ -1,0 +1,275 @@
+"""The two sides `make bench-serve` compares, each started and stopped as whole processes: our
+stack (`python -m worker` + `python -m router`) and llama.cpp's llama-server.
+
+Contract
+- `ServiceProcess(name, args, log_dir)`: `python <args>` from the repo root (PYTHONPATH = repo),
+  stdout+stderr to `log_dir/<name>.log`, own session; `wait_listening(deadline)` -> "HOST:PORT"
+  from its "listening on" line; `stop()` SIGTERM, then SIGKILL after 30 s -> exit status.
+- `wait_serving(address, proc, deadline)`: grpc.health.v1 Check until SERVING;
+  `wait_router_sees_worker(...)`: ListModels until a model has >= 1 worker.
+- `OurStack(model, threads, log_dir)` / `LlamaSide(binary, model, threads, parallel, ctx)`, the
+  same duck type: `name`, `commands()` -> the command lines for the report, `start(timeout_s)` ->
+  address, `target(address)` -> a loadtest `--target`, `pids()`, `stop()` -> {process: peak RSS
+  MiB} (idempotent), `log_tail()`. OurStack also keeps `kv_pool` (`parse_kv_pool`) and
+  `start_log` (`worker_log_lines`) from the worker's start-up log.
+- `parse_kv_pool(log_text)` -> {"blocks", "tokens", "mib"} from the model runner's
+  "N KV blocks (T tokens, M MiB)" line, or None.
+- failure modes: a process that exits before it is ready -> RuntimeError with its log tail; one
+  not ready by the deadline -> TimeoutError with its log tail (benchmarks/serve_points.py turns
+  both into a SideError).
+- Tests: tests/test_bench_serve.py (test_kv_pool_is_read_from_the_model_runner_line); the
+  processes themselves only run in `make bench-serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from benchmarks.host_stats import RssSampler
+from benchmarks.report import REPO
+
+START_TIMEOUT_S = 300.0
+LISTENING = re.compile(r"listening on (\S+)")
+KV_POOL = re.compile(r"(\d+) KV blocks \((\d+) tokens, (\d+) MiB\)")
+WORKER_LOG = re.compile(r"(loaded in|compiled in|KV blocks|dtype|quantiz)", re.IGNORECASE)
+
+
+class ServiceProcess:
+    """`python <args>` from the repo root, output to a log file; `wait_listening` reads the
+    address from its "listening on HOST:PORT" line (tests/procs.py's way)."""
+
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        self.args = [sys.executable, *args]
+        self.popen = subprocess.Popen(
+            self.args,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.address = ""
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_text()[-num_chars:]
+
+    def wait_listening(self, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            found = LISTENING.search(self.log_text())
+            if found:
+                self.address = found.group(1)
+                return self.address
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode} before listening:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)  # polling another process's log file: no event to wait on
+        raise TimeoutError(f"{self.name} did not start listening in time:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+
+def wait_serving(address: str, proc: ServiceProcess, deadline: float) -> None:
+    """grpc.health.v1 Check until SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    last = ""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+                last = "not SERVING"
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.1)  # polling a health endpoint of another process
+    raise TimeoutError(f"{proc.name} at {address} not SERVING in time ({last}):\n{proc.log_tail()}")
+
+
+def wait_router_sees_worker(address: str, proc: ServiceProcess, deadline: float) -> None:
+    import grpc
+
+    from protos.llm.v1 import generation_pb2 as pb
+    from protos.llm.v1 import generation_pb2_grpc
+
+    last = ""
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+            try:
+                models = stub.ListModels(pb.ListModelsRequest(), timeout=2.0).models
+                if models and models[0].num_workers >= 1:
+                    return
+                last = "no worker yet"
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.1)  # polling the router's view of its workers
+    raise TimeoutError(f"router at {address} saw no worker in time ({last}):\n{proc.log_tail()}")
+
+
+def parse_kv_pool(log_text: str) -> dict | None:
+    """The worker's KV pool from its model runner's start-up line
+    "... N KV blocks (T tokens, M MiB) ..."."""
+    found = KV_POOL.search(log_text)
+    if not found:
+        return None
+    return {"blocks": int(found.group(1)), "tokens": int(found.group(2)), "mib": int(found.group(3))}
+
+
+def worker_log_lines(log_text: str, limit: int = 6) -> list[str]:
+    """The worker's start-up lines that say what it runs (model load, KV pool, compile, dtype),
+    without their timestamps."""
+    out = []
+    for line in log_text.splitlines():
+        if "listening on" in line:
+            break
+        if WORKER_LOG.search(line):
+            out.append(re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "", line.strip()))
+    return out[:limit]
+
+
+class OurStack:
+    """One worker and one router, default settings but threads and ports."""
+
+    name = "ours"
+
+    def __init__(self, model: str | None, threads: int, log_dir: pathlib.Path):
+        self.model, self.threads, self.log_dir = model, threads, log_dir
+        self.worker: ServiceProcess | None = None
+        self.router: ServiceProcess | None = None
+        self.rss: dict[str, RssSampler] = {}
+        self.kv_pool: dict | None = None
+        self.start_log: list[str] = []
+
+    def worker_args(self) -> list[str]:
+        return [
+            "-m",
+            "worker",
+            "--port",
+            "0",
+            "--num-threads",
+            str(self.threads),
+            *(["--model", self.model] if self.model else []),
+        ]
+
+    def router_args(self, worker_address: str) -> list[str]:
+        return [
+            "-m",
+            "router",
+            "--port",
+            "0",
+            "--workers",
+            worker_address,
+            "--metrics-port",
+            "0",
+            *(["--model", self.model] if self.model else []),
+        ]
+
+    def commands(self) -> list[str]:
+        return [
+            shlex.join(["python", *self.worker_args()]),
+            shlex.join(["python", *self.router_args("WORKER_ADDRESS")]),
+        ]
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        self.worker = ServiceProcess("worker", self.worker_args(), self.log_dir)
+        self.rss["worker"] = RssSampler(self.worker.popen.pid)
+        worker_address = self.worker.wait_listening(deadline)
+        wait_serving(worker_address, self.worker, deadline)
+        self.kv_pool = parse_kv_pool(self.worker.log_text())
+        self.start_log = worker_log_lines(self.worker.log_text())
+        self.router = ServiceProcess("router", self.router_args(worker_address), self.log_dir)
+        self.rss["router"] = RssSampler(self.router.popen.pid)
+        address = self.router.wait_listening(deadline)
+        wait_serving(address, self.router, deadline)
+        wait_router_sees_worker(address, self.router, deadline)
+        return address
+
+    def target(self, address: str) -> str:
+        return f"ours={address}"
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in (self.worker, self.router) if p is not None]
+
+    def stop(self) -> dict:
+        peaks = {name: sampler.stop() for name, sampler in self.rss.items()}
+        for proc in (self.router, self.worker):  # router first: it drains
+            if proc is not None:
+                proc.stop()
+        return peaks
+
+    def log_tail(self) -> str:
+        return "\n".join(f"--- {p.name} log ---\n{p.log_tail(2000)}" for p in (self.worker, self.router) if p)
+
+
+class LlamaSide:
+    name = "llama.cpp"
+
+    def __init__(self, binary: pathlib.Path, model: pathlib.Path, threads: int, parallel: int, ctx: int):
+        from benchmarks.llamacpp import LlamaServer
+
+        self.server = LlamaServer(binary, model, threads, parallel, ctx)
+        self.rss: RssSampler | None = None
+
+    def commands(self) -> list[str]:
+        return [shlex.join(self.server.command(port=0)).replace("--port 0", "--port <free port>")]
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        self.server.port = 0
+        try:
+            url = self.server.start(timeout_s)
+        finally:
+            if self.server.popen is not None:
+                self.rss = RssSampler(self.server.popen.pid)
+        return url
+
+    def target(self, address: str) -> str:
+        return f"llamacpp={address}"
+
+    def pids(self) -> list[int]:
+        return [self.server.popen.pid] if self.server.popen is not None else []
+
+    def stop(self) -> dict:
+        peak = self.rss.stop() if self.rss else None
+        self.server.stop()
+        return {"llama-server": peak}
+
+    def log_tail(self) -> str:
+        return f"--- llama-server log ---\n{self.server.log_tail(2000)}"
