@@ -10,7 +10,10 @@ A backend offers `store_kv` and `paged_attention` with the signatures of worker/
 and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None)`,
 `rotary_embedding(positions, q, k, cos, sin)` and `silu_and_mul(x)` (worker/kernels/triton_norm.py)
 that the model then uses instead of its torch RMSNorm, residual add, RoPE and MLP activation
-("triton" only: 3-10x faster per call on an H200, docs/kernels.md).
+("triton" only: 3-10x faster per call on an H200, docs/kernels.md), and optionally
+`rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q_rotated`
+(worker/kernels/triton_rope_kv.py, "triton" only): RoPE on q and k and the cache write in one
+launch, which the model then calls through `rope_store_forward` instead of RoPE + `forward`.
 "cpu" is a batched C++ op (worker/kernels/cpu_attention.py, built on first use: the CPU default
 when it builds, else "auto" falls back to "torch" with one warning naming why);
 "torch" is plain torch (worker/kernels/torch_attention.py: runs anywhere);
@@ -39,9 +42,19 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    def __init__(self, name: str, store_kv, paged_attention, takes_max_lens: bool, prepare=None, fused=None):
+    def __init__(
+        self,
+        name: str,
+        store_kv,
+        paged_attention,
+        takes_max_lens: bool,
+        prepare=None,
+        fused=None,
+        rope_store_kv=None,
+    ):
         self.name = name
         self.fused = fused
+        self.rope_store_kv = rope_store_kv
         self._store_kv = store_kv
         self._paged_attention = paged_attention
         self._takes_max_lens = takes_max_lens
@@ -61,6 +74,28 @@ class AttentionBackend:
         of another dtype than the activations (--kv-cache-dtype) gets q cast to it, and the output
         cast back; except an fp8 cache under triton, whose kernel widens the K/V tiles to q's dtype."""
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def rope_store_forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` for un-rotated q/k: RoPE (cos/sin [P, D/2] gathered at `positions`) and the
+        cache write in one `rope_store_kv` launch, then attention. Only when `rope_store_kv` is set;
+        the rotated k lives only in the cache (nothing after the write reads k)."""
+        q = self.rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dtype != k_cache.dtype and not (k_cache.dtype == torch.float8_e4m3fn and self.name == "triton"):
             return self.forward_q(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
         return self.forward_q(q, k_cache, v_cache, meta, scale)
@@ -112,10 +147,15 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return AttentionBackend("reference", reference.store_kv, reference.paged_attention, False)
     if name == "triton":
-        from worker.kernels import triton_attention, triton_norm, triton_store_kv
+        from worker.kernels import triton_attention, triton_norm, triton_rope_kv, triton_store_kv
 
         return AttentionBackend(
-            "triton", triton_store_kv.store_kv, triton_attention.paged_attention, True, fused=triton_norm
+            "triton",
+            triton_store_kv.store_kv,
+            triton_attention.paged_attention,
+            True,
+            fused=triton_norm,
+            rope_store_kv=triton_rope_kv.rope_store_kv,
         )
     raise ValueError(f"unknown attention backend {name!r} (expected auto, cpu, torch, reference or triton)")
 

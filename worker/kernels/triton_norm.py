@@ -103,6 +103,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def _rope_cos_sin(
+    positions_ptr, token, cos_ptr, sin_ptr, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr
+):
+    """The (1, D/2) float32 cos and sin rows of `token`'s position (shared with triton_rope_kv)."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rope_halves(
+    src_ptr,
+    token,
+    stride_s_t,
+    stride_s_h,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """Rotate-half RoPE of `token`'s heads in float32: the (H, D/2) first and second halves
+    (shared with triton_rope_kv, so both kernels round the same expressions)."""
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    ok = (h < num_heads) & (d < HALF)
+    src = src_ptr + token * stride_s_t + h * stride_s_h + d
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # (H, D/2)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rope_rotate(
     src_ptr,
     dst_ptr,
@@ -118,15 +154,15 @@ def _rope_rotate(
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
+    o1, o2 = _rope_halves(
+        src_ptr, token, stride_s_t, stride_s_h, num_heads, cos, sin, HALF, HEADS_PAD, HALF_PAD
+    )
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HALF_PAD)[None, :]
     ok = (h < num_heads) & (d < HALF)
-    src = src_ptr + token * stride_s_t + h * stride_s_h + d
-    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # (H, D/2)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     dst = dst_ptr + token * stride_d_t + h * stride_d_h + d
-    tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -156,10 +192,7 @@ def _rope_kernel(
 ):
     # One program per token: its position's cos/sin row is loaded once for all q and k heads.
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = _rope_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_cs, HALF, HALF_PAD)
     _rope_rotate(
         q_ptr,
         q_out_ptr,
@@ -192,9 +225,9 @@ def _rope_kernel(
     )
 
 
-def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_rope_args(positions, q, k, cos, sin, name: str = "rotary_embedding") -> None:
+    """ValueError unless q [T, H, D], k [T, Hkv, D], D even, positions [T] int32/int64, cos/sin
+    [P, D/2] of one dtype and strides, all on one device with contiguous last dims."""
     if (
         q.dim() != 3
         or k.dim() != 3
@@ -207,7 +240,7 @@ def rotary_embedding(
         or cos.shape[1] != q.shape[2] // 2
     ):
         raise ValueError(
-            f"rotary_embedding shapes: positions {tuple(positions.shape)}, q "
+            f"{name} shapes: positions {tuple(positions.shape)}, q "
             f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, "
             f"sin {tuple(sin.shape)}"
         )
@@ -218,14 +251,20 @@ def rotary_embedding(
         or cos.dtype != sin.dtype
     ):
         raise ValueError(
-            f"rotary_embedding dtypes: positions {positions.dtype}, q {q.dtype}, "
+            f"{name} dtypes: positions {positions.dtype}, q {q.dtype}, "
             f"k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}"
         )
     tensors = (positions, q, k, cos, sin)
     if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"rotary_embedding tensors on several devices: {[str(t.device) for t in tensors]}")
+        raise ValueError(f"{name} tensors on several devices: {[str(t.device) for t in tensors]}")
     if any(t.stride(-1) != 1 for t in tensors) or cos.stride() != sin.stride():
-        raise ValueError("rotary_embedding needs contiguous last dims and equal cos/sin strides")
+        raise ValueError(f"{name} needs contiguous last dims and equal cos/sin strides")
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rope_args(positions, q, k, cos, sin)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     half = q.shape[2] // 2
     if q.shape[0] > 0:

@@ -22,6 +22,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_heads(
+    src_ptr,
+    cache_ptr,
+    token,
+    block,
+    row,
+    stride_s_t,
+    stride_s_h,
+    stride_c_b,
+    stride_c_r,
+    stride_c_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Copy `token`'s heads of src into cache row (block, row), converted to the cache dtype
+    (shared with triton_rope_kv, which stores v through it)."""
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    x = tl.load(src_ptr + token * stride_s_t + h * stride_s_h + d, mask=mask)
+    tl.store(
+        cache_ptr + block * stride_c_b + row * stride_c_r + h * stride_c_h + d,
+        x.to(cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -51,21 +81,37 @@ def _store_kv_kernel(
         return
     block = slot // BLOCK_SIZE
     row = slot % BLOCK_SIZE
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HEAD_DIM_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-
-    k = tl.load(key_ptr + token * stride_key_t + h * stride_key_h + d, mask=mask)
-    tl.store(
-        k_cache_ptr + block * stride_kc_b + row * stride_kc_r + h * stride_kc_h + d,
-        k.to(k_cache_ptr.dtype.element_ty),
-        mask=mask,
+    _store_heads(
+        key_ptr,
+        k_cache_ptr,
+        token,
+        block,
+        row,
+        stride_key_t,
+        stride_key_h,
+        stride_kc_b,
+        stride_kc_r,
+        stride_kc_h,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HEADS_PAD,
+        HEAD_DIM_PAD,
     )
-    v = tl.load(value_ptr + token * stride_value_t + h * stride_value_h + d, mask=mask)
-    tl.store(
-        v_cache_ptr + block * stride_vc_b + row * stride_vc_r + h * stride_vc_h + d,
-        v.to(v_cache_ptr.dtype.element_ty),
-        mask=mask,
+    _store_heads(
+        value_ptr,
+        v_cache_ptr,
+        token,
+        block,
+        row,
+        stride_value_t,
+        stride_value_h,
+        stride_vc_b,
+        stride_vc_r,
+        stride_vc_h,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HEADS_PAD,
+        HEAD_DIM_PAD,
     )
 
 

@@ -109,12 +109,18 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        if backend.fused is not None:
-            q, k = backend.fused.rotary_embedding(rope_in, q, k, self.rope.cos, self.rope.sin)
-        else:
-            q, k = self.rope.apply(rope_in, q), self.rope.apply(rope_in, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if backend.fused is not None and backend.rope_store_kv is not None:
+            # RoPE on q and k and the K/V cache write in one launch (triton_rope_kv).
+            out = backend.rope_store_forward(
+                rope_in, q, k, v, self.rope.cos, self.rope.sin, kv_cache[0], kv_cache[1], meta, self.scale
+            )
+        else:
+            if backend.fused is not None:
+                q, k = backend.fused.rotary_embedding(rope_in, q, k, self.rope.cos, self.rope.sin)
+            else:
+                q, k = self.rope.apply(rope_in, q), self.rope.apply(rope_in, k)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         out = self.o_proj(out.reshape(-1, self.q_size))  # (T, C)
         return out if self.all_reduce is None else self.all_reduce(out)
 
