@@ -160,7 +160,7 @@ def dense_hf_model(dtype: str):
 
     from benchmarks.gpu_engine import hf_llama_config
     from common.model_files import default_model_path, read_gguf_metadata
-    from worker.model.loader import gguf_model_config, load_gguf_weights
+    from worker.model.checkpoint import gguf_model_config, load_gguf_weights
 
     path = default_model_path()
     cfg = gguf_model_config(read_gguf_metadata(path))

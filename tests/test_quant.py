@@ -27,7 +27,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from worker.model.loader import load_model, read_gguf_tensor_infos
+from worker.model.checkpoint import read_gguf_tensor_infos
+from worker.model.loader import load_model
 from worker.model.quant import (
     Int4Linear,
     Int8Embedding,

@@ -189,7 +189,7 @@ def test_smollm2_tp3_equals_tp1(tokenizer):
 
 
 def test_slices_reassemble_the_weights(tmp_path):
-    from worker.model.loader import safetensors_tensors
+    from worker.model.checkpoint import safetensors_tensors
     from worker.tp.shard import shard_tensors
 
     cfg, full, _ = safetensors_tensors(save_tiny(tmp_path / "qwen2", qwen2=True))

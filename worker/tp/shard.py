@@ -1,7 +1,7 @@
 """Megatron-style shards of a Llama checkpoint: what rank r of N reads, and the model it builds.
 
 Contract
-- input: the model's `ModelConfig`, the loader's lazy checkpoint tensors (worker/model/loader.py:
+- input: the model's `ModelConfig`, the loader's lazy checkpoint tensors (worker/model/checkpoint.py:
   safetensors or GGUF, Hugging Face names), and (rank, size).
 - output: `shard_config(cfg, size)`: the config of one rank's model (q and KV heads and the MLP's
   intermediate size divided by `size`; hidden size, vocabulary, norms unchanged), and
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from worker.config import ModelConfig
-from worker.model.loader import CheckpointTensor, SafetensorsTensor
+from worker.model.checkpoint import CheckpointTensor, SafetensorsTensor
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def read_model_config(path: str | Path | None) -> ModelConfig:
     import json
 
     from common.model_files import default_model_path, read_gguf_metadata
-    from worker.model.loader import gguf_model_config, hf_model_config
+    from worker.model.checkpoint import gguf_model_config, hf_model_config
 
     path = Path(path) if path else default_model_path()
     if path.is_dir():
