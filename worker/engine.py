@@ -21,13 +21,23 @@ Contract:
   sampling, logprobs, logit bias, penalties (their token statistics live on the device, updated by
   each sampled token), stop token ids, EOS, max_tokens (a sequence whose pending token is its last
   is left out of the next plan), aborts (the step in flight drops the token; blocks are freed when it
-  returns). What runs synchronously (plan made once nothing is in flight, counted in
-  `num_sync_steps`, reason in `fallbacks`): the first step after idling; a next plan that would
-  preempt (KV pool short, or a waiting request of higher priority): no preemption while a step is in
-  flight. Stop strings are matched by the router, which aborts: an abort here. Not with
-  tensor parallelism (the flag is ignored there).
-- Proven by tests/test_engine_*.py and tests/test_async_scheduling.py (async == sync on random
-  workloads); `stats()` exposes counters for metrics.
+  returns), and preemption (KV pool short, or a waiting request of higher priority): the plan of
+  N+1 preempts as the synchronous one would, sequences of N included. A victim's blocks go back at
+  once: N writes its KV into them before N+1, queued behind N on the executor thread (one stream
+  on a GPU), reuses them; N's token for it is output when N commits, and may finish it while it
+  waits (`Scheduler.commit`); it is re-admitted (recomputed) once that token is known. Differences
+  from the synchronous engine, none in tokens, finish reasons or usage counts: a sequence that ends
+  by EOS or a stop id in N still holds its blocks while N+1 is planned (synchronously they would be
+  free), so N+1 may preempt where the synchronous plan would not (more preemptions and
+  recomputation, logprobs equal to ~1e-6), and a victim's blocks filled by N are not hashed for the
+  prefix cache. What runs synchronously (plan made once nothing is in flight, counted in
+  `num_sync_steps`): the first step after idling, and the step after a next plan that scheduled
+  nothing because it preempted everything it could run (`fallbacks["preemption"]`). Stop strings
+  are matched by the router, which aborts: an abort here. Not with tensor parallelism (the flag is
+  ignored there).
+- Proven by tests/test_engine_*.py, tests/test_async_scheduling.py (async == sync on random
+  workloads, preempting ones included) and tests/test_async_preemption.py (preemption in flight,
+  case by case); `stats()` exposes counters for metrics.
 """
 
 from __future__ import annotations
@@ -210,13 +220,12 @@ class LLMEngine:
         return outputs
 
     def _plan_ahead(self) -> SchedulerOutput | None:
-        """The next plan, made while a step is in flight; None when it must wait (a fallback)."""
+        """The next plan, made while a step is in flight; None when there is nothing to launch yet
+        (the next step is then planned once nothing is in flight)."""
         plan = self.scheduler.schedule(speculative=True)
-        if plan.blocked:
-            # Left as planned (allocations, admissions): the synchronous plan starts from there.
-            self.fallbacks["preemption"] += 1
-            return None
         if plan.is_empty:
+            if plan.preempted:  # every sequence it could run was preempted (the pool is short)
+                self.fallbacks["preemption"] += 1
             return None
         return plan
 

@@ -13,14 +13,22 @@ Contract:
   sequence of higher priority may preempt a lower-priority running one.
 - Async scheduling (worker/engine.py): `advance(plan)` applies a launched plan before its tokens
   are known (computed counts move on; each sampling sequence gets a PLACEHOLDER token), so
-  `schedule(speculative=True)` plans the next step while it runs; that plan never preempts (it sets
-  `blocked` instead: the engine then drops it and schedules synchronously) and leaves out sequences
-  whose pending token is certainly their last (max_tokens, max_model_len). `commit(plan, sampled)`
-  fills the placeholders in and checks stop conditions. A sequence that ends while a plan in flight
-  holds it (`pinned`) keeps its blocks until the engine calls `free_deferred()`.
+  `schedule(speculative=True)` plans the next step while it runs (its sequences are `pinned`).
+  That plan leaves out sequences whose pending token is certainly their last (max_tokens,
+  max_model_len) and, when the pool is short, frees their blocks first (`_retire`: they wait,
+  uncounted, for that token); then it preempts as the synchronous plan does (lowest priority,
+  newest), the step in flight's sequences included: their blocks go back at once (the step in
+  flight writes its KV into them before the next step, queued behind it, reuses them). A sequence
+  preempted with its token pending waits with its PLACEHOLDER and is not admitted before the
+  token is known. `commit(plan, sampled)` fills the placeholders in and checks stop conditions,
+  for preempted (waiting) sequences too: such a token is output, and may finish its sequence
+  there; blocks are hashed only for sequences still holding the plan's block table
+  (`ScheduledSeq.preempted`). A sequence that ends while a plan in flight holds it (`pinned`)
+  keeps its blocks until the engine calls `free_deferred()`. `rollback(plan)` undoes `advance`.
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
   at the end), tests/test_engine_batching.py (batched == alone, token for token) and
-  tests/test_async_scheduling.py (async == sync).
+  tests/test_async_scheduling.py (async == sync), tests/test_async_preemption.py (preemption while
+  a step is in flight, step by step and as scheduler properties).
 """
 
 from __future__ import annotations
@@ -55,12 +63,17 @@ class ScheduledSeq:
         self.num_blocks = len(table)
         self.samples = start + num_new_tokens == len(seq.token_ids)
 
+    @property
+    def preempted(self) -> bool:
+        """The sequence lost this plan's blocks since (preempted: `BlockManager.free` replaces the
+        list; async scheduling, a later plan preempted it while this one was in flight)."""
+        return self.seq.block_table is not self.block_table
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    blocked: bool = False  # speculative only: it stopped where a synchronous plan would preempt
 
     @property
     def num_batched_tokens(self) -> int:
@@ -124,8 +137,8 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------
     def schedule(self, speculative: bool = False) -> SchedulerOutput:
-        """The next step's plan. `speculative`: a step is in flight (async scheduling): never
-        preempt (stop and set `blocked`), and skip sequences whose pending token ends them."""
+        """The next step's plan. `speculative`: a step is in flight (async scheduling): leave out
+        the sequences whose pending token ends them, and free them first when the pool is short."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = self.running
@@ -134,7 +147,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if speculative and seq.num_placeholders and self._ends_by_length(seq, seq.num_tokens):
+            if speculative and self._pending_last(seq):
                 i += 1  # its placeholder is its last token, whatever it turns out to be
                 continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
@@ -144,9 +157,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.bm.allocate(seq, n):
-                if speculative:
-                    out.blocked = True
-                    return out
+                if speculative and self._retire():
+                    i = running.index(seq)  # retired sequences before it moved it
+                    continue
                 victim = self.running[-1]  # lowest priority, newest
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -161,26 +174,32 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, speculative: bool = False) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        waiting, j = self.waiting, 0
+        while j < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[j]
+            if seq.num_placeholders:  # preempted while the step in flight samples its token
+                if self._ends_by_length(seq, seq.num_tokens):
+                    j += 1  # retired: that token ends it; those behind it go on
+                    continue
+                break  # admitted once its token is known (next plan): none behind it before
             if not seq.block_table:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
+                if speculative and self._retire():
+                    j = waiting.index(seq)  # a retired sequence may sort before it
+                    continue
                 victim = self.running[-1] if self.running else None
                 if victim is None or victim.priority >= seq.priority:
                     break
-                if speculative:
-                    out.blocked = True
-                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
-                for j, s in enumerate(out.scheduled):
+                for k, s in enumerate(out.scheduled):
                     if s.seq is victim:
-                        budget += out.scheduled.pop(j).num_new_tokens
+                        budget += out.scheduled.pop(k).num_new_tokens
                         break
             else:
-                self.waiting.pop(0)
+                waiting.pop(j)
                 if seq.first_scheduled_s is None:  # first admission: queue time ends here
                     seq.first_scheduled_s = time.monotonic()
                     seq.num_cached_tokens = seq.num_computed_tokens
@@ -195,6 +214,20 @@ class Scheduler:
             self.bm.free(seq)  # hit blocks go back (hashes kept) until later
             break
         return budget
+
+    def _pending_last(self, seq: Sequence) -> bool:
+        """Its pending token (a placeholder) is certainly its last: max_tokens or max_model_len."""
+        return bool(seq.num_placeholders) and self._ends_by_length(seq, seq.num_tokens)
+
+    def _retire(self) -> bool:
+        """Speculative plan, pool short: free the blocks of the running sequences whose pending
+        token is their last (the synchronous engine would have finished them before this plan).
+        They wait for that token, not counted as preempted; it finishes them when the step in
+        flight commits. False if there were none."""
+        done = [seq for seq in self.running if self._pending_last(seq)]
+        for seq in done:
+            self._preempt(seq, count=False)
+        return bool(done)
 
     # -- results --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
@@ -255,8 +288,10 @@ class Scheduler:
     def commit(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
         """`update` for a plan that went through `advance`: hash the blocks it filled, put the
         sampled tokens in the placeholders, finish what is done. A sequence that ended while the
-        plan ran (aborted, or stopped by the step before) has its token dropped. Returns the
-        sequences that produced a token."""
+        plan ran (aborted, or stopped by the step before) has its token dropped. One preempted
+        while the plan ran (waiting, its blocks gone) gets its token (output, as the synchronous
+        engine would have before preempting it) and may finish by it; nothing is hashed for it.
+        Returns the sequences that produced a token."""
         now = time.monotonic()
         touched = []
         bs = self.bm.block_size
@@ -265,7 +300,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             done = s.start + s.num_new_tokens
-            if done // bs > len(seq.block_hashes):
+            preempted = s.preempted
+            if not preempted and done // bs > len(seq.block_hashes):
                 self.bm.commit(seq, done)
             if not s.samples:
                 continue
@@ -278,20 +314,25 @@ class Scheduler:
                 seq.first_token_s = now
             reason = self._stop_reason(seq, token, done + 1)
             if reason is not None:
-                if seq in self.running:  # a backpressured sequence is parked outside it
-                    self.running.remove(seq)
+                # Preempted: in `waiting`. A backpressured sequence is parked outside both.
+                queue = self.waiting if preempted else self.running
+                if seq in queue:
+                    queue.remove(seq)
                 self._finish(seq, reason)
             touched.append(seq)
         self.num_generation_tokens += len(touched)
         return touched
 
     def rollback(self, out: SchedulerOutput) -> None:
-        """Undo `advance` for a launched plan whose step failed (plans undone newest first)."""
+        """Undo `advance` for a launched plan whose step failed (plans undone newest first). A
+        sequence preempted since keeps its computed count (0, or what a later plan, undone before,
+        left): it recomputes; only its placeholder goes."""
         for s in out.scheduled:
             seq = s.seq
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens = s.start
+            if not s.preempted:
+                seq.num_computed_tokens = s.start
             if s.samples:
                 seq.token_ids.pop()
                 seq.num_placeholders -= 1
@@ -309,11 +350,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
+        """Recompute preemption: blocks freed, back to `waiting`. With async scheduling `seq` may be
+        in the step in flight (its PLACEHOLDER, if any, stays until that step commits)."""
         self.running.remove(seq)
         self.bm.free(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self._enqueue(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -335,5 +379,8 @@ class Scheduler:
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
         assert all(s.is_finished for s in self.deferred)
-        assert not any(s.num_placeholders for s in self.waiting), "placeholders outside a running plan"
+        for s in self.waiting:  # preempted while a plan in flight samples its token: no blocks
+            assert not s.num_placeholders or (s in self.pinned and not s.block_table), (
+                f"{s.request_id}: a placeholder outside a plan in flight"
+            )
         self.bm.check_integrity(live + self.deferred)
