@@ -242,8 +242,10 @@ def fusable(p: SamplingParams) -> bool:
 class RequestSampler:
     """A model runner's sampling: the per-request state and, per row, the path.
 
-    - Plain greedy batches (`plain_greedy`): the argmax of the logits (on CPU of their float32
-      copy: torch's CPU argmax is ~5x slower on bfloat16).
+    - Plain greedy batches (`plain_greedy`): the argmax of the logits: on CUDA the two-pass
+      Triton kernel over the model-dtype logits (`greedy_argmax`, worker/kernels/triton_argmax.py:
+      torch's argmax reduces a 128k row in one block), on CPU torch's over their float32 copy
+      (torch's CPU argmax is ~5x slower on bfloat16).
     - With `fused` (the Triton kernel, on CUDA): the rows it can take (`fusable`) are sampled from
       the model-dtype logits in one launch, with no float32 `[S, V]` copy: noise from Philox keyed
       by the request's seed and the number of tokens it sampled so far. A request's rows always
@@ -258,6 +260,7 @@ class RequestSampler:
 
     def __init__(self, device: torch.device, seed: int, fused=None):
         self.device, self.fused = torch.device(device), fused
+        self.greedy_argmax = _triton_argmax(self.device)  # plain-greedy batches' argmax, or None
         self.seed_generator = torch.Generator().manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
@@ -292,6 +295,8 @@ class RequestSampler:
         params = [seq.sampling for seq in seqs]
         request_ids = [seq.request_id for seq in seqs]
         if observer is None and all(plain_greedy(p) for p in params):
+            if self.greedy_argmax is not None:  # the two-pass Triton argmax, model-dtype logits
+                return SampledTokens(request_ids, self.greedy_argmax(logits_fn(False)))
             logits = logits_fn(self.device.type == "cpu")
             return SampledTokens(request_ids, logits.argmax(dim=-1))
         fused = [i for i, p in enumerate(params) if fusable(p)] if self.fused and observer is None else []
@@ -346,6 +351,17 @@ class RequestSampler:
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return tokens, logprobs
+
+
+def _triton_argmax(device: torch.device):
+    """worker/kernels/triton_argmax.py `argmax` on CUDA where triton imports, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from worker.kernels.triton_argmax import argmax
+    except ImportError:  # no triton: torch's argmax
+        return None
+    return argmax
 
 
 # Sampling fields that cannot change a greedy argmax; any other field away from its default (a
