@@ -45,7 +45,7 @@ LONGEST_FIRST = (
     "test_cpu_attention",
     "test_engine_hf",
     "test_tenant_isolation",
-    "test_quant",
+    "test_quant_smollm",
     "test_trust_fuzz",
     "test_trust_limits",
     "test_trust_admission",

@@ -21,7 +21,7 @@ Contract
   whole model: benchmarks and transformers comparisons only).
 - State: none beyond the memory map / safetensors handles each tensor holds.
 - Proven by tests/test_engine_hf.py (float32 logits equal transformers' on the same GGUF),
-  tests/test_engine_tiny.py (safetensors, llama3 RoPE scaling, Qwen2 bias), tests/test_quant.py
+  tests/test_engine_tiny.py (safetensors, llama3 RoPE scaling, Qwen2 bias), tests/test_quant_gguf.py
   (GGUF types, byte ranges, 4-bit decoding) and tests/test_tp_model.py (sliced tensors).
 """
 

@@ -35,7 +35,8 @@ they gain.
 Fails how: unknown architecture, missing or mis-shaped tensors -> ValueError/KeyError naming them;
 a GGUF tensor type outside GGUF_SUPPORTED_TYPES (IQ*, TQ*, ...) -> ValueError naming tensor and type.
 Proven by tests/test_engine_hf.py (float32 logits equal transformers' on the same GGUF) and
-tests/test_quant.py (quantized modules, decoding, the whole quantized model vs float32).
+tests/test_quant.py (quantized modules, decoding), tests/test_quant_gguf.py (each form on a synthetic
+GGUF and safetensors) and tests/test_quant_smollm.py (the whole quantized model vs float32).
 """
 
 from __future__ import annotations
