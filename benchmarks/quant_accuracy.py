@@ -17,7 +17,7 @@ Contract: `python -m benchmarks.quant_accuracy [--json PATH] [--prompts N] [--to
 Everything runs with the "torch" attention backend on `--threads` threads (default 2).
 `--kernels 1,4,16,...` instead times the weight forms on SmolLM2's layer shapes (random weights):
 ms for all 120 linear layers once per row count, plus the lm_head (kernel_sweep).
-Proven by running it: docs/quantization.md holds a run's output; tests/test_quant.py checks the
+Proven by running it: docs/quantization.md holds a run's output; tests/test_quant_smollm.py checks the
 same quantities at smaller size with margins taken from it.
 """
 
