@@ -1,7 +1,7 @@
-"""The perplexity arithmetic of `make eval` (benchmarks/eval_ppl.py) with known answers: an oracle
+"""The perplexity arithmetic of `make eval` (benchmarks/ppl_method.py) with known answers: an oracle
 with a fixed probability, an all-zero model = uniform = vocabulary size, llama.cpp's uncertainty
-formula, a tiny random model against transformers' logits; the verdict, the report table and the
-bundled text.
+formula, a tiny random model against transformers' logits, the bundled text as read; the verdict
+and the report table (benchmarks/eval_ppl.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks import eval_ppl as ev
+from benchmarks import ppl_method as pm
 
 # ------------------------------------------------------------------ perplexity arithmetic
 
@@ -31,7 +32,7 @@ def _oracle(p: float, vocab: int):
 
 def test_perplexity_of_an_oracle_is_one_over_its_probability():
     tokens = [(7 * i + 3) % 50 for i in range(64 * 3 + 17)]  # 3 chunks of 64, tail of 17 dropped
-    result = ev.perplexity(tokens, 64, _oracle(0.25, 50))
+    result = pm.perplexity(tokens, 64, _oracle(0.25, 50))
     assert result.ppl == pytest.approx(4.0, rel=1e-9)
     assert result.uncertainty < 1e-6  # every token the same NLL: no spread
     assert result.num_chunks == 3 and result.count == 3 * (64 - 32 - 1)
@@ -47,13 +48,13 @@ def test_scoring_uses_the_second_half_of_each_chunk_against_the_next_token():
         seen.append((ids, first))
         return torch.zeros(n_ctx - first - 1, 64)
 
-    ev.perplexity(tokens, n_ctx, record)
+    pm.perplexity(tokens, n_ctx, record)
     assert [s[0] for s in seen] == [tokens[0:16], tokens[16:32]] and all(f == 8 for _, f in seen)
-    assert ev.scored_targets(tokens, 1, n_ctx) == tokens[16 + 9 : 32]
-    assert ev.chunk_input(tokens, 1, n_ctx, bos_id=1)[:2] == [1, 17]
+    assert pm.scored_targets(tokens, 1, n_ctx) == tokens[16 + 9 : 32]
+    assert pm.chunk_input(tokens, 1, n_ctx, bos_id=1)[:2] == [1, 17]
     with pytest.raises(ValueError):
-        ev.num_chunks(31, 16)
-    assert ev.num_chunks(32, 16) == 2 and ev.num_chunks(47, 16) == 2
+        pm.num_chunks(31, 16)
+    assert pm.num_chunks(32, 16) == 2 and pm.num_chunks(47, 16) == 2
 
 
 def test_uncertainty_is_llamacpps_formula():
@@ -68,7 +69,7 @@ def test_uncertainty_is_llamacpps_formula():
         return logits
 
     tokens = [i % 8 for i in range(2 * 10)]
-    result = ev.perplexity(tokens, 10, fn)  # 2 chunks x 4 scored tokens
+    result = pm.perplexity(tokens, 10, fn)  # 2 chunks x 4 scored tokens
     nll = [math.log(2), math.log(8)] * 4
     mean = sum(nll) / 8
     var = sum(v * v for v in nll) / 8 - mean * mean
@@ -100,7 +101,7 @@ def test_an_all_zero_model_has_the_vocabulary_size_as_perplexity():
         for p in model.parameters():
             p.zero_()
     model.reset_rope()
-    result = ev.perplexity(list(range(80)), 32, ev.ModelScorer(model, "float32"))
+    result = pm.perplexity(list(range(80)), 32, pm.ModelScorer(model, "float32"))
     assert result.ppl == pytest.approx(96.0, rel=1e-6) and result.count == 2 * 15
 
 
@@ -124,10 +125,10 @@ def test_model_scorer_matches_transformers_on_a_tiny_random_model(tmp_path):
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "tiny", safe_serialization=True)
     ours = load_model(tmp_path / "tiny", "float32", "cpu")
-    scorer = ev.ModelScorer(ours.model, "float32")
+    scorer = pm.ModelScorer(ours.model, "float32")
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (2 * 48 + 5,), generator=gen).tolist()
-    result = ev.perplexity(tokens, 48, scorer)
+    result = pm.perplexity(tokens, 48, scorer)
     # independent answer: transformers' logits per chunk, torch's cross entropy on the second half
     losses = []
     with torch.no_grad():
@@ -191,8 +192,8 @@ def test_eval_verdict_and_table():
 
 
 def test_bundled_text_is_long_enough_and_read_like_llama_perplexity(tmp_path):
-    text = ev.read_text(ev.TEXT)
+    text = pm.read_text(ev.TEXT)
     assert 20_000 <= len(text.encode()) <= 50_000 and not text.endswith("\n")
     f = tmp_path / "t.txt"
     f.write_text("a\n\n")
-    assert ev.read_text(f) == "a\n"
+    assert pm.read_text(f) == "a\n"
