@@ -16,8 +16,7 @@ Contract:
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
   them, and the loop goes on serving new requests.
 - Async scheduling (EngineConfig.async_scheduling): a parked sequence may still finish, from the
-  step already in flight when it was parked (a waiting one too, preempted while that step sampled
-  its token); its stream gets that output (one past the buffer).
+  step already in flight when it was parked; its stream gets that output (one past the buffer).
 - Proven by tests/test_grpc_e2e.py (it drives an AsyncEngine directly) and the other gRPC
   end-to-end tests; backpressure by tests/test_trust_streams.py.
 """
@@ -231,12 +230,10 @@ class AsyncEngine:
             return
         s = self.engine.scheduler
         s.max_num_seqs += len(running)
-        # With async scheduling a parked sequence can finish: its step was already in flight (a
-        # waiting one too: preempted while that step sampled its token).
+        # With async scheduling a parked sequence can finish: its step was already in flight.
         s.running.extend(seq for seq in running if not seq.is_finished)
         for seq in waiting:
-            if not seq.is_finished:
-                bisect.insort(s.waiting, seq, key=Sequence.sort_key)
+            bisect.insort(s.waiting, seq, key=Sequence.sort_key)
         for seq in running + waiting:
             stream = self._streams.get(seq.request_id)
             if stream is not None:
