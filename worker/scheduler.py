@@ -28,7 +28,8 @@ Contract:
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
   at the end), tests/test_engine_batching.py (batched == alone, token for token) and
   tests/test_async_scheduling.py (async == sync), tests/test_async_preemption.py (preemption while
-  a step is in flight, step by step and as scheduler properties).
+  a step is in flight: targeted cases and hypothesis workloads over a runner that checks each
+  step's inputs and KV cache).
 """
 
 from __future__ import annotations
