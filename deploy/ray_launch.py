@@ -1,14 +1,16 @@
 """Ray launch site: worker actors that Ray places, restarts and lets routers find.
 
 Contract
-- input: a `LaunchConfig` (how many workers, what each reserves, placement, restart policy, the
-  engine each serves and the rest of its worker-server settings); Ray already connected
+- input: a `LaunchConfig` (deploy/launch_config.py: how many workers, what each reserves,
+  placement, restart policy, the engine each serves and the rest of its worker-server settings);
+  Ray already connected
   (`ray.init`, local or `address=...`). From the command line (`python -m deploy.ray_launch`)
   every `python -m worker` flag is accepted (EngineConfig and WorkerServerConfig metadata through
   common.config_cli, `LLM_*` variables too) except --port: actors serve on ephemeral ports.
 - output: `launch_workers` starts the missing named actors `<prefix><i>` in `namespace` and
   returns their handles and `"host:port"` addresses once every one serves (non-detached actors
-  die with their last handle, so the caller keeps the result). Each actor is `WorkerActor`: the plain
+  die with their last handle, so the caller keeps the result). Each actor is `WorkerActor`
+  (deploy/worker_actor.py): the plain
   worker gRPC server (`worker.server.serve`) on a thread of the actor's process, its
   `WorkerServerConfig` built there (TLS paths need only exist on the nodes); `address()` answers
   where it serves. `stop_workers` kills them and frees their placement groups.
@@ -46,147 +48,27 @@ in `make serve`) does not.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
 import pathlib
 import sys
-import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.auth import new_token
-from common.config_cli import Flags, construct, new_parser, option, parse_or_exit
+from common.config_cli import Flags, new_parser, option, parse_or_exit
 from common.logs import setup_logging
-from common.net import bind_address
-from common.public_bind import refusal, worker_missing
 from common.ray_names import DEFAULT_NAME_PREFIX, DEFAULT_NAMESPACE, list_worker_names, worker_name
 from common.telemetry import standard_env
+from deploy.launch_config import FILE_FIELDS, NODE_IP, LaunchConfig
+from deploy.worker_actor import WorkerActor
 from worker.config import EngineConfig
 from worker.server_config import WorkerServerConfig
 
 log = logging.getLogger(__name__)
 REPO = pathlib.Path(__file__).resolve().parents[1]
-STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
-NODE_IP = "node-ip"  # `host` value: bind and advertise the IP of the node the actor runs on
-
-
-_GPUS = {"auto": None, "yes": True, "no": False}
-_FILE_FIELDS = ("tls_cert", "tls_key", "tls_client_ca")
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What to launch. `engine`, `host`, `drain_grace_s` and `tls` are the worker settings code
-    sets most; `server_options` holds any other `WorkerServerConfig` field by name (nested
-    `telemetry` as a dict or a TelemetryConfig). The field metadata makes the placement flags."""
-
-    num_workers: int = field(default=1, metadata=option("worker actors to run"))
-    engine: EngineConfig = EngineConfig()
-    host: str = "127.0.0.1"  # or NODE_IP (cluster mode)
-    drain_grace_s: float = WorkerServerConfig.drain_grace_s
-    namespace: str = field(
-        default=DEFAULT_NAMESPACE,
-        metadata=option(
-            "Ray namespace the worker actors are named in", flag="ray-namespace", aliases=("namespace",)
-        ),
-    )
-    name_prefix: str = field(
-        default=DEFAULT_NAME_PREFIX,
-        metadata=option("worker actor names: <prefix><index> (routers list <prefix>*)"),
-    )
-    use_gpus: bool | None = field(
-        default=None,
-        metadata=option(
-            "one GPU per worker: auto = when the cluster has GPUs",
-            flag="gpus",
-            choices=tuple(_GPUS),
-            parse=_GPUS.__getitem__,
-            format=lambda v: next(k for k, g in _GPUS.items() if g is v),
-        ),
-    )
-    cpus_per_worker: float = field(
-        default=1.0, metadata=option("CPUs each worker reserves (fractions allowed)")
-    )
-    placement_strategy: str = field(
-        default="SPREAD",
-        metadata=option("placement group strategy of the workers' bundles", choices=STRATEGIES),
-    )
-    max_restarts: int = field(
-        default=-1, metadata=option("restarts of a dead worker process; -1 = unlimited")
-    )
-    detached: bool = False  # outlive the launching driver (cluster mode)
-    ready_timeout_s: float = field(
-        default=600.0, metadata=option("placement + model load deadline of each launch")
-    )
-    tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA) PEM paths valid on every
-    # node: workers serve (mutual) TLS
-    server_options: Mapping[str, Any] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)  # extra variables for the actor processes
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.placement_strategy not in STRATEGIES:
-            raise ValueError(
-                f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}"
-            )
-        if self.cpus_per_worker < 0:
-            raise ValueError("cpus_per_worker must be >= 0")
-        if self.use_gpus is False and self.cpus_per_worker == 0:
-            raise ValueError("a CPU worker must reserve some CPU (cpus_per_worker > 0)")
-        reserved = {"engine", "host", "port", "drain_grace_s", *_FILE_FIELDS} & set(self.server_options)
-        if reserved:
-            raise ValueError(f"server_options cannot set {sorted(reserved)} (LaunchConfig fields; port is 0)")
-        cert, key, client_ca = self.tls or (None, None, None)
-        if (cert is None) != (key is None):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        problem = refusal(
-            self.host,
-            worker_missing(
-                self.host,
-                bool(self.server_options.get("allow_insecure_public")),
-                cert,
-                key,
-                client_ca,
-                self.server_options.get("worker_token"),
-            ),
-            "worker",
-        )
-        if problem:
-            raise ValueError(problem)
-
-    def worker_values(self, host: str) -> dict:
-        """The `WorkerServerConfig` fields of each worker (`construct` builds it, on the node)."""
-        cert, key, client_ca = self.tls or (None, None, None)
-        values = {
-            **self.server_options,
-            "engine": self.engine,
-            "host": host,
-            "port": 0,
-            "drain_grace_s": self.drain_grace_s,
-            "tls_cert": cert,
-            "tls_key": key,
-            "tls_client_ca": client_ca,
-        }
-        telemetry = values.get("telemetry", {})
-        if cert and isinstance(telemetry, Mapping) and "metrics_tls_cert" not in telemetry:
-            # With TLS, /metrics is HTTPS with the same certificate (scrapers trust the CA; no client
-            # certificate needed there, so Prometheus needs only `scheme: https` and the CA).
-            values["telemetry"] = {**telemetry, "metrics_tls_cert": cert, "metrics_tls_key": key}
-        return values
-
-    def check(self) -> None:
-        """Builds one worker's config here with the file paths left out (they need to exist only
-        on the nodes), so that a bad value fails before anything is placed."""
-        values = {k: v for k, v in self.worker_values("127.0.0.1").items() if k not in _FILE_FIELDS}
-        telemetry = values.get("telemetry", {})
-        if isinstance(telemetry, Mapping):
-            values["telemetry"] = {k: v for k, v in telemetry.items() if not k.startswith("metrics_tls_")}
-        construct(WorkerServerConfig, values)
 
 
 def ray_process_env() -> None:
@@ -196,86 +78,6 @@ def ray_process_env() -> None:
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-
-class WorkerActor:
-    """One worker: the gRPC server on its own thread and event loop (Ray owns the main thread).
-    `server_options`: further `WorkerServerConfig` fields (see `LaunchConfig`)."""
-
-    def __init__(
-        self,
-        engine: EngineConfig,
-        host: str = "127.0.0.1",
-        drain_grace_s: float = WorkerServerConfig.drain_grace_s,
-        ready_timeout_s: float = 600.0,
-        tls: tuple[str, str, str | None] | None = None,
-        server_options: Mapping[str, Any] | None = None,
-    ):
-        launch = LaunchConfig(
-            engine=engine,
-            host=host,
-            drain_grace_s=drain_grace_s,
-            tls=tls,
-            server_options=dict(server_options or {}),
-        )
-        if host == NODE_IP:
-            import ray
-
-            host = ray.util.get_node_ip_address()
-        self._config: WorkerServerConfig = construct(WorkerServerConfig, launch.worker_values(host))
-        setup_logging("worker", self._config.telemetry.log_format)
-        self._port: int | None = None
-        self._error: BaseException | None = None
-        self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-server", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(ready_timeout_s):
-            raise TimeoutError(f"worker did not start serving within {ready_timeout_s} s")
-        if self._error is not None:
-            raise RuntimeError(f"worker failed to start: {self._error!r}") from self._error
-
-    def _run(self) -> None:
-        from worker.server import serve
-
-        async def main() -> None:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await serve(self._config, stop=self._stop, on_listening=self._on_listening)
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too (cannot bind): report it
-            self._error = exc
-            log.exception("worker server failed")
-        finally:
-            started = self._ready.is_set()
-            self._ready.set()
-        if started and not self._stopping:
-            # The server died under a live actor: end the process so that Ray restarts it.
-            os._exit(1)
-
-    def _on_listening(self, port: int) -> None:
-        self._port = port
-        self._ready.set()
-
-    def address(self) -> str:
-        return bind_address(self._config.host, self._port)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def stop(self) -> None:
-        """Drains in-flight streams (`drain_grace_s`), then stops the server and the engine."""
-        self._stopping = True
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(self._config.drain_grace_s + 15)
 
 
 def _cluster_has_gpus() -> bool:
@@ -447,7 +249,7 @@ def launch_config(
 ) -> LaunchConfig:
     """A LaunchConfig from the launcher flags (shared with deploy/local.py)."""
     values = server.values(ns)
-    tls = tuple(values.pop(name, None) for name in _FILE_FIELDS)
+    tls = tuple(values.pop(name, None) for name in FILE_FIELDS)
     host = values.pop("host", LaunchConfig.host)
     drain_grace_s = values.pop("drain_grace_s", LaunchConfig.drain_grace_s)
     config = launch.build(

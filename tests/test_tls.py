@@ -299,9 +299,10 @@ def test_metrics_over_https(router, worker, pki):
 
 
 def test_ray_launched_worker_serves_metrics_over_https_with_its_certificate(pki):
-    """deploy.ray_launch's actor class, run in process without Ray: given TLS files, its gRPC port
-    wants mutual TLS and its /metrics speaks HTTPS with the same certificate."""
-    from deploy.ray_launch import WorkerActor
+    """deploy.worker_actor's actor class (what deploy.ray_launch starts), run in process without Ray:
+    given TLS files, its gRPC port wants mutual TLS and its /metrics speaks HTTPS with the same
+    certificate."""
+    from deploy.worker_actor import WorkerActor
 
     actor = WorkerActor(
         EngineConfig(kv_cache_bytes=procs.TEST_KV_CACHE_MB * 2**20, num_threads=1),
