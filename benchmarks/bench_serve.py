@@ -2,7 +2,7 @@
 machine, the same GGUF, the same thread count, the same seeded workload, through our load tester.
 
 Contract
-- Builds (once, cached) llama.cpp's llama-server with `benchmarks.llamacpp.ensure_built`.
+- Builds (once, cached) llama.cpp's llama-server with `benchmarks.llamacpp_build.ensure_built`.
 - Our stack: `python -m worker --port 0 --num-threads N` + `python -m router --port 0 --workers W
   --metrics-port 0` on 127.0.0.1, every other setting at its default (tests/procs.py's way: log
   files, "listening on" + grpc.health SERVING + the router seeing its worker, each under a
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     if a.render:
         return render(pathlib.Path(a.render), log)
-    from benchmarks.llamacpp import VERSION, BuildError, ensure_built
+    from benchmarks.llamacpp_build import VERSION, BuildError, ensure_built
     from common.model_files import default_model_path, read_gguf_metadata
 
     model_path = pathlib.Path(a.model) if a.model else default_model_path()

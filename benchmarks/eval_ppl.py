@@ -225,7 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--variants", default="all", help="comma-separated: float32,bf16,quantized (or all)")
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip llama-perplexity")
-    p.add_argument("--cache-dir", default=None, help="llama.cpp build cache (see benchmarks/llamacpp.py)")
+    p.add_argument(
+        "--cache-dir", default=None, help="llama.cpp build cache (see benchmarks/llamacpp_build.py)"
+    )
     p.add_argument("--no-docs", dest="docs", action="store_false", help="do not rewrite docs/benchmarks.md")
     a = p.parse_args(argv)
     keys = {"float32": VARIANTS[0], "bf16": VARIANTS[1], "quantized": VARIANTS[2]}
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         run["rows"].append({"label": label, "dtype": dtype, "quantization": quant, **row})
     if a.llamacpp:
-        from benchmarks.llamacpp import BuildError, ensure_built
+        from benchmarks.llamacpp_build import BuildError, ensure_built
 
         label = "llama.cpp llama-perplexity (Q4_1 GGUF)"
         try:

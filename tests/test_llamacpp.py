@@ -1,6 +1,7 @@
 """llama.cpp as `make bench-serve` and `make eval` drive it, without building it: llama-perplexity's
 output parsed (benchmarks/llamacpp.py parse_perplexity / parse_num_chunks / parse_chunk_ppls on a
-captured 0.3.36 output), llama-server's command line and the build cache lookup.
+captured 0.3.36 output), llama-server's command line and the build cache lookup
+(benchmarks/llamacpp_build.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import llamacpp as lc
+from benchmarks import llamacpp_build as lb
 
 # ------------------------------------------------------------------ llama.cpp output
 
@@ -38,7 +40,7 @@ def test_llama_server_command_and_build_cache(tmp_path, monkeypatch):
     cmd = server.command(port=1234)
     assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-np") + 1] == "32"
     assert cmd[cmd.index("-c") + 1] == "12800" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    monkeypatch.setenv(lc.CACHE_ENV, str(tmp_path / "cache"))
-    assert lc.cache_dir() == tmp_path / "cache"
-    assert lc.find_built(tmp_path / "cache") is None  # nothing built there
-    assert "-DGGML_NATIVE=ON" in lc.CMAKE_FLAGS and "-DGGML_AMX_INT8=OFF" in lc.CMAKE_FLAGS
+    monkeypatch.setenv(lb.CACHE_ENV, str(tmp_path / "cache"))
+    assert lb.cache_dir() == tmp_path / "cache"
+    assert lb.find_built(tmp_path / "cache") is None  # nothing built there
+    assert "-DGGML_NATIVE=ON" in lb.CMAKE_FLAGS and "-DGGML_AMX_INT8=OFF" in lb.CMAKE_FLAGS
