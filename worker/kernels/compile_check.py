@@ -50,7 +50,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
 from triton.runtime import jit as triton_jit
 
-from worker.kernels import triton_attention, triton_norm, triton_store_kv
+from worker.kernels import triton_attention, triton_attention_kernels, triton_norm, triton_store_kv
 
 # name: (num_heads, num_kv_heads, head_dim, hidden_size); GQA ratios 3, 4, 4 and 1.
 MODELS = {
@@ -130,7 +130,7 @@ def capture_launches(target: GPUTarget, case: list[str], out: list[CompiledLaunc
 
     `case[0]` labels the launches; a specialization already in `seen` is not compiled again.
     """
-    kernels = (triton_attention._paged_attention_kernel, triton_store_kv._store_kv_kernel)
+    kernels = (triton_attention_kernels._paged_attention_kernel, triton_store_kv._store_kv_kernel)
     if not all(isinstance(k, triton_jit.JITFunction) for k in kernels):
         raise RuntimeError(
             "the Triton kernels were imported under TRITON_INTERPRET=1; run this in a process without it"
