@@ -13,6 +13,9 @@ Contract (the plain-torch twins are `RMSNorm` and `RotaryEmbedding` in worker/mo
   as torch rounds `F.silu(gate) * up` (the SiLU rounded to x's dtype, then the product); the MLP's
   activation (two kernels and a [T, F] temporary in torch).
 - State: none; inputs are not modified.
+- Shared: the RoPE jit helpers (`_rope_cos_sin`, `_rope_halves`, `_rope_rotate`) and the argument
+  check `_check_rope_args` are also worker/kernels/triton_rope_kv.py's (RoPE + store_kv in one
+  launch), so both round the same expressions.
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch. Positions
   past the cos/sin tables are not checked (that would need a device sync).
 - Proven by: tests/test_kernels.py::test_rms_norm, ::test_rotary_embedding and

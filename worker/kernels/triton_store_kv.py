@@ -8,6 +8,8 @@ Contract (same as `worker.kernels.reference.store_kv`):
 - Output: none; the cache rows named by `slot_mapping` are overwritten in place, converted to the
   cache dtype. Slots < 0 (padding) are skipped and their tokens write nothing.
 - State: only the two cache tensors, and only at the named slots.
+- Shared: `_store_heads` (one token's heads into a cache row, converted) and `_check_store_args`
+  are also worker/kernels/triton_rope_kv.py's, which writes v (and rotated k) the same way.
 - Fails how: shape, dtype, device or stride mismatch raises ValueError before launch. Slots past
   the end of the cache are not checked (that would need a device sync): callers own slot validity.
 - Proven by: tests/test_kernels.py::test_store_kv (bit-exact vs the reference, skipped slots
