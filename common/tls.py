@@ -14,7 +14,7 @@ Contract
   takes effect on restart.
 - failure modes: ValueError naming the flag and path when a file is missing, unreadable or not
   PEM, or when a certificate comes without its key (or the reverse).
-- proven by: tests/test_tls.py.
+- proven by: tests/test_tls.py (served), tests/test_tls_config.py (the file checks).
 """
 
 from __future__ import annotations
