@@ -8,13 +8,9 @@ request has produced a given number of tokens, the point a router's stop string 
 EOS and stop token ids, max_tokens, greedy, seeded and penalized sampling, logprobs, priorities,
 shared prefixes (prefix-cache hits) and KV pools small enough to preempt. Every test also asserts
 that steps really overlapped (`num_overlapped_steps`), and where the pool preempts, that plans made
-while a step was in flight preempted (`record_plans`), so a broken or disabled overlap fails here.
-Preemption itself is not compared: a sequence that ends by EOS or a stop id in the step in flight
-still holds its blocks when the next step is planned (the synchronous engine has freed them), so
-the two engines may preempt different sequences at different steps (counts, and logprobs to 1e-5:
-a recompute rounds differently from the decode steps it replaces); tokens, finish reasons and
-usage counts are equal all the same. tests/test_async_preemption.py takes preemption in flight
-case by case.
+while a step was in flight preempted, so a broken or disabled overlap fails here. Preemptions are
+not compared (a sequence ending by EOS in the step in flight still holds its blocks when the next
+is planned: worker/engine.py); tests/test_async_preemption.py takes them case by case.
 """
 
 from __future__ import annotations
@@ -186,27 +182,11 @@ def tiny_config(**overrides) -> EngineConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def record_plans(engine: LLMEngine) -> list[tuple[bool, int, bool]]:
-    """(speculative, number preempted, empty) of every plan the engine's scheduler makes from now."""
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording(speculative: bool = False):
-        plan = schedule(speculative)
-        plans.append((speculative, len(plan.preempted), plan.is_empty))
-        return plan
-
-    engine.scheduler.schedule = recording
-    return plans
-
-
 def sync_and_async(config: EngineConfig, requests: list[Request]) -> tuple[LLMEngine, dict, dict]:
-    """Both engines over one runner (the same weights); returns the async engine and both results.
-    The async engine's plans are in `engine.plans` (`record_plans`)."""
+    """Both engines over one runner (the same weights); returns the async engine and both results."""
     runner = tiny_runner(config)
     sync = run(LLMEngine(config, runner=runner), requests)
     engine = LLMEngine(dataclasses.replace(config, async_scheduling=True), runner=runner)
-    engine.plans = record_plans(engine)
     try:
         overlapped = run(engine, requests)
     finally:
@@ -229,22 +209,15 @@ def test_random_workloads_match_sync(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_small_pool_preempts_and_matches_sync(seed):
     """A pool of 14 blocks (56 tokens) for up to 4 sequences: preemption, by plans made while a step
-    is in flight (the step in flight's sequences among the victims), so the steps overlap through
-    it; only a plan left empty by its preemptions would make the next step synchronous."""
+    is in flight (its sequences among the victims), so the steps overlap through it."""
     requests = random_workload(100 + seed)
     engine, sync, overlapped = sync_and_async(
         tiny_config(num_kv_blocks=14, enable_prefix_caching=seed % 2 == 0), requests
     )
     assert_same(sync, overlapped, logprob_tol=1e-5)
-    assert engine.scheduler.num_preemptions > 0
-    preempting = [p for p in engine.plans if p[0] and p[1]]
-    assert any(not empty for _, _, empty in preempting), "no preemption while a step was in flight"
-    assert engine.fallbacks["preemption"] == sum(empty for _, _, empty in preempting)
-    assert engine.fallbacks["preemption"] < len(preempting)
-    # Not one synchronous plan preempted: preemption no longer ends overlap.
-    assert not any(p[1] for p in engine.plans if not p[0])
-    stats = engine.stats()
-    assert stats.num_overlapped_steps > 10 * stats.num_sync_steps
+    assert engine.scheduler.num_preemptions > 0 and engine.fallbacks["preemption"] == 0
+    # One synchronous step, the first (nothing running then): every preemption was planned in flight.
+    assert engine.stats().num_sync_steps == 1 and engine.stats().num_overlapped_steps > 20
 
 
 @pytest.mark.parametrize("seed", [200, 201, 203])
