@@ -24,6 +24,9 @@ KERNELS = {
     "rms_norm_kernel",
     "silu_mul_kernel",
     "rope_kernel",
+    "rope_kv_kernel",
+    "argmax_chunk_kernel",
+    "argmax_reduce_kernel",
 }
 
 

@@ -4,7 +4,8 @@ The interpreter (`TRITON_INTERPRET=1`, what tests/test_kernels.py runs on CPU) c
 kernels compute but never lowers them: an op the GPU compiler rejects, a tile that spills
 registers, a `tl.dot` that misses the tensor cores or an fp32 dot that silently drops to tf32 all
 pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding`; without `--quick` also `fused_sample`) on small CPU tensors with
+`rotary_embedding`, `rope_store_kv`, the two-pass greedy `argmax`; without `--quick` also
+`fused_sample`) on small CPU tensors with
 `JITFunction.run` replaced: instead of launching, it specializes the call exactly as Triton's JIT
 does on a GPU (argument types, constexprs, 16-byte divisibility of pointers and ints) and compiles
 it with the Triton wheel's own LLVM and `ptxas` for the requested target (default sm_80 and sm_90:
@@ -50,7 +51,14 @@ from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
 from triton.runtime import jit as triton_jit
 
-from worker.kernels import triton_attention, triton_attention_kernels, triton_norm, triton_store_kv
+from worker.kernels import (
+    triton_argmax,
+    triton_attention,
+    triton_attention_kernels,
+    triton_norm,
+    triton_rope_kv,
+    triton_store_kv,
+)
 
 # name: (num_heads, num_kv_heads, head_dim, hidden_size); GQA ratios 3, 4, 4 and 1.
 MODELS = {
@@ -260,6 +268,22 @@ def _launch_all(model: str, dtype_name: str, modes, case: list[str]) -> None:
         cos,
         cos.clone(),
     )
+    case[0] = f"{model} {dtype_name} rope_store_kv"
+    qkv = torch.zeros(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)  # as the model
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    triton_rope_kv.rope_store_kv(
+        torch.arange(tokens),
+        q.view(tokens, num_heads, head_dim),
+        k.view(tokens, num_kv_heads, head_dim),
+        v.view(tokens, num_kv_heads, head_dim),
+        cos,
+        cos.clone(),
+        cache,
+        cache.clone(),
+        torch.arange(tokens, dtype=torch.int64),
+    )
+    case[0] = f"{dtype_name} argmax"
+    triton_argmax.argmax(torch.zeros(2, 128256, dtype=dtype))  # a Llama-3 vocabulary
 
 
 def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[CompiledLaunch]:
