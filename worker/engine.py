@@ -27,14 +27,14 @@ Contract:
   on a GPU), reuses them; N's token for it is output when N commits, and may finish it while it
   waits (`Scheduler.commit`); it is re-admitted (recomputed) once that token is known. Differences
   from the synchronous engine, none in tokens, finish reasons or usage counts: a sequence that ends
-  by EOS or a stop id in N still holds its blocks while N+1 is planned (synchronously they would be
-  free), so N+1 may preempt where the synchronous plan would not (more preemptions and
-  recomputation, logprobs equal to ~1e-6), and a victim's blocks filled by N are not hashed for the
-  prefix cache. What runs synchronously (plan made once nothing is in flight, counted in
-  `num_sync_steps`): the first step after idling, and the step after a next plan that scheduled
-  nothing because it preempted everything it could run (`fallbacks["preemption"]`). Stop strings
-  are matched by the router, which aborts: an abort here. Not with tensor parallelism (the flag is
-  ignored there).
+  by EOS or a stop id in N (or is aborted while N runs) still holds its blocks while N+1 is planned
+  (synchronously they would be free), so N+1 may preempt where the synchronous plan would not (more
+  preemptions and recomputation; logprobs of recomputed sequences equal within 1e-5), and a
+  victim's blocks filled by N are not hashed for the prefix cache. What runs synchronously (plan
+  made once nothing is in flight, counted in `num_sync_steps`): the first step after idling, and
+  the step after a next plan that scheduled nothing because it preempted everything it could run
+  (`fallbacks["preemption"]`). Stop strings are matched by the router, which aborts: an abort here.
+  Not with tensor parallelism (the flag is ignored there).
 - Proven by tests/test_engine_*.py, tests/test_async_scheduling.py (async == sync on random
   workloads, preempting ones included) and tests/test_async_preemption.py (preemption in flight,
   case by case); `stats()` exposes counters for metrics.
