@@ -320,7 +320,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     requests=st.lists(request, min_size=2, max_size=8),
     num_blocks=st.integers(5, 12),
