@@ -78,6 +78,9 @@ def test_smoke_run_writes_tables(tmp_path):
         ops = ("norm", "rope", "silu")
         assert min(row[f"{op}_{side}_us"] for op in ops for side in ("torch", "fused")) > 0
         assert row["max_rel_err"] < 1e-5, row
+        # RoPE + store_kv as two launches vs one, and the two-pass greedy argmax vs torch's.
+        assert min(row["ropekv_pair_us"], row["ropekv_fused_us"], row["argmax_triton_us"]) > 0, row
+        assert row["argmax_rows"] == row["tokens"] and row["argmax_equal"] is True, row
     assert "| tokens | norm torch | norm fused | speedup |" in table
 
     # gguf is blocked here (as on the GPU machine without the carried payload): skipped, with why.
