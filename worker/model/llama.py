@@ -12,7 +12,7 @@ Tensor parallel (worker/tp): a rank's model is this one built from its shard's c
 intermediate size divided by the TP size), with `all_reduce` set on every Attention and MLP: the
 sum of the row-parallel o_proj / down_proj partial outputs, one collective each.
 Proven by tests/test_engine_hf.py: logits match transformers' LlamaForCausalLM (rel. err. <= 1e-4);
-the quantized forms by tests/test_quant.py.
+the quantized forms by tests/test_quant_gguf.py and tests/test_quant_smollm.py.
 """
 
 from __future__ import annotations
