@@ -381,8 +381,10 @@ def test_choose_buckets_keeps_the_kernel_only_where_it_was_faster(monkeypatch):
     (on CPU nothing is timed): a bucket gets the GEMV only where it beat the path it replaces."""
     cfg = {b: tg.default_config(b) for b in (1, 2, 4)}
     gemv_us = {1: 5.0, 2: 9.0, 4: 20.0}
-    monkeypatch.setattr(gt, "best_config", lambda m, n, k, dtype, device, wd=None: cfg[m])
-    monkeypatch.setattr(gt, "tuning_times", lambda m, n, k, dtype, device, wd=None: {str(cfg[m]): gemv_us[m]})
+    monkeypatch.setattr(gt, "best_config", lambda m, n, k, dtype, device, wd=None, g=0: cfg[m])
+    monkeypatch.setattr(
+        gt, "tuning_times", lambda m, n, k, dtype, device, wd=None, g=0: {str(cfg[m]): gemv_us[m]}
+    )
     baseline = ("linear", {1: 6.0, 2: 8.0, 4: 25.0}.__getitem__)
     configs, rows, notes = gt.choose_buckets(8, 8, torch.bfloat16, torch.device("cpu"), (1, 2, 4), baseline)
     assert configs == {1: cfg[1], 4: cfg[4]}

@@ -138,8 +138,17 @@ class EngineConfig:
         metadata=option(
             "auto: quantized GGUF tensors (Q4_0/Q4_1/Q8_0) run quantized with bfloat16, dense weights stay "
             "dense; none: dequantize all to --dtype; int8/int4: quantize dense weights at load; "
-            "fp8: W8A8 float8_e4m3fn linears via torch._scaled_mm (GPU, compute capability >= 8.9)",
+            "fp8: float8_e4m3fn linear weights (GPU, compute capability >= 8.9; see --fp8-group-size)",
             choices=QUANTIZATIONS,
+        ),
+    )
+    fp8_group_size: int = field(
+        default=128,
+        metadata=option(
+            "--quantization fp8: one weight scale per this many input columns (a power of two >= 16), "
+            "bf16 activations (W8A16: Triton GEMV at decode, dequantize + matmul at prefill); 0 = one "
+            "scale per output channel and activations quantized per token (W8A8, torch._scaled_mm): "
+            "faster prefill, about twice the logit error (docs/quantization.md, FP8)"
         ),
     )
     dense_weights_min_rows: int | None = field(
@@ -235,6 +244,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.fp8_group_size and (
+            self.fp8_group_size < 16 or self.fp8_group_size & (self.fp8_group_size - 1)
+        ):
+            raise ValueError(f"fp8_group_size must be 0 or a power of two >= 16, got {self.fp8_group_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -136,10 +136,11 @@ class ModelRunner:
         if config.quantization == "fp8":
             from worker.model.fp8 import quantize_model_fp8, use_fp8_gemv
 
-            log.info("fp8 W8A8: %d linear layers converted", quantize_model_fp8(model))
+            group = config.fp8_group_size  # 0: per channel, W8A8; else per group, W8A16
+            log.info("fp8 (group %d): %d linear layers converted", group, quantize_model_fp8(model, group))
             if self.device.type == "cuda":
                 # Decode rows (<= 16) read the fp8 weights through a Triton GEMV (W8A16) where
-                # startup timing beats _scaled_mm; before the KV pool is sized and graph capture.
+                # startup timing beats the other path; before the KV pool is sized and graph capture.
                 log.info("fp8 W8A16 gemv at decode: %d linear layers", use_fp8_gemv(model))
         if config.triton_gemv and self.device.type == "cuda":
             from worker.model.gemv import use_triton_gemv

@@ -7,13 +7,15 @@ Contract:
   cycle through more than the L2 cache (ROTATE_BYTES, at most a quarter of the free memory) so
   each timed call reads from DRAM. 16-bit / fp32: N(0, 1/K). float8_e4m3fn: N(0, 1) rounded to
   e4m3, meant for the per-row scales of `weight_scale(n, k, device, seed)` (about 1/sqrt(K)), so
-  the dequantized weight has the 16-bit copies' spread.
-- `tune(m, n, k, dtype, device, weight_dtype=None)`: us per call of every candidate
+  the dequantized weight has the 16-bit copies' spread; with `group_size` > 0 the scales are
+  [N, cdiv(K, group_size)] (one per group of K columns, as the fp8 GEMV's grouped form takes them).
+- `tune(m, n, k, dtype, device, weight_dtype=None, group_size=0)`: us per call of every candidate
   (`candidates(bucket, weight_dtype)`) for bucket(m) rows of x in `dtype` against weights of
   `weight_dtype` (default: dtype), and of F.linear ("F.linear") when the weight is dense. fp8
   weights have no F.linear entry: worker/model/fp8.py times its own W8A8 path against the winner.
-- `best_config(m, n, k, dtype, device, weight_dtype=None)`: the fastest candidate, timed once per
-  key (row bucket 1/2/4/8/16, N, K, x dtype, weight dtype, device) on CUDA and cached with every
+- `best_config(m, n, k, dtype, device, weight_dtype=None, group_size=0)`: the fastest candidate,
+  timed once per key (row bucket 1/2/4/8/16, N, K, x dtype, weight dtype, fp8 scale group size,
+  device) on CUDA and cached with every
   time (`TUNING`); `default_config(m)` on CPU and while a stream is capturing (no timing there).
   `tuning_times(...)` returns the cached times of a key (empty when never timed).
 - Cost: per key, on CUDA, one graph capture + 11 replays per candidate over ~256 MiB of weight
@@ -98,27 +100,37 @@ def weight_copies(
     return [first] + [first.clone() for _ in range(count - 1)]
 
 
-def weight_scale(n: int, k: int, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """Per-row float32 scales [N] in [0.5, 1.5) / sqrt(K) for `weight_copies`' fp8 weights."""
+def weight_scale(n: int, k: int, device: torch.device, seed: int = 0, group_size: int = 0) -> torch.Tensor:
+    """float32 scales in [0.5, 1.5) / sqrt(K) for `weight_copies`' fp8 weights: [N] per row, or
+    [N, cdiv(K, group_size)] per group of K columns."""
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    return ((0.5 + torch.rand(n, generator=gen)) * k**-0.5).to(device)
+    shape = (n, triton.cdiv(k, group_size)) if group_size else (n,)
+    return ((0.5 + torch.rand(shape, generator=gen)) * k**-0.5).to(device)
 
 
 def tune(
-    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_dtype: torch.dtype | None = None,
+    group_size: int = 0,
 ) -> dict[str, float]:
     """us per call of every candidate for bucket(m) rows (and of F.linear for a dense weight)."""
     device = torch.device(device)
     weight_dtype = weight_dtype or dtype
     rows = row_bucket(m)
     weights = weight_copies(n, k, weight_dtype, device)
-    scale = weight_scale(n, k, device) if weight_dtype == FP8 else None
+    scale = weight_scale(n, k, device, group_size=group_size) if weight_dtype == FP8 else None
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     times = {}
     if weight_dtype == dtype:
         times["F.linear"] = time_us([lambda w=w: F.linear(x, w) for w in weights], device)
     for config in candidates(rows, weight_dtype):
-        fns = [lambda w=w, c=config: gemv(x, w, config=c, scale=scale) for w in weights]
+        fns = [
+            lambda w=w, c=config: gemv(x, w, config=c, scale=scale, group_size=group_size) for w in weights
+        ]
         times[str(config)] = time_us(fns, device)
     del weights
     if device.type == "cuda":
@@ -126,12 +138,13 @@ def tune(
     return times
 
 
-def tuning_key(m, n, k, dtype, device, weight_dtype=None) -> tuple:
-    """(row bucket, N, K, x dtype, weight dtype, device with its index): TUNING's key."""
+def tuning_key(m, n, k, dtype, device, weight_dtype=None, group_size: int = 0) -> tuple:
+    """(row bucket, N, K, x dtype, weight dtype, scale group size, device with its index): TUNING's
+    key."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return (row_bucket(m), n, k, dtype, weight_dtype or dtype, device)
+    return (row_bucket(m), n, k, dtype, weight_dtype or dtype, group_size, device)
 
 
 def best_config(
@@ -141,14 +154,15 @@ def best_config(
     dtype: torch.dtype,
     device: torch.device | str,
     weight_dtype: torch.dtype | None = None,
+    group_size: int = 0,
 ) -> GemvConfig:
     """The fastest candidate for bucket(m) rows of an [N, K] weight, timed once per key on CUDA
     (and cached, with every time in TUNING); DEFAULTS on CPU or while a stream is capturing."""
-    key = tuning_key(m, n, k, dtype, device, weight_dtype)
+    key = tuning_key(m, n, k, dtype, device, weight_dtype, group_size)
     if key[-1].type != "cuda" or (key not in _BEST and torch.cuda.is_current_stream_capturing()):
         return default_config(m)
     if key not in _BEST:
-        times = TUNING[key] = tune(m, n, k, dtype, key[-1], key[4])
+        times = TUNING[key] = tune(m, n, k, dtype, key[-1], key[4], group_size)
         by_label = {str(c): c for c in candidates(m, key[4])}
         _BEST[key] = by_label[min(by_label, key=times.__getitem__)]
     return _BEST[key]
@@ -161,10 +175,11 @@ def tuning_times(
     dtype: torch.dtype,
     device: torch.device | str,
     weight_dtype: torch.dtype | None = None,
+    group_size: int = 0,
 ) -> dict[str, float]:
     """TUNING's entry (us per call by config label, and "F.linear" for dense) for that key; empty
     when never timed (always on CPU)."""
-    return TUNING.get(tuning_key(m, n, k, dtype, device, weight_dtype), {})
+    return TUNING.get(tuning_key(m, n, k, dtype, device, weight_dtype, group_size), {})
 
 
 def choose_buckets(
@@ -176,8 +191,10 @@ def choose_buckets(
     baseline: tuple[str, Callable[[int], float]],
     force: bool = False,
     weight_dtype: torch.dtype | None = None,
+    group_size: int = 0,
 ) -> tuple[dict[int, GemvConfig], list[dict], list[str]]:
-    """Per row bucket of an [N, K] weight: the GEMV's best config where it was timed faster than
+    """Per row bucket of an [N, K] weight (fp8 with `group_size` > 0: per-group scales, tuned
+    under their own key): the GEMV's best config where it was timed faster than
     the path it replaces (`baseline` = (its name, its time in us for a bucket), timed the same way),
     or every bucket's default config with `force` (no timing). Returns (the configs to use by
     bucket, one report row per bucket: rows, config, gemv_us, `<name>_us`, use; log notes)."""
@@ -188,8 +205,8 @@ def choose_buckets(
         if force:
             config, gemv_us, base_us = default_config(bucket), None, None
         else:
-            config = best_config(bucket, n, k, dtype, device, weight_dtype)
-            gemv_us = tuning_times(bucket, n, k, dtype, device, weight_dtype)[str(config)]
+            config = best_config(bucket, n, k, dtype, device, weight_dtype, group_size)
+            gemv_us = tuning_times(bucket, n, k, dtype, device, weight_dtype, group_size)[str(config)]
             base_us = baseline_us(bucket)
             notes.append(f"{bucket} row(s) {gemv_us:.1f} vs {base_us:.1f} us ({config})")
         use = force or gemv_us < base_us

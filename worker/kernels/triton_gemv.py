@@ -1,14 +1,20 @@
 """Triton GEMV / skinny GEMM for decode: `y = x @ W^T (+ bias)` with x [M <= 16, K], W [N, K];
-also W8A16: `y = (x @ W.float()^T) * scale (+ bias)` for a float8_e4m3fn W with per-row scales.
+also W8A16: `y = x @ (W.float() * scale)^T (+ bias)` for a float8_e4m3fn W with per-row scales or
+per-(row, group of K columns) scales.
 
 Contract:
-- Input: `gemv(x [M, K], weight [N, K], bias [N] | None, out=None, config=None, scale=None)`; x of
-  bfloat16, float16 or float32; weight of x's dtype, or float8_e4m3fn with `scale` [N] float32
-  (contiguous; only then); both with a contiguous last dim (any row stride), 1 <= M <= MAX_ROWS
+- Input: `gemv(x [M, K], weight [N, K], bias [N] | None, out=None, config=None, scale=None,
+  group_size=0)`; x of bfloat16, float16 or float32; weight of x's dtype, or float8_e4m3fn with a
+  contiguous float32 `scale` (only then): [N] per row (group_size 0), or [N, cdiv(K, group_size)]
+  for group_size a power of two >= 16 (column k of row n scaled by scale[n, k // group_size]; K
+  need not be a multiple of it); both with a contiguous last dim (any row stride), 1 <= M <= MAX_ROWS
   (16), on one device; `out` [M, N] in x's dtype with a contiguous last dim. `config` (a
   `GemvConfig`) defaults to `gemv_tuning.best_config(M, N, K, dtype, device, weight dtype)`.
 - Output: `out` (new when None): `x @ W^T` accumulated in float32 (products of the stored values,
-  no tf32: fp32 dots use "ieee"), times `scale[n]` once at the end (fp8), plus bias in float32,
+  no tf32: fp32 dots use "ieee"), times `scale[n]` once at the end (fp8 per row) or each group's
+  float32 partial times its scale inside the K loop (per group: the tile's block_k is capped at
+  group_size, so a tile never straddles two groups; split-K partials are then already scaled),
+  plus bias in float32,
   cast once to x's dtype. fp8 weights are widened in registers (exact: every e4m3 value is a
   bfloat16 / float16 / float32 value) and x is not quantized.
 - Kernels: each program reads a [BLOCK_N, BLOCK_K] tile of W per step over its share of K, so W
@@ -32,16 +38,18 @@ Contract:
 - Cost: one launch (split_k == 1) or two; weight bytes read once; x re-read from L2 by every
   N tile; a split-K scratch of 4 * splits * 16 * N bytes per (N, splits), kept.
 - Fails how: ValueError for a wrong rank, shape, dtype, device or stride, a scale missing for an
-  fp8 weight or given for another, M outside 1..16, or a dot=False config with M > 1;
-  RuntimeError for a scratch buffer first needed during capture.
+  fp8 weight or given for another, a group_size that is not 0 or a power of two >= 16 (or given
+  for a 16-bit weight), a scale whose shape does not match the group size, M outside 1..16, or
+  a dot=False config with M > 1; RuntimeError for a scratch buffer first needed during capture.
 - Proven by tests/test_gemv.py (every candidate vs the float32 product on CPU under the
   interpreter, M = 1..16, odd N and K, bias or not, fp8 weights with scales, NaN-poisoned output
-  and scratch; on CUDA also replay inside a CUDA graph); speed by benchmarks/gpu_gemv.py on a GPU.
+  and scratch; on CUDA also replay inside a CUDA graph) and tests/test_gemv_groups.py (per-group
+  scales: every fp8 candidate, K not a multiple of the group); speed by benchmarks/gpu_gemv.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -67,6 +75,8 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     k_per_split,
+    group_size,
+    n_groups,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -75,6 +85,7 @@ def _gemv_kernel(
     PARTIAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    GROUPED: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -93,6 +104,8 @@ def _gemv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # Even K: the mask folds to all-true along K, so loads stay vectorized.
         k_ok = (offs_k < K) | EVEN_K
+        if GROUPED:  # the tile lies in one group of K (BLOCK_K divides group_size): one scale per row
+            s = tl.load(s_ptr + offs_n.to(tl.int64) * n_groups + k0 // group_size, mask=n_ok, other=0.0)
         if DOT:  # W^T tile (BK, BN): column n is W's row n, contiguous along K
             w_mask = n_ok[None, :] & k_ok[:, None]
             wt = tl.load(
@@ -100,7 +113,13 @@ def _gemv_kernel(
             )
             x_mask = m_ok[:, None] & k_ok[None, :]
             xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-            if DOT_F32:  # float32 inputs, or the interpreter (it cannot tl.dot bfloat16)
+            if GROUPED:  # this group's partial product, scaled in float32
+                if DOT_F32:
+                    part = tl.dot(xs.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(xs, wt.to(xs.dtype))
+                acc += part * s[None, :]
+            elif DOT_F32:  # float32 inputs, or the interpreter (it cannot tl.dot bfloat16)
                 acc = tl.dot(xs.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
             else:  # an fp8 tile widened to x's 16-bit type (exact); a no-op for 16-bit weights
                 acc = tl.dot(xs, wt.to(xs.dtype), acc)
@@ -110,14 +129,17 @@ def _gemv_kernel(
                 w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
             )
             xs = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)  # the one row
-            acc2 += w.to(tl.float32) * xs.to(tl.float32)[None, :]
+            if GROUPED:
+                acc2 += w.to(tl.float32) * s[:, None] * xs.to(tl.float32)[None, :]
+            else:
+                acc2 += w.to(tl.float32) * xs.to(tl.float32)[None, :]
     if not DOT:
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BN)
     mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:  # unscaled float32 partial of this split: scratch[pid_k, m, n]
         tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
     else:
-        if HAS_SCALE:  # fp8 weight: its per-row scale, once
+        if HAS_SCALE and not GROUPED:  # fp8 weight: its per-row scale, once
             acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -260,7 +282,7 @@ def _scratch(device: torch.device, splits: int, n: int) -> torch.Tensor:
     return buf
 
 
-def _check(x, weight, bias, out, scale) -> tuple[int, int, int]:
+def _check(x, weight, bias, out, scale, group_size: int = 0) -> tuple[int, int, int]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
@@ -274,8 +296,15 @@ def _check(x, weight, bias, out, scale) -> tuple[int, int, int]:
         )
     if fp8 != (scale is not None):
         raise ValueError(f"scale goes with a {FP8} weight, and only with one")
-    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or scale.stride(0) != 1):
-        raise ValueError(f"scale must be contiguous [{n}] float32, got {tuple(scale.shape)} {scale.dtype}")
+    if group_size and not (_pow2(group_size) and group_size >= 16 and fp8):
+        raise ValueError(f"group_size must be 0 or a power of two >= 16 (fp8 weights only), got {group_size}")
+    shape = (n, triton.cdiv(k, group_size)) if group_size else (n,)
+    if scale is not None and (
+        scale.shape != shape or scale.dtype != torch.float32 or not scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"scale must be contiguous {list(shape)} float32, got {tuple(scale.shape)} {scale.dtype}"
+        )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
             f"x and weight need a contiguous last dim, got strides {x.stride()}, {weight.stride()}"
@@ -297,14 +326,17 @@ def gemv(
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
+    group_size: int = 0,
 ) -> torch.Tensor:
-    m, n, k = _check(x, weight, bias, out, scale)
+    m, n, k = _check(x, weight, bias, out, scale, group_size)
     if config is None:
         from worker.kernels.gemv_tuning import best_config  # it imports this module
 
-        config = best_config(m, n, k, x.dtype, x.device, weight.dtype)
+        config = best_config(m, n, k, x.dtype, x.device, weight.dtype, group_size)
     if not config.dot and m != 1:
         raise ValueError(f"config {config} (dot=False) takes one row, got {m}")
+    if group_size and config.block_k > group_size:  # every K tile inside one scale group
+        config = replace(config, block_k=group_size)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     splits, per = split_plan(k, config)
@@ -313,7 +345,23 @@ def gemv(
     s = scale if scale is not None else weight  # never read without HAS_SCALE
     partial = _scratch(x.device, splits, n) if splits > 1 else out
     grid = (triton.cdiv(n, config.block_n), splits)
-    args = (x, weight, b, s, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0), per)
+    groups = triton.cdiv(k, group_size) if group_size else 1
+    args = (
+        x,
+        weight,
+        b,
+        s,
+        partial,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        per,
+        max(group_size, 1),
+        groups,
+    )
     _gemv_kernel[grid](
         *args,
         BLOCK_M=16 if config.dot else 1,
@@ -324,6 +372,7 @@ def gemv(
         PARTIAL=splits > 1,
         HAS_BIAS=has_bias,
         HAS_SCALE=scale is not None,
+        GROUPED=group_size > 0,
         DOT_F32=INTERPRETED or x.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -334,7 +383,7 @@ def gemv(
             BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=REDUCE_BLOCK_N,
             HAS_BIAS=has_bias,
-            HAS_SCALE=scale is not None,
+            HAS_SCALE=scale is not None and not group_size,
         )
         grid = (triton.cdiv(n, REDUCE_BLOCK_N),)
         _splitk_reduce_kernel[grid](partial, b, s, out, m, n, out.stride(0), **meta)
