@@ -137,6 +137,7 @@ ENGINE_SAMPLES = {
     "gpu_memory_utilization": "0.5",
     "device": "cpu",
     "model": "/models/m.gguf",
+    "fp8_group_size": "64",  # a power of two >= 16 (or 0)
     "tensor_parallel_size": "3",  # must divide the embedded model's heads (9 / 3 kv), vocab and MLP
 }
 
