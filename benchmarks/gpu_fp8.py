@@ -2,20 +2,24 @@
 
 Protocol:
 - `fp8_section`: the same random model at batch 1 and `fp8_batch`, prompt P + N output
-  tokens, engine with graphs: bf16; `--quantization fp8` (W8A8 linears, worker/model/fp8.py) with
-  the activation quantization as torch ops and as one Triton kernel; fp8 weights +
-  `--kv-cache-dtype fp8`. Decode tok/s as in the engine section, and the speedup over
-  bf16. Then the real checkpoint (SmolLM2 GGUF when $SMOLLM2_GGUF / the gguf package are here, as
-  for the checkpoint check, benchmarks/gpu_checkpoint.py): bf16 vs fp8 weights vs fp8 weights + fp8
-  KV, greedy, the checkpoint prompts: relative max logit error at each sampled step (max |fp8 -
-  bf16| / max |bf16| per row, then the median and max over rows of the first step, and over all
-  steps), and greedy agreement (identical requests, share of tokens before the first divergence).
+  tokens, engine with graphs: bf16; the per-channel form (`--fp8-group-size 0`, "fp8 ch": W8A8
+  `_scaled_mm` at prefill, worker/model/fp8.py) with the activation quantization as torch ops and
+  as one Triton kernel; the default `--quantization fp8` (per-128-column scales, W8A16: the
+  grouped GEMV at decode, dequantize + matmul at prefill), alone and with `--kv-cache-dtype fp8`.
+  Each form converts a fresh copy of the model. Decode tok/s as in the engine section, and the
+  speedup over bf16. Then the real checkpoint (SmolLM2 GGUF when $SMOLLM2_GGUF / the gguf package
+  are here, as for the checkpoint check, benchmarks/gpu_checkpoint.py): bf16 vs each fp8 form
+  (a copy of the bf16 model each), greedy, the checkpoint prompts: relative max logit error at
+  each sampled step (max |fp8 - bf16| / max |bf16| per row, then the median and max over rows of
+  the first step, and over all steps), and greedy agreement (identical requests, share of tokens
+  before the first divergence). The same metrics on CPU: benchmarks/fp8_accuracy.py.
 Results go into the gpu_bench result dict (`res["fp8"]`), saved after every case.
 Proven by tests/test_gpu_bench.py (the smoke run, tiny sizes on CPU).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -27,13 +31,21 @@ from worker.types import SamplingParams
 
 FP8_VARIANTS = [
     ("bf16", {}),
-    ("fp8", dict(quantization="fp8")),
+    ("fp8 ch", dict(quantization="fp8", fp8_group_size=0)),  # the old form: per channel, W8A8
+    ("fp8", dict(quantization="fp8")),  # the default: per 128 columns, W8A16
     ("fp8+kv", dict(quantization="fp8", kv_cache_dtype="fp8")),
 ]
-# Speed also with the activation quantization as plain torch ops (~6 kernels per linear instead of
-# one Triton kernel: fp8.ACT_QUANT), to show what the fused quantizer buys.
+# Speed also with the W8A8 activation quantization as plain torch ops (~6 kernels per linear
+# instead of one Triton kernel: fp8.ACT_QUANT), to show what the fused quantizer buys.
 SPEED_VARIANTS = [(n, e, "triton") for n, e in FP8_VARIANTS]
-SPEED_VARIANTS.insert(1, ("fp8 torch-act", dict(quantization="fp8"), "torch"))
+SPEED_VARIANTS.insert(1, ("fp8 ch torch-act", dict(quantization="fp8", fp8_group_size=0), "torch"))
+
+
+def fp8_form(extra: dict) -> int | None:
+    """The variant's fp8 scale group size (0 = per channel), None for bf16 weights."""
+    from worker.model.fp8 import GROUP_SIZE
+
+    return extra.get("fp8_group_size", GROUP_SIZE) if extra.get("quantization") == "fp8" else None
 
 
 def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, save) -> None:
@@ -45,13 +57,19 @@ def fp8_section(res: dict, sizes: dict, device: torch.device, deadline: float, s
     gen = torch.Generator().manual_seed(5)
     vocab = sizes["model"].vocab_size
     prompts = {b: torch.randint(0, vocab, (b, p), generator=gen).tolist() for b in batches}
-    model = random_model(sizes, device)
+    model, form = random_model(sizes, device), None
     for name, extra, act_quant in SPEED_VARIANTS:
         if time.perf_counter() > deadline:
             out["speed"].append({"variant": name, "skipped": "time budget"})
             continue
-        if extra.get("quantization") == "fp8":
-            fp8.quantize_model_fp8(model)  # in place, once; bf16 ran first
+        if fp8_form(extra) != form:  # in place, once per form; bf16 ran first
+            if form is not None:
+                model = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                model = random_model(sizes, device)
+            form = fp8_form(extra)
+            fp8.quantize_model_fp8(model, form)
         fp8.ACT_QUANT = act_quant  # read at each forward: the graphs record this path
         try:
             engine = make_engine(model, device, max(batches), 2048, **extra)
@@ -89,9 +107,14 @@ def fp8_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float
     out.update(model=loaded.name, requests=num, max_tokens=max_tokens)
     results = {}
     for name, extra in FP8_VARIANTS:
-        if name != "bf16":
-            quantize_model_fp8(loaded.model)
-        engine = make_engine(loaded.model, device, num, 2048, **extra)
+        if time.perf_counter() > deadline and name != "bf16":
+            out[name] = {"skipped": "time budget"}
+            continue
+        model = loaded.model
+        if fp8_form(extra) is not None:
+            model = copy.deepcopy(loaded.model)  # the bf16 weights stay for the next form
+            quantize_model_fp8(model, fp8_form(extra))
+        engine = make_engine(model, device, num, 2048, **extra)
         logits: dict[str, list[torch.Tensor]] = {}
         engine.runner.logits_observer = lambda ids, rows: [
             logits.setdefault(i, []).append(r.float().cpu()) for i, r in zip(ids, rows)
@@ -106,9 +129,9 @@ def fp8_checkpoint(out: dict, sizes: dict, device: torch.device, deadline: float
             for o in engine.step():
                 toks[o.request_id].extend(o.new_token_ids)
         results[name] = ([toks[r] for r in ids], [logits[r] for r in ids])
-        del engine
+        del engine, model
     ref_tokens, ref_logits = results["bf16"]
-    for name in ("fp8", "fp8+kv"):
+    for name in [n for n in results if n != "bf16"]:
         tokens, logits = results[name]
         first = [float((a[0] - b[0]).abs().max() / b[0].abs().max()) for a, b in zip(logits, ref_logits)]
         # Later steps compare only while both saw the same tokens (before the first divergence).
@@ -140,8 +163,11 @@ def fp8_markdown(res: dict) -> list[str]:
     lines = [
         "",
         "**FP8** (random 1B shape, prompt + output as the engine section, CUDA graphs): decode tok/s; "
-        "fp8 = W8A8 linears via torch._scaled_mm (embedding / LM head stay bf16; activations quantized "
-        "by one Triton kernel, or by torch ops in 'fp8 torch-act'), +kv = fp8 KV cache.",
+        "fp8 = the default --quantization fp8 (one scale per 128 columns, W8A16: grouped Triton GEMV "
+        "at decode, dequantize + matmul at prefill); fp8 ch = --fp8-group-size 0 (per channel, W8A8 "
+        "via torch._scaled_mm, activations quantized by one Triton kernel, or by torch ops in "
+        "'torch-act'; the GEMV at decode where timed faster); embedding / LM head stay bf16; "
+        "+kv = fp8 KV cache.",
         "",
         "| variant | batch | decode step ms | decode tok/s | speedup vs bf16 |",
         "|---|---:|---:|---:|---:|",
@@ -170,9 +196,11 @@ def fp8_markdown(res: dict) -> list[str]:
         "| first token equal | tokens before first divergence |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name in ("fp8", "fp8+kv"):
+    for name in ("fp8 ch", "fp8", "fp8+kv"):
         a = c.get(name)
-        if a:
+        if a and "skipped" in a:
+            lines.append(f"| {name} | {a['skipped']} | | | | |")
+        elif a:
             lines.append(
                 f"| {name} | {a['first_step_rel_err_median']:.3f} / {a['first_step_rel_err_max']:.3f} | "
                 f"{a['rel_err_max_before_divergence']:.3f} | {a['identical']}/{c['requests']} | "
