@@ -145,7 +145,7 @@ def test_smoke_run_writes_tables(tmp_path):
     # FP8: bf16, fp8 weights, fp8 weights + KV at two batch sizes; the checkpoint part says why not.
     speed = res["fp8"]["speed"]
     assert [(r["variant"], r["batch_size"]) for r in speed] == [
-        (v, b) for v in ("bf16", "fp8 torch-act", "fp8", "fp8+kv") for b in (1, 2)
+        (v, b) for v in ("bf16", "fp8 ch torch-act", "fp8 ch", "fp8", "fp8+kv") for b in (1, 2)
     ]
     assert all(r["t_n_s"] > 0 for r in speed)
     assert "gguf" in res["fp8"]["checkpoint"]["skipped"]
