@@ -87,6 +87,10 @@ def sim(w_group: int, a_group: int | None, keep: tuple[str, ...] = ()):
     return lambda model: convert(model, lambda lin: SimFp8Linear(lin, w_group, a_group), keep)
 
 
+def grouped(group: int):
+    return lambda model: quantize_model_fp8(model, group)
+
+
 def only(layer_type: str):
     return sim(0, 0, tuple(t for t in LAYER_TYPES if t != layer_type))
 
@@ -97,9 +101,15 @@ VARIANTS = {
     "fp32": ("float32", None, "float32 model: the reference's own rounding"),
     "Fp8Linear w8a8 ch": (
         "bfloat16",
-        quantize_model_fp8,
+        grouped(0),
         "the module: _scaled_mm, per-channel (the old default)",
     ),
+    "Fp8Linear g128": (
+        "bfloat16",
+        grouped(128),
+        "the module: per-128-column scales, W8A16 (the new default)",
+    ),
+    "Fp8Linear g64": ("bfloat16", grouped(64), "the module: per-64-column scales, W8A16"),
     "sim w8a8 ch": ("bfloat16", sim(0, 0), "formula: per-channel weight, per-token act (the old default)"),
     "sim w8a16 ch": ("bfloat16", sim(0, None), "formula: per-channel weight, bf16 act"),
     "sim w8a16 g128": ("bfloat16", sim(128, None), "formula: per-(channel, 128 cols) weight, bf16 act"),
