@@ -24,8 +24,16 @@ Protocol, per weight shape (default: the 1.24B Llama of benchmarks/gpu_bench.py,
   step table sums dense cuBLAS, W8A8, the GEMV and the faster fp8 path per shape (what
   `use_fp8_gemv` picks), with that as a speedup over dense cuBLAS: the projections' part of issue
   19's FP8 target (>= 1.6x bf16 at batch 1 for the whole step, whose LM head stays bf16).
-On CPU (`TRITON_INTERPRET=1 ... --smoke`, tests/test_gemv.py) the same code runs tiny shapes
-with Triton interpreted: the times mean nothing there, only that it runs and the values are right.
+- Grouped FP8 rows (`gemv_bench(..., grouped=True)`, the CLI's default; `kind: "fp8-g128"`): the
+  default `--quantization fp8` form (per-row-and-128-column scales, W8A16) as Fp8Linear runs it:
+  for each M of `rows` the grouped GEMV (`path: "gemv"`), for each of `gemm_rows` (default 64: a
+  graph-captured decode batch; 512: a prefill chunk) the Triton fp8 GEMM
+  (worker/kernels/triton_fp8_gemm.py, `path: "gemm"`), each against F.linear on the bf16 weight
+  (`cublas_us`) and against what the GEMM replaced, the weight dequantized + F.linear
+  (`dense_us`); errors vs the float32 product with the dequantized weight.
+On CPU (`TRITON_INTERPRET=1 ... --smoke`, tests/test_gemv.py, tests/test_fp8_gemm.py) the same code
+runs tiny shapes with Triton interpreted: the times mean nothing there, only that it runs and the
+values are right.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import gemv_tuning, triton_gemv
+from worker.kernels import gemv_tuning, triton_fp8_gemm, triton_gemv
 from worker.model.fp8 import FP8, Fp8Linear
 
 # (name, N, K) of benchmarks/gpu_bench.py's LLAMA_1B (checked by tests/test_gemv.py: shapes_of).
@@ -73,6 +82,8 @@ def gemv_bench(
     rows=(1, 4, 8, 16),
     dtype: torch.dtype = torch.bfloat16,
     fp8: bool = False,
+    grouped: bool = False,
+    gemm_rows=(64, 512),
 ) -> list[dict]:
     device = torch.device(device)
     results = []
@@ -81,7 +92,65 @@ def gemv_bench(
         results += dense
         if fp8:
             results += _fp8_rows(device, name, n, k, rows, dtype, {r["rows"]: r["cublas_us"] for r in dense})
+        if grouped:
+            results += _grouped_rows(device, name, n, k, rows, gemm_rows, dtype)
     return results
+
+
+def _grouped_rows(device, name, n, k, rows, gemm_rows, dtype, group: int = 128) -> list[dict]:
+    """The per-group fp8 form: grouped GEMV (rows) or fp8 GEMM (gemm_rows) vs bf16 F.linear and vs
+    dequantize + F.linear."""
+    dense_w = gemv_tuning.weight_copies(n, k, dtype, device, seed=n + k)
+    copies = gemv_tuning.weight_copies(n, k, FP8, device, seed=n + k)
+    scale = gemv_tuning.weight_scale(n, k, device, seed=n + k, group_size=group)
+    layers = [Fp8Linear(q, scale, None, dtype, group) for q in copies]
+    ref_w = layers[0].dequantize()
+    results = []
+    for m in [*rows, *gemm_rows]:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
+        if m <= triton_gemv.MAX_ROWS:
+            config = gemv_tuning.best_config(m, n, k, dtype, device, FP8, group)
+            kernel = partial(triton_gemv.gemv, x, config=config, scale=scale, group_size=group)
+        else:
+            config = triton_fp8_gemm.config_for(m)
+            kernel = partial(triton_fp8_gemm.fp8_gemm, x, scale=scale, group_size=group)
+        kernel_us = gemv_tuning.time_us([lambda q=q: kernel(q) for q in copies], device)
+        cublas_us = gemv_tuning.time_us([lambda w=w: F.linear(x, w) for w in dense_w], device)
+        dense_us = gemv_tuning.time_us([lambda f=f: f.forward_dense(x) for f in layers], device)
+        ref = x.float() @ ref_w.T
+        path = "gemv" if m <= triton_gemv.MAX_ROWS else "gemm"
+        results.append(
+            dict(shape=name, kind=f"fp8-g{group}", path=path, n=n, k=k, rows=m, group_size=group)
+            | dict(x_dtype=str(dtype).removeprefix("torch."), weight_bytes=n * k, config=str(config))
+            | dict(kernel_us=kernel_us, cublas_us=cublas_us, dense_us=dense_us)
+            | dict(speedup_vs_cublas=cublas_us / kernel_us, speedup_vs_dense=dense_us / kernel_us)
+            | dict(kernel_rel_err=rel_err(kernel(copies[0]), ref))
+            | dict(dense_rel_err=rel_err(layers[0].forward_dense(x), ref))
+        )
+    del dense_w, copies, layers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def grouped_markdown(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "FP8 per group (e4m3, one scale per row and 128 columns, W8A16: the default form): the grouped GEMV "
+        "(<= 16 rows) or the Triton fp8 GEMM vs F.linear on the bf16 weight and vs dequantize + F.linear.",
+        "",
+        "| shape | N x K | rows | path | kernel us | cuBLAS bf16 us | dequant + F.linear us | vs bf16 "
+        "| vs dequant | config | rel. err. kernel / dequant |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in (r for r in rows if r.get("kind", "").startswith("fp8-g")):
+        lines.append(
+            f"| {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['path']} | {r['kernel_us']:.1f} | "
+            f"{r['cublas_us']:.1f} | {r['dense_us']:.1f} | {r['speedup_vs_cublas']:.2f}x | "
+            f"{r['speedup_vs_dense']:.2f}x | {r['config']} | "
+            f"{r['kernel_rel_err']:.1e} / {r['dense_rel_err']:.1e} |"
+        )
+    return lines
 
 
 def _dense_rows(device, name, n, k, rows, dtype) -> list[dict]:
@@ -274,6 +343,8 @@ def rows_to_markdown(rows: list[dict], bandwidth_gbs: float, layers: int = LLAMA
         )
     if any(r.get("kind") == "fp8" for r in rows):
         lines += fp8_markdown(rows, bandwidth_gbs, layers)
+    if any(r.get("kind", "").startswith("fp8-g") for r in rows):
+        lines += grouped_markdown(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -284,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, help="default: measured (4 GiB read-only reduction)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreted)")
     p.add_argument("--no-fp8", action="store_true", help="dense rows only")
+    p.add_argument("--gemm-rows", default="64,512", help="row counts of the grouped fp8 GEMM rows")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--md", help="write the markdown table here")
     args = p.parse_args(argv)
@@ -296,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         tuple(int(v) for v in args.rows.split(",")),
         getattr(torch, args.dtype),
         fp8=not args.no_fp8,
+        grouped=not args.no_fp8,
+        gemm_rows=tuple(int(v) for v in args.gemm_rows.split(",")),
     )
     bandwidth = args.bandwidth_gbs
     if bandwidth is None and device.type == "cuda":

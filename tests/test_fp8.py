@@ -61,7 +61,7 @@ def test_quantize_fp8_error_bound(group):
         assert scale[11, 1] < scale[11, 0] / 100
 
 
-@pytest.mark.parametrize("group", [0, 32])  # 0: W8A8 _scaled_mm; 32: W8A16 dequantize + matmul
+@pytest.mark.parametrize("group", [0, 32])  # 0: W8A8 _scaled_mm; 32: W8A16 (GEMM on CUDA, else dense)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(64, 96), (40, 24)])  # (40, 24): not multiples of 16 (or of 32)
 @torch.no_grad()
@@ -75,7 +75,8 @@ def test_fp8_linear_matches_reference(bias, shape, group):
     x = torch.randn(3, 5, k).to(DEVICE, torch.bfloat16)
     out, ref = f(x), f.forward_reference(x)
     assert out.shape == (3, 5, n) and out.dtype == torch.bfloat16
-    assert (f.dense_calls, f.w8a8_calls) == ((1, 0) if group else (0, 1))
+    gemm = int(bool(group) and DEVICE == "cuda")  # per group on CUDA: the Triton fp8 GEMM
+    assert (f.gemm_calls, f.dense_calls, f.w8a8_calls) == ((gemm, 1 - gemm, 0) if group else (0, 0, 1))
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     # ... and both are the bf16 layer up to fp8 rounding of the weights (and of the activations
     # for W8A8).
@@ -172,12 +173,13 @@ def test_fp8_linear_gemv_path_and_fallbacks(bias, group):
     per-channel or per-group scales), equal to its float32 formula `x @ dequantize().T + b` up to
     one bf16 rounding (2^-7: the interpreter truncates; half that on CUDA); 17 rows, a [2, 20, K]
     input, and rows above max_rows fall back to the module's other path (_scaled_mm per channel,
-    dequantize + F.linear per group) and give exactly the plain Fp8Linear's output (counted)."""
+    per group the Triton GEMM on CUDA, dequantize + F.linear on CPU) and give exactly the plain
+    Fp8Linear's output (counted)."""
     torch.manual_seed(4)
     k, n = 96, 80  # group 32: three groups per row
     lin = torch.nn.Linear(k, n, bias=bias).to(DEVICE, torch.bfloat16)
     f, plain = Fp8Linear.from_linear(lin, group), Fp8Linear.from_linear(lin, group)
-    fallback = "dense_calls" if group else "w8a8_calls"
+    fallback = ("gemm_calls" if DEVICE == "cuda" else "dense_calls") if group else "w8a8_calls"
     assert use_fp8_gemv(f, force=True) == 1 and sorted(f.gemv_configs) == [1, 2, 4, 8, 16]
     deq = f.dequantize()
     for m in range(1, 17):
@@ -221,7 +223,8 @@ def rel_errors(logits: dict, ref: dict) -> torch.Tensor:
 def test_engine_fp8_grouped_is_no_worse_than_w8a8(group):
     """The same greedy run three ways: bf16, the old --quantization fp8 (`--fp8-group-size 0`:
     W8A8 everywhere) and the per-group form with the GEMV forced (the 17-row prefill runs
-    dequantize + F.linear, the 3-row decode steps the grouped GEMV; both W8A16). Against bf16's
+    dequantize + F.linear, on CUDA the Triton GEMM; the 3-row decode steps the grouped GEMV; both
+    W8A16). Against bf16's
     logits (relative max error per request and step; this random model repeats its last prompt
     token, so every run samples the same tokens and every step is comparable): the same greedy
     tokens as bf16, the prefill step's and the decode steps' mean errors no larger than W8A8's
@@ -238,7 +241,8 @@ def test_engine_fp8_grouped_is_no_worse_than_w8a8(group):
     assert tokens == bf16_tokens
     for m in model.modules():
         if isinstance(m, Fp8Linear):  # 5 decode steps of 3 rows; one 17-row prefill
-            assert (m.gemv_calls, m.dense_calls, m.w8a8_calls) == (5, 1, 0)
+            assert (m.gemv_calls, m.dense_calls + m.gemm_calls, m.w8a8_calls) == (5, 1, 0)
+            assert m.gemm_calls == (DEVICE == "cuda")  # the prefill: the Triton GEMM on CUDA
     err, w8a8_err = rel_errors(grouped, bf16), rel_errors(w8a8, bf16)
     assert err.shape == (len(PROMPTS), 6)
     assert float(err[:, 0].mean()) <= 1.05 * float(w8a8_err[:, 0].mean())
@@ -254,7 +258,7 @@ def test_fp8_gemv_timed_and_replayed_on_cuda():
     quantize_model_fp8(model)
     enabled = use_fp8_gemv(model)
     report = model.fp8_gemv_report
-    base = "dense_us"  # the default per-group form: the GEMV replaces dequantize + F.linear
+    base = "gemm_us"  # the default per-group form: the GEMV replaces the Triton fp8 GEMM
     assert len(report) == 4 * 5 and all(r["gemv_us"] > 0 and r[base] > 0 for r in report)
     assert all(r["use"] == (r["gemv_us"] < r[base]) for r in report)
     assert enabled == 2 * len({(r["n"], r["k"]) for r in report if r["use"]})  # 2 layers per shape

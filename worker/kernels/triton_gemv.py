@@ -282,13 +282,15 @@ def _scratch(device: torch.device, splits: int, n: int) -> torch.Tensor:
     return buf
 
 
-def _check(x, weight, bias, out, scale, group_size: int = 0) -> tuple[int, int, int]:
+def _check(x, weight, bias, out, scale, group_size: int = 0, max_rows: int | None = MAX_ROWS):
+    """(M, N, K) of valid arguments, else ValueError; max_rows None: any M >= 1 (shared with
+    worker/kernels/triton_fp8_gemm.py)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
+    if m < 1 or (max_rows is not None and m > max_rows):
+        raise ValueError(f"takes 1..{max_rows or 'any'} rows, got {m}")
     fp8 = weight.dtype == FP8
     if x.dtype not in DTYPES or not (fp8 or weight.dtype == x.dtype):
         raise ValueError(

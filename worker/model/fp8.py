@@ -1,7 +1,8 @@
 """FP8 linear layers (`--quantization fp8`): float8_e4m3fn weights with float32 scales, in two forms.
 Per group (the default, `--fp8-group-size 128`): one scale per output channel and group of K
 columns, activations stay bf16 (W8A16) on every path: the Triton GEMV at decode (<= 16 rows,
-where timing says it wins), the weight dequantized + F.linear otherwise (prefill). Per channel
+where timing says it wins), on CUDA the Triton fp8 GEMM otherwise (prefill, batches > 16), on CPU
+the weight dequantized + F.linear. Per channel
 (`--fp8-group-size 0`, the old form): one scale per output channel, W8A8 through
 `torch._scaled_mm` (activations quantized per token at run time), the GEMV (W8A16) at decode.
 Why per group and W8A16 (benchmarks/fp8_accuracy.py, docs/quantization.md "FP8"): on SmolLM2-135M
@@ -25,13 +26,17 @@ Contract:
     out_dtype with a contiguous last dim: `x @ dequantize().T + bias`, float32 accumulation, one
     rounding to out_dtype (per channel the scale is applied once at the end, per group to each
     group's float32 partial). `gemv_calls` counts it.
-  - otherwise, per group: `forward_dense` = `F.linear(x, dequantize(out_dtype), bias)` (the same
-    W8A16 numerics up to the weight's bf16 rounding, 2^-9 relative, far below e4m3's 2^-4), so
-    prefill and decode agree; `dense_calls` counts it. On a GPU it reads the fp8 weight and writes
-    and reads a bf16 copy per call: prefill (compute-bound at hundreds of rows) pays ~2.5x bf16's
-    weight traffic; `torch._scaled_mm`'s blockwise (1x128) scaling, which would keep fp8 tensor
-    cores there, runs only on sm_90 with K a multiple of 128 (SmolLM2's 576 is not) and also
-    quantizes the activations (error 0.12 instead of 0.10 here), so it is not used.
+  - otherwise, per group, on CUDA with x in out_dtype (16-bit) and a contiguous last dim:
+    `forward_gemm`, the W8A16 Triton GEMM (worker/kernels/triton_fp8_gemm.py: fp8 tiles widened
+    in registers, each group's float32 partial scaled, one rounding; no dequantized copy), the
+    GEMV's numerics for any row count; `gemm_calls` counts it.
+  - otherwise, per group (CPU, where the interpreter is far too slow; float32 x): `forward_dense` =
+    `F.linear(x, dequantize(out_dtype), bias)` (the same W8A16 numerics up to the weight's bf16
+    rounding, 2^-9 relative, far below e4m3's 2^-4); `dense_calls` counts it. On a GPU it would
+    write and read a bf16 copy per call (~2.5x bf16's weight traffic): the reference the GEMM is
+    benchmarked against. `torch._scaled_mm`'s blockwise (1x128) scaling runs only on sm_90 with
+    K a multiple of 128 (SmolLM2's 576 is not) and quantizes the activations (error 0.12 instead
+    of 0.10 here), so it is not used.
   - otherwise, per channel: W8A8 (`forward_w8a8`; `w8a8_calls` counts it): x is quantized per row
     the same way (`x_scale [M, 1]`; on CUDA by one Triton kernel, worker/kernels/triton_quant.py,
     unless `ACT_QUANT = "torch"`), then `_scaled_mm(xq, q.T, scale_a=x_scale,
@@ -50,14 +55,15 @@ Contract:
   the model, per row bucket up to max_rows's, where it was faster: on CUDA, per distinct (N, K,
   out dtype, group size) and bucket it takes the GEMV's best config (`gemv_tuning.best_config`
   with the fp8 weight dtype and group size, timed once per process) and times the path it
-  replaces (W8A8 per channel, dequantize + F.linear per group) the same way
+  replaces (`forward_no_gemv`: W8A8 per channel, the GEMM per group on CUDA) the same way
   (`fallback_time_us`: `gemv_tuning.time_us`, random weights cycled through more than the L2,
   CUDA-graph replay, median; cached per key in `FALLBACK_TIMES`); a bucket uses the GEMV when it
-  was faster. Every enabled config is launched once here (compiles, split-K scratch), so call it
+  was faster. Every enabled config is launched once here (compiles, split-K scratch), and per
+  grouped shape on CUDA each of the GEMM's configs (compiles before the first prefill), so call it
   before CUDA-graph capture, and before the KV pool is sized (the timing's weight copies are
   freed, then `torch.cuda.empty_cache`). Returns how many modules use the GEMV in at least one
   bucket; the times go to one log line per shape and to `model.fp8_gemv_report` (n, k, dtype,
-  group_size, rows, modules, config, gemv_us, w8a8_us or dense_us, use). `force=True`: the
+  group_size, rows, modules, config, gemv_us, w8a8_us / gemm_us (dense_us off CUDA), use). `force=True`: the
   default config in every bucket without timing (also on CPU, where the kernel is interpreted:
   how the tests run it); without force, modules off CUDA are left alone, and so are modules with
   float32 activations (the kernel takes them, but its fp32 tl.dot configs spill registers on
@@ -73,7 +79,8 @@ Contract:
   grouped form no worse than W8A8; the GEMV path forced: logits vs its formula, fallbacks
   counted), tests/test_gemv.py and tests/test_gemv_groups.py (the fp8 GEMV kernel, per channel
   and per group); the accuracy on the real checkpoint by benchmarks/fp8_accuracy.py (CPU) and
-  the GPU session (benchmarks/gpu_fp8.py), the GEMV vs W8A8 timing by benchmarks/gpu_gemv.py.
+  the GPU session (benchmarks/gpu_fp8.py), the GEMV vs W8A8 timing by benchmarks/gpu_gemv.py;
+  the GEMM kernel by tests/test_fp8_gemm.py (`forward_gemm` == reference, interpreted on CPU).
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ class Fp8Linear(nn.Module):
         self.gemv_calls = 0
         self.w8a8_calls = 0
         self.dense_calls = 0
+        self.gemm_calls = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp8Linear:
@@ -200,11 +208,28 @@ class Fp8Linear(nn.Module):
                 group_size=self.group_size,
             )
             return out.reshape(*x.shape[:-1], self.out_features)
-        if self.group_size:
-            self.dense_calls += 1
-            return self.forward_dense(x)
-        self.w8a8_calls += 1
-        return self.forward_w8a8(x)
+        return self.forward_no_gemv(x)
+
+    def forward_no_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """The path for rows the GEMV does not take (counted): per group the Triton GEMM on CUDA
+        (16-bit x in out_dtype, contiguous last dim), else dequantize + F.linear; per channel W8A8."""
+        if not self.group_size:
+            self.w8a8_calls += 1
+            return self.forward_w8a8(x)
+        if x.is_cuda and x.dtype == self.out_dtype != torch.float32 and x.stride(-1) == 1:
+            self.gemm_calls += 1
+            return self.forward_gemm(x)
+        self.dense_calls += 1
+        return self.forward_dense(x)
+
+    def forward_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A16 for any row count through the Triton fp8 GEMM (per-group or per-row scales applied
+        in the kernel, float32 accumulation, one rounding; no dequantized weight)."""
+        from worker.kernels.triton_fp8_gemm import fp8_gemm
+
+        x2 = x.reshape(-1, self.in_features)
+        out = fp8_gemm(x2, self.weight_t.t(), self.gemv_scale(), self.bias, self.group_size)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         """W8A16 for any row count: the weight dequantized to out_dtype (float32 products, one
@@ -276,8 +301,8 @@ def quantize_model_fp8(model: nn.Module, group_size: int = GROUP_SIZE) -> int:
 def fallback_time_us(
     rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group_size: int = 0
 ) -> float:
-    """us per call of the path the GEMV replaces for `rows` rows of an [N, K] weight: W8A8
-    (quantizer + _scaled_mm) per channel, `forward_dense` (dequantize + F.linear) per group; timed
+    """us per call of the path the GEMV replaces for `rows` rows of an [N, K] weight
+    (`forward_no_gemv`: W8A8 per channel; per group the GEMM on CUDA, dequantize + F.linear on CPU); timed
     as the GEMV's candidates are (gemv_tuning.time_us over weight copies that exceed the L2
     cache); cached per key on CUDA."""
     from worker.kernels import gemv_tuning
@@ -289,8 +314,7 @@ def fallback_time_us(
     scale = gemv_tuning.weight_scale(n, k, key[-1], group_size=group_size)
     layers = [Fp8Linear(q, scale, None, dtype, group_size) for q in copies]
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device=key[-1], dtype=dtype)
-    fns = [f.forward_dense if group_size else f.forward_w8a8 for f in layers]
-    us = gemv_tuning.time_us([lambda fn=fn: fn(x) for fn in fns], key[-1])
+    us = gemv_tuning.time_us([lambda f=f: f.forward_no_gemv(x) for f in layers], key[-1])
     del copies, layers
     if key[-1].type == "cuda":
         FALLBACK_TIMES[key] = us
@@ -325,7 +349,7 @@ def use_fp8_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS, force: bool = 
             groups.setdefault(key, []).append(module)
     report, enabled = [], 0
     for (n, k, dtype, group, device), members in groups.items():
-        base = "dense" if group else "w8a8"  # the path the GEMV replaces
+        base = ("gemm" if device.type == "cuda" else "dense") if group else "w8a8"  # what the GEMV replaces
         base_us = lambda bucket: fallback_time_us(bucket, n, k, dtype, device, group)  # noqa: B023, E731 - called at once
         configs, rows, notes = choose_buckets(
             n, k, dtype, device, buckets, (base, base_us), force, FP8, group
@@ -349,6 +373,11 @@ def use_fp8_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS, force: bool = 
                     scale=module.gemv_scale(),
                     group_size=group,
                 )
+        if group and device.type == "cuda":  # each GEMM config compiled now, not in the first prefill
+            from worker.kernels.triton_fp8_gemm import CONFIGS
+
+            for bound, _ in CONFIGS:
+                members[0].forward_gemm(torch.zeros(bound or 256, k, dtype=dtype, device=device))
         enabled += len(members) if configs else 0
     if groups:
         model.fp8_gemv_report = report
