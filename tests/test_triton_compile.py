@@ -28,6 +28,7 @@ KERNELS = {
     "argmax_chunk_kernel",
     "argmax_reduce_kernel",
 }
+FP8_KERNELS = {"fp8_gemm_kernel"}  # compiled for sm_89 and newer only (fp8 needs Ada / Hopper)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def attention(results, target, case):
 
 def test_every_kernel_compiles_for_each_target(compiled):
     for target in ("sm_80", "sm_90"):
-        assert {r["kernel"] for r in compiled if r["target"] == target} == KERNELS
+        want = KERNELS | (FP8_KERNELS if target == "sm_90" else set())
+        assert {r["kernel"] for r in compiled if r["target"] == target} == want
         splits = {
             r["constexprs"]["SPLIT_KV"]
             for r in compiled
@@ -99,6 +101,13 @@ def test_half_precision_attention_uses_tensor_cores_and_fp32_does_not_use_tf32(c
             fp32 = attention(compiled, target, f"mha-d128 fp32 {mode}")
             assert not fp32["tf32"], fp32
     assert not any(r["tf32"] for r in compiled)
+
+
+def test_fp8_gemm_uses_tensor_cores_on_sm_90(compiled):
+    # --quick: a 64-row decode batch and a 512-row prefill (bf16 x, groups of 128), two configs.
+    rows = [r for r in compiled if r["kernel"] == "fp8_gemm_kernel"]
+    assert {r["constexprs"]["BLOCK_M"] for r in rows} == {64, 128}
+    assert all(r["target"] == "sm_90" and r["tensor_cores"] in ("wgmma", "mma") for r in rows), rows
 
 
 def test_fp32_head_dim_128_prefill_takes_the_spill_free_tile(compiled):

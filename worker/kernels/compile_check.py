@@ -4,8 +4,8 @@ The interpreter (`TRITON_INTERPRET=1`, what tests/test_kernels.py runs on CPU) c
 kernels compute but never lowers them: an op the GPU compiler rejects, a tile that spills
 registers, a `tl.dot` that misses the tensor cores or an fp32 dot that silently drops to tf32 all
 pass it. This module runs each launcher (`paged_attention`, `store_kv`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding`, `rope_store_kv`, the two-pass greedy `argmax`; without `--quick` also
-`fused_sample`) on small CPU tensors with
+`rotary_embedding`, `rope_store_kv`, the two-pass greedy `argmax`; for sm_89 and newer the W8A16
+`fp8_gemm`; without `--quick` also `fused_sample`) on small CPU tensors with
 `JITFunction.run` replaced: instead of launching, it specializes the call exactly as Triton's JIT
 does on a GPU (argument types, constexprs, 16-byte divisibility of pointers and ints) and compiles
 it with the Triton wheel's own LLVM and `ptxas` for the requested target (default sm_80 and sm_90:
@@ -217,18 +217,13 @@ def _attention_batch(model: str, dtype: torch.dtype, mode: str) -> tuple[dict, d
     qkv = torch.zeros(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     cache = torch.zeros(num_seqs * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
     batch = dict(
         q=q,
         k_cache=cache,
         v_cache=cache.clone(),
-        block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(
-            num_seqs, blocks_per_seq
-        ),
+        block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, -1),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32),
         scale=head_dim**-0.5,
     )
     extra = dict(
@@ -302,22 +297,36 @@ def compile_all(targets: list[str], quick: bool = False, progress=None) -> list[
         case = [""]
         with capture_launches(parse_target(target_name), case, results, seen):
             _launch_all(model, dtype_name, MODES, case)
+            arch = parse_target(target_name).arch
+            if arch >= 89:  # fp8 (e4m3) needs Ada / Hopper; `seen` skips the repeats
+                _launch_fp8_gemm(case, quick)
             if not quick:
-                _launch_sampling(dtype_name, case, 8 if parse_target(target_name).arch >= 90 else 4)
+                _launch_sampling(dtype_name, case, 8 if arch >= 90 else 4)
     return results
 
 
+def _launch_fp8_gemm(case: list[str], quick: bool) -> None:
+    """worker/kernels/triton_fp8_gemm.py at SmolLM2's q|k|v (N 960, K 576) compiled: --quick 64 and 512
+    rows in bf16 with groups of 128; else every row config, bf16 / fp16, per group and per row."""
+    from worker.kernels import triton_fp8_gemm as g
+
+    rows = (64, 512) if quick else [bound or 512 for bound, _ in g.CONFIGS]
+    for dtype_name, group in [("bf16", 128)] if quick else [("bf16", 128), ("fp16", 128), ("bf16", 0)]:
+        dtype, scale = DTYPES[dtype_name], torch.ones((960, 5) if group else (960,))
+        for m in rows:
+            case[0] = f"{dtype_name} fp8_gemm {m} rows group {group}"
+            x, q = torch.zeros(m, 576, dtype=dtype), torch.zeros(960, 576, dtype=g.FP8)
+            g.fp8_gemm(x, q, scale, torch.zeros(960, dtype=dtype), group)
+
+
 def _launch_sampling(dtype_name: str, case: list[str], num_warps: int) -> None:
-    """The fused sampling kernel (worker/kernels/triton_sampling.py) over a Llama-3-sized row, with
-    the engine's Philox noise and the target's warp count (`default_warps`), compiled, not run; the
-    model does not change its specialization."""
+    """worker/kernels/triton_sampling.py over Llama-3-sized rows, with the engine's Philox noise and
+    the target's warp count (`default_warps`), compiled (the model does not change it)."""
     from worker.kernels import triton_sampling
 
     case[0] = f"{dtype_name} fused_sample"
-    rows = 2
-    f32 = torch.ones(rows, dtype=torch.float32)
-    i64 = torch.zeros(rows, dtype=torch.int64)
-    logits = torch.zeros(rows, 128256, dtype=DTYPES[dtype_name])
+    f32, i64 = torch.ones(2, dtype=torch.float32), torch.zeros(2, dtype=torch.int64)  # two rows
+    logits = torch.zeros(2, 128256, dtype=DTYPES[dtype_name])
     triton_sampling.fused_sample(logits, f32, i64, f32, f32 * 0, i64, i64, num_warps=num_warps)
 
 
@@ -379,16 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(report + "\n")
     if args.json:
+        payload = dict(triton=triton.__version__, targets=args.targets, results=results)
+        payload["results"] = [dataclasses.asdict(r) for r in results]
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "triton": triton.__version__,
-                    "targets": args.targets,
-                    "results": [dataclasses.asdict(r) for r in results],
-                },
-                f,
-                indent=1,
-            )
+            json.dump(payload, f, indent=1)
     return 1 if spills or no_cores or tf32 else 0
 
 
