@@ -25,6 +25,8 @@ Contract:
 - Configs (`CONFIGS`, keyed by M; after vLLM's / SGLang's block-fp8 Triton defaults: 128-column
   K tiles, BLOCK_N 64..128, 3-4 stages, 4-8 warps, GROUP_M 8..32, BLOCK_M from 16 up with M), sized
   to fit sm_89's 99 KiB of shared memory: (x tile 2 B + weight tile 1 B per element) x stages.
+  Compiled for sm_90 / sm_89 (every config, bf16 / fp16, per group / per row): no spills, wgmma on
+  sm_90 (at most 195 registers per thread), mma on sm_89 (at most 242).
 - CUDA-graph safety: no host syncs, and nothing is allocated except `out` (when not given): it
   can be captured once its configs compiled (run each shape once first; `worker.model.fp8.
   use_fp8_gemv` does it for the model's grouped layers, the graph runner's warm-up for its sizes).
