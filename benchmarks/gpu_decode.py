@@ -4,7 +4,9 @@ Protocol (results in the gpu_bench result dict, `res["decode"]`, saved after eve
 1. `gemv`: Triton GEMV vs cuBLAS per projection shape of the benchmark model at 1, 4 and 16 rows
    (benchmarks/gpu_gemv.py: weights cycled through >= 256 MiB so they come from DRAM, CUDA-graph
    timing, best candidate config; us, GB/s, % of the measured read bandwidth), and for 16-bit
-   models the fp8 weight GEMV (W8A16) vs `Fp8Linear`'s W8A8 path (`_scaled_mm`) per shape.
+   models the fp8 weight GEMV (W8A16) vs `Fp8Linear`'s W8A8 path (`_scaled_mm`) per shape, and
+   the per-group fp8 form (one scale per row and 128 columns, the default): its GEMV at those rows
+   and its Triton GEMM (worker/kernels/triton_fp8_gemm.py) at 64 and 512 rows.
 2. `sampling`: the fused sampling kernel vs the torch sampler (benchmarks/gpu_sampling.py:
    temperature 0.8, top-k 50, top-p 0.95 from bf16 logits) at the model's vocabulary and at
    128,256 (Llama 3), batch 1, 64 and 256.
@@ -66,9 +68,11 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
     out = res["decode"] = {"gemv": [], "sampling": [], "engine": []}
     shapes = gpu_gemv.shapes_of(cfg)
     rows = (1, 2) if smoke else GEMV_ROWS
-    # With fp8 rows (16-bit models): the fp8 weight GEMV (W8A16) vs Fp8Linear's W8A8 path vs cuBLAS.
+    # With fp8 rows (16-bit models): the per-channel fp8 GEMV (W8A16) vs Fp8Linear's W8A8 path vs
+    # cuBLAS, and the per-group form (the default): its GEMV at decode rows and its GEMM at 64 / 512
+    # rows vs F.linear on bf16 weights and vs dequantize + F.linear.
     fp8 = sizes["dtype"] in (torch.bfloat16, torch.float16)
-    out["gemv"] = gpu_gemv.gemv_bench(device, shapes, rows=rows, dtype=sizes["dtype"], fp8=fp8)
+    out["gemv"] = gpu_gemv.gemv_bench(device, shapes, rows=rows, dtype=sizes["dtype"], fp8=fp8, grouped=fp8)
     save()
     if time.perf_counter() < deadline:
         vocabs = (cfg.vocab_size,) if smoke else (cfg.vocab_size, 128256)

@@ -146,9 +146,9 @@ class EngineConfig:
         default=128,
         metadata=option(
             "--quantization fp8: one weight scale per this many input columns (a power of two >= 16), "
-            "bf16 activations (W8A16: Triton GEMV at decode, dequantize + matmul at prefill); 0 = one "
-            "scale per output channel and activations quantized per token (W8A8, torch._scaled_mm): "
-            "faster prefill, about twice the logit error (docs/quantization.md, FP8)"
+            "bf16 activations (W8A16: on GPU a Triton GEMV at <= 16 rows, a Triton GEMM above); 0 = one "
+            "scale per output channel and activations quantized per token (W8A8, torch._scaled_mm: fp8 "
+            "tensor cores at prefill), about twice the logit error (docs/quantization.md, FP8)"
         ),
     )
     dense_weights_min_rows: int | None = field(
