@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_llama import save_tiny
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.types import SamplingParams
@@ -20,42 +21,6 @@ PROMPTS = [
     [3] * 37,
     [120, 110, 100, 90, 80, 70, 60],
 ]
-
-
-def save_tiny(tmp_path, kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        eos_token_id=127,
-    )
-    if kind == "qwen2":
-        config, cls = Qwen2Config(**common, tie_word_embeddings=True), Qwen2ForCausalLM
-    else:
-        rope = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "rope_theta": 500000.0,
-        }
-        config, cls = (
-            LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False),
-            LlamaForCausalLM,
-        )
-    model = cls(config).eval()
-    path = tmp_path / kind
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])

@@ -106,25 +106,11 @@ def test_an_all_zero_model_has_the_vocabulary_size_as_perplexity():
 
 
 def test_model_scorer_matches_transformers_on_a_tiny_random_model(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from tests.tiny_llama import save_tiny
     from worker.model.loader import load_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
-    hf = LlamaForCausalLM(config).eval()
-    hf.save_pretrained(tmp_path / "tiny", safe_serialization=True)
-    ours = load_model(tmp_path / "tiny", "float32", "cpu")
+    path, hf = save_tiny(tmp_path, "llama3")
+    ours = load_model(path, "float32", "cpu")
     scorer = pm.ModelScorer(ours.model, "float32")
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (2 * 48 + 5,), generator=gen).tolist()

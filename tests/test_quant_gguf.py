@@ -215,7 +215,7 @@ def test_cuda_dequantizes_quantized_tensors(mixed_gguf):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_safetensors_quantized_at_load(tmp_path, quantization):
-    from tests.test_engine_tiny import save_tiny
+    from tests.tiny_llama import save_tiny
 
     path, hf = save_tiny(tmp_path, "llama3")  # untied lm_head
     ref = load_model(path, "float32", "cpu").model
