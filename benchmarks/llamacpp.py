@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import urllib.error
 import urllib.request
 
 from benchmarks.llamacpp_build import CACHE_ENV, DEFAULT_CACHE, PACKAGE, TARGETS, BuildError, ensure_built
+from common.process import terminate
 
 _FINAL_PPL = re.compile(r"Final estimate:\s*PPL\s*=\s*([0-9.]+)\s*\+/-\s*([0-9.]+)")
 _CHUNK_PPL = re.compile(r"\[(\d+)\]\s*([0-9.]+|nan|inf)")
@@ -128,13 +128,7 @@ class LlamaServer:
     def stop(self, timeout_s: float = 15.0) -> int | None:
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None

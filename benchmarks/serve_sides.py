@@ -27,13 +27,13 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 
 from benchmarks.host_stats import RssSampler
 from benchmarks.report import REPO
+from common.process import terminate
 
 START_TIMEOUT_S = 300.0
 LISTENING = re.compile(r"listening on (\S+)")
@@ -85,13 +85,7 @@ class ServiceProcess:
         raise TimeoutError(f"{self.name} did not start listening in time:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, timeout_s)
         self._log.close()
         return self.popen.returncode
 

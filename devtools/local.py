@@ -23,6 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from common.process import terminate
 from router.models import entries_for
 
 LISTENING = re.compile(r"listening on (\S+)")
@@ -64,13 +65,7 @@ class LocalProcess:
         return self._address
 
     def stop(self, timeout_s: float = 40.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, timeout_s)
         self._pump.join(timeout=5)
         return self.popen.returncode
 

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.net import free_port  # noqa: F401 - re-exported for the tests
+from common.process import terminate
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -126,13 +127,7 @@ class Proc:
 
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM (drain), then SIGKILL after `timeout_s`; the exit status."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout_s)
+        terminate(self.popen, timeout_s)
         self._log.close()
         return self.popen.returncode
 
