@@ -93,7 +93,8 @@ python3 -c "import xdist" 2>/dev/null && parallel="-n 4"
 # SmolLM2 one: the GGUF is not on that machine).
 test_s=$((budget / 2)); [ "$test_s" -gt 180 ] && test_s=180
 timeout "$test_s" python3 -m pytest -q -p no:cacheprovider $parallel \
-    tests/test_kernels.py tests/test_cuda_graphs.py tests/test_fp8.py tests/test_gemv.py tests/test_fp8_gemm.py \
+    tests/test_kernels.py tests/test_cuda_graphs.py tests/test_fp8.py tests/test_gemv.py tests/test_gemv_groups.py \
+    tests/test_fp8_gemm.py \
     tests/test_triton_sampling.py tests/test_request_sampler.py tests/test_async_handoff.py \
     tests/test_async_scheduling.py tests/test_triton_rope_kv.py tests/test_triton_argmax.py \
     -k "not smollm2" \
