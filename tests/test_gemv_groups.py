@@ -24,7 +24,8 @@ BOUND = {torch.bfloat16: (2**-7 if DEVICE == "cpu" else 2**-8) + 1e-5, torch.flo
 
 def grouped_operands(m, n, k, group, dtype, bias, seed):
     """x in dtype; W quantized to e4m3 with one float32 scale per row and group of K columns,
-    the groups' ranges spread over three decades; the float32 reference."""
+    the groups' ranges spread over three decades; the float32 reference; the scale on DEVICE with NaN
+    right after its last element."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen)
     spread = torch.logspace(-2, 1, -(-k // group))[torch.randperm(-(-k // group), generator=gen)]
@@ -34,7 +35,11 @@ def grouped_operands(m, n, k, group, dtype, bias, seed):
     b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
     deq = q.float() * scale.repeat_interleave(group, dim=1)[:, :k]
     ref = x.to(dtype).float() @ deq.T + (b.float() if bias else 0)
-    return x.to(DEVICE, dtype), q.to(DEVICE), b, ref.to(DEVICE), scale.to(DEVICE)
+    # The scale as a view into a buffer whose tail is NaN: a load past its last group (a split's
+    # tiles beyond K) poisons the output instead of reading whatever memory follows.
+    tail = torch.full((scale.numel() + 256,), float("nan"), device=DEVICE)
+    tail[: scale.numel()] = scale.flatten()
+    return x.to(DEVICE, dtype), q.to(DEVICE), b, ref.to(DEVICE), tail[: scale.numel()].view(scale.shape)
 
 
 def run(x, q, b, config, scale, group):

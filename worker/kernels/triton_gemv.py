@@ -105,7 +105,10 @@ def _gemv_kernel(
         # Even K: the mask folds to all-true along K, so loads stay vectorized.
         k_ok = (offs_k < K) | EVEN_K
         if GROUPED:  # the tile lies in one group of K (BLOCK_K divides group_size): one scale per row
-            s = tl.load(s_ptr + offs_n.to(tl.int64) * n_groups + k0 // group_size, mask=n_ok, other=0.0)
+            # (a split's last tiles can lie wholly past K, their W and x loads all masked to 0: they
+            # read the last group's scale, not one past the end of the scale tensor)
+            g = tl.minimum(k0 // group_size, n_groups - 1)
+            s = tl.load(s_ptr + offs_n.to(tl.int64) * n_groups + g, mask=n_ok, other=0.0)
         if DOT:  # W^T tile (BK, BN): column n is W's row n, contiguous along K
             w_mask = n_ok[None, :] & k_ok[:, None]
             wt = tl.load(
