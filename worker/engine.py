@@ -33,7 +33,9 @@ Contract:
   victim's blocks filled by N are not hashed for the prefix cache. What runs synchronously (plan
   made once nothing is in flight, counted in `num_sync_steps`): the first step after idling, and
   the step after a next plan that scheduled nothing because it preempted everything it could run
-  (`fallbacks["preemption"]`). Stop strings are matched by the router, which aborts: an abort here.
+  (`fallbacks["preemption"]`), and the step after an empty next plan for any other reason (every
+  running sequence's pending token is its last, and they still fill `max_num_seqs`). Stop strings
+  are matched by the router, which aborts: an abort here.
   Not with tensor parallelism (the flag is ignored there).
 - Proven by tests/test_engine_*.py, tests/test_async_scheduling.py (async == sync on random
   workloads, preempting ones included) and tests/test_async_preemption.py (preemption in flight,
