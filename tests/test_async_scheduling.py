@@ -2,15 +2,16 @@
 
 The same seeded random workloads run on two engines that differ only in the flag, and every
 request must end with the same tokens, logprobs, finish reason and prompt / output counts; after
-every step the scheduler's integrity holds (deferred blocks included) and at the end every KV
+every step the scheduler's integrity holds and at the end every KV
 block is back in the pool. The workloads mix arrivals between steps, aborts between steps (once a
 request has produced a given number of tokens, the point a router's stop string would abort it),
 EOS and stop token ids, max_tokens, greedy, seeded and penalized sampling, logprobs, priorities,
 shared prefixes (prefix-cache hits) and KV pools small enough to preempt. Every test also asserts
 that steps really overlapped (`num_overlapped_steps`), and where the pool preempts, that plans made
 while a step was in flight preempted, so a broken or disabled overlap fails here. Preemptions are
-not compared (a sequence ending by EOS in the step in flight still holds its blocks when the next
-is planned: worker/engine.py); tests/test_async_preemption.py takes them case by case.
+not compared (the next step is planned before the step in flight's tokens are known, so its
+EOS-ending sequences still count: worker/engine.py); tests/test_async_preemption.py takes them case
+by case.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def run(engine: LLMEngine, requests: list[Request], max_steps: int = 5000) -> di
     assert not engine.has_unfinished_requests()
     engine.scheduler.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.scheduler.deferred and not engine.scheduler.pinned
+    assert not engine.scheduler.pinned
     return results
 
 
@@ -249,9 +250,10 @@ def test_prefix_hits_and_usage_counts_match_sync():
     assert engine.stats().num_overlapped_steps > 0
 
 
-def test_abort_in_flight_frees_blocks_when_the_step_returns():
-    """An abort lands while the step that holds the sequence is in flight: its blocks stay
-    allocated (the step still writes its KV) until that step returns; its token is dropped."""
+def test_abort_in_flight_frees_blocks_at_once():
+    """An abort lands while the step that holds the sequence is in flight: its blocks go back at
+    once (that step's KV write comes before any later step's, queued behind it); its token is
+    dropped when the step returns."""
     config = tiny_config(num_kv_blocks=64, async_scheduling=True)
     engine = LLMEngine(config, runner=tiny_runner(config))
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -264,14 +266,12 @@ def test_abort_in_flight_frees_blocks_when_the_step_returns():
     seq = engine.scheduler.requests["a"]
     held = len(seq.block_table)
     free_before = engine.block_manager.num_free_blocks
-    assert engine.abort("a")
-    assert engine.scheduler.deferred == [seq]
-    assert engine.block_manager.num_free_blocks == free_before  # still held
+    assert engine.abort("a") and seq in engine.scheduler.pinned
+    assert engine.block_manager.num_free_blocks == free_before + held
     outputs = engine.step()
     [a] = [o for o in outputs if o.request_id == "a"]
     assert a.finished and a.finish_reason is FinishReason.ABORT and a.new_token_ids == []
     assert a.num_output_tokens == sum(len(t) for t in tokens)
-    assert not engine.scheduler.deferred
     assert engine.block_manager.num_free_blocks >= free_before + held - 1  # b may take one
     engine.abort("b")
     while engine.has_unfinished_requests():

@@ -3,8 +3,8 @@
 Contract:
 - `add_request(request_id, prompt_token_ids, sampling, priority=0, salt="")` queues a request
   (ValueError for duplicates, empty or over-long prompts).
-- `abort(request_id)` ends it at once (its blocks are freed at once, or when the step in flight that
-  holds it returns); its final output comes from the next `step()` with finish_reason ABORT.
+- `abort(request_id)` ends it at once (its blocks are freed at once, also while a step in flight
+  holds it); its final output comes from the next `step()` with finish_reason ABORT.
 - `step() -> list[RequestOutput]`: one scheduler plan, one forward pass, one sampled token per
   sampling sequence; an output for every sequence that produced tokens or finished.
 - State: everything lives here and is touched by one thread only (AsyncEngine's loop thread);
@@ -20,17 +20,19 @@ Contract:
   decodes, prompt chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded
   sampling, logprobs, logit bias, penalties (their token statistics live on the device, updated by
   each sampled token), stop token ids, EOS, max_tokens (a sequence whose pending token is its last
-  is left out of the next plan), aborts (the step in flight drops the token; blocks are freed when it
-  returns), and preemption (KV pool short, or a waiting request of higher priority): the plan of
-  N+1 preempts as the synchronous one would, sequences of N included. A victim's blocks go back at
-  once: N writes its KV into them before N+1, queued behind N on the executor thread (one stream
-  on a GPU), reuses them; N's token for it is output when N commits, and may finish it while it
-  waits (`Scheduler.commit`); it is re-admitted (recomputed) once that token is known. Differences
-  from the synchronous engine, none in tokens, finish reasons or usage counts: a sequence that ends
-  by EOS or a stop id in N (or is aborted while N runs) still holds its blocks while N+1 is planned
-  (synchronously they would be free), so N+1 may preempt where the synchronous plan would not (more
-  preemptions and recomputation; logprobs of recomputed sequences equal within 1e-5), and a
-  victim's blocks filled by N are not hashed for the prefix cache. What runs synchronously (plan
+  is left out of the next plan), aborts (the step in flight drops the token), and preemption (KV
+  pool short, or a waiting request of higher priority): the plan of N+1 preempts as the synchronous
+  one would, sequences of N included. A victim's blocks go back at once: N writes its KV into them
+  before N+1, queued behind N on the executor thread (one stream on a GPU), reuses them; N's token
+  for it is output when N commits, and may finish it while it waits (`Scheduler.commit`); it is
+  re-admitted (recomputed) once that token is known. So do the blocks of a sequence that ends (EOS
+  or a stop id in N, or an abort) while a step in flight holds it, for the same reason: the plan of
+  N+1 has them as the synchronous plan would. Differences from the synchronous engine, none in
+  tokens, finish reasons or usage counts: N+1 is planned while N's tokens are unknown (a sequence
+  whose pending token ends it by EOS still counts as running then), so N+1 may preempt where the
+  synchronous plan would not, or not where it would (preemption counts differ; logprobs of
+  recomputed sequences equal within 1e-5), and a victim's blocks filled by N are not hashed for the
+  prefix cache. What runs synchronously (plan
   made once nothing is in flight, counted in `num_sync_steps`): the first step after idling, and
   the step after a next plan that scheduled nothing because it preempted everything it could run
   (`fallbacks["preemption"]`), and the step after an empty next plan for any other reason (every
@@ -286,13 +288,12 @@ class LLMEngine:
         return outputs
 
     def _unpin(self) -> None:
-        """Pin exactly the sequences of the plans still in flight; free what that releases; with
-        nothing in flight the executor is idle and takes the pending releases now."""
+        """Pin exactly the sequences of the plans still in flight; with nothing in flight the
+        executor is idle and takes the pending releases now."""
         pinned = self.scheduler.pinned
         pinned.clear()
         for launched in self._in_flight:
             pinned.update(s.seq for s in launched.plan.scheduled)
-        self.scheduler.free_deferred()
         if not self._in_flight:
             for request_id in self._pending_releases:
                 self.runner.release(request_id)

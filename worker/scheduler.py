@@ -23,8 +23,12 @@ Contract:
   token is known. `commit(plan, sampled)` fills the placeholders in and checks stop conditions,
   for preempted (waiting) sequences too: such a token is output, and may finish its sequence
   there; blocks are hashed only for sequences still holding the plan's block table
-  (`ScheduledSeq.preempted`). A sequence that ends while a plan in flight holds it (`pinned`)
-  keeps its blocks until the engine calls `free_deferred()`. `rollback(plan)` undoes `advance`.
+  (`ScheduledSeq.preempted`). A sequence that ends (stop, abort) while a plan in flight holds it
+  (`pinned`) frees its blocks at once, as a victim does: nothing reads them after its end, the one
+  write still pending (that plan computing its dropped token) comes before any later plan's, and
+  that plan's commit skips it, so no block it alone completes gets a hash; the full blocks hashed
+  before stay valid (no later step writes them). `rollback(plan)` undoes `advance` (a finished
+  sequence is skipped: its output is final).
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
   at the end), tests/test_engine_batching.py (batched == alone, token for token) and
   tests/test_async_scheduling.py (async == sync), tests/test_async_preemption.py (preemption while
@@ -106,7 +110,6 @@ class Scheduler:
         self.num_prompt_tokens = 0  # cumulative, counted when a request is first scheduled
         self.num_generation_tokens = 0  # cumulative sampled tokens
         self.pinned: set[Sequence] = set()  # in a plan in flight (async scheduling)
-        self.deferred: list[Sequence] = []  # finished while pinned: blocks not freed yet
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -289,7 +292,8 @@ class Scheduler:
     def commit(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
         """`update` for a plan that went through `advance`: hash the blocks it filled, put the
         sampled tokens in the placeholders, finish what is done. A sequence that ended while the
-        plan ran (aborted, or stopped by the step before) has its token dropped. One preempted
+        plan ran (aborted, or stopped by the step before) has its token dropped and nothing hashed
+        (its blocks went back when it ended and may hold another sequence's KV). One preempted
         while the plan ran (waiting, its blocks gone) gets its token (output, as the synchronous
         engine would have before preempting it) and may finish by it; nothing is hashed for it.
         Returns the sequences that produced a token."""
@@ -338,14 +342,6 @@ class Scheduler:
                 seq.token_ids.pop()
                 seq.num_placeholders -= 1
 
-    def free_deferred(self) -> None:
-        """Free the blocks of finished sequences no plan in flight holds any more."""
-        keep = [seq for seq in self.deferred if seq in self.pinned]
-        for seq in self.deferred:
-            if seq not in self.pinned:
-                self.bm.free(seq)
-        self.deferred = keep
-
     # -- helpers --------------------------------------------------------------------------
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -362,10 +358,10 @@ class Scheduler:
         self._enqueue(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq in self.pinned:
-            self.deferred.append(seq)  # a step in flight still writes its KV
-        else:
-            self.bm.free(seq)
+        """Blocks freed at once, also while a plan in flight holds it (async scheduling: that step
+        writes its KV into them before any later step, queued behind it, reuses them; its commit
+        skips a finished sequence, so they get no hash from it)."""
+        self.bm.free(seq)
         if seq.num_placeholders:  # tokens it will never get
             del seq.token_ids[-seq.num_placeholders :]
             seq.num_placeholders = 0
@@ -379,9 +375,8 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
-        assert all(s.is_finished for s in self.deferred)
         for s in self.waiting:  # preempted while a plan in flight samples its token: no blocks
             assert not s.num_placeholders or (s in self.pinned and not s.block_table), (
                 f"{s.request_id}: a placeholder outside a plan in flight"
             )
-        self.bm.check_integrity(live + self.deferred)
+        self.bm.check_integrity(live)
