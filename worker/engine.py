@@ -40,8 +40,9 @@ Contract:
   are matched by the router, which aborts: an abort here.
   Not with tensor parallelism (the flag is ignored there).
 - Proven by tests/test_engine_*.py, tests/test_async_scheduling.py (async == sync on random
-  workloads, preempting ones included) and tests/test_async_preemption.py (preemption in flight,
-  case by case); `stats()` exposes counters for metrics.
+  workloads, preempting ones included), tests/test_async_preemption.py (preemption in flight,
+  case by case) and tests/test_async_ends_in_flight.py (blocks of sequences ending in flight reused
+  by the next plan); `stats()` exposes counters for metrics.
 """
 
 from __future__ import annotations

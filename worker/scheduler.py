@@ -24,16 +24,17 @@ Contract:
   for preempted (waiting) sequences too: such a token is output, and may finish its sequence
   there; blocks are hashed only for sequences still holding the plan's block table
   (`ScheduledSeq.preempted`). A sequence that ends (stop, abort) while a plan in flight holds it
-  (`pinned`) frees its blocks at once, as a victim does: nothing reads them after its end, the one
-  write still pending (that plan computing its dropped token) comes before any later plan's, and
-  that plan's commit skips it, so no block it alone completes gets a hash; the full blocks hashed
-  before stay valid (no later step writes them). `rollback(plan)` undoes `advance` (a finished
-  sequence is skipped: its output is final).
+  (`pinned`) frees its blocks at once, as a victim does: nothing reads them after its end, the
+  writes still pending (that plan's: a decode whose token is dropped, or an aborted prompt chunk)
+  come before any later plan's, and that plan's commit skips it, so no block it alone completes
+  gets a hash; the full blocks hashed before stay valid (committed KV; reallocation drops a hash).
+  `rollback(plan)` undoes `advance` (a finished sequence is skipped: its output is final).
 - Proven by: tests/test_scheduler_props.py (hypothesis: integrity after every step, all blocks free
   at the end), tests/test_engine_batching.py (batched == alone, token for token) and
   tests/test_async_scheduling.py (async == sync), tests/test_async_preemption.py (preemption while
   a step is in flight: targeted cases and hypothesis workloads over a runner that checks each
-  step's inputs and KV cache).
+  step's inputs and KV cache), tests/test_async_ends_in_flight.py (sequences ending in flight: their
+  blocks reused by the next plan, a failing step rolled back after that).
 """
 
 from __future__ import annotations
