@@ -117,7 +117,7 @@ class CheckpointTensor:
     shape: tuple[int, ...]
 
     def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: GGUFTensor and SafetensorsTensor read their own storage
 
     def int4(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise ValueError(f"{self.name}: {self.type_name} is not stored as 4-bit blocks")
