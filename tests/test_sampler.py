@@ -3,6 +3,7 @@ distribution as they should (statistical checks on a known distribution, not sna
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -79,7 +80,7 @@ def test_engine_seed_reproducible_regardless_of_batch(make_engine, tokenizer):
     others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     batched = engine.generate([prompt, prompt, prompt], [others, sp, others])
     assert batched[1] == alone
-    [other_seed] = engine.generate([prompt], SamplingParams(**{**sp.__dict__, "seed": 99}))
+    [other_seed] = engine.generate([prompt], dataclasses.replace(sp, seed=99))
     assert other_seed != alone
 
 

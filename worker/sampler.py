@@ -24,7 +24,6 @@ the pure-Python reference in worker/sampler_reference.py (logits, drawn tokens, 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -294,7 +293,7 @@ class RequestSampler:
         `observer(request_ids, float32 logits)` (tests) sees every row, all on the torch path."""
         params = [seq.sampling for seq in seqs]
         request_ids = [seq.request_id for seq in seqs]
-        if observer is None and all(plain_greedy(p) for p in params):
+        if observer is None and all([p.plain_greedy for p in params]):
             if self.greedy_argmax is not None:  # the two-pass Triton argmax, model-dtype logits
                 return SampledTokens(request_ids, self.greedy_argmax(logits_fn(False)))
             logits = logits_fn(self.device.type == "cpu")
@@ -364,30 +363,7 @@ def _triton_argmax(device: torch.device):
     return argmax
 
 
-# Sampling fields that cannot change a greedy argmax; any other field away from its default (a
-# penalty, a logit bias, logprobs) sends the batch through `sample`.
-_GREEDY_NEUTRAL = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
-)
-_plain_greedy_cache: dict[int, tuple[SamplingParams, bool]] = {}
-
-
 def plain_greedy(p: SamplingParams) -> bool:
-    """True when `p` is greedy with nothing that alters the argmax or asks for logprobs (cached per
-    params object: requests usually share one)."""
-    hit = _plain_greedy_cache.get(id(p))
-    if hit is not None and hit[0] is p:
-        return hit[1]
-    ok = p.greedy
-    if ok:
-        for f in dataclasses.fields(p):
-            if f.name in _GREEDY_NEUTRAL:
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if getattr(p, f.name) != default:
-                ok = False
-                break
-    if len(_plain_greedy_cache) > 4096:
-        _plain_greedy_cache.clear()
-    _plain_greedy_cache[id(p)] = (p, ok)
-    return ok
+    """True when `p` is greedy with nothing that alters the argmax or asks for logprobs
+    (`SamplingParams.plain_greedy`, computed once per params object)."""
+    return p.plain_greedy

@@ -123,6 +123,9 @@ class Scheduler:
                 f"prompt has {seq.num_prompt_tokens} tokens; the limit is "
                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
             )
+        if not seq.sampling.ignore_eos:
+            seq.stop_ids = seq.stop_ids | self.eos_token_ids
+        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         self.requests[seq.request_id] = seq
         self._enqueue(seq)
 
@@ -155,8 +158,11 @@ class Scheduler:
             if speculative and self._pending_last(seq):
                 i += 1  # its placeholder is its last token, whatever it turns out to be
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * room:
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
+            if computed + n <= len(seq.block_table) * room:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
@@ -265,19 +271,15 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
         """Why `token`, the sequence's `num_tokens`-th (default: its last), ends it; None if not."""
-        sp = seq.sampling
-        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+        if token in seq.stop_ids:
             return FinishReason.STOP
-        if self._ends_by_length(seq, len(seq.token_ids) if num_tokens is None else num_tokens):
+        if (len(seq.token_ids) if num_tokens is None else num_tokens) >= seq.max_num_tokens:
             return FinishReason.LENGTH
         return None
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """A sequence of `num_tokens` tokens has reached max_tokens or max_model_len."""
-        return (
-            num_tokens - len(seq.prompt_token_ids) >= seq.sampling.max_tokens
-            or num_tokens >= self.max_model_len
-        )
+        return num_tokens >= seq.max_num_tokens
 
     # -- async scheduling -----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:

@@ -26,7 +26,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -47,9 +47,15 @@ class Sequence:
     first_token_s: float | None = None
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
+    # Stop conditions, precomputed (host time per sequence per step): the token ids that end it
+    # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
+    stop_ids: frozenset[int] = field(init=False)
+    max_num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.stop_ids = frozenset(self.sampling.stop_token_ids)
+        self.max_num_tokens = len(self.prompt_token_ids) + self.sampling.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

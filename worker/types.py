@@ -9,7 +9,9 @@ tokens or finished in that step. `new_token_ids` are the tokens produced since t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +20,13 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens reached or context full
     ABORT = "abort"  # aborted by the caller (cancellation, deadline)
+
+
+# Sampling fields that cannot change a greedy argmax; any other field away from its default (a
+# penalty, a logit bias, logprobs) sends the batch through the full sampler.
+_GREEDY_NEUTRAL = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that alters the argmax or asks for logprobs (its batch takes the
+        argmax fast path: worker/sampler.py). Computed once per params object: the sampler reads it
+        for every row every step."""
+        if not self.greedy:
+            return False
+        for f in dataclasses.fields(self):
+            if f.name not in _GREEDY_NEUTRAL and getattr(self, f.name) != f.default:
+                return False
+        return True
 
     @property
     def needs_history(self) -> bool:
