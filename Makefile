@@ -47,7 +47,7 @@ bench: install protos
 # its section of docs/benchmarks.md.
 .PHONY: bench-host
 bench-host: install
-	$(PY) -m benchmarks.host_overhead $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.host_overhead $(ARGS)
 
 # Local Ray in-process, WORKERS worker actors (default: one per GPU, else one per two cores) and
 # the router on 127.0.0.1:50051 (gRPC) and :8000 (OpenAI-compatible HTTP, docs/openai.md), in one

@@ -105,7 +105,7 @@ tail -n 15 "$OUT/gpu_tests.log"
 
 # Host time per engine step on this machine's CPU, the host a GPU engine runs on (~30 s: greedy,
 # sampled through the torch sampler and through the fused path).
-timeout 90 python3 -m benchmarks.host_overhead --out "$OUT/host_overhead.json" \
+OMP_WAIT_POLICY=PASSIVE timeout 90 python3 -m benchmarks.host_overhead --out "$OUT/host_overhead.json" \
     > "$OUT/host_overhead.log" 2>&1
 echo "bench-host: exit $?; $(tail -n 1 "$OUT/host_overhead.log")"
 

@@ -22,6 +22,10 @@ Contract / protocol:
   90th percentile are reported next to it. A second, instrumented pass (`--breakdown-steps`)
   wraps each phase (schedule, prepare, model stub, sample, update; the rest is "other") to give a
   CPU-time breakdown.
+- Async scheduling (`--async-scheduling`, the engine's overlap path; greedy, a fourth row set):
+  the engine thread plans step N+1 and commits step N while an executor thread launches the
+  steps, so step time there is the PROCESS's CPU time per `engine.step()` (both threads; one
+  torch thread), with no phase breakdown (the phases run on two threads).
 - Also measured on the same plans, outside the step time: the CUDA-graph decode path's host-side
   input preparation (`InputBatch.build` + `graph_rows` on its own persistent batch state; it
   replaces `prepare` for decode steps on a GPU).
@@ -113,9 +117,10 @@ class Timers:
 PHASES = ["schedule", "prepare", "model_stub", "sample", "update", "other"]
 
 
-def measure(batch: int, args, temperature: float, fused: bool = False) -> dict:
+def measure(batch: int, args, temperature: float, fused: bool = False, overlap: bool = False) -> dict:
     """Steady-state decode steps at `batch` sequences: a clean pass (step time only), then an
-    instrumented pass (CPU time per phase, and the CUDA-graph path's input preparation)."""
+    instrumented pass (CPU time per phase, and the CUDA-graph path's input preparation).
+    `overlap`: async scheduling; the clean pass only, in process CPU time (two threads)."""
     rng = random.Random(args.seed * 1000 + batch)
     lo, hi = args.context
     prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(batch)]
@@ -137,6 +142,7 @@ def measure(batch: int, args, temperature: float, fused: bool = False) -> dict:
         attention_backend="torch",
         enforce_eager=True,
         num_threads=1,
+        async_scheduling=overlap,
     )
     torch.manual_seed(0)
     model = StubModel(cfg).eval()
@@ -161,14 +167,31 @@ def measure(batch: int, args, temperature: float, fused: bool = False) -> dict:
     for _ in range(args.warmup):
         engine.step()
     cpu, wall = [], []
+    cpu_time = time.process_time if overlap else time.thread_time
     for _ in range(args.steps):
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), cpu_time()
         engine.step()
-        c1, w1 = time.thread_time(), time.perf_counter()
+        c1, w1 = cpu_time(), time.perf_counter()
         cpu.append(c1 - c0)
         wall.append(w1 - w0)
     # Every step above decoded all `batch` sequences: none finished, none was preempted.
     assert len(sched.running) == batch and not sched.waiting and sched.num_preemptions == 0
+    row = {
+        "batch_size": batch,
+        "temperature": temperature,
+        "fused": fused,
+        "async": overlap,
+        "setup_steps": setup_steps,
+        "setup_s": setup_s,
+        "context_len_mean": sum(map(len, prompts)) / batch,
+        "step_ms": statistics.median(cpu) * 1e3,
+        "step_wall_ms": statistics.median(wall) * 1e3,
+        "step_wall_p90_ms": percentile(wall, 90) * 1e3,
+    }
+    if overlap:
+        assert engine.num_overlapped_steps >= args.steps, "every timed step overlapped the one before"
+        engine.close()
+        return row
 
     timers = Timers()
     graph_sizes = capture_sizes(batch)
@@ -213,18 +236,7 @@ def measure(batch: int, args, temperature: float, fused: bool = False) -> dict:
         del runner._sample, batch_state.build, batch_state.eager_inputs
     assert all(n == batch for n in plans), f"not every measured step was a decode of {batch}: {set(plans)}"
     assert sched.num_preemptions == 0
-    row = {
-        "batch_size": batch,
-        "temperature": temperature,
-        "fused": fused,
-        "setup_steps": setup_steps,
-        "setup_s": setup_s,
-        "context_len_mean": sum(map(len, prompts)) / batch,
-        "step_ms": statistics.median(cpu) * 1e3,
-        "step_wall_ms": statistics.median(wall) * 1e3,
-        "step_wall_p90_ms": percentile(wall, 90) * 1e3,
-        "breakdown_step_ms": statistics.median(s["step"] for s in phases) * 1e3,
-    }
+    row["breakdown_step_ms"] = statistics.median(s["step"] for s in phases) * 1e3
     for k in PHASES + ["graph_inputs"]:
         row[f"{k}_ms"] = statistics.median(s.get(k, 0.0) for s in phases) * 1e3
     return row
@@ -249,22 +261,34 @@ def table(rows: list[dict]) -> list[str]:
         kind = "greedy" if r["temperature"] == 0 else f"T={r['temperature']}, top-p 0.95"
         if r.get("fused"):
             kind += ", fused path (stub kernel)"
+        if r.get("async"):
+            kind += ", async scheduling (process CPU, 2 threads)"
         lines.append(
             f"| {kind} | {r['batch_size']} | {r['step_ms']:.3f} | {r['step_wall_ms']:.3f} / "
             f"{r['step_wall_p90_ms']:.3f} | {r['step_ms'] / r['batch_size'] * 1e3:.1f} | "
-            + " | ".join(f"{r[f'{k}_ms']:.3f}" for k in PHASES + ["graph_inputs"])
+            + " | ".join(f"{r[f'{k}_ms']:.3f}" if f"{k}_ms" in r else "-" for k in PHASES + ["graph_inputs"])
             + " |"
         )
     return lines
 
 
 def headline(res: dict) -> str:
-    g, sampled, fused = res["greedy"], res.get("sampled"), res.get("sampled_fused")
+    g, sampled, fused, overlap = (
+        res["greedy"],
+        res.get("sampled"),
+        res.get("sampled_fused"),
+        res.get("greedy_async"),
+    )
     line = (
         f"**Greedy: B={g['batch_size']} step {g['step_ms']:.2f} ms, {g['per_sequence_us']:.1f} us per "
         f"added sequence** (least-squares slope of step time over B = "
         f"{', '.join(str(b) for b in res['args']['batch_sizes'])})"
     )
+    if overlap:
+        line += (
+            f"; greedy with async scheduling (process CPU time, both threads): B={overlap['batch_size']} "
+            f"step {overlap['step_ms']:.2f} ms, {overlap['per_sequence_us']:.1f} us per added sequence"
+        )
     if sampled:
         line += (
             f"; sampled (temperature {res['args']['temperature']}, top-p 0.95): B={sampled['batch_size']} "
@@ -298,7 +322,9 @@ def docs_section(res: dict) -> str:
         f"a second, instrumented pass of {res['args']['breakdown_steps']} steps; they are medians, so "
         'they need not add up to the step exactly. "graph-path inputs" is `InputBatch.build` + '
         "`graph_rows`, which replaces `prepare` for decode steps replayed as CUDA graphs on a GPU, "
-        "timed on the same plans and not included in the step.",
+        "timed on the same plans and not included in the step. The async-scheduling rows time "
+        "`engine.step()` of the overlap path (plan N+1 and commit N on the engine thread, the launch "
+        "on the executor thread) in process CPU time, both threads together.",
         "",
         *table(res["rows"]),
         "",
@@ -358,20 +384,27 @@ def main() -> None:
         "decode steps per batch size; thread CPU time",
         flush=True,
     )
-    modes = [("greedy", 0.0, False)]
+    modes = [("greedy", 0.0, False, False), ("greedy_async", 0.0, False, True)]
     if args.temperature:
-        modes += [("sampled", args.temperature, False), ("sampled_fused", args.temperature, True)]
-    for kind, temperature, fused in modes:
+        modes += [
+            ("sampled", args.temperature, False, False),
+            ("sampled_fused", args.temperature, True, False),
+        ]
+    for kind, temperature, fused, overlap in modes:
         rows = []
         for b in batch_sizes:
-            row = measure(b, args, temperature, fused)
+            row = measure(b, args, temperature, fused, overlap)
             rows.append(row)
+            detail = (
+                f"; schedule {row['schedule_ms']:.3f}, prepare {row['prepare_ms']:.3f}, "
+                f"sample {row['sample_ms']:.3f}, update {row['update_ms']:.3f}, other {row['other_ms']:.3f}; "
+                f"graph-path inputs {row['graph_inputs_ms']:.3f} ms"
+                if "prepare_ms" in row
+                else " (process CPU time: engine + executor threads)"
+            )
             print(
                 f"  {kind:13s} B={b:4d}: step {row['step_ms']:8.3f} ms CPU "
-                f"({row['step_wall_ms']:.3f} ms wall); schedule {row['schedule_ms']:.3f}, "
-                f"prepare {row['prepare_ms']:.3f}, sample {row['sample_ms']:.3f}, "
-                f"update {row['update_ms']:.3f}, other {row['other_ms']:.3f}; "
-                f"graph-path inputs {row['graph_inputs_ms']:.3f} ms",
+                f"({row['step_wall_ms']:.3f} ms wall){detail}",
                 flush=True,
             )
         res["rows"] += rows

@@ -280,7 +280,7 @@ def test_abort_while_the_victims_token_is_pending_drops_it():
     engine.add_request("b", [5, 6, 7, 8], sp)
     first = s.schedule()
     s.advance(first)
-    s.pinned.update(x.seq for x in first.scheduled)
+    s.in_flight.append(first)
     second = s.schedule(speculative=True)
     assert [x.request_id for x in second.preempted] == ["b"]
     b = s.requests["b"]
@@ -289,7 +289,7 @@ def test_abort_while_the_victims_token_is_pending_drops_it():
     assert b.token_ids == [5, 6, 7, 8] and b.is_finished and not b.block_table
     touched = s.commit(first, {"a": (9, None), "b": (10, None)})
     assert touched == [s.requests["a"]] and b.output_token_ids == []
-    s.pinned.clear()
+    s.in_flight.clear()
     s.check_integrity()
     assert engine.block_manager.num_free_blocks == 1  # a holds 2 of 3
     engine.close()

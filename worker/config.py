@@ -215,8 +215,9 @@ class EngineConfig:
         metadata=option(
             "overlap scheduling with the model: plan step N+1 (one placeholder token per decoding "
             "sequence) while step N runs on its own thread, and feed N's tokens into N+1; the same "
-            "tokens as without it. Falls back to a synchronous step before a preemption; ignored "
-            "with tensor parallelism (worker/engine.py). Off until measured on a GPU"
+            "tokens as without it, preemption included (a step is synchronous only when the plan "
+            "made in flight would preempt every sequence it could run); ignored with tensor "
+            "parallelism (worker/engine.py). Off until measured on a GPU"
         ),
     )
     triton_gemv: bool = field(

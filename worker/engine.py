@@ -244,10 +244,12 @@ class LLMEngine:
             self.num_overlapped_steps += 1
         # Sequences whose input is the token of the step in flight (a placeholder here): the runner
         # reads it from that step's tokens on the device.
-        feeds = frozenset(s.seq.request_id for s in plan.scheduled if s.seq.token_ids[s.start] == PLACEHOLDER)
+        feeds = frozenset(
+            [s.seq.request_id for s in plan.scheduled if s.seq.token_ids[s.start] == PLACEHOLDER]
+        )
         releases, self._pending_releases = self._pending_releases, []
         self.scheduler.advance(plan)
-        self.scheduler.pinned.update(s.seq for s in plan.scheduled)
+        self.scheduler.in_flight.append(plan)
         if self._executor is None:
             self._executor = _StepThread()
         future = self._executor.submit(self._run_step, plan, prev, feeds, releases)
@@ -275,27 +277,23 @@ class LLMEngine:
             self._recover()
             raise
         self._in_flight.popleft()
+        self.scheduler.in_flight.popleft()
         # Device time of this step: from its launch, or from the previous step's end if later.
         ready = time.perf_counter()
         self.step_s_total += ready - max(start, self._last_ready)
         self._last_ready = ready
         self.num_steps += 1
         touched = self.scheduler.commit(launched.plan, sampled)
-        self._unpin()
-        outputs = []
+        self._release_pending()
+        outputs, output = [], self._output
         for seq in touched:
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 self._release(seq.request_id)
-            outputs.append(self._output(seq))
+            outputs.append(output(seq))
         return outputs
 
-    def _unpin(self) -> None:
-        """Pin exactly the sequences of the plans still in flight; with nothing in flight the
-        executor is idle and takes the pending releases now."""
-        pinned = self.scheduler.pinned
-        pinned.clear()
-        for launched in self._in_flight:
-            pinned.update(s.seq for s in launched.plan.scheduled)
+    def _release_pending(self) -> None:
+        """With nothing in flight the executor is idle: it takes the pending releases now."""
         if not self._in_flight:
             for request_id in self._pending_releases:
                 self.runner.release(request_id)
@@ -312,7 +310,8 @@ class LLMEngine:
         for launched in reversed(self._in_flight):
             self.scheduler.rollback(launched.plan)
         self._in_flight.clear()
-        self._unpin()
+        self.scheduler.in_flight.clear()
+        self._release_pending()
 
     def _release(self, request_id: str) -> None:
         """runner.release, on the thread that owns the runner: now, or with the next launch."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager
@@ -110,7 +111,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # cumulative, counted when a request is first scheduled
         self.num_generation_tokens = 0  # cumulative sampled tokens
-        self.pinned: set[Sequence] = set()  # in a plan in flight (async scheduling)
+        # Plans launched and not yet committed, oldest first (async scheduling; the engine keeps
+        # it): their sequences are `pinned`.
+        self.in_flight: deque[SchedulerOutput] = deque()
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -140,6 +143,11 @@ class Scheduler:
         self._finish(seq, FinishReason.ABORT)
         return seq
 
+    @property
+    def pinned(self) -> set[Sequence]:
+        """The sequences of the plans in flight (built on demand: integrity checks and tests)."""
+        return {s.seq for plan in self.in_flight for s in plan.scheduled}
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -155,7 +163,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if speculative and self._pending_last(seq):
+            if speculative and seq.num_placeholders and len(seq.token_ids) >= seq.max_num_tokens:
+                # `_pending_last`, inline (every running sequence, every speculative plan)
                 i += 1  # its placeholder is its last token, whatever it turns out to be
                 continue
             computed = seq.num_computed_tokens
@@ -378,8 +387,9 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
+        pinned = self.pinned
         for s in self.waiting:  # preempted while a plan in flight samples its token: no blocks
-            assert not s.num_placeholders or (s in self.pinned and not s.block_table), (
+            assert not s.num_placeholders or (s in pinned and not s.block_table), (
                 f"{s.request_id}: a placeholder outside a plan in flight"
             )
         self.bm.check_integrity(live)
