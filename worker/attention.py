@@ -10,10 +10,12 @@ A backend offers `store_kv` and `paged_attention` with the signatures of worker/
 and optionally `fused`: a namespace with `rms_norm(x, weight, eps, residual=None)`,
 `rotary_embedding(positions, q, k, cos, sin)` and `silu_and_mul(x)` (worker/kernels/triton_norm.py)
 that the model then uses instead of its torch RMSNorm, residual add, RoPE and MLP activation
-("triton" only: 3-10x faster per call on an H200, docs/kernels.md), and optionally
+("triton": 3-10x faster per call on an H200, docs/kernels.md; "cpu" with bfloat16 / float16
+activations: the C++ ops of worker/kernels/cpu_fused.py), and optionally
 `rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q_rotated`
-(worker/kernels/triton_rope_kv.py, "triton" only): RoPE on q and k and the cache write in one
-launch, which the model then calls through `rope_store_forward` instead of RoPE + `forward`.
+(worker/kernels/triton_rope_kv.py; "cpu" with bfloat16 / float16: worker/kernels/cpu_fused.py):
+RoPE on q and k and the cache write in one call, which the model then calls through
+`rope_store_forward` instead of RoPE + `forward`.
 "cpu" is a batched C++ op (worker/kernels/cpu_attention.py, built on first use: the CPU default
 when it builds, else "auto" falls back to "torch" with one warning naming why);
 "torch" is plain torch (worker/kernels/torch_attention.py: runs anywhere);
@@ -124,14 +126,26 @@ class AttentionBackend:
         )
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """`dtype`: the model's activation dtype; "cpu" fuses the small ops for bfloat16 / float16 (float32
+    stays the plain-torch reference path)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else _auto_cpu_backend()
     if name == "cpu":
-        from worker.kernels import cpu_attention, reference
+        from worker.kernels import cpu_attention, cpu_fused, reference
 
         cpu_attention.load()  # RuntimeError naming why, if it cannot build
-        return AttentionBackend("cpu", reference.store_kv, cpu_attention.paged_attention, False)
+        fused = dtype in (torch.bfloat16, torch.float16)
+        return AttentionBackend(
+            "cpu",
+            reference.store_kv,
+            cpu_attention.paged_attention,
+            False,
+            fused=cpu_fused if fused else None,
+            rope_store_kv=cpu_fused.rope_store_kv if fused else None,
+        )
     if name == "torch":
         from worker.kernels import reference, torch_attention
 

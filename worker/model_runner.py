@@ -149,7 +149,7 @@ class ModelRunner:
             log.info("triton gemv: %d linear layers swapped", use_triton_gemv(model))
         self.model, self.model_config = model, model.config
         self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device, model.dtype)
         if self.kv_cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
             # The other backends would cast q to fp8; the triton kernel widens the tiles instead.
             raise ValueError(

@@ -12,11 +12,12 @@ length tried, 16-1,024 new tokens with and without a cached prefix (docs/kernels
 default `SDPA_MIN_QUERY_LEN = 0` never calls SDPA. The op has a fake (meta) implementation, so
 torch.compile traces a model that calls it without a graph break.
 
-Build: `load()` compiles the .cpp with torch.utils.cpp_extension.load (ninja, -O3 -march=native,
--fopenmp against the OpenMP runtime torch itself loaded, so there is one thread pool) into
-`$LLM_CPU_EXT_DIR` (default ~/.cache/llm-serve/torch_extensions)/llm_cpu_attention_<key>, where
-<key> hashes the source, torch's version and install path, the compiler's version, -march and the
-CPU's flags: a machine with other flags (AVX2 only, say) builds its own copy. Concurrent builders
+Build: `load()` compiles the .cpp files (this op's and worker/kernels/cpu_fused.cpp's) with
+torch.utils.cpp_extension.load (ninja, -O3 -march=native, -fopenmp against the OpenMP runtime
+torch itself loaded, so there is one thread pool) into `$LLM_CPU_EXT_DIR` (default
+~/.cache/llm-serve/torch_extensions)/llm_cpu_attention_<key>, where <key> hashes the sources,
+torch's version and install path, the compiler's version, -march and the CPU's flags: a machine
+with other flags (AVX2 only, say) builds its own copy. Concurrent builders
 (several workers starting at once) take an flock on the build directory first, which the kernel
 releases if a builder dies, so the torch file baton (`lock`) a killed builder left behind is
 removed instead of being waited on forever. `python -m worker.kernels.cpu_build` (run by
@@ -54,6 +55,9 @@ from worker.kernels.reference import check_attention_args
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# The extension's sources: the attention op, and the fused norm / RoPE / SiLU ops of the "cpu"
+# backend's `fused` namespace (worker/kernels/cpu_fused.py).
+SOURCES = (SOURCE, SOURCE.with_name("cpu_fused.cpp"))
 # Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
 # paged kernel was faster at every length measured, docs/kernels.md "CPU").
 SDPA_MIN_QUERY_LEN = 0
@@ -100,7 +104,7 @@ def build_name() -> str:
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent
     h = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(src.read_bytes() for src in SOURCES),
         importlib.metadata.version("torch").encode(),
         str(torch_dir).encode(),
         _compiler_version().encode(),
@@ -164,14 +168,17 @@ def _build(verbose: bool) -> tuple[str, float]:
         try:
             # Holding the flock, no live builder of ours holds torch's baton: one left behind is stale.
             (build_dir / "lock").unlink(missing_ok=True)
-            source = build_dir / SOURCE.name  # a stable path: ninja rebuilds when a command changes
-            if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-                tmp = build_dir / (SOURCE.name + ".tmp")
-                shutil.copyfile(SOURCE, tmp)
-                os.replace(tmp, source)
+            sources = []
+            for src in SOURCES:
+                source = build_dir / src.name  # a stable path: ninja rebuilds when a command changes
+                if not source.exists() or source.read_bytes() != src.read_bytes():
+                    tmp = build_dir / (src.name + ".tmp")
+                    shutil.copyfile(src, tmp)
+                    os.replace(tmp, source)
+                sources.append(str(source))
             path = cpp_extension.load(
                 name=name,
-                sources=[str(source)],
+                sources=sources,
                 extra_cflags=cflags,
                 extra_ldflags=ldflags,
                 build_directory=str(build_dir),
@@ -187,6 +194,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("llm_cpu::paged_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sdpa_min_query_len):
         return q.new_empty(q.shape)  # contiguous (T, H, D), q's dtype
+
+    from worker.kernels import cpu_fused
+
+    cpu_fused.register_fakes()
 
 
 def _reason(exc: BaseException) -> str:
