@@ -6,10 +6,11 @@ the one before):
   0. before: float32 weights (dequantized GGUF), float32 KV, the per-sequence torch attention path,
      eager (what `make serve` ran before these steps);
   1. + the batched C++ paged-attention op ("cpu" backend);
-  2. + bfloat16 activations and KV, GGUF Q4_1/Q8_0 weights kept quantized (int4/int8 kernels):
-     the default;
-  3. + the compiled model step (--cpu-compile: inductor, opt-in);
-  4. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
+  2. + bfloat16 activations and KV, GGUF Q4_1/Q8_0 weights kept quantized (int4/int8 kernels),
+     the norms, RoPE, KV store and SiLU as torch ops (the "cpu" backend's fused ops switched off);
+  3. + the fused C++ small ops (worker/kernels/cpu_fused.py): the default;
+  4. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops);
+  5. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
      +257 MiB), compiled.
 For each batch size B it adds B greedy requests of 200 prompt tokens and 48 output tokens
 (ignore_eos) at once and reports the median wall time of the last 40 decode steps (ms) and
@@ -40,11 +41,21 @@ STEPS = [
         dict(dtype="float32", quantization="none", attention_backend="cpu", enforce_eager=True),
     ),
     (
-        "2 + bf16, int4/int8 weights",
+        "2 + bf16, int4/int8 weights, torch small ops",
+        dict(
+            dtype="bfloat16",
+            quantization="auto",
+            attention_backend="cpu",
+            enforce_eager=True,
+            fused_ops=False,
+        ),
+    ),
+    (
+        "3 + fused C++ small ops (the default)",
         dict(dtype="bfloat16", quantization="auto", attention_backend="cpu", enforce_eager=True),
     ),
-    ("3 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
-    ("4 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
+    ("4 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
+    ("5 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
 ]
 
 
@@ -53,10 +64,14 @@ def run_config(overrides: dict, batches: list[int], tokens: int, threads: int) -
     from worker.engine import LLMEngine
     from worker.types import SamplingParams
 
+    overrides = dict(overrides)
+    fused_ops = overrides.pop("fused_ops", True)  # not an EngineConfig field: the backend's
     start = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(kv_cache_bytes=512 * 2**20, max_num_seqs=64, num_threads=threads, **overrides)
     )
+    if not fused_ops:
+        engine.runner.backend.fused = engine.runner.backend.rope_store_kv = None
     result = {"startup_s": time.perf_counter() - start, "batches": {}}
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for b in batches:

@@ -114,7 +114,8 @@ def perplexity(
 
 class ModelScorer:
     """`logits_fn` over one of our models: each chunk one forward pass from an empty paged KV
-    cache (one sequence, positions 0..n-1), the default CPU attention backend, float32 logits."""
+    cache (one sequence, positions 0..n-1), the default CPU attention backend (with its fused
+    norm / RoPE / SiLU ops for bfloat16, as served), float32 logits."""
 
     def __init__(self, model, dtype: str, block_size: int = 16, attention_backend: str = "auto"):
         import torch
@@ -125,7 +126,8 @@ class ModelScorer:
         self.cfg = model.config
         self.dtype = getattr(torch, dtype)
         self.block_size = block_size
-        self.backend = get_attention_backend(attention_backend, torch.device("cpu"))
+        # The model's dtype: bfloat16 runs the fused small ops as the served engine does.
+        self.backend = get_attention_backend(attention_backend, torch.device("cpu"), model.dtype)
 
     def __call__(self, ids: list[int], first: int):
         import torch
