@@ -262,6 +262,14 @@ CHILD = textwrap.dedent("""
     batch = make_batch([(0, 1), (40, 1), (300, 1), (17, 9), (0, 33)], 2, 3, 64, torch.float32, seed=0)
     err = rel_error(cpu_attention.paged_attention(**batch), reference.paged_attention(**batch))
     assert err < 1e-5, err
+    # The fused ops' SIMD paths too (the AVX2 exp of silu_and_mul): vs torch, ends of exp included.
+    import torch.nn.functional as F
+    from worker.kernels import cpu_fused
+    g = torch.cat([torch.randn(1000) * 8, torch.tensor([-200.0, -100.0, -89.0, 89.0, 100.0])])
+    x = torch.cat([g, torch.randn(g.shape[0])])[None].bfloat16()
+    ref = F.silu(x[:, : g.shape[0]]) * x[:, g.shape[0] :]
+    diff = (cpu_fused.silu_and_mul(x).view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert int(diff.max()) <= 1, int(diff.max())
     print(cpu_attention.build_info(), cpu_attention._state["path"])
 """)
 

@@ -6,6 +6,8 @@ in parallel; bad arguments; and the served model's greedy tokens with and withou
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,25 @@ def test_silu_and_mul_matches_torch(dtype, rows):
     # exp: glibc's (C++) vs Sleef's (torch): may differ in float32's last place, rarely visible
     # after rounding to a half type.
     assert ulps_apart(cpu_fused.silu_and_mul(x), F.silu(gate) * up) <= (8 if dtype == torch.float32 else 1)
+
+
+EXTREMES = [-math.inf, -200.0, -104.0, -103.0, -100.0, -89.0, -88.5, -87.0, -50.0, -1e-3, -0.0, 0.0]
+EXTREMES += [1e-3, 5.0, 50.0, 88.5, 89.0, 100.0, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_at_the_ends_of_exp(dtype):
+    """The vectorised exp's overflow (inf), underflow (0, denormals) and NaN: the same values as
+    torch, including -0.0 where exp(-g) overflows and NaN for -inf and NaN (past the 16 or 8 lanes
+    too: 20 values per row)."""
+    gate = torch.tensor(EXTREMES, dtype=torch.float32)
+    x = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)
+    ours = cpu_fused.silu_and_mul(x)
+    ref = F.silu(x[:, : len(EXTREMES)]) * x[:, len(EXTREMES) :]
+    assert torch.equal(ours.isnan(), ref.isnan()), (ours, ref)
+    keep = ~ref.isnan()
+    assert torch.equal(torch.signbit(ours[keep]), torch.signbit(ref[keep])), (ours, ref)
+    assert ulps_apart(ours[keep], ref[keep]) <= (8 if dtype == torch.float32 else 1), (ours, ref)
 
 
 def test_empty_batch():
