@@ -55,8 +55,9 @@ from worker.kernels.reference import check_attention_args
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# The extension's sources: the attention op, and the fused norm / RoPE / SiLU ops of the "cpu"
-# backend's `fused` namespace (worker/kernels/cpu_fused.py).
+# The extension's source files: the attention op, and the fused norm / RoPE / SiLU ops of the
+# "cpu" backend's `fused` namespace (worker/kernels/cpu_fused.py), which SOURCE includes (one
+# translation unit: torch's headers parsed once). Both are hashed and copied; SOURCE is compiled.
 SOURCES = (SOURCE, SOURCE.with_name("cpu_fused.cpp"))
 # Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
 # paged kernel was faster at every length measured, docs/kernels.md "CPU").
@@ -168,17 +169,15 @@ def _build(verbose: bool) -> tuple[str, float]:
         try:
             # Holding the flock, no live builder of ours holds torch's baton: one left behind is stale.
             (build_dir / "lock").unlink(missing_ok=True)
-            sources = []
             for src in SOURCES:
-                source = build_dir / src.name  # a stable path: ninja rebuilds when a command changes
-                if not source.exists() or source.read_bytes() != src.read_bytes():
+                copy = build_dir / src.name  # a stable path: ninja rebuilds when a command changes
+                if not copy.exists() or copy.read_bytes() != src.read_bytes():
                     tmp = build_dir / (src.name + ".tmp")
                     shutil.copyfile(src, tmp)
-                    os.replace(tmp, source)
-                sources.append(str(source))
+                    os.replace(tmp, copy)
             path = cpp_extension.load(
                 name=name,
-                sources=sources,
+                sources=[str(build_dir / SOURCE.name)],
                 extra_cflags=cflags,
                 extra_ldflags=ldflags,
                 build_directory=str(build_dir),

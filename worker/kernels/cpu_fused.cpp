@@ -24,6 +24,9 @@
 //   waking it: a decode step's rows run on the calling thread.
 // Fails how: bad shapes, dtypes or strides, a position outside the cos/sin tables or a slot
 //   outside the cache raise ValueError (TORCH_CHECK_VALUE) before any work.
+// Build: compiled inside cpu_attention.cpp's translation unit (it includes this file at its end),
+//   so torch's headers, most of either file's compile time, are parsed once; hence its own
+//   namespace, llm_cpu_fused. worker/kernels/cpu_attention.py hashes and copies both files.
 // Proven by tests/test_cpu_fused.py (against the torch formulas, every dtype, strided inputs,
 //   the engine's greedy tokens with and without the fused ops).
 
@@ -46,7 +49,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace llm_cpu_fused {
 
 using at::BFloat16;
 using at::Half;
@@ -357,7 +360,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace llm_cpu_fused
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -369,9 +372,9 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rms_norm_residual", &rms_norm_residual);
-  m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("rope_store_kv", &rope_store_kv);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &llm_cpu_fused::rms_norm);
+  m.impl("rms_norm_residual", &llm_cpu_fused::rms_norm_residual);
+  m.impl("rotary_embedding", &llm_cpu_fused::rotary_embedding);
+  m.impl("rope_store_kv", &llm_cpu_fused::rope_store_kv);
+  m.impl("silu_and_mul", &llm_cpu_fused::silu_and_mul);
 }
