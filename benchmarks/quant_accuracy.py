@@ -99,7 +99,7 @@ class Runner:
             (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(cfg.num_layers)
         ]
-        self.backend = get_attention_backend(backend, torch.device("cpu"))
+        self.backend = get_attention_backend(backend, torch.device("cpu"), model.dtype)  # as served
 
     @torch.inference_mode()
     def forward(self, seqs: list[list[int]], done: list[int]) -> torch.Tensor:

@@ -249,11 +249,11 @@ class LLMEngine:
         )
         releases, self._pending_releases = self._pending_releases, []
         self.scheduler.advance(plan)
-        self.scheduler.in_flight.append(plan)
         if self._executor is None:
             self._executor = _StepThread()
         future = self._executor.submit(self._run_step, plan, prev, feeds, releases)
         self._in_flight.append(_Launched(plan, future))
+        self.scheduler.in_flight.append(plan)
 
     def _run_step(
         self, plan: SchedulerOutput, prev: Future | None, feeds: frozenset[str], releases: list[str]

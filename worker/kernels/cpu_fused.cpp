@@ -16,7 +16,8 @@
 //   rope_store_kv(positions, q, k, v [T, Hkv, D], cos, sin, k_cache, v_cache [NB, BS, Hkv, D],
 //     slot_mapping [T] int64) -> q_out: rotary_embedding's q_out, and the rotated k and v written
 //     into the cache rows of their slots (slots < 0: padding, nothing written); k and v are not
-//     modified, the rotated k lives only in the cache. Caches contiguous, of k's dtype.
+//     modified, the rotated k lives only in the cache. Caches contiguous, of k's dtype. Slots must
+//     be distinct (as the scheduler makes them): tokens run in parallel.
 //   silu_and_mul(x [T, 2F]) -> [T, F]: silu(x[:, :F]) rounded to x's dtype, times x[:, F:],
 //     rounded (torch's `F.silu(gate) * up`).
 // How: plain loops over rows (the compiler vectorises the float32 inner loops); rows are cut
@@ -30,7 +31,6 @@
 // Proven by tests/test_cpu_fused.py (against the torch formulas, every dtype, strided inputs,
 //   the engine's greedy tokens with and without the fused ops).
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -61,6 +61,17 @@ inline int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kSerialElems / std::max<int64_t>(1, row_elems));
 }
 
+// Calls f(T{}) for the activation dtypes the ops take (the checks have rejected the others).
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(BFloat16{}); break;
+    case at::kHalf: f(Half{}); break;
+    default: TORCH_CHECK_VALUE(false, "unsupported dtype ", t);
+  }
+}
+
 template <typename T>
 inline T round_to(float v) {
   return static_cast<T>(v);  // float32: as is; bfloat16 / float16: round to nearest even
@@ -75,6 +86,10 @@ void check_rows(const at::Tensor& x, const char* name) {
 }
 
 // ------------------------------------------------------------------------------- RMSNorm
+// No fused multiply-add (also inside the parallel_for lambda, hence a pragma, not an attribute):
+// torch rounds each square to float32 before the sum.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                    double eps, at::Tensor& out, at::Tensor* res_out) {
@@ -115,6 +130,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
     }
   });
 }
+#pragma GCC pop_options
 
 void check_norm(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, "x");
@@ -127,7 +143,8 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     rms_norm_impl<scalar_t>(x, nullptr, weight, eps, out, nullptr);
   });
   return out;
@@ -141,7 +158,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const 
                     "residual must match x's shape and dtype");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   at::Tensor sum = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_residual", [&] {
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     rms_norm_impl<scalar_t>(x, &residual, weight, eps, out, &sum);
   });
   return {out, sum};
@@ -223,7 +241,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   check_rope(positions, q, k, cos, sin);
   at::Tensor k_out = at::empty({k.size(0), k.size(1), k.size(2)}, k.options());
   at::Tensor q_out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     scalar_t* ko = k_out.data_ptr<scalar_t>();
     const int64_t row = k.size(1) * k.size(2);
     q_out = rope_tokens<scalar_t>(
@@ -253,7 +272,8 @@ at::Tensor rope_store_kv(const at::Tensor& positions, const at::Tensor& q, const
     TORCH_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " outside the cache (", num_slots, " slots)");
   }
   at::Tensor q_out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_store_kv", [&] {
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -354,7 +374,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "silu_and_mul needs [T, 2F], got ", x.size(1), " columns");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     silu_and_mul_impl<scalar_t>(x, out);
   });
   return out;
