@@ -20,6 +20,7 @@ import multiprocessing
 import pytest
 import torch
 
+from tests import tiny_llama
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.types import SamplingParams
@@ -34,25 +35,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def save_tiny(path, qwen2: bool = False):
-    """Random Llama (or Qwen2: q/k/v biases) with 8 q / 4 KV heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        eos_token_id=127,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(Qwen2Config(**config)) if qwen2 else LlamaForCausalLM(LlamaConfig(**config))
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return path
+    """Random Llama (or Qwen2: q/k/v biases) with 8 q / 4 KV heads, untied lm_head, saved at `path`."""
+    saved, _ = tiny_llama.save_tiny(path.parent, "qwen2" if qwen2 else "llama", 8, 4, tie=False)
+    return saved.rename(path)
 
 
 @pytest.fixture(scope="module")

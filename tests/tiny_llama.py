@@ -1,7 +1,8 @@
 """The tiny random Llama shape the kernel, graph and quantization tests share: 2 layers, GQA 4/2,
 head_dim 16, hidden 64, vocabulary 128 (tied embeddings); and `save_tiny`, the same size saved by
 transformers as a Hugging Face safetensors directory (Llama with llama3 RoPE scaling and an untied
-lm_head, or Qwen2 with q/k/v bias and tied embeddings), for the loader and engine tests."""
+lm_head, plain Llama, or Qwen2 with q/k/v bias and tied embeddings; other head counts for the
+tensor-parallel tests), for the loader and engine tests."""
 
 import torch
 
@@ -19,9 +20,10 @@ TINY = ModelConfig(
 )
 
 
-def save_tiny(tmp_path, kind: str):
-    """A random transformers model of `kind` ("llama3" or "qwen2", seed 0) saved under tmp_path / kind:
-    (path, the model)."""
+def save_tiny(tmp_path, kind: str, num_heads: int = 4, num_kv_heads: int = 2, tie: bool | None = None):
+    """A random transformers model of `kind` (seed 0) saved under tmp_path / kind: (path, the model).
+    kind: "llama3" (llama3 RoPE scaling), "llama" (plain RoPE) or "qwen2" (q/k/v bias). Embeddings
+    tied by default for qwen2 only (`tie` overrides)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -30,14 +32,17 @@ def save_tiny(tmp_path, kind: str):
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         eos_token_id=127,
+        tie_word_embeddings=(kind == "qwen2") if tie is None else tie,
     )
     if kind == "qwen2":
-        config, cls = Qwen2Config(**common, tie_word_embeddings=True), Qwen2ForCausalLM
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif kind == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
     else:
         rope = {
             "rope_type": "llama3",
@@ -47,10 +52,7 @@ def save_tiny(tmp_path, kind: str):
             "original_max_position_embeddings": 64,
             "rope_theta": 500000.0,
         }
-        config, cls = (
-            LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False),
-            LlamaForCausalLM,
-        )
+        config, cls = LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0), LlamaForCausalLM
     model = cls(config).eval()
     path = tmp_path / kind
     model.save_pretrained(path, safe_serialization=True)
