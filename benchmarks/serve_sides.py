@@ -90,51 +90,51 @@ class ServiceProcess:
         return self.popen.returncode
 
 
-def wait_serving(address: str, proc: ServiceProcess, deadline: float) -> None:
-    """grpc.health.v1 Check until SERVING."""
+def _poll(address: str, proc: ServiceProcess, deadline: float, probe, what: str) -> None:
+    """Call probe(channel) every 0.1 s (another process's endpoint: polled) until it returns None
+    (ready); it returns why not yet. Fails at once if `proc` exited, else at `deadline`."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     last = ""
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
             try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
+                last = probe(channel)
+                if last is None:
                     return
-                last = "not SERVING"
             except grpc.RpcError as exc:
                 last = exc.code().name
-            time.sleep(0.1)  # polling a health endpoint of another process
-    raise TimeoutError(f"{proc.name} at {address} not SERVING in time ({last}):\n{proc.log_tail()}")
+            time.sleep(0.1)
+    raise TimeoutError(f"{proc.name} at {address} {what} in time ({last}):\n{proc.log_tail()}")
+
+
+def wait_serving(address: str, proc: ServiceProcess, deadline: float) -> None:
+    """grpc.health.v1 Check until SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def probe(channel):
+        status = (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+        )
+        return None if status == health_pb2.HealthCheckResponse.SERVING else "not SERVING"
+
+    _poll(address, proc, deadline, probe, "not SERVING")
 
 
 def wait_router_sees_worker(address: str, proc: ServiceProcess, deadline: float) -> None:
-    import grpc
-
+    """ListModels until a model has at least one worker."""
     from protos.llm.v1 import generation_pb2 as pb
     from protos.llm.v1 import generation_pb2_grpc
 
-    last = ""
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-            try:
-                models = stub.ListModels(pb.ListModelsRequest(), timeout=2.0).models
-                if models and models[0].num_workers >= 1:
-                    return
-                last = "no worker yet"
-            except grpc.RpcError as exc:
-                last = exc.code().name
-            time.sleep(0.1)  # polling the router's view of its workers
-    raise TimeoutError(f"router at {address} saw no worker in time ({last}):\n{proc.log_tail()}")
+    def probe(channel):
+        models = (
+            generation_pb2_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), timeout=2.0).models
+        )
+        return None if models and models[0].num_workers >= 1 else "no worker yet"
+
+    _poll(address, proc, deadline, probe, "saw no worker")
 
 
 def parse_kv_pool(log_text: str) -> dict | None:
