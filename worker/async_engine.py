@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine import EXIT_JOIN_S, LLMEngine, stop_at_exit
 from worker.sequence import Sequence
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
@@ -98,6 +98,8 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.step_observers: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # A process that exits without shutdown(): the loop ends its step first (worker/engine.py).
+        stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
 
     @classmethod
     def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> "AsyncEngine":

@@ -52,6 +52,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -71,25 +72,51 @@ def _omp_passive() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
+EXIT_JOIN_S = 10.0  # at interpreter exit, how long a thread's step in flight may take to end
+
+
+def _call_if_alive(method: weakref.WeakMethod, *args) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
+
+
+def stop_at_exit(owner: object, stop, *args) -> weakref.finalize:
+    """Call `stop(*args)` (a method of `owner`) at interpreter exit if `owner` is still alive;
+    nothing once it is collected. For the daemon threads that run torch (the engine loop, the
+    executor): one inside a torch call when Python finalizes is ended by a forced unwind through
+    pybind11's noexcept GIL release, and the process aborts ("terminate called without an active
+    exception"). Exit hooks run newest first: an owner registered after another stops first."""
+    return weakref.finalize(owner, _call_if_alive, weakref.WeakMethod(stop), *args)
+
+
 class _StepThread:
     """One daemon thread running submitted calls in order (async scheduling's executor). Daemon, as
     AsyncEngine's loop thread: a step stuck in the model must not keep the process from exiting
-    (concurrent.futures' pool threads are joined at interpreter exit)."""
+    (concurrent.futures' pool threads are joined at interpreter exit); at exit it is stopped after
+    its calls (at most EXIT_JOIN_S) by `stop_at_exit`."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="engine-step", daemon=True)
         self._thread.start()
+        stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
 
     def submit(self, fn, *args) -> Future:
+        if self._closed:
+            raise RuntimeError("the engine's executor thread is shut down")
         future: Future = Future()
         self._jobs.put((future, fn, args))
         return future
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """After the calls already submitted (at most `timeout_s`)."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -150,7 +177,9 @@ class LLMEngine:
         self.fallbacks: Counter[str] = Counter()  # why a next plan was not launched early
         self._in_flight: deque[_Launched] = deque()
         self._pending_releases: list[str] = []  # runner.release calls for the executor thread
-        self._executor: _StepThread | None = None
+        # Started now, not at the first launch: its exit hook is then older than that of an
+        # AsyncEngine around this engine, which so stops its loop (and closes this) first.
+        self._executor: _StepThread | None = _StepThread() if self.async_scheduling else None
         self._last_ready = 0.0  # when the last committed step's tokens reached the host
 
     def add_request(
