@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.block_manager import BlockManager
+from worker.block_manager import BlockManager, token_bytes
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 from worker.types import FinishReason, SamplingParams
@@ -127,3 +128,14 @@ def test_prefix_blocks_are_shared_and_salted():
     assert a.block_table[:3] == b.block_table[:3]
     assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:3])
     sched.check_integrity()
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40))
+def test_token_bytes_are_each_ids_four_little_endian_bytes(token_ids):
+    assert token_bytes(token_ids) == b"".join(t.to_bytes(4, "little") for t in token_ids)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_token_bytes_refuse_what_four_unsigned_bytes_cannot_hold(bad):
+    with pytest.raises(OverflowError):
+        token_bytes([1, bad])

@@ -228,8 +228,7 @@ class SampledTokens:
         if self._ready is not None:
             self._ready.synchronize()
         ids = self._host.tolist()
-        lps = self.logprobs or [None] * len(ids)
-        return {rid: (ids[i], lps[i]) for i, rid in enumerate(self.request_ids)}
+        return dict(zip(self.request_ids, zip(ids, self.logprobs or [None] * len(ids))))
 
 
 def fusable(p: SamplingParams) -> bool:

@@ -43,10 +43,13 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from worker.block_manager import BlockManager
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from worker.types import FinishReason
+
+_ORDER = attrgetter("order")
 
 
 @dataclass(slots=True, init=False)
@@ -158,7 +161,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = self.running
-        running.sort(key=Sequence.sort_key)
+        running.sort(key=_ORDER)  # Sequence.sort_key, without a call per sequence
         room = self.bm.block_size  # tokens a block holds: most decodes need no new block
         i = 0
         while i < len(running) and budget > 0:
@@ -270,10 +273,10 @@ class Scheduler:
                 seq.logprobs.append(logprob)
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
+            # `_stop_reason`, inline (every sampling sequence, every step)
+            if token in seq.stop_ids or len(seq.token_ids) >= seq.max_num_tokens:
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq, self._stop_reason(seq, token))
             touched.append(seq)
         self.num_generation_tokens += len(touched)
         return touched

@@ -51,11 +51,15 @@ class Sequence:
     # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
     stop_ids: frozenset[int] = field(init=False)
     max_num_tokens: int = field(init=False)
+    # Scheduling order, a key compared by `Scheduler.schedule`'s sort of the running list every
+    # step: higher priority first, then older first (priority and arrival never change).
+    order: tuple[int, float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.stop_ids = frozenset(self.sampling.stop_token_ids)
         self.max_num_tokens = len(self.prompt_token_ids) + self.sampling.max_tokens
+        self.order = (-self.priority, self.arrival_s)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,4 +88,4 @@ class Sequence:
 
     def sort_key(self) -> tuple[int, float]:
         """Scheduling order: higher priority first, then older first."""
-        return (-self.priority, self.arrival_s)
+        return self.order
