@@ -311,7 +311,8 @@ class ModelRunner:
         feed = None
         if feeds:
             assert prev is not None, "placeholders to feed without the step that samples them"
-            feed = (prev.tokens, {rid: prev.row(rid) for rid in feeds})
+            rows = prev.rows  # {request_id: row}, built once per step
+            feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
         hidden, sampling = self._forward(plan, feed)
         if not sampling:
             return SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))

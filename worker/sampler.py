@@ -217,11 +217,16 @@ class SampledTokens:
             self._host = tokens
         self._rows: dict[str, int] | None = None
 
-    def row(self, request_id: str) -> int:
-        """The row of `request_id` in `tokens` (KeyError if it did not sample this step)."""
+    @property
+    def rows(self) -> dict[str, int]:
+        """{request_id: its row in `tokens`} of the requests that sampled this step."""
         if self._rows is None:
             self._rows = {rid: i for i, rid in enumerate(self.request_ids)}
-        return self._rows[request_id]
+        return self._rows
+
+    def row(self, request_id: str) -> int:
+        """The row of `request_id` in `tokens` (KeyError if it did not sample this step)."""
+        return self.rows[request_id]
 
     def to_host(self) -> dict[str, tuple[int, float | None]]:
         """{request_id: (token, logprob | None)}, after the copy to the host has landed."""

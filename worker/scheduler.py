@@ -315,12 +315,15 @@ class Scheduler:
         now = time.monotonic()
         touched = []
         bs = self.bm.block_size
+        finished = SequenceStatus.FINISHED
+        # Properties inline (`is_finished`, `ScheduledSeq.preempted`, `_stop_reason`'s test): every
+        # sequence of every step.
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             done = s.start + s.num_new_tokens
-            preempted = s.preempted
+            preempted = seq.block_table is not s.block_table
             if not preempted and done // bs > len(seq.block_hashes):
                 self.bm.commit(seq, done)
             if not s.samples:
@@ -332,8 +335,8 @@ class Scheduler:
                 seq.logprobs.append(logprob)
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            reason = self._stop_reason(seq, token, done + 1)
-            if reason is not None:
+            if token in seq.stop_ids or done + 1 >= seq.max_num_tokens:
+                reason = self._stop_reason(seq, token, done + 1)
                 # Preempted: in `waiting`. A backpressured sequence is parked outside both.
                 queue = self.waiting if preempted else self.running
                 if seq in queue:
