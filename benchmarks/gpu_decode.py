@@ -17,7 +17,11 @@ Protocol (results in the gpu_bench result dict, `res["decode"]`, saved after eve
    - greedy at batch 1 and `decode_batch` (64): without, then with `--triton-gemv` (the model pass
      times every projection at startup and keeps the kernel only where it wins);
    - sampled (temperature 0.8, top-p 0.95, seeded) at `decode_batch`: the torch sampler
-     (`runner.sampler.fused = None`) vs the fused kernel (the CUDA default).
+     (`runner.sampler.fused = None`) vs the fused kernel (the CUDA default);
+   - greedy at batch 1 and `decode_batch` with async scheduling (`--async-scheduling`: the host's
+     planning, input preparation and output bookkeeping overlap the device step, which the
+     synchronous rows above pay in full), without and then with `--triton-gemv` (the last row pair:
+     every engine option this issue built that can only add speed).
 On CPU (`--smoke`) everything runs at tiny sizes with Triton interpreted (GEMV and fused sampling
 forced on), which proves only that the code runs (tests/test_gpu_bench.py).
 """
@@ -91,15 +95,17 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
     def step_bytes(batch: int) -> float:
         return weight_bytes + batch * mean_decode_context(sizes) * kv_token
 
-    # The GEMV pass swaps the model's linears in place: it runs last.
-    for variant in ("cublas", "sampled torch", "sampled fused", "triton gemv"):
+    # The GEMV pass swaps the model's linears in place: its variants run last.
+    variants = ("cublas", "sampled torch", "sampled fused", "async", "triton gemv", "triton gemv + async")
+    engine = None
+    for variant in variants:
         if time.perf_counter() > deadline:
             out["engine"].append({"variant": variant, "skipped": "time budget"})
             continue
         try:
-            extra = {}
-            if variant == "triton gemv":
-                if smoke:  # the runner times and swaps on CUDA only
+            extra = {"async_scheduling": True} if variant.endswith("async") else {}
+            if variant.startswith("triton gemv"):
+                if smoke and variant == "triton gemv":  # the runner times and swaps on CUDA only
                     from worker.model.gemv import use_triton_gemv
 
                     use_triton_gemv(model, force=True)
@@ -127,6 +133,8 @@ def decode_section(res: dict, sizes: dict, device: torch.device, deadline: float
             save()
         except Exception as exc:  # noqa: BLE001 - one variant failing must not cost the others
             out["engine"].append({"variant": variant, "skipped": f"{type(exc).__name__}: {exc}"[:200]})
+        if engine is not None:
+            engine.close()  # the async variants' executor thread
         engine = None
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -14,9 +14,9 @@
 # stays): at most ~8.5 min in all.
 # Benchmark sections on an H200, in this order (estimates; the first run of the new ones will
 # tell), the ones no GPU has measured yet first, so the deadline cuts the others: bandwidth ~10 s;
-# decode-step kernels ~90-150 s (Triton GEMV vs cuBLAS, fused vs torch sampling, the engine with
-# and without --triton-gemv, sampled torch vs fused; benchmarks/gpu_decode.py, with Triton
-# compiles); steady serving with Poisson arrivals ~50 s (its highest load twice: synchronous and
+# decode-step kernels ~100-165 s (Triton GEMV vs cuBLAS, fused vs torch sampling, the engine with
+# and without --triton-gemv, each also with async scheduling, sampled torch vs fused;
+# benchmarks/gpu_decode.py, with Triton compiles); steady serving with Poisson arrivals ~50 s (its highest load twice: synchronous and
 # async scheduling) and FP8 speed + checkpoint accuracy ~50 s (benchmarks/gpu_steady.py,
 # benchmarks/gpu_fp8.py); then, measured in earlier sessions: fused kernels ~5 s, attention
 # ~25 s, real checkpoint ~30 s (+ ~15 s with staggered arrivals: benchmarks/gpu_mixed.py), engine

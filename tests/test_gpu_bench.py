@@ -162,13 +162,17 @@ def test_smoke_run_writes_tables(tmp_path):
         ("cublas", 2),
         ("sampled torch", 2),
         ("sampled fused", 2),
+        ("async", 1),
+        ("async", 2),
         ("triton gemv", 1),
         ("triton gemv", 2),
+        ("triton gemv + async", 1),
+        ("triton gemv + async", 2),
     ]
     # Ran (3 output tokens on a busy CPU may time t_N <= t_1: then no step time, and no roofline).
     for r in decode["engine"]:
         assert r["t_n_s"] > 0 and (r["roofline"] is None) == (r["decode_step_ms"] is None), r
-    assert "**Decode-step kernels**" in table and "| triton gemv | 2 |" in table
+    assert "**Decode-step kernels**" in table and "| triton gemv + async | 2 |" in table
 
 
 def test_checkpoint_check_graphs_vs_eager_runs(tmp_path, monkeypatch):
