@@ -1,5 +1,5 @@
 """A process that exits while an engine thread is inside a step, without close() / shutdown():
-it must exit cleanly. Before the exit hooks (worker/engine.py `stop_at_exit`), Python's
+it must exit cleanly. Before the exit hooks (worker/step_thread.py `stop_at_exit`), Python's
 finalization ended the daemon thread inside a torch call by a forced unwind through pybind11's
 noexcept GIL release, and the process aborted ("terminate called without an active exception",
 exit status -6), every time in the async-scheduling case below.

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from worker.config import EngineConfig
-from worker.engine import EXIT_JOIN_S, LLMEngine, stop_at_exit
+from worker.engine import LLMEngine
 from worker.sequence import Sequence
+from worker.step_thread import EXIT_JOIN_S, stop_at_exit
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.step_observers: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        # A process that exits without shutdown(): the loop ends its step first (worker/engine.py).
+        # A process that exits without shutdown(): the loop ends its step first (worker/step_thread.py).
         stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
 
     @classmethod

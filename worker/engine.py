@@ -49,10 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
-import weakref
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,6 +60,7 @@ from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from worker.step_thread import StepThread
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,63 +68,6 @@ log = logging.getLogger(__name__)
 
 def _omp_passive() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-
-
-EXIT_JOIN_S = 10.0  # at interpreter exit, how long a thread's step in flight may take to end
-
-
-def _call_if_alive(method: weakref.WeakMethod, *args) -> None:
-    bound = method()
-    if bound is not None:
-        bound(*args)
-
-
-def stop_at_exit(owner: object, stop, *args) -> weakref.finalize:
-    """Call `stop(*args)` (a method of `owner`) at interpreter exit if `owner` is still alive;
-    nothing once it is collected. For the daemon threads that run torch (the engine loop, the
-    executor): one inside a torch call when Python finalizes is ended by a forced unwind through
-    pybind11's noexcept GIL release, and the process aborts ("terminate called without an active
-    exception"). Exit hooks run newest first: an owner registered after another stops first."""
-    return weakref.finalize(owner, _call_if_alive, weakref.WeakMethod(stop), *args)
-
-
-class _StepThread:
-    """One daemon thread running submitted calls in order (async scheduling's executor). Daemon, as
-    AsyncEngine's loop thread: a step stuck in the model must not keep the process from exiting
-    (concurrent.futures' pool threads are joined at interpreter exit); at exit it is stopped after
-    its calls (at most EXIT_JOIN_S) by `stop_at_exit`."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="engine-step", daemon=True)
-        self._thread.start()
-        stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
-
-    def submit(self, fn, *args) -> Future:
-        if self._closed:
-            raise RuntimeError("the engine's executor thread is shut down")
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def shutdown(self, timeout_s: float | None = None) -> None:
-        """After the calls already submitted (at most `timeout_s`)."""
-        if not self._closed:
-            self._closed = True
-            self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled before it started: nothing to run
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
 
 
 @dataclass
@@ -179,7 +120,7 @@ class LLMEngine:
         self._pending_releases: list[str] = []  # runner.release calls for the executor thread
         # Started now, not at the first launch: its exit hook is then older than that of an
         # AsyncEngine around this engine, which so stops its loop (and closes this) first.
-        self._executor: _StepThread | None = _StepThread() if self.async_scheduling else None
+        self._executor: StepThread | None = StepThread() if self.async_scheduling else None
         self._last_ready = 0.0  # when the last committed step's tokens reached the host
 
     def add_request(
@@ -279,7 +220,7 @@ class LLMEngine:
         releases, self._pending_releases = self._pending_releases, []
         self.scheduler.advance(plan)
         if self._executor is None:
-            self._executor = _StepThread()
+            self._executor = StepThread()
         future = self._executor.submit(self._run_step, plan, prev, feeds, releases)
         self._in_flight.append(_Launched(plan, future))
         self.scheduler.in_flight.append(plan)
