@@ -316,8 +316,7 @@ class Scheduler:
         touched = []
         bs = self.bm.block_size
         finished = SequenceStatus.FINISHED
-        # Properties inline (`is_finished`, `ScheduledSeq.preempted`, `_stop_reason`'s test): every
-        # sequence of every step.
+        # `is_finished`, `ScheduledSeq.preempted` and `_stop_reason`'s test inline: hot loop.
         for s in out.scheduled:
             seq = s.seq
             if seq.status is finished:
