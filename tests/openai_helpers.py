@@ -1,6 +1,10 @@
 """Helpers of the OpenAI front's end-to-end tests (tests/test_openai_e2e.py,
-tests/test_openai_serving_e2e.py): the announced HTTP URL, raw POSTs, a client that leaves, gRPC
-generation with the same request, a throwaway certificate."""
+tests/test_openai_errors_e2e.py, tests/test_openai_serving_e2e.py): the announced HTTP URL, raw
+POSTs, a client that leaves, gRPC generation with the same request, a throwaway certificate; and
+the stack the first two share (import the fixtures into the test module: each module gets its own
+router process on the session's shared worker): `worker`, `router` (HTTP port 0, spans to the
+session's OTLP sink, tenants `tests` and a rate-limited `limited`), `client` (the official SDK),
+`stub` (gRPC)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import grpc
+import openai
+import pytest
+
 from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import generation_pb2_grpc
+from router.tenants import hash_key
 from tests import procs
 
 HTTP_API = re.compile(r"HTTP API at (https?://\S+/v1)")
@@ -111,3 +121,49 @@ def self_signed(directory) -> tuple[str, str]:
         )
     )
     return str(cert_path), str(key_path)
+
+
+KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+TENANTS = (
+    "tenants:\n"
+    f"  - name: tests\n    key_sha256: {hash_key(KEY)}\n"
+    f"  - name: limited\n    key_sha256: {hash_key(LIMITED_KEY)}\n"
+    "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
+)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
+
+
+@pytest.fixture(scope="module")
+def worker(plain_worker):
+    """The session's shared worker (tests/conftest.py): default engine flags, float32."""
+    return plain_worker
+
+
+@pytest.fixture(scope="module")
+def router(worker, logs, sink):
+    with procs.running_router(
+        logs,
+        [worker.address],
+        "--http-port",
+        "0",
+        "--otlp-endpoint",
+        sink.endpoint,
+        tenants=TENANTS,
+        metadata=AUTH,
+        env=procs.FAST_SPAN_EXPORT,  # spans reach the sink within 50 ms, not the default 5 s
+    ) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with openai.OpenAI(base_url=http_url(router), api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(router):
+    with grpc.insecure_channel(router.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)

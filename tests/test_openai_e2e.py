@@ -3,11 +3,11 @@ against a real router process (its HTTP port 0, announced in its log) and a real
 
 Checked: chat and completions, streaming and not, usage with cached tokens, stop (and which stop
 matched), seed, logprobs/top_logprobs, max_tokens / max_completion_tokens; the same text as the
-gRPC API for the same request, the new sampling parameters included; the SDK's error classes for
-400 (naming the parameter), 401 and 429 (with Retry-After); a client that disconnects
+gRPC API for the same request, the new sampling parameters included; a client that disconnects
 (streaming, or waiting for a whole response) frees every KV block on the worker; the router's
-per-protocol request counter and trace parent; the load tester's OpenAI target
-(loadtest/openai_client.py) gets the same per-request counts as its gRPC target. Serving life
+trace parent; the load tester's OpenAI target (loadtest/openai_client.py) gets the same
+per-request counts as its gRPC target. Errors (400 naming the parameter, 401, 429 with
+Retry-After) and the per-protocol request counter: tests/test_openai_errors_e2e.py. Serving life
 (503, SIGTERM drain, HTTPS, a client gone while queued): tests/test_openai_serving_e2e.py.
 """
 
@@ -15,60 +15,24 @@ from __future__ import annotations
 
 import json
 
-import grpc
-import openai
 import pytest
 
 from protos.llm.v1 import generation_pb2 as pb
-from protos.llm.v1 import generation_pb2_grpc
-from router.tenants import hash_key
 from tests import procs
-from tests.openai_helpers import grpc_generate, grpc_tokens, http_url, post, post_and_leave
-
-KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
-AUTH = (("authorization", f"Bearer {KEY}"),)
-TENANTS = (
-    "tenants:\n"
-    f"  - name: tests\n    key_sha256: {hash_key(KEY)}\n"
-    f"  - name: limited\n    key_sha256: {hash_key(LIMITED_KEY)}\n"
-    "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
+from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker: the shared stack's fixtures
+    AUTH,
+    FRANCE,
+    KEY,
+    STORY,
+    client,
+    grpc_generate,
+    grpc_tokens,
+    http_url,
+    post_and_leave,
+    router,
+    stub,
+    worker,
 )
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
-
-
-@pytest.fixture(scope="module")
-def worker(plain_worker):
-    """The session's shared worker (tests/conftest.py): default engine flags, float32."""
-    return plain_worker
-
-
-@pytest.fixture(scope="module")
-def router(worker, logs, sink):
-    with procs.running_router(
-        logs,
-        [worker.address],
-        "--http-port",
-        "0",
-        "--otlp-endpoint",
-        sink.endpoint,
-        tenants=TENANTS,
-        metadata=AUTH,
-        env=procs.FAST_SPAN_EXPORT,  # spans reach the sink within 50 ms, not the default 5 s
-    ) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(router):
-    with openai.OpenAI(base_url=http_url(router), api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def stub(router):
-    with grpc.insecure_channel(router.address) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
 
 
 def test_models_lists_the_served_model(client, stub):
@@ -247,58 +211,6 @@ def test_new_sampling_parameters_give_the_same_text_on_both_apis(client, stub):
     assert ids == [bias_token] * 4 and forced.usage.completion_tokens == 4
 
 
-@pytest.mark.parametrize(
-    "kwargs, param",
-    [
-        (dict(top_p=5), "top_p"),
-        (dict(max_completion_tokens=0), "max_completion_tokens"),
-        (dict(max_tokens=100_000), "max_tokens"),
-        (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
-        (dict(presence_penalty=3), "presence_penalty"),
-        (dict(logit_bias={"x": 1}), "logit_bias"),
-        (dict(top_logprobs=2), "top_logprobs"),
-        (dict(n=2), "n"),
-        (dict(model="no-such-model"), "model"),
-        (dict(extra_body={"min_p": 2}), "min_p"),
-        (dict(stop=["ok"] * 9), "stop"),
-    ],
-)
-def test_invalid_requests_are_400_naming_the_parameter(client, kwargs, param):
-    args = dict(model="", messages=FRANCE, max_tokens=4) | kwargs
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(**args)
-    assert info.value.status_code == 400
-    assert info.value.param == param and info.value.body["message"].startswith(f"{param}: ")
-    assert "Traceback" not in info.value.body["message"]
-
-
-def test_bad_body_and_prompt_batches_are_400(router):
-    url = http_url(router)
-    bad_status, bad = post(f"{url}/completions", b"{not json", KEY)
-    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode(), KEY)
-    assert (bad_status, batch_status) == (400, 400)
-    assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
-    missing_status, missing = post(f"{url}/embeddings", b"{}", KEY)  # not served: an OpenAI error too
-    method_status, method = post(f"{url}/models", b"{}", KEY)
-    assert (missing_status, method_status) == (404, 405)
-    assert missing["error"]["message"].startswith("POST /v1/embeddings") and "message" in method["error"]
-
-
-def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):
-    url = http_url(router)
-    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as wrong:
-        with pytest.raises(openai.AuthenticationError) as info:
-            wrong.completions.create(model="", prompt="hi", max_tokens=1)
-        assert info.value.status_code == 401 and "wrong" not in info.value.message
-    with openai.OpenAI(base_url=url, api_key=LIMITED_KEY, max_retries=0) as limited:
-        limited.completions.create(model="", prompt="hi", max_tokens=1)  # the bucket's one request
-        with pytest.raises(openai.RateLimitError) as info:
-            limited.completions.create(model="", prompt="hi", max_tokens=1, stream=True)
-    headers = info.value.response.headers
-    assert info.value.status_code == 429 and int(headers["retry-after"]) >= 1
-    assert int(headers["retry-after-ms"]) > 0
-
-
 def worker_requests(worker) -> dict[str, float]:
     """The worker's llm_requests_total by final status (stop, length, cancelled, ...)."""
     samples = procs.scrape(procs.worker_metrics_address(worker.address))
@@ -355,23 +267,6 @@ def test_traceparent_parents_the_router_span_of_an_http_request(client, sink):
     assert span.attributes["llm.request_id"] == "http-trace-1"
     stages = {s.name for s in sink.spans() if s.trace_id == trace_id and s.parent_span_id == span.span_id}
     assert {"auth", "validate", "admission", "queue", "route"} <= stages
-
-
-def test_requests_are_counted_by_protocol(client, stub, router):
-    client.completions.create(model="", prompt="hi", max_tokens=1)
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="", prompt="hi", top_p=5)
-    grpc_generate(stub, AUTH, prompt="hi", stopping=pb.StoppingCriteria(max_tokens=1))
-    samples = procs.scrape(router)
-    by = {
-        labels: value
-        for (name, labels), value in samples.items()
-        if name == "llm_router_requests_by_protocol_total"
-    }
-    http = sum(v for labels, v in by.items() if ("protocol", "http") in labels)
-    grpc_count = sum(v for labels, v in by.items() if ("protocol", "grpc") in labels)
-    assert http >= 1 and grpc_count >= 1
-    assert by[(("protocol", "http"), ("status", "invalid_argument"))] >= 1
 
 
 def test_load_tester_openai_target_counts_equal_the_grpc_target(router, worker, tmp_path):
