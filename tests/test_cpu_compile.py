@@ -109,17 +109,18 @@ def test_engine_tokens_compiled_equal_eager(runner, make_engine):
 
 def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
     """The default CPU path (bfloat16, GGUF int4/int8 modules, the cpu attention op) compiled, with
-    the opt-in dense copies at 8 rows so both branches run: a 33-token prefill (dense branch), then
-    a decode step (int4 branch). Its logits stay as close to the float32 reference (the shared
-    runner) as the eager bfloat16 step's, and pick the same token. Compiled is not compared with
-    eager bfloat16 directly: inductor keeps fused elementwise math in float32 where eager rounds
-    to bfloat16 after every op, so the two drift apart (compiled is the closer to float32:
-    131/144 greedy tokens equal to float32's vs 100/144 for eager, 6 chat prompts x 24 tokens)."""
+    the int4 dequantize-then-GEMM path from 8 rows so both branches run: a 33-token prefill (the
+    dequantization op's branch), then a decode step (the int4 kernel's). Its logits stay as close
+    to the float32 reference (the shared runner) as the eager bfloat16 step's, and pick the same
+    token. Compiled is not compared with eager bfloat16 directly: inductor keeps fused elementwise
+    math in float32 where eager rounds to bfloat16 after every op, so the two drift apart
+    (compiled is the closer to float32: 131/144 greedy tokens equal to float32's vs 100/144 for
+    eager, 6 chat prompts x 24 tokens)."""
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
     quant = ModelRunner(
-        EngineConfig(kv_cache_bytes=32 * 2**20, num_threads=1, dense_weights_min_rows=8, cpu_compile=True)
+        EngineConfig(kv_cache_bytes=32 * 2**20, num_threads=1, int4_dequant_min_rows=8, cpu_compile=True)
     )
     assert quant.cpu_compiled is not None and quant.cpu_compiled.warm_sizes == (2, 8)
     assert quant.model.dtype == torch.bfloat16 and quant.kv_cache_dtype == torch.bfloat16

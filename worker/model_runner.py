@@ -95,6 +95,17 @@ class ModelRunner:
         quantization = "none" if config.quantization == "fp8" else config.quantization
         device = torch.device(config.device)
         loaded = load_model(config.model, config.dtype, device, quantization=quantization)
+        if config.device == "cpu":
+            from worker.model.quant import use_dequant_gemm
+
+            int4_rows, int8_rows = config.int4_dequant_min_rows, config.int8_dequant_min_rows
+            layers = use_dequant_gemm(loaded.model, int4_rows, int8_rows)
+            log.info(
+                "quantized modules dequantized per call for inputs of >= %d (int4) / %d (int8) rows: %d",
+                int4_rows,
+                int8_rows,
+                layers,
+            )
         if config.dense_weights_min_rows and config.device == "cpu":
             from worker.model.quant import keep_dense_copies
 
@@ -202,9 +213,14 @@ class ModelRunner:
         # CPU with --cpu-compile: every step runs the inductor-compiled forward (worker/cpu_compile.py).
         self.cpu_compiled: CompiledCpuForward | None = None
         if config.cpu_compile and not config.enforce_eager and CompiledCpuForward.supported(self.device):
-            # With dense weight copies the layer has two branches (below / above the row
-            # threshold): both are compiled, and guards stay on to pick between them.
-            warm_sizes = (2, config.dense_weights_min_rows) if config.dense_weights_min_rows else (2,)
+            # With dense weight copies or int4 dequantization the linears have two branches
+            # (below / above the row threshold): both are compiled, and guards stay on to pick.
+            thresholds = (
+                config.dense_weights_min_rows,
+                config.int4_dequant_min_rows,
+                config.int8_dequant_min_rows,
+            )
+            warm_sizes = tuple(sorted({2, *(n for n in thresholds if n)}))
             self.cpu_compiled = CompiledCpuForward(
                 self.model, self.kv_caches, self.backend, self.block_size, warm_sizes
             )

@@ -788,3 +788,6 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
 // The fused norm / RoPE / SiLU ops, in this translation unit: torch's headers are parsed once
 // (they are most of each file's compile time: ~7 of the 9 s this one takes here).
 #include "cpu_fused.cpp"
+
+// The int4 -> bfloat16 dequantization for many-row inputs (worker/kernels/cpu_quant.py).
+#include "cpu_quant.cpp"

@@ -12,7 +12,7 @@ length tried, 16-1,024 new tokens with and without a cached prefix (docs/kernels
 default `SDPA_MIN_QUERY_LEN = 0` never calls SDPA. The op has a fake (meta) implementation, so
 torch.compile traces a model that calls it without a graph break.
 
-Build: `load()` compiles the .cpp files (this op's and worker/kernels/cpu_fused.cpp's) with
+Build: `load()` compiles the .cpp files (this op's, worker/kernels/cpu_fused.cpp's and cpu_quant.cpp's) with
 torch.utils.cpp_extension.load (ninja, -O3 -march=native, -fopenmp against the OpenMP runtime
 torch itself loaded, so there is one thread pool) into `$LLM_CPU_EXT_DIR` (default
 ~/.cache/llm-serve/torch_extensions)/llm_cpu_attention_<key>, where <key> hashes the sources,
@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # The extension's source files: the attention op, and the fused norm / RoPE / SiLU ops of the
-# "cpu" backend's `fused` namespace (worker/kernels/cpu_fused.py), which SOURCE includes (one
-# translation unit: torch's headers parsed once). Both are hashed and copied; SOURCE is compiled.
-SOURCES = (SOURCE, SOURCE.with_name("cpu_fused.cpp"))
+# "cpu" backend's `fused` namespace (worker/kernels/cpu_fused.py) and the int4 dequantization of
+# worker/kernels/cpu_quant.py, which SOURCE includes (one translation unit: torch's headers parsed
+# once). All are hashed and copied; SOURCE is compiled.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_fused.cpp"), SOURCE.with_name("cpu_quant.cpp"))
 # Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
 # paged kernel was faster at every length measured, docs/kernels.md "CPU").
 SDPA_MIN_QUERY_LEN = 0
@@ -194,9 +195,10 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sdpa_min_query_len):
         return q.new_empty(q.shape)  # contiguous (T, H, D), q's dtype
 
-    from worker.kernels import cpu_fused
+    from worker.kernels import cpu_fused, cpu_quant
 
     cpu_fused.register_fakes()
+    cpu_quant.register_fakes()
 
 
 def _reason(exc: BaseException) -> str:

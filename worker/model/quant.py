@@ -18,6 +18,10 @@ Contract:
   All forwards trace under torch.compile (fullgraph, dynamic; worker/cpu_compile.py).
 - `Int8Embedding(q [V, C] int8, scale [V])`: `forward(ids [T]) -> [T, C]` bfloat16 rows;
   `linear(x [S, C]) -> [S, V]` is the tied lm_head through the int8 kernel.
+- `use_dequant_gemm(model, int4_min_rows, int8_min_rows)`: inputs of many rows run as bfloat16
+  GEMMs on weights dequantized per call (worker/kernels/cpu_quant.py), not through the int4 / int8
+  kernels; the model runner turns it on for CPU workers (`--int4-dequant-min-rows`, default 32;
+  `--int8-dequant-min-rows`, default 8).
 - `keep_dense_copies(model, min_rows)`: the opt-in hybrid (see there).
 - Every module has `dequantize() -> float32 [N, K]`: the slow dense reference the tests compare
   the kernels with (Int4Linear recovers q from its packed bytes by probing the pack op's nibble
@@ -42,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from worker.kernels import cpu_quant
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # GGUF types whose blocks map exactly onto Int4Linear's group-32 format.
@@ -91,6 +97,7 @@ class _QuantLinearBase(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous())
         self.dense: torch.Tensor | None = None  # opt-in bf16 copy (keep_dense_copy)
         self.dense_min_rows = 0
+        self.dequant_min_rows = 0  # use_dequant_gemm: 0 = always the int4 / int8 kernel
 
     def keep_dense_copy(self, min_rows: int) -> None:
         """Keep a bfloat16 copy of the weight and use it (F.linear) for inputs of >= min_rows rows."""
@@ -191,9 +198,14 @@ class Int4Linear(_QuantLinearBase):
         return cls(*quantize_int4(w, group_size), bias=bias, group_size=group_size)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        b = self._buffers  # (not nn.Module.__getattr__: this runs for every linear of every step)
+        if self.dequant_min_rows and x2.shape[0] >= self.dequant_min_rows:
+            w_t = cpu_quant.dequant_t(
+                b["weight_packed"], b["scales_and_zeros"], self.group_size, self.input_repeats
+            )
+            return torch.mm(x2, w_t)
         if self.input_repeats > 1:
             x2 = torch.cat([x2] * self.input_repeats, dim=1)
-        b = self._buffers  # (not nn.Module.__getattr__: this runs for every linear of every step)
         return torch._weight_int4pack_mm_for_cpu(
             x2, b["weight_packed"], self.group_size, b["scales_and_zeros"]
         )
@@ -242,6 +254,8 @@ class Int8Linear(_QuantLinearBase):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         b = self._buffers
+        if self.dequant_min_rows and x2.shape[0] >= self.dequant_min_rows:
+            return cpu_quant.int8_linear(x2, b["weight"], b["scales"])
         return int8_mm(x2, b["weight"], b["scales"])
 
     def dequantize(self) -> torch.Tensor:
@@ -265,6 +279,7 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", scale.to(torch.bfloat16).contiguous())
         self.dense: torch.Tensor | None = None  # opt-in bf16 copy (keep_dense_copy)
         self.dense_min_rows = 0
+        self.dequant_min_rows = 0  # use_dequant_gemm: 0 = always the int8 kernel
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Embedding:
@@ -284,6 +299,8 @@ class Int8Embedding(nn.Module):
         x2 = _rows(x, self.embedding_dim)
         if self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             out = F.linear(x2, self.dense)
+        elif self.dequant_min_rows and x2.shape[0] >= self.dequant_min_rows:
+            out = cpu_quant.int8_linear(x2, self.weight, self.scales)
         else:
             out = int8_mm(x2, self.weight, self.scales)
         return out.reshape(*x.shape[:-1], self.num_embeddings)
@@ -293,6 +310,32 @@ class Int8Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row"
+
+
+def use_dequant_gemm(
+    model: nn.Module,
+    int4_min_rows: int = cpu_quant.INT4_MIN_ROWS,
+    int8_min_rows: int = cpu_quant.INT8_MIN_ROWS,
+) -> int:
+    """Inputs of many rows skip the weight-only kernels, which re-read the weight every 1 (int8)
+    or 4 (int4) rows: every Int4Linear whose shape the op takes runs inputs of >= int4_min_rows
+    rows as one dequantization of its weight to a temporary bfloat16 matrix plus one GEMM, and
+    every Int8Linear / Int8Embedding lm_head runs inputs of >= int8_min_rows rows as bfloat16
+    GEMMs over tiles of dequantized rows (worker/kernels/cpu_quant.py has the numbers; no resident
+    copy). 0 turns a kind off. Returns the number of modules that take it (0 when the op is
+    unavailable)."""
+    if not (int4_min_rows or int8_min_rows) or not cpu_quant.available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and int4_min_rows and cpu_quant.supports(module.out_features):
+            module.dequant_min_rows = int(int4_min_rows)
+        elif isinstance(module, (Int8Linear, Int8Embedding)) and int8_min_rows:
+            module.dequant_min_rows = int(int8_min_rows)
+        else:
+            continue
+        count += 1
+    return count
 
 
 def keep_dense_copies(model: nn.Module, min_rows: int = 16) -> int:
