@@ -155,19 +155,97 @@ def test_bad_arguments_are_value_errors_naming_the_problem():
         torch.ops.llm_cpu.int8_linear_tiled(torch.randn(4, 64).to(torch.bfloat16), lin.weight, lin.scales, 8)
 
 
+needs_vnni = pytest.mark.skipif(
+    not (cpu_attention.available() and _layout_is_block64() and torch.ops.llm_cpu.vnni_compiled()),
+    reason="no AVX512-VNNI on this CPU or in its build of the extension: the int8-activation ops are unused",
+)
+
+
 @needs_layout
 def test_the_model_runner_switches_every_quantized_module_by_its_flags():
-    """CPU workers take the paths by default (int4 >= 32 rows, int8 >= 8: every int4 linear and
-    the tied int8 lm_head of the embedded SmolLM2); 0 turns them off. Their accuracy against the
-    float32 model: tests/test_quant_smollm.py."""
+    """CPU workers convert every quantized module of the embedded SmolLM2 to int8 activations where
+    the CPU has VNNI (the default); without (or with --no-cpu-int8-activations) the many-row paths
+    take over (int4 >= 32 rows, int8 >= 8); 0 turns those off. Accuracy against the float32 model:
+    tests/test_quant_smollm.py."""
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
-    def thresholds(**kw):
+    def modules(**kw):
         runner = ModelRunner(EngineConfig(kv_cache_bytes=16 * 2**20, num_threads=1, **kw))
-        return [getattr(mod, "dequant_min_rows", None) for mod in runner.model.modules()]
+        return [mod for mod in runner.model.modules() if hasattr(mod, "dequant_min_rows")]
 
-    on = thresholds()
-    assert on.count(cpu_quant.INT4_MIN_ROWS) == 120 and on.count(cpu_quant.INT8_MIN_ROWS) == 1
-    assert set(thresholds(int4_dequant_min_rows=0, int8_dequant_min_rows=0)) <= {None, 0}
-    assert thresholds(int4_dequant_min_rows=5, int8_dequant_min_rows=0).count(5) == 120
+    if cpu_quant.vnni_available():
+        on = modules()
+        assert len(on) == 121 and all(getattr(m, "w4a8", False) or getattr(m, "w8a8", False) for m in on)
+    off = [m.dequant_min_rows for m in modules(cpu_int8_activations=False)]
+    assert off.count(cpu_quant.INT4_MIN_ROWS) == 120 and off.count(cpu_quant.INT8_MIN_ROWS) == 1
+    kw = dict(cpu_int8_activations=False, int8_dequant_min_rows=0)
+    assert set(m.dequant_min_rows for m in modules(int4_dequant_min_rows=0, **kw)) == {0}
+    assert [m.dequant_min_rows for m in modules(int4_dequant_min_rows=5, **kw)].count(5) == 120
+
+
+@needs_vnni
+def test_vnni_layouts_round_trip():
+    gen = torch.Generator().manual_seed(11)
+    q4 = torch.randint(0, 16, (48, 96), generator=gen, dtype=torch.uint8)
+    sz = torch.randn(3, 48, 2, generator=gen).to(torch.bfloat16)
+    wq, vsz = cpu_quant.int4_to_vnni(q4, sz)
+    assert wq.shape == (3, 12, 16, 4) and vsz.shape == (3, 3, 2, 16)
+    back_q, back_sz = cpu_quant.int4_from_vnni(wq, vsz)
+    assert torch.equal(back_q, q4) and torch.equal(back_sz, sz)
+    q8 = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
+    wq8, corr = cpu_quant.int8_to_vnni(q8)
+    assert torch.equal(cpu_quant.int8_from_vnni(wq8), q8)
+    assert torch.equal(corr[1, 0], 128 * q8[16:32, :32].int().sum(1))
+    ids = torch.tensor([0, 47, 17, 17, 30])
+    assert torch.equal(cpu_quant.int8_rows_from_vnni(wq8, ids), q8[ids])
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 5, 9, 33])
+def test_int8_activation_ops_match_the_reference(rows):
+    """Both ops equal the float32 product of the dequantized weight with the activations rounded
+    as cpu_quant.round_activations rounds them, up to the bfloat16 output and summation order."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 128, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(torch.bfloat16)
+    x[0, :32] = 0  # an all-zero group: scale 0
+    i4 = Int4Linear.from_float(torch.randn(192, 128, generator=gen) * 0.05)
+    ref4 = cpu_quant.round_activations(x) @ i4.dequantize().T
+    deq, kernel = i4.dequantize(), i4(x)
+    assert i4.to_w4a8() and i4.weight_packed is None and i4.scales_and_zeros is None  # no second copy
+    assert torch.equal(i4.dequantize(), deq)
+    out = i4(x)
+    assert float((out.float() - ref4).abs().max()) <= bf16_out_tol(ref4)
+    # int8 rounding of the activations vs bfloat16 ones: close, not equal
+    assert float((out.float() - kernel.float()).abs().max()) <= 0.05 * float(ref4.abs().max())
+    emb = Int8Embedding.from_float(torch.randn(64, 128, generator=gen))
+    ids = torch.tensor([3, 63, 0])
+    rows_before, deq8 = emb(ids), emb.dequantize()
+    assert emb.to_w8a8() and emb.weight is None
+    assert torch.equal(emb(ids), rows_before) and torch.equal(emb.dequantize(), deq8)
+    ref8 = cpu_quant.round_activations(x) @ deq8.T
+    assert float((emb.linear(x).float() - ref8).abs().max()) <= bf16_out_tol(ref8)
+    lin = Int8Linear.from_float(torch.randn(32, 128, generator=gen))
+    ref_lin = cpu_quant.round_activations(x) @ lin.dequantize().T
+    assert lin.to_w8a8() and float((lin(x).float() - ref_lin).abs().max()) <= bf16_out_tol(ref_lin)
+
+
+@needs_vnni
+def test_int8_activation_conversion_skips_shapes_the_ops_do_not_take():
+    assert not Int4Linear.from_float(torch.randn(80, 64)).to_w4a8()  # N % 64
+    assert not Int4Linear.from_float(torch.randn(64, 128), group_size=64).to_w4a8()
+    assert not Int8Linear.from_float(torch.randn(24, 64)).to_w8a8()  # N % 16
+    assert not Int8Linear.from_float(torch.randn(32, 48)).to_w8a8()  # K % 32
+    model = nn.Sequential(*(Int4Linear.from_float(torch.randn(n, 64)) for n in (64, 80)))
+    from worker.model.quant import use_int8_activations
+
+    assert use_int8_activations(model) == 1
+    assert use_dequant_gemm(model, 8, 8) == 0 and model[0].dequant_min_rows == 0  # VNNI kept; N=80: neither
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="wq must be"):
+        wq = torch.zeros(4, 8, 16, 4, dtype=torch.uint8)
+        cpu_quant.int4_vnni(x, wq, torch.zeros(4, 4, 2, 16).bfloat16())
+    with pytest.raises(ValueError, match="corr must be"):
+        cpu_quant.int8_vnni(
+            x, torch.zeros(2, 32, 16, 4, dtype=torch.int8), torch.zeros(2, 4, 16), torch.zeros(32).bfloat16()
+        )

@@ -125,6 +125,27 @@ def test_smollm2_dequantized_gemm_paths_agree_with_float32_as_closely(smollm_ref
     assert res["teacher_forced_top1_agreement"] >= 0.9, res
 
 
+def test_smollm2_int8_activations_agree_with_float32(smollm_reference):
+    """use_int8_activations (the CPU default where there is AVX512-VNNI): every int4 linear and the
+    int8 lm_head multiply int8-rounded activations. A larger logit error than the bfloat16 kernels
+    (the activations lose bits: llama.cpp's Q8 scheme), the same top-1 agreement."""
+    from benchmarks.quant_accuracy import Runner, compare
+    from worker.model.quant import use_int8_activations
+
+    if not cpu_quant.vnni_available():
+        pytest.skip("no AVX512-VNNI on this CPU or in its build of the extension: the path is not used")
+    model = load_model(None, "bfloat16", "cpu", quantization="auto").model
+    assert use_int8_activations(model) == 121
+    prompts, ref_tokens, ref_logits = smollm_reference
+    runner = Runner(model, max(map(len, prompts)) + 32, len(prompts))
+    res = compare(ref_logits, ref_tokens, runner.score(prompts, ref_tokens), runner.greedy(prompts, 32))
+    # measured on these 96 positions: max abs 2.02, mean abs 0.247, max rel 0.053, top-1 97.9%
+    assert res["logits_max_abs"] <= 3.0, res
+    assert res["logits_mean_abs"] <= 0.35, res
+    assert res["logits_max_rel"] <= 0.07, res
+    assert res["teacher_forced_top1_agreement"] >= 0.9, res
+
+
 def test_engine_serves_the_quantized_model(smollm_float32, smollm_reference):
     """Quantization through EngineConfig: the engine's own logits (chunked prefill, paged decode)
     match the float32 model's on the engine's own tokens."""

@@ -96,8 +96,11 @@ class ModelRunner:
         device = torch.device(config.device)
         loaded = load_model(config.model, config.dtype, device, quantization=quantization)
         if config.device == "cpu":
-            from worker.model.quant import use_dequant_gemm
+            from worker.model.quant import use_dequant_gemm, use_int8_activations
 
+            if config.cpu_int8_activations:
+                converted = use_int8_activations(loaded.model)
+                log.info("int8 activations (AVX512-VNNI) in %d quantized modules", converted)
             int4_rows, int8_rows = config.int4_dequant_min_rows, config.int8_dequant_min_rows
             layers = use_dequant_gemm(loaded.model, int4_rows, int8_rows)
             log.info(

@@ -129,14 +129,201 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& q, const at:
   return out;
 }
 
+// ---- W4A8: int4 weights x int8 activations with AVX512-VNNI ------------------------------------
+//
+// int4_vnni_linear(x bf16 [M, K], wq uint8 [N/16, K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16])
+//   -> bf16 [M, N]. wq: for each block of 16 output rows and each run of 8 columns, lane r's 4
+//   bytes hold q[16b + r, 8t + j] (low nibble) and q[16b + r, 8t + 4 + j] (high), j < 4; sz: the
+//   16 rows' scale then zero per group of 32 columns (Int4Linear's bfloat16 values, w = (q - 8) *
+//   scale + zero). x is quantized per row and group of 32 to int8 (d = max|x| / 127, round to
+//   nearest), so out[m, n] = sum_g d[m, g] * (scale * sum_k q * xq + (zero - 8 * scale) * sum_k
+//   xq), i.e. the float32 dot of the dequantized weights with the int8-rounded activations.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+bool vnni_compiled() { return kVnni; }
+
+// Per row and group of 32: int8 values, the scale d and the sum of the int8 values.
+void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, float* d, float* sums) {
+  const int64_t groups = k / 32;
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const at::BFloat16* src = x + u * 32;  // rows are contiguous, groups follow each other
+      float v[32], amax = 0.f;
+      for (int j = 0; j < 32; ++j) {
+        v[j] = float(src[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int q = int(std::nearbyint(v[j] * inv));
+        xq[u * 32 + j] = int8_t(q);
+        sum += q;
+      }
+      d[u] = scale;
+      sums[u] = float(sum);
+    }
+  });
+}
+
+at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                    "x must be a contiguous bfloat16 [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(k % 32 == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK_VALUE(wq.scalar_type() == at::kByte && wq.is_contiguous() && wq.dim() == 4 &&
+                        wq.size(1) == k / 8 && wq.size(2) == 16 && wq.size(3) == 4,
+                    "wq must be a contiguous uint8 [N/16, K/8, 16, 4] tensor for K=", k);
+  const int64_t blocks = wq.size(0), n = blocks * 16, groups = k / 32;
+  TORCH_CHECK_VALUE(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
+                        sz.size(0) == blocks && sz.size(1) == groups && sz.size(2) == 2 && sz.size(3) == 16,
+                    "sz must be a contiguous bfloat16 [N/16, K/32, 2, 16] tensor");
+  TORCH_CHECK(kVnni, "int4_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  std::vector<int8_t> xq(size_t(m * k));
+  std::vector<float> dx(size_t(m * groups)), sx(size_t(m * groups));
+  quantize_rows(x.data_ptr<at::BFloat16>(), m, k, xq.data(), dx.data(), sx.data());
+  const uint8_t* wp = wq.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  constexpr int64_t MB = 8;  // activation rows per pass over a weight block (kept in L1)
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = wp + b * (k / 8) * 64;
+      const uint16_t* sb = sp + b * groups * 32;
+      for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        const int64_t mb = std::min(MB, m - m0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        __m512 acc[MB];
+        for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32))), 16));
+          const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32 + 16))), 16));
+          const __m512 zm = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), s, z);
+          __m512i lo[4], hi[4];
+          for (int t = 0; t < 4; ++t) {
+            const __m512i v = _mm512_loadu_si512((const void*)(wb + (g * 4 + t) * 64));
+            lo[t] = _mm512_and_si512(v, low);
+            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          }
+          for (int64_t i = 0; i < mb; ++i) {
+            const int64_t row = m0 + i;
+            const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data() + row * k + g * 32);
+            __m512i dot = _mm512_setzero_si512();
+            for (int t = 0; t < 4; ++t) {
+              dot = _mm512_dpbusd_epi32(dot, lo[t], _mm512_set1_epi32(xw[2 * t]));
+              dot = _mm512_dpbusd_epi32(dot, hi[t], _mm512_set1_epi32(xw[2 * t + 1]));
+            }
+            const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s,
+                                                _mm512_mul_ps(zm, _mm512_set1_ps(sx[row * groups + g])));
+            acc[i] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[row * groups + g]), acc[i]);
+          }
+        }
+        for (int64_t i = 0; i < mb; ++i) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, acc[i]);
+          uint16_t* o = op + (m0 + i) * n + b * 16;
+          for (int r = 0; r < 16; ++r) o[r] = bf16_bits(tmp[r]);
+        }
+#endif
+      }
+    }
+  });
+  return out;
+}
+
+// int8_vnni_linear(x bf16 [M, K], wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16],
+//                  scale bf16 [N]) -> bf16 [M, N]: W8A8 for int8 rows with one scale each (the tied
+//   lm_head). wq: per block of 16 rows and run of 4 columns, lane r's 4 bytes are q[16b + r, 4t + j];
+//   corr = 128 * the sum of each row's q over each group of 32 columns. x is quantized as above
+//   and offset by 128 into unsigned bytes (VNNI multiplies unsigned by signed bytes); the offset's
+//   products are taken back with corr: out[m, n] = scale[n] * sum_g d[m, g] * sum_k q * xq.
+at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& corr,
+                            const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                    "x must be a contiguous bfloat16 [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(k % 32 == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK_VALUE(wq.scalar_type() == at::kChar && wq.is_contiguous() && wq.dim() == 4 &&
+                        wq.size(1) == k / 4 && wq.size(2) == 16 && wq.size(3) == 4,
+                    "wq must be a contiguous int8 [N/16, K/4, 16, 4] tensor for K=", k);
+  const int64_t blocks = wq.size(0), n = blocks * 16, groups = k / 32;
+  TORCH_CHECK_VALUE(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.dim() == 3 &&
+                        corr.size(0) == blocks && corr.size(1) == groups && corr.size(2) == 16,
+                    "corr must be a contiguous int32 [N/16, K/32, 16] tensor");
+  TORCH_CHECK_VALUE(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.dim() == 1 &&
+                        scale.size(0) == n,
+                    "scale must be a contiguous bfloat16 [N] tensor");
+  TORCH_CHECK(kVnni, "int8_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  std::vector<int8_t> xq(size_t(m * k));
+  std::vector<float> dx(size_t(m * groups)), sx(size_t(m * groups));
+  quantize_rows(x.data_ptr<at::BFloat16>(), m, k, xq.data(), dx.data(), sx.data());
+  for (auto& v : xq) v = int8_t(uint8_t(int(v) + 128));  // unsigned bytes 1..255, same bits as +128
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  constexpr int64_t MB = 8;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* wb = wp + b * (k / 4) * 64;
+      const int32_t* cb = cp + b * groups * 16;
+      for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        const int64_t mb = std::min(MB, m - m0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        __m512 acc[MB];
+        for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          __m512i w[8];
+          for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512((const void*)(wb + (g * 8 + t) * 64));
+          const __m512i c = _mm512_loadu_si512((const void*)(cb + g * 16));
+          for (int64_t i = 0; i < mb; ++i) {
+            const int64_t row = m0 + i;
+            const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data() + row * k + g * 32);
+            __m512i dot = _mm512_setzero_si512();
+            for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(xw[t]), w[t]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, c)),
+                                     _mm512_set1_ps(dx[row * groups + g]), acc[i]);
+          }
+        }
+        const __m512 sc = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + b * 16))), 16));
+        for (int64_t i = 0; i < mb; ++i) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, _mm512_mul_ps(acc[i], sc));
+          uint16_t* o = op + (m0 + i) * n + b * 16;
+          for (int r = 0; r < 16; ++r) o[r] = bf16_bits(tmp[r]);
+        }
+#endif
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace llm_cpu_quant
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("int4_dequant_t(Tensor packed, Tensor scales_and_zeros, int group_size, int repeats) -> Tensor");
   m.def("int8_linear_tiled(Tensor x, Tensor q, Tensor scale, int tile) -> Tensor");
+  m.def("int4_vnni_linear(Tensor x, Tensor wq, Tensor sz) -> Tensor");
+  m.def("int8_vnni_linear(Tensor x, Tensor wq, Tensor corr, Tensor scale) -> Tensor");
+  m.def("vnni_compiled() -> bool", &llm_cpu_quant::vnni_compiled);
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("int4_dequant_t", &llm_cpu_quant::int4_dequant_t);
   m.impl("int8_linear_tiled", &llm_cpu_quant::int8_linear_tiled);
+  m.impl("int4_vnni_linear", &llm_cpu_quant::int4_vnni_linear);
+  m.impl("int8_vnni_linear", &llm_cpu_quant::int8_vnni_linear);
 }

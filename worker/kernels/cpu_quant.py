@@ -80,6 +80,78 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return _ops().int8_linear_tiled(x, q, scale, INT8_TILE)
 
 
+# ---- W4A8 / W8A8 with AVX512-VNNI (int8 activations) ----------------------------------------
+
+
+def vnni_available() -> bool:
+    """The op was compiled with AVX512-VNNI and torch's int4 layout is the one unpacked here."""
+    if "vnni" not in _layout:
+        _layout["vnni"] = available() and bool(_ops().vnni_compiled())
+    return _layout["vnni"]
+
+
+def int4_unpack(weight_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """torch's packed int4 (the block-64 layout `available()` checked) -> q uint8 [N, K]."""
+    p = weight_packed.view(n // BLOCK_N, k, 32)
+    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, K, 64]: rows j and 32 + j of each block
+    return q.permute(0, 2, 1).reshape(n, k)
+
+
+def int4_to_vnni(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q uint8 [N, K] (0..15), scales_and_zeros bf16 [K/32, N, 2] -> the op's (wq uint8 [N/16,
+    K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16]); N % 16 == 0, K % 32 == 0."""
+    n, k = q.shape
+    halves = q.view(n // 16, 16, k // 8, 2, 4)  # [block, row, run of 8, low/high half, j]
+    wq = (halves[:, :, :, 0, :] | (halves[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+    sz = scales_and_zeros.view(k // 32, n // 16, 16, 2).permute(1, 0, 3, 2).contiguous()
+    return wq, sz
+
+
+def int4_from_vnni(wq: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of int4_to_vnni: (q uint8 [N, K], scales_and_zeros bf16 [K/32, N, 2])."""
+    blocks, runs = wq.shape[:2]
+    n, k = blocks * 16, runs * 8
+    halves = torch.stack([wq & 15, wq >> 4], dim=3)  # [block, run, row, half, j]
+    q = halves.permute(0, 2, 1, 3, 4).reshape(n, k)
+    return q, sz.permute(1, 0, 3, 2).reshape(k // 32, n, 2)
+
+
+def int8_to_vnni(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int8 [N, K] -> the op's (wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16] =
+    128 * each row's sum over each group of 32 columns); N % 16 == 0, K % 32 == 0."""
+    n, k = q.shape
+    wq = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    sums = q.view(n // 16, 16, k // 32, 32).to(torch.int32).sum(-1, dtype=torch.int32)
+    return wq, (128 * sums).permute(0, 2, 1).contiguous()
+
+
+def int8_from_vnni(wq: torch.Tensor) -> torch.Tensor:
+    blocks, runs = wq.shape[:2]
+    return wq.permute(0, 2, 1, 3).reshape(blocks * 16, runs * 4)
+
+
+def int8_rows_from_vnni(wq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of int8_from_vnni(wq), without unpacking the rest: [T, K] int8."""
+    return wq[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
+
+
+def int4_vnni(x: torch.Tensor, wq: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    return _ops().int4_vnni_linear(x, wq, sz)
+
+
+def int8_vnni(x: torch.Tensor, wq: torch.Tensor, corr: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _ops().int8_vnni_linear(x, wq, corr, scale)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """The reference of the ops' activation quantization: x [M, K] -> float32 [M, K] rounded to
+    int8 per row and group of 32 (d = max|x| / 127, round half to even), dequantized."""
+    m, k = x.shape
+    g = x.float().view(m, k // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).view(m, k)
+
+
 def register_fakes() -> None:
     """Meta implementation (shape and dtype only), called once when the extension loads."""
 
@@ -90,3 +162,11 @@ def register_fakes() -> None:
     @torch.library.register_fake("llm_cpu::int8_linear_tiled")
     def _(x, q, scale, tile):
         return x.new_empty((x.shape[0], q.shape[0]))
+
+    @torch.library.register_fake("llm_cpu::int4_vnni_linear")
+    def _(x, wq, sz):
+        return x.new_empty((x.shape[0], wq.shape[0] * 16))
+
+    @torch.library.register_fake("llm_cpu::int8_vnni_linear")
+    def _(x, wq, corr, scale):
+        return x.new_empty((x.shape[0], wq.shape[0] * 16))
