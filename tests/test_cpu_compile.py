@@ -107,20 +107,40 @@ def test_engine_tokens_compiled_equal_eager(runner, make_engine):
     assert all(len(t) == 12 for t in outputs["compiled"].values())
 
 
-def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
-    """The default CPU path (bfloat16, GGUF int4/int8 modules, the cpu attention op) compiled, with
-    the int4 dequantize-then-GEMM path from 8 rows so both branches run: a 33-token prefill (the
-    dequantization op's branch), then a decode step (the int4 kernel's). Its logits stay as close
-    to the float32 reference (the shared runner) as the eager bfloat16 step's, and pick the same
-    token. Compiled is not compared with eager bfloat16 directly: inductor keeps fused elementwise
-    math in float32 where eager rounds to bfloat16 after every op, so the two drift apart
-    (compiled is the closer to float32: 131/144 greedy tokens equal to float32's vs 100/144 for
-    eager, 6 chat prompts x 24 tokens)."""
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["bf16-activations", "int8-activations"])
+def test_quantized_path_compiled_close_to_float32(runner, tokenizer, int8_activations):
+    """The quantized CPU path (bfloat16, GGUF int4/int8 modules, the cpu attention op) compiled: a
+    33-token prefill, then a decode step. Its logits stay near the float32 reference (the shared
+    runner) and rank the reference's token first or close to it.
+
+    bf16-activations: the int4 dequantize-then-GEMM path from 8 rows, so both int4 branches run
+    (prefill: the dequantization op; decode: torch's int4 kernel). Compiled stays as close to
+    float32 as the eager bfloat16 step and picks the same token. Compiled is not compared with
+    eager bfloat16 directly: inductor keeps fused elementwise math in float32 where eager rounds to
+    bfloat16 after every op, so the two drift apart (compiled is the closer to float32: 131/144
+    greedy tokens equal to float32's vs 100/144 for eager, 6 chat prompts x 24 tokens).
+
+    int8-activations (the default where the CPU has VNNI; the W4A8/W8A8 ops and their fake
+    kernels under dynamo): rounding the activations to int8 per 32-group moves the logits by a few
+    percent, and this prompt's first token is a near tie in float32 (25.33 vs 25.24 for the
+    runner-up), which int8 activations flip in eager and compiled alike. Measured: relative error
+    0.042 / 0.041 compiled (0.034 / 0.020 eager); float32's token 0.5 then 0 below the compiled
+    maximum. Bounds: 0.08 and 1.0; a wrong layout or a fake kernel with the wrong shape gives
+    errors near 1 and gaps of several logits."""
     from worker.config import EngineConfig
+    from worker.kernels import cpu_quant
     from worker.model_runner import ModelRunner
 
+    if int8_activations and not (cpu_quant.available() and cpu_quant.vnni_available()):
+        pytest.skip("int8 activations need AVX512-VNNI and the llm_cpu op (not on this CPU/build)")
     quant = ModelRunner(
-        EngineConfig(kv_cache_bytes=32 * 2**20, num_threads=1, int4_dequant_min_rows=8, cpu_compile=True)
+        EngineConfig(
+            kv_cache_bytes=32 * 2**20,
+            num_threads=1,
+            int4_dequant_min_rows=8,
+            cpu_compile=True,
+            cpu_int8_activations=int8_activations,
+        )
     )
     assert quant.cpu_compiled is not None and quant.cpu_compiled.warm_sizes == (2, 8)
     assert quant.model.dtype == torch.bfloat16 and quant.kv_cache_dtype == torch.bfloat16
@@ -143,8 +163,12 @@ def test_default_quantized_path_compiled_close_to_float32(runner, tokenizer):
     for ref, comp, eag in zip(reference, compiled, eager_bf16):
         err_compiled = ((comp - ref).norm() / ref.norm()).item()
         err_eager = ((eag - ref).norm() / ref.norm()).item()
-        assert int(comp.argmax()) == int(ref.argmax())
-        assert err_compiled < max(2 * err_eager, 0.02), (err_compiled, err_eager)
+        if int8_activations:
+            assert float(comp.max() - comp[int(ref.argmax())]) < 1.0
+            assert err_compiled < 0.08, (err_compiled, err_eager)
+        else:
+            assert int(comp.argmax()) == int(ref.argmax())
+            assert err_compiled < max(2 * err_eager, 0.02), (err_compiled, err_eager)
 
 
 def test_a_step_needing_a_new_graph_recompiles_instead_of_failing(runner):
