@@ -6,11 +6,16 @@ the one before):
   0. before: float32 weights (dequantized GGUF), float32 KV, the per-sequence torch attention path,
      eager (what `make serve` ran before these steps);
   1. + the batched C++ paged-attention op ("cpu" backend);
-  2. + bfloat16 activations and KV, GGUF Q4_1/Q8_0 weights kept quantized (int4/int8 kernels),
-     the norms, RoPE, KV store and SiLU as torch ops (the "cpu" backend's fused ops switched off);
-  3. + the fused C++ small ops (worker/kernels/cpu_fused.py): the default;
-  4. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops);
-  5. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
+  2. + bfloat16 activations and KV, GGUF Q4_1/Q8_0 weights kept quantized (torch's weight-only
+     int4/int8 kernels at every row count), the norms, RoPE, KV store and SiLU as torch ops (the
+     "cpu" backend's fused ops switched off);
+  3. + the fused C++ small ops (worker/kernels/cpu_fused.py);
+  4. + many-row inputs as bfloat16 GEMMs on weights dequantized per call (int4 from 32 rows,
+     the int8 lm_head from 8: worker/kernels/cpu_quant.py);
+  5. + int8 activations with AVX512-VNNI (W4A8 / W8A8 at every row count): the default (where
+     the CPU has no VNNI this row runs step 4 again);
+  6. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops);
+  7. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
      +257 MiB), compiled.
 For each batch size B it adds B greedy requests of 200 prompt tokens and 48 output tokens
 (ignore_eos) at once and reports the median wall time of the last 40 decode steps (ms) and
@@ -31,14 +36,24 @@ from pathlib import Path
 
 from loadtest.environment import cpu_model
 
+# Steps 0-4 switch off what later steps add (EngineConfig defaults turn everything on).
+_NO_NEW_PATHS = dict(cpu_int8_activations=False, int4_dequant_min_rows=0, int8_dequant_min_rows=0)
 STEPS = [
     (
         "0 before: float32, torch attention, eager",
-        dict(dtype="float32", quantization="none", attention_backend="torch", enforce_eager=True),
+        dict(
+            dtype="float32",
+            quantization="none",
+            attention_backend="torch",
+            enforce_eager=True,
+            **_NO_NEW_PATHS,
+        ),
     ),
     (
         "1 + cpu attention op",
-        dict(dtype="float32", quantization="none", attention_backend="cpu", enforce_eager=True),
+        dict(
+            dtype="float32", quantization="none", attention_backend="cpu", enforce_eager=True, **_NO_NEW_PATHS
+        ),
     ),
     (
         "2 + bf16, int4/int8 weights, torch small ops",
@@ -48,14 +63,29 @@ STEPS = [
             attention_backend="cpu",
             enforce_eager=True,
             fused_ops=False,
+            **_NO_NEW_PATHS,
         ),
     ),
     (
-        "3 + fused C++ small ops (the default)",
-        dict(dtype="bfloat16", quantization="auto", attention_backend="cpu", enforce_eager=True),
+        "3 + fused C++ small ops",
+        dict(
+            dtype="bfloat16",
+            quantization="auto",
+            attention_backend="cpu",
+            enforce_eager=True,
+            **_NO_NEW_PATHS,
+        ),
     ),
-    ("4 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
-    ("5 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
+    (
+        "4 + dequantize-then-GEMM for many rows",
+        dict(dtype="bfloat16", quantization="auto", enforce_eager=True, cpu_int8_activations=False),
+    ),
+    (
+        "5 + int8 activations, VNNI (the default)",
+        dict(dtype="bfloat16", quantization="auto", enforce_eager=True),
+    ),
+    ("6 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
+    ("7 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
 ]
 
 

@@ -18,10 +18,14 @@ Contract
   its +/- = PPL * sqrt((mean(NLL^2) - mean(NLL)^2) / (count - 1)), as llama.cpp prints it.
 - Our variants, each built through `worker.model.loader.load_model(path, dtype, "cpu",
   quantization=...)`: float32 + "none", bfloat16 + "none" (dequantized), bfloat16 + "auto" (GGUF
-  Q4_1 kept quantized where the loader does so; whatever it returns is run the same way). Each
+  Q4_1 kept quantized where the loader does so; whatever it returns is run the same way) on the
+  weight-only kernels (bfloat16 activations), and bfloat16 + "auto" as a CPU worker serves it:
+  `worker.model.cpu_paths.apply_cpu_paths` with the default EngineConfig (int8 activations on
+  AVX512-VNNI CPUs, dequantize-then-GEMM for many rows), the modules it converted in the row. Each
   chunk is one forward pass of the model's own code with a paged KV cache of that dtype and the
   engine's default CPU attention backend; logits are float32 (the model's `compute_logits`).
-- Output: a table (PPL, +/-, tokens scored, seconds) and `quantized vs float32: +N.NN%`, written
+- Output: a table (PPL, +/-, tokens scored, seconds) and `quantized vs float32: +N.NN%` (the
+  served path's row; the weight-only row's figure after it when both ran), written
   as the "Perplexity (make eval)" section of docs/benchmarks.md (other sections untouched) when
   every row succeeded; JSON to results/eval_ppl/<UTC time>.json. The target in the docs: the
   quantized path within 1% of float32.
@@ -54,12 +58,14 @@ RESULTS = REPO / "results" / "eval_ppl"
 SECTION = "Perplexity (make eval)"
 N_CTX = 512
 TARGET_PCT = 1.0
-# (label, dtype, quantization) in the order of the table
+# (label, dtype, quantization, served CPU paths) in the order of the table
 VARIANTS = (
-    ("float32", "float32", "none"),
-    ("bf16 (dequantized)", "bfloat16", "none"),
-    ("quantized (bf16, auto)", "bfloat16", "auto"),
+    ("float32", "float32", "none", False),
+    ("bf16 (dequantized)", "bfloat16", "none", False),
+    ("quantized (bf16, auto)", "bfloat16", "auto", False),
+    ("quantized as served (CPU paths)", "bfloat16", "auto", True),
 )
+WEIGHT_ONLY, SERVED = VARIANTS[2][0], VARIANTS[3][0]
 PPL_TIMEOUT_S = 1800.0
 
 
@@ -67,6 +73,7 @@ def run_ours(
     model_path: pathlib.Path,
     dtype: str,
     quantization: str,
+    cpu_paths: bool,
     tokens: list[int],
     bos: int | None,
     n_ctx: int,
@@ -80,6 +87,14 @@ def run_ours(
     torch.set_num_threads(threads)
     started = time.perf_counter()
     loaded = load_model(model_path, dtype, "cpu", quantization=quantization)
+    paths = {}
+    if cpu_paths:
+        import logging
+
+        from worker.config import EngineConfig
+        from worker.model.cpu_paths import apply_cpu_paths
+
+        paths = apply_cpu_paths(loaded.model, EngineConfig(), logging.getLogger("eval_ppl"))
     load_s = time.perf_counter() - started
     weights = weight_summary(loaded.model)
     scorer = ModelScorer(loaded.model, dtype)
@@ -95,6 +110,7 @@ def run_ours(
         "seconds": round(time.perf_counter() - started, 1),
         "load_s": round(load_s, 1),
         "weights_mib": weights,
+        "cpu_paths": paths,
         "attention_backend": scorer.backend.name,
     }
 
@@ -164,6 +180,12 @@ def report_markdown(run: dict) -> str:
         weights = (
             ", ".join(f"{k} {v:,.0f} MiB" for k, v in r.get("weights_mib", {}).items()) or "GGUF as stored"
         )
+        if r.get("cpu_paths"):
+            p = r["cpu_paths"]
+            weights += (
+                f"; int8 activations in {p['int8_activation_modules']} modules, "
+                f"dequantize-then-GEMM in {p['dequant_gemm_modules']}"
+            )
         lines.append(
             f"| {r['label']} | {r['ppl']:.4f} | {r['uncertainty']:.4f} | {delta} | {r['count']:,} | "
             f"{r['seconds']:.1f} | {weights} |"
@@ -206,12 +228,19 @@ def report_markdown(run: dict) -> str:
 
 
 def verdict(rows: list[dict]) -> str:
+    """The served path's row against float32 (the weight-only row's when the served one did not
+    run), the other quantized row's figure appended."""
     by = {r["label"]: r for r in rows if "ppl" in r}
-    if "float32" not in by or VARIANTS[2][0] not in by:
+    ran = [r["label"] for r in rows]
+    main = SERVED if SERVED in ran else WEIGHT_ONLY
+    if "float32" not in by or main not in by:
         return "quantized vs float32: n/a (a row failed)"
-    pct = pct_change(by[VARIANTS[2][0]]["ppl"], by["float32"]["ppl"])
+    pct = pct_change(by[main]["ppl"], by["float32"]["ppl"])
     met = "met" if abs(pct) <= TARGET_PCT else "NOT met"
-    return f"quantized vs float32: {pct:+.2f}% (target within {TARGET_PCT:g}%: {met})"
+    text = f"quantized vs float32: {pct:+.2f}% (target within {TARGET_PCT:g}%: {met})"
+    if main == SERVED and WEIGHT_ONLY in by:
+        text += f"; bf16-activation kernels {pct_change(by[WEIGHT_ONLY]['ppl'], by['float32']['ppl']):+.2f}%"
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,14 +252,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", default=str(TEXT), help="UTF-8 text file (default: the bundled one)")
     p.add_argument("--ctx", type=int, default=N_CTX, help="context per chunk (llama-perplexity -c)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--variants", default="all", help="comma-separated: float32,bf16,quantized (or all)")
+    p.add_argument(
+        "--variants", default="all", help="comma-separated: float32,bf16,quantized,served (or all)"
+    )
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip llama-perplexity")
     p.add_argument(
         "--cache-dir", default=None, help="llama.cpp build cache (see benchmarks/llamacpp_build.py)"
     )
     p.add_argument("--no-docs", dest="docs", action="store_false", help="do not rewrite docs/benchmarks.md")
     a = p.parse_args(argv)
-    keys = {"float32": VARIANTS[0], "bf16": VARIANTS[1], "quantized": VARIANTS[2]}
+    keys = {"float32": VARIANTS[0], "bf16": VARIANTS[1], "quantized": VARIANTS[2], "served": VARIANTS[3]}
     if a.variants == "all":
         a.variant_list = list(VARIANTS)
     else:
@@ -294,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.threads} threads"
     )
     failed = False
-    for label, dtype, quant in a.variant_list:
+    for label, dtype, quant, cpu_paths in a.variant_list:
         log(f"  {label}: load_model(dtype={dtype}, quantization={quant}) ...")
         try:
-            row = run_ours(model_path, dtype, quant, tokens, bos, a.ctx, a.threads, log)
+            row = run_ours(model_path, dtype, quant, cpu_paths, tokens, bos, a.ctx, a.threads, log)
         except Exception as exc:  # noqa: BLE001 - whatever the loader or model raises: report, go on
             failed = True
             row = {"error": f"{type(exc).__name__}: {exc}"}
@@ -308,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"in {row['seconds']:.1f} s (weights {row['weights_mib']})"
             )
         run["rows"].append({"label": label, "dtype": dtype, "quantization": quant, **row})
+        if cpu_paths and "ppl" in row:
+            log(f"  {label}: {row['cpu_paths']}")
     if a.llamacpp:
         from benchmarks.llamacpp_build import BuildError, ensure_built
 

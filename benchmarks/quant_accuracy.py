@@ -5,8 +5,11 @@ Contract: `python -m benchmarks.quant_accuracy [--json PATH] [--prompts N] [--to
 - greedy generation, free-running, 20 chat prompts x 64 new tokens (eos ignored), of the float32
   reference (`quantization="none"`, dtype float32: token-identical to transformers, see
   tests/test_engine_hf.py) and of each candidate: the default CPU path (dtype bfloat16,
-  quantization "auto": Q4_1 linears as int4, the Q8_0 embedding as int8 rows) and dense bfloat16
-  (`quantization="none"`), which separates the bfloat16-activation error from the quantization's.
+  quantization "auto": Q4_1 linears as int4, the Q8_0 embedding as int8 rows) on torch's
+  weight-only kernels, the same weights as a CPU worker serves them (`apply_cpu_paths` with the
+  default EngineConfig: int8 activations on AVX512-VNNI CPUs, dequantize-then-GEMM for many rows)
+  and dense bfloat16 (`quantization="none"`), which separates the bfloat16-activation error from
+  the quantization's.
   Per prompt: the first position where the tokens differ (64 = never).
 - teacher-forced, on the reference's own sequences: each candidate's logits vs the reference's at
   every generated position (max and mean absolute error, and max over max |logit|) and the top-1
@@ -55,10 +58,11 @@ PROMPTS = [
     "Explain what a neural network is in simple terms.",
 ]
 
-FORMS = {  # label -> (dtype, quantization)
-    "reference float32": ("float32", "none"),
-    "auto (int4 + int8 embedding)": ("bfloat16", "auto"),
-    "dense bfloat16": ("bfloat16", "none"),
+FORMS = {  # label -> (dtype, quantization, the served CPU paths applied)
+    "reference float32": ("float32", "none", False),
+    "auto (int4 + int8 embedding)": ("bfloat16", "auto", False),
+    "auto as served (int8 activations on VNNI)": ("bfloat16", "auto", True),
+    "dense bfloat16": ("bfloat16", "none", False),
 }
 
 
@@ -195,17 +199,32 @@ def measure_load(dtype: str, quantization: str, threads: int) -> dict:
     }
 
 
-KERNEL_FORMS = ("f32", "bf16", "int4", "int4x2", "int8", "deq8")
+KERNEL_FORMS = ("f32", "bf16", "int4", "int4x2", "int8", "deq8", "int4 deq", "w4a8")
 
 
 def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
     """ms for every SmolLM2 linear layer once (30 x q|k|v, o, gate|up, down; random weights), per
     form and row count, best of `reps` interleaved rounds; plus the 49,152 x 576 lm_head.
     f32/bf16: F.linear; int4: Int4Linear (group 32); int4x2: the Q8_0 form (two int4 halves);
-    int8: Int8Linear; deq8: int8 weights dequantized to bfloat16 on every call, then F.linear."""
+    int8: Int8Linear; deq8: int8 weights dequantized to bfloat16 on every call, then F.linear;
+    int4 deq: Int4Linear through our dequantize-then-GEMM op at every row count; w4a8: Int4Linear
+    with int8 activations (VNNI). The lm_head: bf16, int8 (torch's kernel), int8 tiled (our
+    dequantized-tile GEMMs), w8a8 (VNNI). Forms whose op this CPU or build lacks are left out."""
     import torch.nn.functional as F
 
+    from worker.kernels import cpu_quant
     from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear
+
+    has_op, has_vnni = cpu_quant.available(), cpu_quant.available() and cpu_quant.vnni_available()
+    forms = [f for f in forms if (f != "int4 deq" or has_op) and (f != "w4a8" or has_vnni)]
+    head_forms = ["head bf16", "head int8"] + ["head int8 tiled"] * has_op + ["head w8a8"] * has_vnni
+
+    def variant(m, how: str):
+        if how == "deq":
+            m.dequant_min_rows = 1
+        elif how == "vnni":
+            (m.to_w4a8 if isinstance(m, Int4Linear) else m.to_w8a8)()
+        return m
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
@@ -226,11 +245,17 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
                         input_repeats=2,
                     ),
                     "int8": Int8Linear.from_float(w),
+                    "int4 deq": variant(Int4Linear.from_float(w), "deq") if "int4 deq" in forms else None,
+                    "w4a8": variant(Int4Linear.from_float(w), "vnni") if "w4a8" in forms else None,
                     "k": k,
                 }
             )
     head_w = torch.randn(49152, 576, generator=gen) * 0.02
-    head = {"bf16": head_w.to(torch.bfloat16), "int8": Int8Embedding.from_float(head_w)}
+    head = {"head bf16": head_w.to(torch.bfloat16), "head int8": Int8Embedding.from_float(head_w)}
+    if has_op:
+        head["head int8 tiled"] = variant(Int8Embedding.from_float(head_w), "deq")
+    if has_vnni:
+        head["head w8a8"] = variant(Int8Embedding.from_float(head_w), "vnni")
     del head_w
 
     def run(form, xs):
@@ -246,7 +271,7 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
 
     def run_head(form, xs):
         x = xs[(False, 576)]
-        F.linear(x, head["bf16"]) if form == "head bf16" else head["int8"].linear(x)
+        F.linear(x, head[form]) if form == "head bf16" else head[form].linear(x)
 
     out = []
     with torch.inference_mode():
@@ -258,7 +283,7 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
             }
             best: dict[str, float] = {}
             for _ in range(reps):
-                for form in list(forms) + ["head bf16", "head int8"]:
+                for form in list(forms) + head_forms:
                     fn = run_head if form.startswith("head") else run
                     start = time.perf_counter()
                     fn(form, xs)
@@ -302,7 +327,7 @@ def main() -> None:
     max_len = max(map(len, prompts)) + args.tokens
     results: dict = {"prompts": len(prompts), "tokens": args.tokens, "threads": args.threads, "forms": {}}
     ref_tokens = ref_logits = None
-    for label, (dtype, quant) in FORMS.items():
+    for label, (dtype, quant, served) in FORMS.items():
         child = subprocess.run(
             [
                 sys.executable,
@@ -320,6 +345,14 @@ def main() -> None:
         )
         load = json.loads(child.stdout.splitlines()[-1])
         model = load_model(None, dtype, "cpu", quantization=quant).model
+        paths = {}
+        if served:
+            import logging
+
+            from worker.config import EngineConfig
+            from worker.model.cpu_paths import apply_cpu_paths
+
+            paths = apply_cpu_paths(model, EngineConfig(), logging.getLogger("quant_accuracy"))
         runner = Runner(model, max_len, len(prompts))
         start = time.perf_counter()
         tokens = runner.greedy(prompts, args.tokens)
@@ -332,6 +365,7 @@ def main() -> None:
         row = {
             "dtype": dtype,
             "quantization": quant,
+            "cpu_paths": paths,
             **load,
             "generate_s": gen_s,
             **compare(ref_logits, ref_tokens, logits, tokens),

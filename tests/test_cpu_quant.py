@@ -15,13 +15,8 @@ from tests.quant_helpers import (
     one_thread,  # noqa: F401 - autouse: one intra-op thread in this module
 )
 from worker.kernels import cpu_attention, cpu_quant
-from worker.model.quant import (
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
-    _int4_nibble_sources,
-    use_dequant_gemm,
-)
+from worker.model.cpu_paths import use_dequant_gemm
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _int4_nibble_sources
 
 needs_op = pytest.mark.skipif(
     not cpu_attention.available(), reason="the llm_cpu extension does not build on this machine"
@@ -237,7 +232,7 @@ def test_int8_activation_conversion_skips_shapes_the_ops_do_not_take():
     assert not Int8Linear.from_float(torch.randn(24, 64)).to_w8a8()  # N % 16
     assert not Int8Linear.from_float(torch.randn(32, 48)).to_w8a8()  # K % 32
     model = nn.Sequential(*(Int4Linear.from_float(torch.randn(n, 64)) for n in (64, 80)))
-    from worker.model.quant import use_int8_activations
+    from worker.model.cpu_paths import use_int8_activations
 
     assert use_int8_activations(model) == 1
     assert use_dequant_gemm(model, 8, 8) == 0 and model[0].dequant_min_rows == 0  # VNNI kept; N=80: neither

@@ -154,6 +154,12 @@ def test_eval_verdict_and_table():
     rows[1]["ppl"] = 20.4
     assert ev.verdict(rows) == "quantized vs float32: +2.00% (target within 1%: NOT met)"
     assert ev.verdict(rows[:1] + [{"label": ev.VARIANTS[2][0], "error": "boom"}]).endswith("(a row failed)")
+    served = {**rows[1], "label": ev.SERVED, "ppl": 20.16}
+    served["cpu_paths"] = {"int8_activation_modules": 121, "dequant_gemm_modules": 0, "dense_copy_bytes": 0}
+    assert ev.verdict([*rows, served]) == (
+        "quantized vs float32: +0.80% (target within 1%: met); bf16-activation kernels +2.00%"
+    )
+    assert ev.verdict([*rows, {"label": ev.SERVED, "error": "boom"}]).endswith("(a row failed)")
     run = {
         "machine": {"cpu": "AMD EPYC", "cores": 2},
         "rows": rows,
@@ -175,6 +181,9 @@ def test_eval_verdict_and_table():
     assert md.startswith("## Perplexity (make eval)")
     assert "| quantized (bf16, auto) | 20.4000 | 0.5000 | +2.00% | 100 |" in md
     assert "uint8 60 MiB" in md
+    md = ev.report_markdown({**run, "rows": [*rows, served]})
+    assert "| quantized as served (CPU paths) | 20.1600 |" in md
+    assert "int8 activations in 121 modules, dequantize-then-GEMM in 0 |" in md
 
 
 def test_bundled_text_is_long_enough_and_read_like_llama_perplexity(tmp_path):

@@ -1,4 +1,4 @@
-"""Weight-only quantization kernels and GGUF decoding (worker/model/quant.py).
+"""Weight-only quantization kernels and GGUF decoding (worker/model/quant.py, worker/model/gguf_quant.py).
 
 - Kernels vs their `dequantize()` references: Int4Linear (group 32, incl. a partial 64-row block
   and the Q8_0 two-halves form), Int8Linear (incl. a misaligned input), Int8Embedding, the opt-in
@@ -24,16 +24,9 @@ from tests.quant_helpers import (
     one_thread,  # noqa: F401 - autouse: one intra-op thread in this module
     q4_k_blocks,
 )
-from worker.model.quant import (
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
-    decode_gguf_int4,
-    decode_gguf_q8_0_int4x2,
-    keep_dense_copies,
-    quantize_int4,
-    quantize_int8,
-)
+from worker.model.cpu_paths import keep_dense_copies
+from worker.model.gguf_quant import decode_gguf_int4, decode_gguf_q8_0_int4x2, quantize_int4, quantize_int8
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear
 
 # --- kernels vs dequantize() ---------------------------------------------------------------------
 

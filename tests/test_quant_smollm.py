@@ -18,11 +18,9 @@ from tests.quant_helpers import (
     one_thread,  # noqa: F401 - autouse: one intra-op thread in this module
 )
 from worker.kernels import cpu_quant
+from worker.model.cpu_paths import use_dequant_gemm
 from worker.model.loader import load_model
-from worker.model.quant import (
-    Int4Linear,
-    use_dequant_gemm,
-)
+from worker.model.quant import Int4Linear
 
 # --- the embedded SmolLM2 ------------------------------------------------------------------------
 
@@ -90,60 +88,51 @@ def smollm_reference(smollm_float32, tokenizer):
     return prompts, outputs, ref.score(prompts, outputs)
 
 
-def test_smollm2_quantized_logits_and_greedy_agree_with_float32(smollm_quant, smollm_reference):
+def _assert_close_to_float32(model, smollm_reference) -> None:
+    """Teacher-forced logits on the float32 model's tokens and free-running greedy tokens, held to
+    one set of margins (every CPU path of the quantized model must meet them)."""
     from benchmarks.quant_accuracy import Runner, compare
 
     prompts, ref_tokens, ref_logits = smollm_reference
-    runner = Runner(smollm_quant.model, max(map(len, prompts)) + 32, len(prompts))
+    runner = Runner(model, max(map(len, prompts)) + 32, len(prompts))
     res = compare(ref_logits, ref_tokens, runner.score(prompts, ref_tokens), runner.greedy(prompts, 32))
-    # measured on these 96 positions: max abs 1.26, mean abs 0.165, max rel 0.033, top-1 99.0%
-    # (benchmarks/quant_accuracy.py, 20 prompts x 64 tokens: 1.91, 0.141, 0.051, 97.6%)
     assert res["logits_max_abs"] <= 3.0, res
     assert res["logits_mean_abs"] <= 0.35, res
     assert res["logits_max_rel"] <= 0.07, res
     assert res["teacher_forced_top1_agreement"] >= 0.9, res
+
+
+def test_smollm2_quantized_logits_and_greedy_agree_with_float32(smollm_quant, smollm_reference):
+    # measured on these 96 positions: max abs 1.26, mean abs 0.165, max rel 0.033, top-1 99.0%
+    # (benchmarks/quant_accuracy.py, 20 prompts x 64 tokens: 1.91, 0.141, 0.051, 97.6%)
+    _assert_close_to_float32(smollm_quant.model, smollm_reference)
 
 
 def test_smollm2_dequantized_gemm_paths_agree_with_float32_as_closely(smollm_reference):
     """use_dequant_gemm (the CPU default above 32 / 8 rows), here from 2 rows so that every
     forward of the comparison takes it: every int4 linear as one bfloat16 GEMM over its weight
     dequantized per call, the int8 lm_head over dequantized tiles. Held to the kernels' margins."""
-    from benchmarks.quant_accuracy import Runner, compare
-
     if not cpu_quant.available():
         pytest.skip("the llm_cpu extension is unavailable or torch packs int4 in another layout here")
     model = load_model(None, "bfloat16", "cpu", quantization="auto").model
     assert use_dequant_gemm(model, 2, 2) == 121
-    prompts, ref_tokens, ref_logits = smollm_reference
-    runner = Runner(model, max(map(len, prompts)) + 32, len(prompts))
-    res = compare(ref_logits, ref_tokens, runner.score(prompts, ref_tokens), runner.greedy(prompts, 32))
     # measured on these 96 positions: max abs 1.26, mean abs 0.159, max rel 0.033, top-1 96.9%
     # (the kernels, previous test: 1.26, 0.165, 0.033, 99.0%)
-    assert res["logits_max_abs"] <= 3.0, res
-    assert res["logits_mean_abs"] <= 0.35, res
-    assert res["logits_max_rel"] <= 0.07, res
-    assert res["teacher_forced_top1_agreement"] >= 0.9, res
+    _assert_close_to_float32(model, smollm_reference)
 
 
 def test_smollm2_int8_activations_agree_with_float32(smollm_reference):
     """use_int8_activations (the CPU default where there is AVX512-VNNI): every int4 linear and the
     int8 lm_head multiply int8-rounded activations. A larger logit error than the bfloat16 kernels
     (the activations lose bits: llama.cpp's Q8 scheme), the same top-1 agreement."""
-    from benchmarks.quant_accuracy import Runner, compare
-    from worker.model.quant import use_int8_activations
+    from worker.model.cpu_paths import use_int8_activations
 
     if not cpu_quant.vnni_available():
         pytest.skip("no AVX512-VNNI on this CPU or in its build of the extension: the path is not used")
     model = load_model(None, "bfloat16", "cpu", quantization="auto").model
     assert use_int8_activations(model) == 121
-    prompts, ref_tokens, ref_logits = smollm_reference
-    runner = Runner(model, max(map(len, prompts)) + 32, len(prompts))
-    res = compare(ref_logits, ref_tokens, runner.score(prompts, ref_tokens), runner.greedy(prompts, 32))
     # measured on these 96 positions: max abs 2.02, mean abs 0.247, max rel 0.053, top-1 97.9%
-    assert res["logits_max_abs"] <= 3.0, res
-    assert res["logits_mean_abs"] <= 0.35, res
-    assert res["logits_max_rel"] <= 0.07, res
-    assert res["teacher_forced_top1_agreement"] >= 0.9, res
+    _assert_close_to_float32(model, smollm_reference)
 
 
 def test_engine_serves_the_quantized_model(smollm_float32, smollm_reference):

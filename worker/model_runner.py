@@ -96,28 +96,9 @@ class ModelRunner:
         device = torch.device(config.device)
         loaded = load_model(config.model, config.dtype, device, quantization=quantization)
         if config.device == "cpu":
-            from worker.model.quant import use_dequant_gemm, use_int8_activations
+            from worker.model.cpu_paths import apply_cpu_paths
 
-            if config.cpu_int8_activations:
-                converted = use_int8_activations(loaded.model)
-                log.info("int8 activations (AVX512-VNNI) in %d quantized modules", converted)
-            int4_rows, int8_rows = config.int4_dequant_min_rows, config.int8_dequant_min_rows
-            layers = use_dequant_gemm(loaded.model, int4_rows, int8_rows)
-            log.info(
-                "quantized modules dequantized per call for inputs of >= %d (int4) / %d (int8) rows: %d",
-                int4_rows,
-                int8_rows,
-                layers,
-            )
-        if config.dense_weights_min_rows and config.device == "cpu":
-            from worker.model.quant import keep_dense_copies
-
-            added = keep_dense_copies(loaded.model, config.dense_weights_min_rows)
-            log.info(
-                "dense bfloat16 weight copies for inputs of >= %d rows: +%.0f MiB",
-                config.dense_weights_min_rows,
-                added / 2**20,
-            )
+            apply_cpu_paths(loaded.model, config, log)
         self._setup(config, loaded.model, loaded.name, loaded.eos_token_ids, loaded.load_s)
 
     @classmethod

@@ -1,26 +1,48 @@
-"""Int4 weights for many-row inputs on CPU: dequantize the packed weight once per call
-(worker/kernels/cpu_quant.cpp, in the llm_cpu extension) and run one bfloat16 GEMM.
+"""Our CPU ops for the quantized linears (worker/kernels/cpu_quant.cpp, in the llm_cpu extension):
+dequantize-then-GEMM for many-row inputs, and int8 activations with AVX512-VNNI.
 
-Why: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) re-reads and re-dequantizes the whole
-weight for every 4 rows of input, so a 256-token prefill chunk costs ~64 passes over every weight:
-measured 2.5-3.4x slower than a bfloat16 GEMM on the same matrix. One dequantization pass into a
-temporary bfloat16 matrix (0.11 ms for a 1536 x 576 weight on a 2-core EPYC) then oneDNN's GEMM
-gives most of the bfloat16 speed with no resident copy (`--dense-weights-min-rows` keeps one: +2
-bytes per weight). Below ~32 rows the int4 kernel wins (it reads 4x fewer bytes), so Int4Linear
-takes this path only for inputs of at least `min_rows` rows (`--int4-dequant-min-rows`,
-docs/cpu-serving.md has the crossover).
+Why: torch's weight-only kernels are GEMVs. The int4 one (`_weight_int4pack_mm_for_cpu`)
+re-reads and re-dequantizes the whole weight for every 4 rows of input, the int8 one for every
+row, so a 256-token prefill chunk makes ~64 passes over each int4 weight, and the tied lm_head
+(49,152 x 576 int8) of a 32-sequence decode step 32. Two remedies:
+- many rows, bfloat16 activations: one dequantization pass into a temporary bfloat16 matrix (int4:
+  the whole weight; int8: 1024-row tiles, each inside one parallel task) and oneDNN's bfloat16
+  GEMM: most of the bfloat16 speed with no resident copy (`--dense-weights-min-rows` keeps one: +2
+  bytes per weight). Below ~32 rows (int4) / ~8 rows (int8) torch's kernels win, so the modules
+  take this path from `INT4_MIN_ROWS` / `INT8_MIN_ROWS` rows (`--int4-dequant-min-rows`,
+  `--int8-dequant-min-rows`).
+- any rows, VNNI CPUs (the default there): activations quantized to int8 per row and 32-value
+  group (d = max|x| / 127, llama.cpp's Q8 scheme) and multiplied with the int4 (W4A8) or int8
+  (W8A8) weights by `vpdpbusd` dot products, int32 sums scaled per group in float32. Faster than
+  both torch kernels at every row count; the logit error grows (docs/quantization.md).
+Timings (ms, both threads of a 2-vCPU EPYC, docs/quantization.md "Faster CPU paths" for the sweep
+over all SmolLM2 linears): one 1536 x 576 int4 weight at 256 rows, torch's kernel 3.2-3.5 vs
+dequantize + GEMM 1.25 (the dequantization alone 0.11); the lm_head at 1 / 8 / 32 / 64 rows,
+torch's int8 kernel 2.1 / 5.8 / 22.9 / 45, tiled bfloat16 3.7 / 4.5 / 9.0 / 13, W8A8 0.79 / 1.62 /
+4.34 / 6.96; W4A8 vs torch's int4 kernel 2-3.2x faster from 1 to 256 rows.
 
 Contract:
 - `available() -> bool`: the extension loads and this CPU's torch packs int4 weights in the layout
-  the op reads (probed once; torch's AVX-512 layout: per block of 64 rows, K runs of 32 bytes,
-  byte j = rows j and 32 + j). False on other layouts (the caller keeps torch's kernel).
-- `supports(n) -> bool`: N % 64 == 0 (the op's block).
+  the ops read (probed once; torch's AVX-512 layout: per block of 64 rows, K runs of 32 bytes,
+  byte j = rows j and 32 + j). False on other layouts (the caller keeps torch's kernels).
+- `supports(n) -> bool`: N % 64 == 0 (the dequantization op's block).
 - `dequant_t(weight_packed uint8 [N, K/2], scales_and_zeros bf16 [K/G, N, 2], G, repeats)
   -> bf16 [K/repeats, N]`: the transposed weight, `x @ dequant_t(...)` is the layer's output;
   the repeats' column blocks summed in float32 and rounded once (Int4Linear's input_repeats).
-Fails how: the op's checks raise ValueError (N % 64, K/repeats % G, dtypes, shapes).
-Proven by tests/test_cpu_quant.py (the op against Int4Linear.dequantize, the layout probe, the
-layer's outputs on both sides of the threshold, the engine's greedy tokens with and without).
+- `int8_linear(x bf16 [M, K], q int8 [N, K], scale [N]) -> bf16 [M, N]`: x @ (q * scale).T over
+  dequantized `INT8_TILE`-row tiles.
+- `vnni_available() -> bool`: available() and the extension was compiled with AVX512-VNNI.
+- `int4_vnni(x bf16 [M, K], wq uint8 [N/16, K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16]) -> bf16
+  [M, N]` and `int8_vnni(x, wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16], scale [N])`:
+  the W4A8 / W8A8 products with x rounded as `round_activations(x)` (the float32 reference);
+  `int4_to_vnni` / `int8_to_vnni` build those layouts from (q, scales_and_zeros) / q, and
+  `int4_from_vnni` / `int8_from_vnni` / `int8_rows_from_vnni` invert them exactly.
+- Every op has a fake (meta) kernel, so the compiled CPU step traces through them.
+Fails how: the ops' checks raise ValueError / RuntimeError (shapes, dtypes, N % 16 or 64, K % 32,
+a VNNI op in a build without VNNI).
+Proven by tests/test_cpu_quant.py (each op against its float32 reference, the layouts' round
+trips, the layout probe, the modules on both sides of the thresholds, the engine's greedy tokens)
+and tests/test_quant_smollm.py (SmolLM2 through each path against float32).
 """
 
 from __future__ import annotations

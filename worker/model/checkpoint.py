@@ -13,7 +13,7 @@ Contract
   DENSE_TYPES -> ValueError.
 - `CheckpointTensor`: one weight in torch layout (`shape` (out, in) or (n,)), read when asked:
   `dense(start, stop)` -> float32 rows [stop - start, in] in memory of its own; `int4()` /
-  `int4x2()` (GGUF 4-bit / Q8_0) -> (q, scale, zero) as worker/model/quant.py decodes them;
+  `int4x2()` (GGUF 4-bit / Q8_0) -> (q, scale, zero) as worker/model/gguf_quant.py decodes them;
   `release()` drops the tensor's pages of the file from RSS (madvise DONTNEED; the page cache
   keeps them).
 - `read_gguf_tensor_infos(path)` -> name, type, shape and absolute byte range of every tensor, from
@@ -38,7 +38,7 @@ import torch
 
 from common.model_files import _HeaderReader, read_gguf_metadata
 from worker.config import ModelConfig, RopeScaling
-from worker.model.quant import GGUF_INT4_TYPES
+from worker.model.gguf_quant import GGUF_INT4_TYPES
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 # llama.cpp's converter permutes the Q/K rows of these architectures only (as transformers assumes).
@@ -55,7 +55,7 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 DENSE_TYPES = ("F32", "F16", "BF16")
-# Dequantized by gguf.quants (and the 4-bit ones decoded exactly by worker/model/quant.py).
+# Dequantized by gguf.quants (and the 4-bit ones decoded exactly by worker/model/gguf_quant.py).
 GGUF_SUPPORTED_TYPES = DENSE_TYPES + (
     "Q4_0",
     "Q4_1",
@@ -206,8 +206,8 @@ class GGUFTensor(CheckpointTensor):
         return torch.from_numpy(out.reshape(-1) if len(self.shape) == 1 else out)
 
     def int4x2(self):
-        """Q8_0 as two int4 halves (worker/model/quant.py: decode_gguf_q8_0_int4x2)."""
-        from worker.model.quant import decode_gguf_q8_0_int4x2
+        """Q8_0 as two int4 halves (worker/model/gguf_quant.py: decode_gguf_q8_0_int4x2)."""
+        from worker.model.gguf_quant import decode_gguf_q8_0_int4x2
 
         if self.type_name != "Q8_0":
             raise ValueError(f"{self.name}: {self.type_name} is not Q8_0")
@@ -216,7 +216,7 @@ class GGUFTensor(CheckpointTensor):
     def int4(self):
         if self.type_name not in GGUF_INT4_TYPES:
             return super().int4()
-        from worker.model.quant import decode_gguf_int4
+        from worker.model.gguf_quant import decode_gguf_int4
 
         return decode_gguf_int4(self._raw(), self.type_name)
 

@@ -58,15 +58,9 @@ from worker.model.checkpoint import (
     gguf_tensors,
     safetensors_tensors,
 )
+from worker.model.gguf_quant import GGUF_INT4_TYPES, quantize_int4, quantize_int8
 from worker.model.llama import LlamaModel
-from worker.model.quant import (
-    GGUF_INT4_TYPES,
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
-    quantize_int4,
-    quantize_int8,
-)
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear
 
 log = logging.getLogger(__name__)
 

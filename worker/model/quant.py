@@ -1,4 +1,4 @@
-"""Weight-only quantized layers for CPU inference with bfloat16 activations, and GGUF 4-bit decoding.
+"""Quantized layers for CPU inference: int4 / int8 weights, bfloat16 (or, on VNNI CPUs, int8) activations.
 
 Contract:
 - `Int4Linear(q, scale, zero, bias=None, group_size=32, input_repeats=1)`: q [N, K] in 0..15, scale/zero
@@ -18,40 +18,27 @@ Contract:
   All forwards trace under torch.compile (fullgraph, dynamic; worker/cpu_compile.py).
 - `Int8Embedding(q [V, C] int8, scale [V])`: `forward(ids [T]) -> [T, C]` bfloat16 rows;
   `linear(x [S, C]) -> [S, V]` is the tied lm_head through the int8 kernel.
-- `use_dequant_gemm(model, int4_min_rows, int8_min_rows)`: inputs of many rows run as bfloat16
-  GEMMs on weights dequantized per call (worker/kernels/cpu_quant.py), not through the int4 / int8
-  kernels; the model runner turns it on for CPU workers (`--int4-dequant-min-rows`, default 32;
-  `--int8-dequant-min-rows`, default 8).
-- `keep_dense_copies(model, min_rows)`: the opt-in hybrid (see there).
+- The CPU execution paths a model runner picks per module (int8 activations, dequantize-then-GEMM
+  for many rows, dense copies): worker/model/cpu_paths.py.
 - Every module has `dequantize() -> float32 [N, K]`: the slow dense reference the tests compare
   the kernels with (Int4Linear recovers q from its packed bytes by probing the pack op's nibble
   order, so it holds for any CPU ISA). Optional `dense` copy (`keep_dense_copy`): a bfloat16 [N, K]
   weight used instead of the kernel for inputs of at least `dense_min_rows` rows (prefill, large
   batches); opt-in, 2 bytes per weight on top of the packed ones (docs/quantization.md).
-- `quantize_int4(w, G)` (asymmetric min/max per group) and `quantize_int8(w)` (symmetric per row)
-  round the scales to bfloat16 first and pick q against the rounded values.
-- `decode_gguf_int4(raw [N, row_bytes] uint8, type) -> (q, scale, zero)` for Q4_0 (w = d(q-8):
-  scale d, zero 0), Q4_1 (w = dq + m: scale d, zero m + 8d) and Q4_K (w = d*sc*q - dmin*m per
-  32-value sub-block: scale d*sc, zero 8*d*sc - dmin*m): exact in float32; Int4Linear then rounds
-  scale and zero to bfloat16 (|error| <= |q-8|*|scale|*2^-8 + |zero|*2^-8 per weight).
-- `decode_gguf_q8_0_int4x2(raw)`: Q8_0 as two int4 halves (q = 16*hi + lo) for an Int4Linear
-  with input_repeats=2 (x is fed twice, the halves' products add): Q8_0 executed exactly up to
-  the bfloat16 rounding of d, at 1.25 bytes per weight (Q8_0 itself: 1.0625).
-Proven by tests/test_quant.py (kernels vs dequantize, decoders vs gguf.quants.dequantize).
+- The reference quantizers and the GGUF block decoders: worker/model/gguf_quant.py.
+Proven by tests/test_quant.py (kernels vs dequantize).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from worker.kernels import cpu_quant
+from worker.model.gguf_quant import quantize_int4, quantize_int8
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-# GGUF types whose blocks map exactly onto Int4Linear's group-32 format.
-GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -364,147 +351,3 @@ def _to_w8a8(module: Int8Linear | Int8Embedding) -> bool:
 def _int8_q(module: Int8Linear | Int8Embedding) -> torch.Tensor:
     """The int8 weight [N, K], from whichever layout the module holds."""
     return cpu_quant.int8_from_vnni(module.vnni_weight) if module.w8a8 else module.weight
-
-
-def use_int8_activations(model: nn.Module) -> int:
-    """Every int4 / int8 module of `model` whose shape the VNNI ops take multiplies int8-quantized
-    activations (per row and group of 32, llama.cpp's Q8 scheme) with AVX512-VNNI dot products
-    (worker/kernels/cpu_quant.py: 2-3x the int4 kernel's speed, 2.7-5x the int8 kernel's); the
-    weights are re-laid out in place, no copy kept. Returns the number of modules converted (0
-    when the CPU or the build has no VNNI)."""
-    if not cpu_quant.vnni_available():
-        return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            count += module.to_w4a8()
-        elif isinstance(module, (Int8Linear, Int8Embedding)):
-            count += module.to_w8a8()
-    return count
-
-
-def use_dequant_gemm(
-    model: nn.Module,
-    int4_min_rows: int = cpu_quant.INT4_MIN_ROWS,
-    int8_min_rows: int = cpu_quant.INT8_MIN_ROWS,
-) -> int:
-    """Inputs of many rows skip the weight-only kernels, which re-read the weight every 1 (int8)
-    or 4 (int4) rows: every Int4Linear whose shape the op takes runs inputs of >= int4_min_rows
-    rows as one dequantization of its weight to a temporary bfloat16 matrix plus one GEMM, and
-    every Int8Linear / Int8Embedding lm_head runs inputs of >= int8_min_rows rows as bfloat16
-    GEMMs over tiles of dequantized rows (worker/kernels/cpu_quant.py has the numbers; no resident
-    copy). 0 turns a kind off. Returns the number of modules that take it (0 when the op is
-    unavailable)."""
-    if not (int4_min_rows or int8_min_rows) or not cpu_quant.available():
-        return 0
-    count = 0
-    for module in model.modules():
-        if getattr(module, "w4a8", False) or getattr(module, "w8a8", False):
-            continue  # the VNNI ops take every row count
-        if isinstance(module, Int4Linear) and int4_min_rows and cpu_quant.supports(module.out_features):
-            module.dequant_min_rows = int(int4_min_rows)
-        elif isinstance(module, (Int8Linear, Int8Embedding)) and int8_min_rows:
-            module.dequant_min_rows = int(int8_min_rows)
-        else:
-            continue
-        count += 1
-    return count
-
-
-def keep_dense_copies(model: nn.Module, min_rows: int = 16) -> int:
-    """Opt-in hybrid: every Int4Linear/Int8Linear/Int8Embedding of `model` also keeps a bfloat16
-    copy of its weight and runs inputs of >= min_rows rows (prefill chunks, large decode batches,
-    the lm_head of many sequences) through F.linear on it, where the weight-only kernels (a GEMV
-    per 4 rows) lose: on 2 threads, all SmolLM2 linears at 512 rows took 821 ms as int4 vs 78 ms
-    as bfloat16 (Xeon with AMX), and the crossover is between 8 and 16 rows there and on this
-    repo's EPYC (docs/quantization.md). Costs 2 bytes per weight on top of the quantized ones
-    (+257 MiB for SmolLM2: ~3.9x the GGUF file in all). Returns the bytes added.
-    Note: a torch.compile'd step that skips guard evaluation keeps whichever branch it traced."""
-    added = 0
-    for module in model.modules():
-        if isinstance(module, (_QuantLinearBase, Int8Embedding)):
-            module.keep_dense_copy(min_rows)
-            added += module.dense.numel() * module.dense.element_size()
-    return added
-
-
-def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max group-wise int4 of w [N, K]: (q uint8 [N, K], scale, zero [N, K/G]) with
-    scale and zero already bfloat16-representable and q the nearest level given them."""
-    n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
-    g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).to(torch.bfloat16).float()
-    zero = (lo + 8 * scale).to(torch.bfloat16).float()
-    inv = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    q = torch.round((g - zero[..., None]) * inv[..., None] + 8).clamp_(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, zero
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of w [N, K]: (q int8 [N, K], scale [N]); scale = max|row| / 127
-    rounded to bfloat16 (0 for an all-zero row)."""
-    w = w.float()
-    scale = (w.abs().amax(-1) / 127).to(torch.bfloat16).float()
-    inv = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-# --- GGUF 4-bit blocks -------------------------------------------------------------------------
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Little-endian float16 from a [..., 2] uint8 array, as float32 [...]."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
-def decode_gguf_int4(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_0 / Q4_1 / Q4_K rows (raw [N, row_bytes] uint8) -> (q uint8 [N, K], scale, zero
-    float32 [N, K/32]) with w = (q - 8) * scale + zero, exact in float32. numpy on purpose: one
-    thread, no OpenMP barrier per small op (those cost ~20 ms each on a CPU-starved 2-vCPU VM)."""
-    raw = np.asarray(raw, dtype=np.uint8)
-    n = raw.shape[0]
-    if type_name in ("Q4_0", "Q4_1"):
-        head = 2 if type_name == "Q4_0" else 4
-        blocks = raw.reshape(n, -1, head + 16)  # [N, K/32, bytes]
-        d = _f16(blocks[..., 0:2])
-        qs = blocks[..., head:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # byte j: values j, j+16
-        zero = np.zeros_like(d) if type_name == "Q4_0" else _f16(blocks[..., 2:4]) + 8 * d
-        return torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(d), torch.from_numpy(zero)
-    if type_name == "Q4_K":
-        blocks = raw.reshape(n, -1, 144)  # 256 values per block
-        nb = blocks.shape[1]
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc_bytes = blocks[..., 4:16].reshape(n, nb, 3, 4)
-        a, b, c = sc_bytes[..., 0, :], sc_bytes[..., 1, :], sc_bytes[..., 2, :]
-        sc = np.concatenate([a & 63, (c & 15) | ((a >> 2) & 48)], axis=-1).astype(np.float32)  # 6-bit
-        mn = np.concatenate([b & 63, (c >> 4) | ((b >> 2) & 48)], axis=-1).astype(np.float32)
-        qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32)  # chunk c: sub-blocks 2c, 2c+1
-        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nb * 256)
-        scale = (d[..., None] * sc).reshape(n, nb * 8)
-        zero = 8 * scale - (dmin[..., None] * mn).reshape(n, nb * 8)
-        return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)
-    raise ValueError(f"{type_name} is not a 4-bit GGUF type this decoder handles ({GGUF_INT4_TYPES})")
-
-
-def decode_gguf_q8_0_int4x2(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q8_0 rows (raw [N, row_bytes] uint8; w = d * q, q int8 per 32-value block) as two int4
-    halves for an Int4Linear with input_repeats=2: q = 16 * hi + lo with lo = q mod 16 in 0..15 and
-    hi in -8..7, so w = (hi + 8 - 8) * 16d + 0  +  (lo - 8) * d + 8d. Returns (q4 uint8 [N, 2K] =
-    [hi + 8 | lo], scale [N, 2K/32] = [16d | d], zero = [0 | 8d]): exact in float32, and after
-    Int4Linear's bfloat16 rounding w = bf16(d) * q (16d and 8d are d times powers of two)."""
-    raw = np.asarray(raw, dtype=np.uint8)
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, 34)
-    d = _f16(blocks[..., 0:2])  # [N, K/32]
-    q = blocks[..., 2:].view(np.int8).astype(np.int16)  # [N, K/32, 32]
-    lo = (q & 15).astype(np.uint8)
-    hi = ((q >> 4) + 8).astype(np.uint8)  # >> 4: floor(q / 16)
-    q4 = np.concatenate([hi.reshape(n, -1), lo.reshape(n, -1)], axis=1)
-    scale = np.concatenate([16 * d, d], axis=1)
-    zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
-    return torch.from_numpy(q4), torch.from_numpy(scale), torch.from_numpy(zero)
