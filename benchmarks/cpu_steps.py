@@ -11,7 +11,7 @@ the one before):
      "cpu" backend's fused ops switched off);
   3. + the fused C++ small ops (worker/kernels/cpu_fused.py);
   4. + many-row inputs as bfloat16 GEMMs on weights dequantized per call (int4 from 32 rows,
-     the int8 lm_head from 8: worker/kernels/cpu_quant.py);
+     the int8 lm_head from 16: worker/kernels/cpu_quant.py);
   5. + int8 activations with AVX512-VNNI (W4A8 / W8A8 at every row count): the default (where
      the CPU has no VNNI this row runs step 4 again);
   6. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops);

@@ -138,6 +138,7 @@ def test_quantized_path_compiled_close_to_float32(runner, tokenizer, int8_activa
             kv_cache_bytes=32 * 2**20,
             num_threads=1,
             int4_dequant_min_rows=8,
+            int8_dequant_min_rows=8,
             cpu_compile=True,
             cpu_int8_activations=int8_activations,
         )

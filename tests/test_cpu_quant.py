@@ -160,7 +160,7 @@ needs_vnni = pytest.mark.skipif(
 def test_the_model_runner_switches_every_quantized_module_by_its_flags():
     """CPU workers convert every quantized module of the embedded SmolLM2 to int8 activations where
     the CPU has VNNI (the default); without (or with --no-cpu-int8-activations) the many-row paths
-    take over (int4 >= 32 rows, int8 >= 8); 0 turns those off. Accuracy against the float32 model:
+    take over (int4 >= 32 rows, int8 >= 16); 0 turns those off. Accuracy against the float32 model:
     tests/test_quant_smollm.py."""
     from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
@@ -197,10 +197,11 @@ def test_vnni_layouts_round_trip():
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [1, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 7, 15, 33])
 def test_int8_activation_ops_match_the_reference(rows):
     """Both ops equal the float32 product of the dequantized weight with the activations rounded
-    as cpu_quant.round_activations rounds them, up to the bfloat16 output and summation order."""
+    as cpu_quant.round_activations rounds them, up to the bfloat16 output and summation order.
+    The ops take rows 8, 4, 2 or 1 at a time (7 = 4 + 2 + 1, 15 = 8 + 4 + 2 + 1, 33 = 4 x 8 + 1)."""
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 128, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(torch.bfloat16)
     x[0, :32] = 0  # an all-zero group: scale 0

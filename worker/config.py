@@ -180,7 +180,7 @@ class EngineConfig:
         ),
     )
     int8_dequant_min_rows: int = field(
-        default=8,
+        default=16,
         metadata=option(
             "CPU, int8 weights (the tied Q8_0 lm_head, int8 linears): inputs of at least this many rows "
             "(decode batches, the last tokens of prefills) run as bfloat16 GEMMs over tiles of rows "

@@ -170,6 +170,88 @@ void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, floa
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+inline void store_bf16_16(uint16_t* o, __m512 v) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int r = 0; r < 16; ++r) o[r] = bf16_bits(tmp[r]);
+}
+
+// Rows are taken 8, 4, 2 or 1 at a time, each count a compile-time constant so that the rows'
+// accumulators stay in registers.
+inline int64_t row_step(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+// R activation rows (m0 .. m0+R-1) against one block of 16 output rows: the block's weights are
+// loaded once per group for all R rows, and the rows' int32 dot products stay in registers as R
+// interleaved dpbusd chains (two per row for R <= 4, so that one row is not bound by the
+// instruction's latency). Integer sums: the same result in any order.
+template <int R>
+inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups, const int8_t* xq,
+                           int64_t k, const float* dx, const float* sx, int64_t m0, uint16_t* out,
+                           int64_t n) {
+  constexpr int A = R <= 4 ? 2 : 1;  // accumulators per row
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][A];
+    for (int i = 0; i < R; ++i)
+      for (int a = 0; a < A; ++a) dot[i][a] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512((const void*)(wb + (g * 4 + t) * 64));
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int i = 0; i < R; ++i) {
+        const int32_t* xw = reinterpret_cast<const int32_t*>(xq + (m0 + i) * k + g * 32);
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, _mm512_set1_epi32(xw[2 * t]));
+        dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, _mm512_set1_epi32(xw[2 * t + 1]));
+      }
+    }
+    const __m512 s = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32))), 16));
+    const __m512 z = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32 + 16))), 16));
+    const __m512 zm = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), s, z);
+    for (int i = 0; i < R; ++i) {
+      const __m512i d = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+      const int64_t u = (m0 + i) * groups + g;
+      const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_mul_ps(zm, _mm512_set1_ps(sx[u])));
+      acc[i] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[u]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store_bf16_16(out + (m0 + i) * n, acc[i]);
+}
+
+// The W8A8 counterpart: xq holds the activations offset to unsigned bytes, c the offset's
+// products (128 * the weights' group sums), sc the rows' scales.
+template <int R>
+inline void int8_vnni_rows(const int8_t* wb, const int32_t* cb, int64_t groups, const int8_t* xq,
+                           int64_t k, const float* dx, __m512 sc, int64_t m0, uint16_t* out, int64_t n) {
+  constexpr int A = R <= 4 ? 2 : 1;
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][A];
+    for (int i = 0; i < R; ++i)
+      for (int a = 0; a < A; ++a) dot[i][a] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      const __m512i w = _mm512_loadu_si512((const void*)(wb + (g * 8 + t) * 64));
+      for (int i = 0; i < R; ++i) {
+        const int32_t* xw = reinterpret_cast<const int32_t*>(xq + (m0 + i) * k + g * 32);
+        __m512i& d = dot[i][t % A];
+        d = _mm512_dpbusd_epi32(d, _mm512_set1_epi32(xw[t]), w);
+      }
+    }
+    const __m512i c = _mm512_loadu_si512((const void*)(cb + g * 16));
+    for (int i = 0; i < R; ++i) {
+      const __m512i d = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d, c)),
+                               _mm512_set1_ps(dx[(m0 + i) * groups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store_bf16_16(out + (m0 + i) * n, _mm512_mul_ps(acc[i], sc));
+}
+#endif
+
 at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
                     "x must be a contiguous bfloat16 [M, K] tensor");
@@ -191,51 +273,21 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   const uint8_t* wp = wq.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  constexpr int64_t MB = 8;  // activation rows per pass over a weight block (kept in L1)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = wp + b * (k / 8) * 64;
       const uint16_t* sb = sp + b * groups * 32;
-      for (int64_t m0 = 0; m0 < m; m0 += MB) {
-        const int64_t mb = std::min(MB, m - m0);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        __m512 acc[MB];
-        for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        for (int64_t g = 0; g < groups; ++g) {
-          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32))), 16));
-          const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32 + 16))), 16));
-          const __m512 zm = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), s, z);
-          __m512i lo[4], hi[4];
-          for (int t = 0; t < 4; ++t) {
-            const __m512i v = _mm512_loadu_si512((const void*)(wb + (g * 4 + t) * 64));
-            lo[t] = _mm512_and_si512(v, low);
-            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          }
-          for (int64_t i = 0; i < mb; ++i) {
-            const int64_t row = m0 + i;
-            const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data() + row * k + g * 32);
-            __m512i dot = _mm512_setzero_si512();
-            for (int t = 0; t < 4; ++t) {
-              dot = _mm512_dpbusd_epi32(dot, lo[t], _mm512_set1_epi32(xw[2 * t]));
-              dot = _mm512_dpbusd_epi32(dot, hi[t], _mm512_set1_epi32(xw[2 * t + 1]));
-            }
-            const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s,
-                                                _mm512_mul_ps(zm, _mm512_set1_ps(sx[row * groups + g])));
-            acc[i] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[row * groups + g]), acc[i]);
-          }
-        }
-        for (int64_t i = 0; i < mb; ++i) {
-          alignas(64) float tmp[16];
-          _mm512_store_ps(tmp, acc[i]);
-          uint16_t* o = op + (m0 + i) * n + b * 16;
-          for (int r = 0; r < 16; ++r) o[r] = bf16_bits(tmp[r]);
-        }
-#endif
+      uint16_t* ob = op + b * 16;
+      for (int64_t m0 = 0, r; m0 < m; m0 += r) {
+        r = row_step(m - m0);
+        if (r == 8) int4_vnni_rows<8>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
+        else if (r == 4) int4_vnni_rows<4>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
+        else if (r == 2) int4_vnni_rows<2>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
+        else int4_vnni_rows<1>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
       }
     }
+#endif
   });
   return out;
 }
@@ -273,40 +325,23 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   const int32_t* cp = corr.data_ptr<int32_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  constexpr int64_t MB = 8;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     for (int64_t b = begin; b < end; ++b) {
       const int8_t* wb = wp + b * (k / 4) * 64;
       const int32_t* cb = cp + b * groups * 16;
-      for (int64_t m0 = 0; m0 < m; m0 += MB) {
-        const int64_t mb = std::min(MB, m - m0);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        __m512 acc[MB];
-        for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; ++g) {
-          __m512i w[8];
-          for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512((const void*)(wb + (g * 8 + t) * 64));
-          const __m512i c = _mm512_loadu_si512((const void*)(cb + g * 16));
-          for (int64_t i = 0; i < mb; ++i) {
-            const int64_t row = m0 + i;
-            const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data() + row * k + g * 32);
-            __m512i dot = _mm512_setzero_si512();
-            for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(xw[t]), w[t]);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, c)),
-                                     _mm512_set1_ps(dx[row * groups + g]), acc[i]);
-          }
-        }
-        const __m512 sc = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + b * 16))), 16));
-        for (int64_t i = 0; i < mb; ++i) {
-          alignas(64) float tmp[16];
-          _mm512_store_ps(tmp, _mm512_mul_ps(acc[i], sc));
-          uint16_t* o = op + (m0 + i) * n + b * 16;
-          for (int r = 0; r < 16; ++r) o[r] = bf16_bits(tmp[r]);
-        }
-#endif
+      const __m512 sc = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + b * 16))), 16));
+      uint16_t* ob = op + b * 16;
+      for (int64_t m0 = 0, r; m0 < m; m0 += r) {
+        r = row_step(m - m0);
+        if (r == 8) int8_vnni_rows<8>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
+        else if (r == 4) int8_vnni_rows<4>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
+        else if (r == 2) int8_vnni_rows<2>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
+        else int8_vnni_rows<1>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
       }
     }
+#endif
   });
   return out;
 }

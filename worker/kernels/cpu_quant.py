@@ -8,8 +8,8 @@ row, so a 256-token prefill chunk makes ~64 passes over each int4 weight, and th
 - many rows, bfloat16 activations: one dequantization pass into a temporary bfloat16 matrix (int4:
   the whole weight; int8: 1024-row tiles, each inside one parallel task) and oneDNN's bfloat16
   GEMM: most of the bfloat16 speed with no resident copy (`--dense-weights-min-rows` keeps one: +2
-  bytes per weight). Below ~32 rows (int4) / ~8 rows (int8) torch's kernels win, so the modules
-  take this path from `INT4_MIN_ROWS` / `INT8_MIN_ROWS` rows (`--int4-dequant-min-rows`,
+  bytes per weight). Below ~32 rows (int4) / 8-16 rows (int8) torch's kernels win, so the modules
+  take this path from `INT4_MIN_ROWS` (32) / `INT8_MIN_ROWS` (16) rows (`--int4-dequant-min-rows`,
   `--int8-dequant-min-rows`).
 - any rows, VNNI CPUs (the default there): activations quantized to int8 per row and 32-value
   group (d = max|x| / 127, llama.cpp's Q8 scheme) and multiplied with the int4 (W4A8) or int8
@@ -54,7 +54,7 @@ from worker.kernels import cpu_attention
 # Inputs with at least this many rows take the dequantize-then-GEMM paths by default on CPU
 # (the crossovers measured in the module docstring).
 INT4_MIN_ROWS = 32
-INT8_MIN_ROWS = 8
+INT8_MIN_ROWS = 16
 BLOCK_N = 64
 # Rows of an int8 weight dequantized per tile (1024 x 576 bf16: 1.2 MiB, about one core's L2).
 INT8_TILE = 1024

@@ -5,7 +5,7 @@ Contract:
   AVX512-VNNI dot products (W4A8 / W8A8; `--no-cpu-int8-activations` keeps bfloat16 activations).
 - `use_dequant_gemm(model, int4_min_rows, int8_min_rows) -> int`: inputs of many rows run as
   bfloat16 GEMMs on weights dequantized per call (`--int4-dequant-min-rows`, default 32;
-  `--int8-dequant-min-rows`, default 8); modules already on the VNNI ops keep them.
+  `--int8-dequant-min-rows`, default 16); modules already on the VNNI ops keep them.
 - `keep_dense_copies(model, min_rows) -> bytes`: the opt-in hybrid (`--dense-weights-min-rows`).
 - `apply_cpu_paths(model, config, log) -> dict`: all three in that order, from an EngineConfig's
   fields, each logged with what it converted: what a CPU model runner does after loading. Returns
