@@ -15,11 +15,10 @@ row, so a 256-token prefill chunk makes ~64 passes over each int4 weight, and th
   group (d = max|x| / 127, llama.cpp's Q8 scheme) and multiplied with the int4 (W4A8) or int8
   (W8A8) weights by `vpdpbusd` dot products, int32 sums scaled per group in float32. Faster than
   both torch kernels at every row count; the logit error grows (docs/quantization.md).
-Timings (ms, both threads of a 2-vCPU EPYC, docs/quantization.md "Faster CPU paths" for the sweep
-over all SmolLM2 linears): one 1536 x 576 int4 weight at 256 rows, torch's kernel 3.2-3.5 vs
-dequantize + GEMM 1.25 (the dequantization alone 0.11); the lm_head at 1 / 8 / 32 / 64 rows,
-torch's int8 kernel 2.1 / 5.8 / 22.9 / 45, tiled bfloat16 3.7 / 4.5 / 9.0 / 13, W8A8 0.79 / 1.62 /
-4.34 / 6.96; W4A8 vs torch's int4 kernel 2-3.2x faster from 1 to 256 rows.
+Timings (ms, both threads of a 2-vCPU EPYC, Zen 5; docs/quantization.md "Faster CPU paths" has
+the sweep): all 120 SmolLM2 int4 linears at 1 / 8 / 32 / 256 rows, torch's int4 kernel 3.4 / 7.0
+/ 23.5 / 174, W4A8 2.7 / 4.4 / 11.6 / 63, dequantize + GEMM 18 / 22 / 27 / 78; the lm_head, torch's
+int8 kernel 1.06 / 2.3 / 8.1 / 59, W8A8 0.85 / 0.99 / 2.6 / 12, tiled bfloat16 2.5 / 3.2 / 4.6 / 18.
 
 Contract:
 - `available() -> bool`: the extension loads and this CPU's torch packs int4 weights in the layout
