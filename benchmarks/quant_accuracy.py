@@ -222,8 +222,8 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
     def variant(m, how: str):
         if how == "deq":
             m.dequant_min_rows = 1
-        elif how == "vnni":
-            (m.to_w4a8 if isinstance(m, Int4Linear) else m.to_w8a8)()
+        elif how == "vnni" and not (m.to_w4a8 if isinstance(m, Int4Linear) else m.to_w8a8)():
+            raise RuntimeError(f"the VNNI op does not take {m}")
         return m
 
     gen = torch.Generator().manual_seed(0)

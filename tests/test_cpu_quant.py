@@ -245,3 +245,24 @@ def test_int8_activation_conversion_skips_shapes_the_ops_do_not_take():
         cpu_quant.int8_vnni(
             x, torch.zeros(2, 32, 16, 4, dtype=torch.int8), torch.zeros(2, 4, 16), torch.zeros(32).bfloat16()
         )
+
+
+def test_without_vnni_nothing_is_converted_and_the_kernels_stay(monkeypatch):
+    """On a CPU (or build) without AVX512-VNNI the conversions refuse, whoever calls them, and the
+    modules keep torch's kernels: a converted module would have dropped its weights for an op that
+    cannot run there. Runs on every machine (the probe is forced off)."""
+    from worker.model.cpu_paths import row_thresholds, use_int8_activations
+
+    monkeypatch.setattr(cpu_quant, "vnni_available", lambda: False)
+    model = nn.Sequential(
+        Int4Linear.from_float(torch.randn(64, 64)), Int8Linear.from_float(torch.randn(32, 64))
+    )
+    emb = Int8Embedding.from_float(torch.randn(32, 64))
+    assert use_int8_activations(model) == 0
+    assert not model[0].to_w4a8() and not model[1].to_w8a8() and not emb.to_w8a8()
+    assert model[0].weight_packed is not None and model[1].weight is not None and emb.weight is not None
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert torch.equal(emb.linear(x), torch.ops.llm_quant.int8_mm(x, emb.weight, emb.scales))
+    assert row_thresholds(model) == set()
+    if cpu_quant.available():
+        assert use_dequant_gemm(model, 32, 16) == 2 and row_thresholds(model) == {16, 32}

@@ -109,9 +109,10 @@ def test_smollm2_quantized_logits_and_greedy_agree_with_float32(smollm_quant, sm
 
 
 def test_smollm2_dequantized_gemm_paths_agree_with_float32_as_closely(smollm_reference):
-    """use_dequant_gemm (the CPU default above 32 / 8 rows), here from 2 rows so that every
-    forward of the comparison takes it: every int4 linear as one bfloat16 GEMM over its weight
-    dequantized per call, the int8 lm_head over dequantized tiles. Held to the kernels' margins."""
+    """use_dequant_gemm (the CPU default with bfloat16 activations, from 32 / 16 rows), here from 2
+    rows so that every forward of the comparison takes it: every int4 linear as one bfloat16 GEMM
+    over its weight dequantized per call, the int8 lm_head over dequantized tiles. Held to the
+    kernels' margins."""
     if not cpu_quant.available():
         pytest.skip("the llm_cpu extension is unavailable or torch packs int4 in another layout here")
     model = load_model(None, "bfloat16", "cpu", quantization="auto").model

@@ -111,7 +111,8 @@ class ModelRunner:
     ) -> ModelRunner:
         """A runner over an already built model (on config.device), e.g. random weights."""
         dtype = str(model.dtype).removeprefix("torch.")  # not embed_tokens': int8 if quantized
-        device = str(model.embed_tokens.weight.device) if config.device == "auto" else config.device
+        # (not embed_tokens.weight: None once the embedding is re-laid out for int8 activations)
+        device = str(model.norm.weight.device) if config.device == "auto" else config.device
         config = resolved_config(dataclasses.replace(config, dtype=dtype, device=device))
         torch.set_num_threads(config.num_threads)
         runner = cls.__new__(cls)
@@ -197,14 +198,12 @@ class ModelRunner:
         # CPU with --cpu-compile: every step runs the inductor-compiled forward (worker/cpu_compile.py).
         self.cpu_compiled: CompiledCpuForward | None = None
         if config.cpu_compile and not config.enforce_eager and CompiledCpuForward.supported(self.device):
-            # With dense weight copies or int4 dequantization the linears have two branches
+            # With dense weight copies or dequantize-then-GEMM the linears have two branches
             # (below / above the row threshold): both are compiled, and guards stay on to pick.
-            thresholds = (
-                config.dense_weights_min_rows,
-                config.int4_dequant_min_rows,
-                config.int8_dequant_min_rows,
-            )
-            warm_sizes = tuple(sorted({2, *(n for n in thresholds if n)}))
+            # Modules on int8 activations have one branch: no extra size, guards skipped.
+            from worker.model.cpu_paths import row_thresholds
+
+            warm_sizes = tuple(sorted({2, *row_thresholds(self.model)}))
             self.cpu_compiled = CompiledCpuForward(
                 self.model, self.kv_caches, self.backend, self.block_size, warm_sizes
             )

@@ -181,6 +181,13 @@ inline void store_bf16_16(uint16_t* o, __m512 v) {
 // accumulators stay in registers.
 inline int64_t row_step(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
+// 4 activation bytes as one int32 lane value for the dot products (memcpy: no type punning).
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // R activation rows (m0 .. m0+R-1) against one block of 16 output rows: the block's weights are
 // loaded once per group for all R rows, and the rows' int32 dot products stay in registers as R
 // interleaved dpbusd chains (two per row for R <= 4, so that one row is not bound by the
@@ -201,9 +208,9 @@ inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups
       const __m512i v = _mm512_loadu_si512((const void*)(wb + (g * 4 + t) * 64));
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int i = 0; i < R; ++i) {
-        const int32_t* xw = reinterpret_cast<const int32_t*>(xq + (m0 + i) * k + g * 32);
-        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, _mm512_set1_epi32(xw[2 * t]));
-        dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, _mm512_set1_epi32(xw[2 * t + 1]));
+        const int8_t* xw = xq + (m0 + i) * k + g * 32 + 8 * t;
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, bcast4(xw));
+        dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, bcast4(xw + 4));
       }
     }
     const __m512 s = _mm512_castsi512_ps(
@@ -236,9 +243,8 @@ inline void int8_vnni_rows(const int8_t* wb, const int32_t* cb, int64_t groups, 
     for (int t = 0; t < 8; ++t) {
       const __m512i w = _mm512_loadu_si512((const void*)(wb + (g * 8 + t) * 64));
       for (int i = 0; i < R; ++i) {
-        const int32_t* xw = reinterpret_cast<const int32_t*>(xq + (m0 + i) * k + g * 32);
         __m512i& d = dot[i][t % A];
-        d = _mm512_dpbusd_epi32(d, _mm512_set1_epi32(xw[t]), w);
+        d = _mm512_dpbusd_epi32(d, bcast4(xq + (m0 + i) * k + g * 32 + 4 * t), w);
       }
     }
     const __m512i c = _mm512_loadu_si512((const void*)(cb + g * 16));

@@ -152,8 +152,8 @@ def int8_from_vnni(wq: torch.Tensor) -> torch.Tensor:
 
 
 def int8_rows_from_vnni(wq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [T] of int8_from_vnni(wq), without unpacking the rest: [T, K] int8."""
-    return wq[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
+    """Rows `ids` [...] of int8_from_vnni(wq), without unpacking the rest: [..., K] int8."""
+    return wq[ids // 16, :, ids % 16, :].reshape(*ids.shape, -1)
 
 
 def int4_vnni(x: torch.Tensor, wq: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -166,11 +166,13 @@ def int8_vnni(x: torch.Tensor, wq: torch.Tensor, corr: torch.Tensor, scale: torc
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """The reference of the ops' activation quantization: x [M, K] -> float32 [M, K] rounded to
-    int8 per row and group of 32 (d = max|x| / 127, round half to even), dequantized."""
+    int8 per row and group of 32 (d = max|x| / 127; q = x * (127 / max|x|) rounded half to even,
+    the ops' float32 arithmetic), dequantized."""
     m, k = x.shape
     g = x.float().view(m, k // 32, 32)
-    d = g.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).view(m, k)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127)).view(m, k)
 
 
 def register_fakes() -> None:

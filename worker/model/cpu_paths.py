@@ -7,6 +7,7 @@ Contract:
   bfloat16 GEMMs on weights dequantized per call (`--int4-dequant-min-rows`, default 32;
   `--int8-dequant-min-rows`, default 16); modules already on the VNNI ops keep them.
 - `keep_dense_copies(model, min_rows) -> bytes`: the opt-in hybrid (`--dense-weights-min-rows`).
+- `row_thresholds(model) -> set[int]`: the row counts where some module switches path.
 - `apply_cpu_paths(model, config, log) -> dict`: all three in that order, from an EngineConfig's
   fields, each logged with what it converted: what a CPU model runner does after loading. Returns
   {"int8_activation_modules", "dequant_gemm_modules", "dense_copy_bytes"}.
@@ -83,6 +84,19 @@ def keep_dense_copies(model: nn.Module, min_rows: int = 16) -> int:
             module.keep_dense_copy(min_rows)
             added += module.dense.numel() * module.dense.element_size()
     return added
+
+
+def row_thresholds(model: nn.Module) -> set[int]:
+    """The row counts at which some module of `model` switches path (dequantize-then-GEMM, dense
+    copies): what a compiled step must warm up on both sides of. Empty when every quantized module
+    takes one path at any row count (int8 activations)."""
+    found = set()
+    for module in model.modules():
+        if getattr(module, "dequant_min_rows", 0):
+            found.add(int(module.dequant_min_rows))
+        if getattr(module, "dense", None) is not None and module.dense_min_rows:
+            found.add(int(module.dense_min_rows))
+    return found
 
 
 def apply_cpu_paths(model: nn.Module, config, log: logging.Logger) -> dict[str, int]:

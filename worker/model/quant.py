@@ -187,10 +187,13 @@ class Int4Linear(_QuantLinearBase):
 
     def to_w4a8(self) -> bool:
         """Re-lay the weight out for cpu_quant.int4_vnni (int8 activations, VNNI dot products) and
-        drop torch's packed copy; False (unchanged) for shapes the op does not take."""
+        drop torch's packed copy; False (unchanged) for shapes the op does not take, or where the
+        CPU or the build has no VNNI (or torch packs int4 in another layout)."""
         n, k = self.out_features, self.in_features
         if self.w4a8 or self.group_size != 32 or self.input_repeats != 1 or n % 64 or k % 32:
             return self.w4a8
+        if not cpu_quant.vnni_available():
+            return False
         q = cpu_quant.int4_unpack(self.weight_packed, n, k)
         wq, sz = cpu_quant.int4_to_vnni(q, self.scales_and_zeros)
         self.register_buffer("vnni_weight", wq)
@@ -336,9 +339,10 @@ class Int8Embedding(nn.Module):
 
 def _to_w8a8(module: Int8Linear | Int8Embedding) -> bool:
     """Re-lay an int8 [N, K] weight out for cpu_quant.int8_vnni (int8 activations, VNNI) and drop
-    the row-major copy; False (unchanged) for shapes the op does not take (N % 16, K % 32)."""
+    the row-major copy; False (unchanged) for shapes the op does not take (N % 16, K % 32) or
+    where the CPU or the build has no VNNI."""
     n, k = module.weight.shape if not module.w8a8 else (0, 0)
-    if module.w8a8 or n % 16 or k % 32:
+    if module.w8a8 or n % 16 or k % 32 or not cpu_quant.vnni_available():
         return module.w8a8
     wq, corr = cpu_quant.int8_to_vnni(module.weight)
     module.register_buffer("vnni_weight", wq)
