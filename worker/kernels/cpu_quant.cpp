@@ -170,6 +170,22 @@ void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, floa
   });
 }
 
+void check_activations(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                    "x must be a contiguous bfloat16 [M, K] tensor");
+  TORCH_CHECK_VALUE(x.size(1) % 32 == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+// x [M, K] quantized per row and group of 32 (quantize_rows): the int8 values, scales and sums.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+  explicit QuantizedRows(const at::Tensor& x)
+      : q(size_t(x.numel())), d(size_t(x.numel() / 32)), sums(size_t(x.numel() / 32)) {
+    quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), q.data(), d.data(), sums.data());
+  }
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 inline void store_bf16_16(uint16_t* o, __m512 v) {
   alignas(64) float tmp[16];
@@ -259,10 +275,8 @@ inline void int8_vnni_rows(const int8_t* wb, const int32_t* cb, int64_t groups, 
 #endif
 
 at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                    "x must be a contiguous bfloat16 [M, K] tensor");
+  check_activations(x);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK_VALUE(k % 32 == 0, "K must be a multiple of 32, got ", k);
   TORCH_CHECK_VALUE(wq.scalar_type() == at::kByte && wq.is_contiguous() && wq.dim() == 4 &&
                         wq.size(1) == k / 8 && wq.size(2) == 16 && wq.size(3) == 4,
                     "wq must be a contiguous uint8 [N/16, K/8, 16, 4] tensor for K=", k);
@@ -273,9 +287,10 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   TORCH_CHECK(kVnni, "int4_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  std::vector<int8_t> xq(size_t(m * k));
-  std::vector<float> dx(size_t(m * groups)), sx(size_t(m * groups));
-  quantize_rows(x.data_ptr<at::BFloat16>(), m, k, xq.data(), dx.data(), sx.data());
+  QuantizedRows rows(x);
+  const std::vector<int8_t>& xq = rows.q;
+  const std::vector<float>& dx = rows.d;
+  const std::vector<float>& sx = rows.sums;
   const uint8_t* wp = wq.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -306,10 +321,8 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
 //   products are taken back with corr: out[m, n] = scale[n] * sum_g d[m, g] * sum_k q * xq.
 at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& corr,
                             const at::Tensor& scale) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                    "x must be a contiguous bfloat16 [M, K] tensor");
+  check_activations(x);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK_VALUE(k % 32 == 0, "K must be a multiple of 32, got ", k);
   TORCH_CHECK_VALUE(wq.scalar_type() == at::kChar && wq.is_contiguous() && wq.dim() == 4 &&
                         wq.size(1) == k / 4 && wq.size(2) == 16 && wq.size(3) == 4,
                     "wq must be a contiguous int8 [N/16, K/4, 16, 4] tensor for K=", k);
@@ -323,9 +336,9 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   TORCH_CHECK(kVnni, "int8_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  std::vector<int8_t> xq(size_t(m * k));
-  std::vector<float> dx(size_t(m * groups)), sx(size_t(m * groups));
-  quantize_rows(x.data_ptr<at::BFloat16>(), m, k, xq.data(), dx.data(), sx.data());
+  QuantizedRows rows(x);
+  std::vector<int8_t>& xq = rows.q;
+  const std::vector<float>& dx = rows.d;
   for (auto& v : xq) v = int8_t(uint8_t(int(v) + 128));  // unsigned bytes 1..255, same bits as +128
   const int8_t* wp = wq.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
