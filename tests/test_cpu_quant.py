@@ -266,3 +266,21 @@ def test_without_vnni_nothing_is_converted_and_the_kernels_stay(monkeypatch):
     assert row_thresholds(model) == set()
     if cpu_quant.available():
         assert use_dequant_gemm(model, 32, 16) == 2 and row_thresholds(model) == {16, 32}
+
+
+@needs_vnni
+def test_int8_activation_ops_propagate_nan_and_inf_rows():
+    """A row holding a NaN or an inf comes out all NaN (as the float product would), not as finite
+    numbers from a scale that skipped it; the other rows are untouched."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    i4 = Int4Linear.from_float(torch.randn(64, 64, generator=gen) * 0.05)
+    emb = Int8Embedding.from_float(torch.randn(32, 64, generator=gen))
+    assert i4.to_w4a8() and emb.to_w8a8()
+    clean4, clean8 = i4(x), emb.linear(x)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 40] = bad
+        for out, clean in ((i4(y), clean4), (emb.linear(y), clean8)):
+            assert out[1].isnan().all()
+            assert torch.equal(out[[0, 2]], clean[[0, 2]])

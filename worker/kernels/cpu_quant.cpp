@@ -132,7 +132,7 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& q, const at:
 // ---- W4A8: int4 weights x int8 activations with AVX512-VNNI ------------------------------------
 //
 // int4_vnni_linear(x bf16 [M, K], wq uint8 [N/16, K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16])
-//   -> bf16 [M, N]. wq: for each block of 16 output rows and each run of 8 columns, lane r's 4
+//   -> bf16 [M, N] (a row with a NaN or inf gives NaN outputs). wq: for each block of 16 output rows and each run of 8 columns, lane r's 4
 //   bytes hold q[16b + r, 8t + j] (low nibble) and q[16b + r, 8t + 4 + j] (high), j < 4; sz: the
 //   16 rows' scale then zero per group of 32 columns (Int4Linear's bfloat16 values, w = (q - 8) *
 //   scale + zero). x is quantized per row and group of 32 to int8 (d = max|x| / 127, round to
@@ -153,11 +153,16 @@ void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, floa
     for (int64_t u = begin; u < end; ++u) {
       const at::BFloat16* src = x + u * 32;  // rows are contiguous, groups follow each other
       float v[32], amax = 0.f;
+      bool finite = true;
       for (int j = 0; j < 32; ++j) {
         v[j] = float(src[j]);
         amax = std::max(amax, std::fabs(v[j]));
+        finite &= std::isfinite(v[j]);
       }
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      // A NaN or inf makes the group's scale NaN (and its values 0), so the rows' outputs are NaN
+      // as a float product would be, not finite numbers (std::max skips NaN).
+      const float scale = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+      const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
       int sum = 0;
       for (int j = 0; j < 32; ++j) {
         const int q = int(std::nearbyint(v[j] * inv));
