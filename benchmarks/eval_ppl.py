@@ -89,12 +89,9 @@ def run_ours(
     loaded = load_model(model_path, dtype, "cpu", quantization=quantization)
     paths = {}
     if cpu_paths:
-        import logging
-
-        from worker.config import EngineConfig
         from worker.model.cpu_paths import apply_cpu_paths
 
-        paths = apply_cpu_paths(loaded.model, EngineConfig(), logging.getLogger("eval_ppl"))
+        paths = apply_cpu_paths(loaded.model)
     load_s = time.perf_counter() - started
     weights = weight_summary(loaded.model)
     scorer = ModelScorer(loaded.model, dtype)

@@ -199,8 +199,30 @@ inline void store_bf16_16(uint16_t* o, __m512 v) {
 }
 
 // Rows are taken 8, 4, 2 or 1 at a time, each count a compile-time constant so that the rows'
-// accumulators stay in registers.
-inline int64_t row_step(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+// accumulators stay in registers: f(std::integral_constant<int, R>, m0) for each block.
+template <class F>
+inline void for_row_blocks(int64_t m, F&& f) {
+  for (int64_t m0 = 0; m0 < m;) {
+    const int64_t left = m - m0;
+    if (left >= 8) f(std::integral_constant<int, 8>{}, m0), m0 += 8;
+    else if (left >= 4) f(std::integral_constant<int, 4>{}, m0), m0 += 4;
+    else if (left >= 2) f(std::integral_constant<int, 2>{}, m0), m0 += 2;
+    else f(std::integral_constant<int, 1>{}, m0), m0 += 1;
+  }
+}
+
+// The int32 dot products of R rows for one group: A = 2 chains per row below 8 rows (so that one
+// row is not bound by dpbusd's latency), else 1; sum(i) adds a row's chains.
+template <int R>
+struct RowDots {
+  static constexpr int A = R <= 4 ? 2 : 1;
+  __m512i v[R][A];
+  RowDots() {
+    for (int i = 0; i < R; ++i)
+      for (int a = 0; a < A; ++a) v[i][a] = _mm512_setzero_si512();
+  }
+  __m512i sum(int i) const { return A == 2 ? _mm512_add_epi32(v[i][0], v[i][A - 1]) : v[i][0]; }
+};
 
 // 4 activation bytes as one int32 lane value for the dot products (memcpy: no type punning).
 inline __m512i bcast4(const int8_t* p) {
@@ -217,21 +239,19 @@ template <int R>
 inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups, const int8_t* xq,
                            int64_t k, const float* dx, const float* sx, int64_t m0, uint16_t* out,
                            int64_t n) {
-  constexpr int A = R <= 4 ? 2 : 1;  // accumulators per row
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R][A];
-    for (int i = 0; i < R; ++i)
-      for (int a = 0; a < A; ++a) dot[i][a] = _mm512_setzero_si512();
+    RowDots<R> dot;
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512((const void*)(wb + (g * 4 + t) * 64));
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int i = 0; i < R; ++i) {
         const int8_t* xw = xq + (m0 + i) * k + g * 32 + 8 * t;
-        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, bcast4(xw));
-        dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, bcast4(xw + 4));
+        __m512i* d = dot.v[i];
+        d[0] = _mm512_dpbusd_epi32(d[0], lo, bcast4(xw));
+        d[RowDots<R>::A - 1] = _mm512_dpbusd_epi32(d[RowDots<R>::A - 1], hi, bcast4(xw + 4));
       }
     }
     const __m512 s = _mm512_castsi512_ps(
@@ -240,9 +260,8 @@ inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sb + g * 32 + 16))), 16));
     const __m512 zm = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), s, z);
     for (int i = 0; i < R; ++i) {
-      const __m512i d = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
       const int64_t u = (m0 + i) * groups + g;
-      const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_mul_ps(zm, _mm512_set1_ps(sx[u])));
+      const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot.sum(i)), s, _mm512_mul_ps(zm, _mm512_set1_ps(sx[u])));
       acc[i] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[u]), acc[i]);
     }
   }
@@ -254,24 +273,20 @@ inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups
 template <int R>
 inline void int8_vnni_rows(const int8_t* wb, const int32_t* cb, int64_t groups, const int8_t* xq,
                            int64_t k, const float* dx, __m512 sc, int64_t m0, uint16_t* out, int64_t n) {
-  constexpr int A = R <= 4 ? 2 : 1;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R][A];
-    for (int i = 0; i < R; ++i)
-      for (int a = 0; a < A; ++a) dot[i][a] = _mm512_setzero_si512();
+    RowDots<R> dot;
     for (int t = 0; t < 8; ++t) {
       const __m512i w = _mm512_loadu_si512((const void*)(wb + (g * 8 + t) * 64));
       for (int i = 0; i < R; ++i) {
-        __m512i& d = dot[i][t % A];
+        __m512i& d = dot.v[i][t % RowDots<R>::A];
         d = _mm512_dpbusd_epi32(d, bcast4(xq + (m0 + i) * k + g * 32 + 4 * t), w);
       }
     }
     const __m512i c = _mm512_loadu_si512((const void*)(cb + g * 16));
     for (int i = 0; i < R; ++i) {
-      const __m512i d = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d, c)),
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot.sum(i), c)),
                                _mm512_set1_ps(dx[(m0 + i) * groups + g]), acc[i]);
     }
   }
@@ -305,13 +320,9 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
       const uint8_t* wb = wp + b * (k / 8) * 64;
       const uint16_t* sb = sp + b * groups * 32;
       uint16_t* ob = op + b * 16;
-      for (int64_t m0 = 0, r; m0 < m; m0 += r) {
-        r = row_step(m - m0);
-        if (r == 8) int4_vnni_rows<8>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
-        else if (r == 4) int4_vnni_rows<4>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
-        else if (r == 2) int4_vnni_rows<2>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
-        else int4_vnni_rows<1>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
-      }
+      for_row_blocks(m, [&](auto rows, int64_t m0) {
+        int4_vnni_rows<decltype(rows)::value>(wb, sb, groups, xq.data(), k, dx.data(), sx.data(), m0, ob, n);
+      });
     }
 #endif
   });
@@ -357,13 +368,9 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
       const __m512 sc = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + b * 16))), 16));
       uint16_t* ob = op + b * 16;
-      for (int64_t m0 = 0, r; m0 < m; m0 += r) {
-        r = row_step(m - m0);
-        if (r == 8) int8_vnni_rows<8>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
-        else if (r == 4) int8_vnni_rows<4>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
-        else if (r == 2) int8_vnni_rows<2>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
-        else int8_vnni_rows<1>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
-      }
+      for_row_blocks(m, [&](auto rows, int64_t m0) {
+        int8_vnni_rows<decltype(rows)::value>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
+      });
     }
 #endif
   });

@@ -8,8 +8,9 @@ Contract:
   `--int8-dequant-min-rows`, default 16); modules already on the VNNI ops keep them.
 - `keep_dense_copies(model, min_rows) -> bytes`: the opt-in hybrid (`--dense-weights-min-rows`).
 - `row_thresholds(model) -> set[int]`: the row counts where some module switches path.
-- `apply_cpu_paths(model, config, log) -> dict`: all three in that order, from an EngineConfig's
-  fields, each logged with what it converted: what a CPU model runner does after loading. Returns
+- `apply_cpu_paths(model, config=None, log=None) -> dict`: all three in that order, from an
+  EngineConfig's fields (default: EngineConfig(), what a worker serves), each logged with what it
+  converted: what a CPU model runner does after loading. Returns
   {"int8_activation_modules", "dequant_gemm_modules", "dense_copy_bytes"}.
 The kernels, their measured speeds and crossovers: worker/kernels/cpu_quant.py.
 """
@@ -99,9 +100,14 @@ def row_thresholds(model: nn.Module) -> set[int]:
     return found
 
 
-def apply_cpu_paths(model: nn.Module, config, log: logging.Logger) -> dict[str, int]:
+def apply_cpu_paths(model: nn.Module, config=None, log: logging.Logger | None = None) -> dict[str, int]:
     """The CPU paths an EngineConfig asks for (cpu_int8_activations, int4_dequant_min_rows,
     int8_dequant_min_rows, dense_weights_min_rows), applied to a loaded model in place."""
+    if config is None:
+        from worker.config import EngineConfig
+
+        config = EngineConfig()
+    log = log or logging.getLogger(__name__)
     converted = added = 0
     if config.cpu_int8_activations:
         converted = use_int8_activations(model)
