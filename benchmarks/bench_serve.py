@@ -26,8 +26,9 @@ Contract
   CPU every other process on the machine used during each measurement (/proc/stat less the side's
   processes and the load tester: the machine is shared). JSON to
   `results/bench_serve/<UTC time>.json` always; the "CPU serving vs llama.cpp" section of
-  docs/benchmarks.md (other sections untouched) only for a run where both sides served every
-  request of every point.
+  docs/benchmarks.md (other sections untouched) and its picture, docs/bench-serve.png (the
+  README's; benchmarks/serve_plot.py), only for a run where both sides served every request of
+  every point.
 - failure modes: a side that fails to start, errors or streams no tokens is named with the reason
   (and the log tail) and the exit status is 1; a failed llama.cpp build exits 1 with the reason.
   No traceback for these. Exit 2 for a bad command line.
@@ -53,6 +54,7 @@ from datetime import datetime, timezone
 
 from benchmarks.host_stats import machine_info
 from benchmarks.report import REPO, git_short, write_section
+from benchmarks.serve_plot import PLOT, write_plot
 from benchmarks.serve_points import REQUEST_TIMEOUT_S, Point, SideError, run_side_point, side_problem
 from benchmarks.serve_report import SECTION, print_point, report_markdown
 from benchmarks.serve_sides import LlamaSide, OurStack
@@ -178,7 +180,16 @@ def render(path: pathlib.Path, log) -> int:
         return 1
     write_section(DOCS, SECTION, report_markdown(run, points))
     log(f"wrote section '{SECTION}' of {DOCS} from {path}")
+    draw(run, log)
     return 0
+
+
+def draw(run: dict, log) -> None:
+    """The README's picture of the run (benchmarks/serve_plot.py); skipped, said so, without matplotlib."""
+    try:
+        log(f"wrote {write_plot(run, PLOT)}")
+    except ImportError as exc:
+        log(f"bench-serve: picture skipped ({exc})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if complete and a.docs:
         write_section(DOCS, SECTION, md)
         log(f"wrote section '{SECTION}' of {DOCS}")
+        draw(run, log)
     if not complete:
         for line in problems:
             log(f"bench-serve: {line}")

@@ -3,7 +3,8 @@ and the per-point console line.
 
 Contract
 - `report_markdown(run, points)` -> the section's Markdown (a "## CPU serving vs llama.cpp"
-  heading, the setup, a table of both sides per point with ratios ours / llama.cpp, a shared
+  heading, the setup, a table of both sides per point with ratios ours / llama.cpp, the picture
+  (docs/bench-serve.png, drawn by benchmarks/serve_plot.py beside the section), a shared
   machine caveat when other processes used > 0.5 cores, peak RSS, KV pool, the commands, the
   worker's start-up lines), machine-specific paths shortened (`shorten_paths`). `run` is the
   results JSON dict bench_serve.main writes; `points` are serve_points.Point.
@@ -113,6 +114,7 @@ def report_markdown(run: dict, points: list[Point]) -> str:
         "",
     ]
     lines += markdown_table(HEADER, table_rows(points))
+    lines += ["", "![ours vs llama.cpp per concurrency](bench-serve.png)"]
     others = [
         c
         for p in points

@@ -204,11 +204,53 @@ def test_saved_run_renders_the_same_section_with_the_busy_machine_caveat(tmp_pat
     one_thread = sr.report_markdown({**run, "threads": 1}, [p])
     assert "Caveat" not in one_thread and "neither side waits on a descheduled sibling" in one_thread
     monkeypatch.setattr(bs, "DOCS", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(bs, "PLOT", tmp_path / "bench-serve.png")
     assert bs.render(path, print) == 0
     assert bs.DOCS.read_text().endswith(md.rstrip("\n") + "\n")
+    assert "![ours vs llama.cpp per concurrency](bench-serve.png)" in md
+    assert bs.PLOT.read_bytes().startswith(b"\x89PNG")  # the picture the section shows
     run["points"][0]["problems"] = {"ours": "no tokens streamed"}
     path.write_text(json.dumps(run))
+    bs.PLOT.unlink()
     assert bs.render(path, print) == 1
+    assert not bs.PLOT.exists()  # a failed run draws nothing
+
+
+def test_plot_of_a_saved_run(tmp_path):
+    """The README's picture from a saved run: a PNG of three panels; a side without a figure at a
+    point draws no bar and 'n/a' for its ratio instead of failing; an unreadable run exits 1."""
+    import json
+
+    from benchmarks import serve_plot
+
+    def side(tok_s, tpot, ttft):
+        return {"output_tok_s": tok_s, "tpot_p50_ms": tpot, "ttft_p50_ms": ttft}
+
+    run = {
+        "machine": {"cpu": "AMD EPYC", "cores": 2},
+        "date": "2026-12-01 21:18 UTC",
+        "model": "/x/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "model_name": "m",
+        "threads": 2,
+        "points": [
+            {
+                "concurrency": 1,
+                "sides": {"ours": side(120.0, 7.5, 73.0), "llama.cpp": side(90.0, 7.9, 389.0)},
+            },
+            {"concurrency": 8, "sides": {"ours": side(460.0, 15.0, None), "llama.cpp": {}}},
+        ],
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    out = tmp_path / "plot.png"
+    assert serve_plot.main([str(path), "--out", str(out)]) == 0
+    png = out.read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 2 * height  # three panels side by side
+    (tmp_path / "bad.json").write_text("{")
+    assert serve_plot.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "no.png")]) == 1
+    assert not (tmp_path / "no.png").exists()
 
 
 def test_kv_pool_is_read_from_the_model_runner_line():
