@@ -28,7 +28,8 @@ Contract
   `results/bench_serve/<UTC time>.json` always; the "CPU serving vs llama.cpp" section of
   docs/benchmarks.md (other sections untouched) and its picture, docs/bench-serve.png (the
   README's; benchmarks/serve_plot.py), only for a run where both sides served every request of
-  every point.
+  every point with our worker's defaults (`--worker-arg FLAG` adds a worker flag; such a run
+  writes only its JSON).
 - failure modes: a side that fails to start, errors or streams no tokens is named with the reason
   (and the log tail) and the exit status is 1; a failed llama.cpp build exits 1 with the reason.
   No traceback for these. Exit 2 for a bad command line.
@@ -114,6 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=REQUEST_TIMEOUT_S,
         help="per request, and for the last requests of a point to finish",
+    )
+    p.add_argument(
+        "--worker-arg",
+        dest="worker_args",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a further flag for our worker, e.g. --worker-arg=--stream-interval=4 (repeatable); a run "
+        "with any leaves docs/benchmarks.md and the picture as they are (they show the defaults)",
     )
     p.add_argument("--no-docs", dest="docs", action="store_false", help="do not rewrite docs/benchmarks.md")
     p.add_argument(
@@ -225,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_path),
         "model_name": read_gguf_metadata(model_path).get("general.name", model_path.name),
         "threads": a.threads,
+        "worker_args": a.worker_args,
         "concurrencies": a.concurrency_list,
         "duration_s": a.duration_s,
         "input_len": a.input_len,
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "json": str(json_path.relative_to(REPO)),
         "work_dir": str(out_root),
     }
-    ours = OurStack(a.model, a.threads, out_root)
+    ours = OurStack(a.model, a.threads, out_root, a.worker_args)
     theirs = LlamaSide(bins.server, model_path, a.threads, a.parallel, run["llama_server_ctx"])
     run["commands"] = {"ours": ours.commands(), "llama.cpp": theirs.commands()}
     log(
@@ -288,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     log("")
     log(md)
     log(f"wrote {json_path}")
-    if complete and a.docs:
+    if complete and a.docs and a.worker_args:
+        flags = shlex.join(a.worker_args)
+        log(f"bench-serve: docs left as they were (worker flags {flags}: not the defaults)")
+    elif complete and a.docs:
         write_section(DOCS, SECTION, md)
         log(f"wrote section '{SECTION}' of {DOCS}")
         draw(run, log)

@@ -7,7 +7,8 @@ Contract
   from its "listening on" line; `stop()` SIGTERM, then SIGKILL after 30 s -> exit status.
 - `wait_serving(address, proc, deadline)`: grpc.health.v1 Check until SERVING;
   `wait_router_sees_worker(...)`: ListModels until a model has >= 1 worker.
-- `OurStack(model, threads, log_dir)` / `LlamaSide(binary, model, threads, parallel, ctx)`, the
+- `OurStack(model, threads, log_dir, worker_extra=())` / `LlamaSide(binary, model, threads,
+  parallel, ctx)`, the
   same duck type: `name`, `commands()` -> the command lines for the report, `start(timeout_s)` ->
   address, `target(address)` -> a loadtest `--target`, `pids()`, `stop()` -> {process: peak RSS
   MiB} (idempotent), `log_tail()`. OurStack also keeps `kv_pool` (`parse_kv_pool`) and
@@ -163,8 +164,11 @@ class OurStack:
 
     name = "ours"
 
-    def __init__(self, model: str | None, threads: int, log_dir: pathlib.Path):
+    def __init__(
+        self, model: str | None, threads: int, log_dir: pathlib.Path, worker_extra: tuple[str, ...] = ()
+    ):
         self.model, self.threads, self.log_dir = model, threads, log_dir
+        self.worker_extra = tuple(worker_extra)  # further `python -m worker` flags (bench-serve --worker-arg)
         self.worker: ServiceProcess | None = None
         self.router: ServiceProcess | None = None
         self.rss: dict[str, RssSampler] = {}
@@ -180,6 +184,7 @@ class OurStack:
             "--num-threads",
             str(self.threads),
             *(["--model", self.model] if self.model else []),
+            *self.worker_extra,
         ]
 
     def router_args(self, worker_address: str) -> list[str]:

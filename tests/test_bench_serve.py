@@ -129,6 +129,16 @@ def test_llama_server_context_holds_every_slot():
         bs.parse_args(["--concurrencies", "0"])
 
 
+def test_worker_args_reach_our_worker_command(tmp_path):
+    a = bs.parse_args(["--worker-arg=--stream-interval=4", "--worker-arg=--max-num-seqs=16"])
+    assert a.worker_args == ["--stream-interval=4", "--max-num-seqs=16"]
+    ours = ss.OurStack(None, 2, tmp_path, a.worker_args)
+    assert ours.worker_args()[-2:] == ["--stream-interval=4", "--max-num-seqs=16"]
+    assert ours.commands()[0].endswith("--num-threads 2 --stream-interval=4 --max-num-seqs=16")
+    assert bs.parse_args([]).worker_args == []
+    assert "--stream" not in ss.OurStack(None, 2, tmp_path).commands()[0]
+
+
 def test_report_table_shows_both_sides_and_ratios():
     p = sp.Point(8, 1, ["llama.cpp", "ours"])
     p.sides["ours"] = {

@@ -7,8 +7,15 @@ Contract:
   step. Engine-side rejections (ValueError: duplicate id, prompt too long, bad token id) are raised
   from the iterator.
 - Threads: only the engine thread touches LLMEngine. Other threads post commands to a queue; the
-  engine thread hands outputs back with `loop.call_soon_threadsafe`, so the event loop never
+  engine thread hands a step's outputs back with one `loop.call_soon_threadsafe` for all its
+  streams (one wake-up of the event loop per step, not one per stream), so the event loop never
   blocks on torch.
+- Stream interval (`stream_interval`, the worker's --stream-interval, default 1): a stream's first
+  tokens are delivered at once; after that its tokens are held on the engine thread and delivered
+  `stream_interval` at a time (one RequestOutput carrying them all, logprobs included); the
+  output that finishes the sequence, or an error, is delivered at once with whatever is held.
+  Fewer, larger messages per stream: less CPU per token in the worker's event loop, the router and
+  the client, at the price of burstier inter-token gaps (docs/serving.md).
 - Backpressure: each stream buffers at most `stream_buffer` outputs its reader has not taken;
   while it is full the sequence is left out of the engine's steps (it keeps its KV blocks), so a
   reader that stops reading stops its generation instead of growing a queue.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -52,13 +60,50 @@ class _Stream:
     consumed: int = 0  # written by the event loop only
     paused: bool = False
 
+    interval: int = 1  # tokens per delivery after the first (stream_interval)
+    held: RequestOutput | None = None  # engine thread only: tokens not delivered yet
+    started: bool = False  # engine thread only: tokens were delivered already
+
     def put(self, item: RequestOutput | BaseException) -> None:
+        """Delivers `item` now (errors: anything held is dropped with the failed stream)."""
         self.produced += 1
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def take(self, out: RequestOutput) -> RequestOutput | None:
+        """Engine thread: `out` merged with what is held; returns what to deliver now, or None
+        while the stream interval holds it back."""
+        if self.held is not None:
+            out = _merge(self.held, out)
+            self.held = None
+        if out.finished or self.interval <= 1:
+            return out
+        if not self.started:
+            self.started = bool(out.new_token_ids)
+            return out
+        if len(out.new_token_ids) < self.interval:
+            self.held = out
+            return None
+        return out
 
     @property
     def full(self) -> bool:
         return self.produced - self.consumed >= self.limit
+
+
+def _merge(held: RequestOutput, out: RequestOutput) -> RequestOutput:
+    """`out` with the tokens (and logprobs) of `held` in front: one message for both."""
+    logprobs = out.new_logprobs
+    if held.new_logprobs is not None or logprobs is not None:
+        logprobs = [*(held.new_logprobs or ()), *(logprobs or ())]
+    return dataclasses.replace(
+        out, new_token_ids=held.new_token_ids + out.new_token_ids, new_logprobs=logprobs
+    )
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Event loop: one step's outputs into their streams' queues."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def on_new_thread(fn: Callable[[], T], name: str = "engine-build") -> T:
@@ -89,9 +134,14 @@ def build_engine_off_main_thread(config: EngineConfig) -> LLMEngine:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stream_buffer: int = DEFAULT_STREAM_BUFFER):
+    def __init__(
+        self, engine: LLMEngine, stream_buffer: int = DEFAULT_STREAM_BUFFER, stream_interval: int = 1
+    ):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.stream_buffer = stream_buffer
+        self.stream_interval = stream_interval
         self._commands: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -103,12 +153,14 @@ class AsyncEngine:
         stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> "AsyncEngine":
+    def from_config(
+        cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER, stream_interval: int = 1
+    ) -> "AsyncEngine":
         if config.tensor_parallel_size > 1 and cls is AsyncEngine:
             from worker.tp.engine import TPAsyncEngine  # one worker over N ranks (worker/tp/)
 
-            return TPAsyncEngine.from_config(config, stream_buffer)
-        engine = cls(build_engine_off_main_thread(config), stream_buffer)
+            return TPAsyncEngine.from_config(config, stream_buffer, stream_interval)
+        engine = cls(build_engine_off_main_thread(config), stream_buffer, stream_interval)
         engine.start()
         return engine
 
@@ -140,7 +192,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"duplicate request_id {request_id!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), self.stream_buffer)
+        stream = _Stream(
+            asyncio.get_running_loop(), asyncio.Queue(), self.stream_buffer, interval=self.stream_interval
+        )
         self._streams[request_id] = stream
         self._post(("add", request_id, list(prompt_token_ids), sampling, priority, salt))
         finished = False
@@ -198,12 +252,22 @@ class AsyncEngine:
             # The load report first: a reader that got this step's token must not then read the
             # load as it was before the step (the sequence still waiting, say).
             self._stats = engine.stats()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            self._hand_back(outputs)
             for observer in self.step_observers:
                 observer(engine, outputs)
+
+    def _hand_back(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs to their streams: one call_soon_threadsafe per event loop (a write to
+        its wake-up socket each), not one per stream."""
+        ready: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None and (item := stream.take(out)) is not None:
+                stream.produced += 1
+                ready.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in ready.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _park(self) -> tuple[list[Sequence], list[Sequence]]:
         """Takes the sequences whose stream buffer is full out of the scheduler's queues for one

@@ -213,7 +213,7 @@ async def serve(
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
     `on_listening(port)` runs once the server is SERVING."""
     model_id, fingerprint = await asyncio.to_thread(_identity, config.engine)
-    engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages)
+    engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages, config.stream_interval)
     metrics = WorkerMetrics(engine)
     try:
         base = GrpcServer(

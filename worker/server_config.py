@@ -88,6 +88,13 @@ class WorkerServerConfig:
             "that sequence until the reader catches up (backpressure)"
         ),
     )
+    stream_interval: int = field(
+        default=1,
+        metadata=option(
+            "tokens per streamed message after a stream's first (1: each token as it is sampled; N: "
+            "N at a time, fewer messages and less CPU per token at high concurrency, burstier gaps)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -99,6 +106,8 @@ class WorkerServerConfig:
             raise ValueError("worker_token must not be empty (unset it to turn worker authentication off)")
         if self.stream_idle_timeout_s < 0 or self.stream_buffer_messages < 1:
             raise ValueError("stream_idle_timeout_s must be >= 0 and stream_buffer_messages >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         problem = refusal(

@@ -37,14 +37,18 @@ MAX_RESTART_ATTEMPTS = 3
 
 
 class TPAsyncEngine(AsyncEngine):
-    def __init__(self, engine: LLMEngine, group, stream_buffer: int = DEFAULT_STREAM_BUFFER):
-        super().__init__(engine, stream_buffer)
+    def __init__(
+        self, engine: LLMEngine, group, stream_buffer: int = DEFAULT_STREAM_BUFFER, stream_interval: int = 1
+    ):
+        super().__init__(engine, stream_buffer, stream_interval)
         self.group = group
         self._health = None  # callable(bool), set by bind_health
         self.num_restarts = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> TPAsyncEngine:
+    def from_config(
+        cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER, stream_interval: int = 1
+    ) -> TPAsyncEngine:
         from worker.tp.runner import build_runner
 
         def build() -> tuple[LLMEngine, object]:  # off the main thread: see build_engine_off_main_thread
@@ -56,7 +60,7 @@ class TPAsyncEngine(AsyncEngine):
                 raise
 
         built, group = on_new_thread(build)
-        engine = cls(built, group, stream_buffer)
+        engine = cls(built, group, stream_buffer, stream_interval)
         engine.start()
         return engine
 
