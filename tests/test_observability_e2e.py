@@ -225,6 +225,15 @@ def test_metrics_equal_the_workload(stub, router_metrics, worker_metrics):
             assert delta(after, "llm_admitted_requests_total", tenant="default") == len(prompts)
         else:
             assert delta(after, "llm_prefix_cache_queries_total") == sum(map(len, prompts))
+            # One observation per committed step (the requests ran one at a time: one sequence
+            # each); tokens computed = the prompts less prefix-cache hits, plus one per decode step.
+            steps = sum(delta(after, "llm_engine_steps_total", mode=m) for m in ("overlapped", "synchronous"))
+            assert delta(after, "llm_engine_step_duration_seconds_count") == steps >= 3 * len(prompts)
+            assert delta(after, "llm_engine_step_duration_seconds_sum") > 0
+            assert delta(after, "llm_engine_step_sequences_sum") == steps
+            hits = delta(after, "llm_prefix_cache_hits_total")
+            computed = sum(map(len, prompts)) - hits + (max_tokens - 1) * len(prompts)
+            assert delta(after, "llm_engine_step_tokens_sum") == computed
             assert value(after, "llm_kv_cache_free_blocks") == value(after, "llm_kv_cache_total_blocks") > 0
             assert value(after, "llm_kv_cache_usage_ratio") == 0.0
             assert ("llm_preemptions_total", ()) in after

@@ -275,7 +275,7 @@ def test_dashboard_reads_only_exported_metrics():
 
     router = RouterMetrics()
     router.export_admission(lambda: {("t", "rate_limited"): 1}, lambda: {"t": 1})
-    engine = SimpleNamespace(stats=lambda: EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0))
+    engine = SimpleNamespace(stats=lambda: EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0), step_observers=[])
     worker = WorkerMetrics(engine)
     router.requests.requests.labels("stop").inc()
     worker.requests.requests.labels("stop").inc()

@@ -61,7 +61,7 @@ from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from worker.step_thread import StepThread
-from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.step_s_total = 0.0
+        self.last_step: StepRecord | None = None  # the latest committed step (worker/metrics.py)
         self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1
         if self.async_scheduling and self.runner.device.type == "cpu" and not _omp_passive():
             log.warning(
@@ -169,9 +170,11 @@ class LLMEngine:
             return outputs
         start = time.perf_counter()
         sampled = self.runner.run(plan)
-        self.step_s_total += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.step_s_total += seconds
         self.num_steps += 1
         self.num_sync_steps += 1
+        self.last_step = StepRecord(self.num_steps, seconds, plan.num_batched_tokens, len(plan.scheduled))
         output = self._output
         for seq in self.scheduler.update(plan, sampled):
             if seq.status is SequenceStatus.FINISHED:
@@ -250,9 +253,12 @@ class LLMEngine:
         self.scheduler.in_flight.popleft()
         # Device time of this step: from its launch, or from the previous step's end if later.
         ready = time.perf_counter()
-        self.step_s_total += ready - max(start, self._last_ready)
+        seconds = ready - max(start, self._last_ready)
+        self.step_s_total += seconds
         self._last_ready = ready
         self.num_steps += 1
+        plan = launched.plan
+        self.last_step = StepRecord(self.num_steps, seconds, plan.num_batched_tokens, len(plan.scheduled))
         touched = self.scheduler.commit(launched.plan, sampled)
         self._release_pending()
         outputs, output = [], self._output

@@ -9,18 +9,26 @@ Contract
   `llm_kv_cache_total_blocks`; counters `llm_preemptions_total`, `llm_prefix_cache_queries_total`,
   `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
   `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
-  ran, async scheduling / with none in flight).
+  ran, async scheduling / with none in flight); and, observed on the engine thread after each
+  committed step (`LLMEngine.last_step`, a step observer of the AsyncEngine), histograms
+  `llm_engine_step_duration_seconds`, `llm_engine_step_tokens` (tokens computed) and
+  `llm_engine_step_sequences`.
 - state: the registry (one per worker process).
 - proven by: tests/test_observability_e2e.py (counters equal a known workload).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.request_metrics import RequestMetrics
 from worker.async_engine import AsyncEngine
+from worker.engine import LLMEngine
+from worker.types import RequestOutput
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+POWERS_OF_TWO = tuple(float(2**i) for i in range(14))  # 1 .. 8192
 
 
 class EngineCollector:
@@ -72,3 +80,33 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.requests = RequestMetrics(self.registry, "worker")
         self.registry.register(EngineCollector(engine))
+        self.step_seconds = Histogram(
+            "llm_engine_step_duration_seconds",
+            "Time of each engine step: launch (or the previous step's end) -> its sampled tokens on the host",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.step_tokens = Histogram(
+            "llm_engine_step_tokens",
+            "Tokens each engine step computed (prompt-chunk tokens + one per decoding sequence)",
+            buckets=POWERS_OF_TWO,
+            registry=self.registry,
+        )
+        self.step_sequences = Histogram(
+            "llm_engine_step_sequences",
+            "Sequences in each engine step",
+            buckets=POWERS_OF_TWO[:10],
+            registry=self.registry,
+        )
+        self._seen_step = 0
+        engine.step_observers.append(self._on_step)
+
+    def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each `step()` call: the step it committed, if any (three observes)."""
+        record = engine.last_step
+        if record is None or record.index == self._seen_step:
+            return
+        self._seen_step = record.index
+        self.step_seconds.observe(record.seconds)
+        self.step_tokens.observe(record.tokens)
+        self.step_sequences.observe(record.sequences)

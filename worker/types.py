@@ -117,6 +117,16 @@ class RequestOutput:
     num_preemptions: int = 0  # times this sequence was preempted so far
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One committed engine step (LLMEngine.last_step), for the worker's step histograms."""
+
+    index: int  # LLMEngine.num_steps once it committed (1, 2, ...)
+    seconds: float  # its time: launch (or the previous step's end, if later) -> sampled tokens on the host
+    tokens: int  # tokens it computed: prompt-chunk tokens + one per decoding sequence
+    sequences: int  # sequences in it
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
