@@ -6,7 +6,8 @@ Contract
   --workers/--ray-address/--model (`python -m router`'s, e.g. --port, --tenants), every engine
   flag (`python -m worker`'s, e.g. --model, --dtype, --kv-cache-mb, --max-model-len,
   --attention-backend, --enforce-eager, --no-prefix-caching), and the workers' own server
-  settings as --worker-drain-grace-s, --worker-drain-announce-s, --worker-max-message-mb. The
+  settings as --worker-drain-grace-s, --worker-drain-announce-s, --worker-max-message-mb,
+  --worker-stream-interval. The
   observability flags (and OTEL_* variables) apply to the router and the workers alike, except
   --metrics-*: workers serve /metrics on ephemeral loopback ports, which the router's /targets lists.
   `--model` is the workers' model and the router's tokenizer. Workers bind 127.0.0.1 (no TLS)
@@ -50,7 +51,12 @@ from worker.server_config import WorkerServerConfig
 log = logging.getLogger(__name__)
 # Telemetry settings the workers share with the router (not its /metrics address or certificate).
 SHARED_TELEMETRY = ("otlp_endpoint", "console", "sample_ratio", "log_format")
-WORKER_SERVER_FLAGS = ("drain_grace_s", "drain_announce_s", "max_message_bytes")  # as --worker-*
+WORKER_SERVER_FLAGS = (
+    "drain_grace_s",
+    "drain_announce_s",
+    "max_message_bytes",
+    "stream_interval",
+)  # --worker-*
 
 
 @dataclass(frozen=True)

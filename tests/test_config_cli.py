@@ -244,6 +244,8 @@ def test_worker_server_flags_reach_ray_actors_and_make_serve_workers(monkeypatch
             "0.5",
             "--worker-max-message-mb",
             "2",
+            "--worker-stream-interval",
+            "4",
             "--log-format",
             "json",
             "--otlp-endpoint",
@@ -256,6 +258,7 @@ def test_worker_server_flags_reach_ray_actors_and_make_serve_workers(monkeypatch
         "drain_grace_s": 3.0,
         "drain_announce_s": 0.5,
         "max_message_bytes": 2 * 2**20,
+        "stream_interval": 4,
         "telemetry": {"otlp_endpoint": "http://collector:4317", "log_format": "json"},
     }
     assert plan.router.telemetry.metrics_port == 9999 and plan.router.drain_grace_s == 30.0
