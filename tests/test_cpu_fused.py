@@ -147,6 +147,52 @@ def test_silu_and_mul_at_the_ends_of_exp(dtype):
     assert ulps_apart(ours[keep], ref[keep]) <= (8 if dtype == torch.float32 else 0), (ours, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "cols", [1, 15, 16, 49152 + 7]
+)  # one value, tails only, one block, SmolLM2's vocab + a tail
+def test_argmax_rows_matches_torch(dtype, cols):
+    """torch.argmax's answer on random rows (over a float64 copy: the same values), rows enough to
+    run in parallel, and a strided view (every other row of a wider tensor)."""
+    g = torch.Generator().manual_seed(cols)
+    wide = (torch.randn(2 * 33, cols + 5, generator=g) * 4).to(dtype)
+    for x in (wide[:, :cols], wide[::2, 3 : 3 + cols], wide[:1, :cols]):
+        assert torch.equal(cpu_fused.argmax_rows(x), x.double().argmax(dim=-1)), (dtype, cols, x.stride())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_ties_infinities_and_nan_as_torch(dtype):
+    """The first maximum wins (ties within a 16-value block and across blocks); -inf rows give 0;
+    +inf beats everything; a NaN counts as the maximum, the first one wins (torch's rule)."""
+    n = 100
+    rows = torch.full((7, n), -1.0)
+    rows[0, [5, 17, 40]] = 3.0  # ties across blocks: 5
+    rows[1, [20, 21, 30]] = 3.0  # ties in one block: 20
+    rows[2] = float("-inf")  # every value -inf: 0
+    rows[3, [50, 90]] = float("inf")
+    rows[3, 10] = 1e30 if dtype != torch.float16 else 6e4  # inf beats the largest finite: 50
+    rows[4, [33, 70]] = float("nan")
+    rows[4, 2] = 5.0  # NaN beats 5: the first NaN, 33
+    rows[5, 99] = float("nan")  # a NaN in the scalar tail: 99
+    rows[6, 0] = 2.0  # the maximum first: 0
+    x = rows.to(dtype)
+    want = torch.tensor([5, 20, 0, 50, 33, 99, 0])
+    assert torch.equal(x.float().argmax(dim=-1), want)  # torch's own answer, to be sure of the rule
+    assert torch.equal(cpu_fused.argmax_rows(x), want)
+
+
+def test_argmax_rows_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one column"):
+        cpu_fused.argmax_rows(torch.empty(2, 0))
+    with pytest.raises(ValueError, match=r"must be \[T, C\]"):
+        cpu_fused.argmax_rows(torch.randn(8))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        cpu_fused.argmax_rows(torch.ones(2, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="columns must be contiguous"):
+        cpu_fused.argmax_rows(torch.randn(8, 4).t())
+    assert cpu_fused.argmax_rows(torch.empty(0, 5, dtype=torch.bfloat16)).shape == (0,)
+
+
 def test_empty_batch():
     x = torch.empty(0, 576, dtype=torch.bfloat16)
     assert cpu_fused.rms_norm(x, torch.ones(576, dtype=torch.bfloat16), 1e-5).shape == (0, 576)
@@ -195,10 +241,12 @@ def test_torch_compile_traces_the_ops():
 
     def f(x, w):
         out, summed = cpu_fused.rms_norm(x, w, 1e-5, x)
-        return cpu_fused.silu_and_mul(torch.cat([out, summed], dim=1))
+        act = cpu_fused.silu_and_mul(torch.cat([out, summed], dim=1))
+        return act, cpu_fused.argmax_rows(act)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(x, w), f(x, w))
+    got, want = compiled(x, w), f(x, w)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_served_model_greedy_tokens_with_and_without_fused_ops(tokenizer):

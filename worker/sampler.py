@@ -247,8 +247,9 @@ class RequestSampler:
 
     - Plain greedy batches (`plain_greedy`): the argmax of the logits: on CUDA the two-pass
       Triton kernel over the model-dtype logits (`greedy_argmax`, worker/kernels/triton_argmax.py:
-      torch's argmax reduces a 128k row in one block), on CPU torch's over their float32 copy
-      (torch's CPU argmax is ~5x slower on bfloat16).
+      torch's argmax reduces a 128k row in one block); on CPU with the "cpu" backend's fused ops the
+      C++ `argmax_rows` over the model-dtype logits (worker/kernels/cpu_fused.py; set by the model
+      runner), else torch's over their float32 copy (torch's CPU argmax is ~3x slower on bfloat16).
     - With `fused` (the Triton kernel, on CUDA): the rows it can take (`fusable`) are sampled from
       the model-dtype logits in one launch, with no float32 `[S, V]` copy: noise from Philox keyed
       by the request's seed and the number of tokens it sampled so far. A request's rows always
@@ -298,7 +299,7 @@ class RequestSampler:
         params = [seq.sampling for seq in seqs]
         request_ids = [seq.request_id for seq in seqs]
         if observer is None and all([p.plain_greedy for p in params]):
-            if self.greedy_argmax is not None:  # the two-pass Triton argmax, model-dtype logits
+            if self.greedy_argmax is not None:  # Triton (CUDA) / C++ (CPU) argmax, model-dtype logits
                 return SampledTokens(request_ids, self.greedy_argmax(logits_fn(False)))
             logits = logits_fn(self.device.type == "cpu")
             return SampledTokens(request_ids, logits.argmax(dim=-1))

@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -381,6 +382,67 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// ------------------------------------------------------------------------------- argmax
+// Greedy sampling's argmax of each row, with torch.argmax's answer: the first index of the
+// maximum, and a NaN counts as the maximum (the first NaN's index). Read in the logits' own dtype
+// (torch's CPU argmax is ~3x slower on bfloat16 than on a float32 copy, and the copy costs more
+// than the scan here). AVX-512: 16 values per compare, a block only looked into when it holds a
+// NaN or beats the best so far (rarely after the first blocks of a row).
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) return i + __builtin_ctz(nan);
+    if (_mm512_cmp_ps_mask(v, _mm512_set1_ps(best), _CMP_GT_OQ)) {
+      const float m = _mm512_reduce_max_ps(v);
+      best = m;
+      best_i = i + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > best) {
+      best = v;
+      best_i = i;
+    }
+  }
+  return best_i;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "logits");
+  TORCH_CHECK_VALUE(x.size(1) > 0, "argmax_rows needs at least one column");
+  const int64_t rows = x.size(0), cols = x.size(1), sx = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * sx, cols);
+    });
+  });
+  return out;
+}
+
 }  // namespace llm_cpu_fused
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
@@ -390,6 +452,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("rope_store_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
@@ -398,4 +461,5 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("rotary_embedding", &llm_cpu_fused::rotary_embedding);
   m.impl("rope_store_kv", &llm_cpu_fused::rope_store_kv);
   m.impl("silu_and_mul", &llm_cpu_fused::silu_and_mul);
+  m.impl("argmax_rows", &llm_cpu_fused::argmax_rows);
 }

@@ -14,6 +14,9 @@ worker/kernels/triton_norm.py (the GPU's):
 - `rotary_embedding(positions [T] int64, q [T, H, D], k [T, Hkv, D], cos [P, D/2], sin [P, D/2])`
   -> `(q_out, k_out)`, new tensors.
 - `silu_and_mul(x [T, 2F])` -> `[T, F]`.
+- `argmax_rows(logits [S, V])` -> `[S]` int64: greedy sampling's argmax with torch.argmax's
+  answer (first maximum, NaN counts as the maximum), over bfloat16 logits without a float32 copy
+  (the model runner's plain-greedy batches on CPU).
 - `rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)` -> `q_out`: the
   backend's `rope_store_kv` (worker/kernels/triton_rope_kv.py's contract): RoPE on q and k, the
   rotated k and v written into the cache rows of their slots (slots < 0 skipped), in one call.
@@ -61,6 +64,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ops().silu_and_mul(x)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] (float32 / bfloat16 / float16, unit column stride) -> [S] int64: torch.argmax's
+    answer (the first maximum; a NaN counts as the maximum), read in the logits' own dtype."""
+    return _ops().argmax_rows(logits)
+
+
 def rope_store_kv(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -106,3 +115,7 @@ def register_fakes() -> None:
     @torch.library.register_fake("llm_cpu::silu_and_mul")
     def _(x):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @torch.library.register_fake("llm_cpu::argmax_rows")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.int64)
