@@ -188,6 +188,10 @@ def render(path: pathlib.Path, log) -> int:
     if run.get("failure") or any(p.problems for p in points):
         log(f"bench-serve: {path} is from a failed run; docs left as they were")
         return 1
+    if run.get("worker_args"):
+        flags = shlex.join(run["worker_args"])
+        log(f"bench-serve: {path} ran our worker with {flags}: docs left as they were")
+        return 1
     write_section(DOCS, SECTION, report_markdown(run, points))
     log(f"wrote section '{SECTION}' of {DOCS} from {path}")
     draw(run, log)

@@ -42,6 +42,28 @@ from router.stop_strings import StopStringMatcher
 from router.tenants import Tenant
 from router.validation import ValidRequest
 
+
+def decode_message(
+    ids: list[int], detok: IncrementalDetokenizer, stops: StopStringMatcher
+) -> tuple[list[int], str, bool, int]:
+    """One worker message's tokens -> (ids kept, text delta, stopped, number kept). A message can
+    carry several tokens (the worker's --stream-interval); when a stop string ends inside one, the
+    tokens after the one that completed it are dropped (with their logprobs, by the caller), as
+    they would have been one token per message: never returned, never counted in usage."""
+    if not ids:
+        return ids, "", False, 0
+    if len(ids) == 1 or not stops.active:
+        text, stopped = stops.push(detok.push(ids))
+        return ids, text, stopped, len(ids)
+    text = ""
+    for kept, token in enumerate(ids, 1):
+        piece, stopped = stops.push(detok.push([token]))
+        text += piece
+        if stopped:
+            return ids[:kept], text, True, kept
+    return ids, text, False, len(ids)
+
+
 # Failures before the first token that another worker may not repeat.
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -189,8 +211,8 @@ class Relay:
         stream = self._registry.track(worker, call)  # the registry cancels it if the worker goes down
         try:
             async for msg in call:
-                ids = list(msg.token_ids)
-                text, stopped = stops.push(detok.push(ids)) if ids else ("", False)
+                ids, text, stopped, kept = decode_message(list(msg.token_ids), detok, stops)
+                lps, tops = list(msg.logprobs)[:kept], list(msg.top_logprobs)[:kept]
                 finished = msg.HasField("finished")
                 if finished and not stopped:
                     tail, stopped = stops.push(detok.flush())
@@ -200,7 +222,7 @@ class Relay:
                     if first_token_s is None and ids:
                         first_token_s = time.monotonic()
                     num_out += len(ids)
-                    yield Chunk(ids, text, list(msg.logprobs), list(msg.top_logprobs))
+                    yield Chunk(ids, text, lps, tops)
                 if stopped or finished:
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")

@@ -22,6 +22,11 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
 
+    @property
+    def active(self) -> bool:
+        """There are stop strings to look for."""
+        return bool(self._stops)
+
     def push(self, delta: str) -> tuple[str, bool]:
         assert not self.stopped, "push after a stop string matched"
         if not self._stops:

@@ -185,13 +185,13 @@ def test_the_load_report_includes_the_step_whose_token_a_reader_gets(monkeypatch
     config = tiny_config(num_kv_blocks=64)
     served = async_engine.AsyncEngine(LLMEngine(config, runner=tiny_runner(config)))
     waiting_at_put = []
-    put = async_engine._Stream.put
+    take = async_engine._Stream.take  # the engine thread hands each output over through it
 
-    def recording_put(stream, item):
+    def recording_take(stream, item):
         waiting_at_put.append(served.stats().num_waiting)
-        put(stream, item)
+        return take(stream, item)
 
-    monkeypatch.setattr(async_engine._Stream, "put", recording_put)
+    monkeypatch.setattr(async_engine._Stream, "take", recording_take)
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     async def main() -> list[int]:

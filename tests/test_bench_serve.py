@@ -224,6 +224,10 @@ def test_saved_run_renders_the_same_section_with_the_busy_machine_caveat(tmp_pat
     bs.PLOT.unlink()
     assert bs.render(path, print) == 1
     assert not bs.PLOT.exists()  # a failed run draws nothing
+    run["points"][0]["problems"] = {}
+    path.write_text(json.dumps({**run, "worker_args": ["--stream-interval=4"]}))
+    assert bs.render(path, print) == 1  # not our defaults: the section shows those
+    assert not bs.PLOT.exists()
 
 
 def test_plot_of_a_saved_run(tmp_path):

@@ -270,6 +270,13 @@ CHILD = textwrap.dedent("""
     ref = F.silu(x[:, : g.shape[0]]) * x[:, g.shape[0] :]
     diff = (cpu_fused.silu_and_mul(x).view(torch.int16).int() - ref.view(torch.int16).int()).abs()
     assert int(diff.max()) == 0, int(diff.max())
+    # argmax_rows' scalar path (the AVX-512 blocks are not in this build): ties, infinities, NaN.
+    rows = torch.randn(6, 37).bfloat16()
+    rows[1, [3, 20]] = 9.0
+    rows[2] = float("-inf")
+    rows[3, [8, 30]] = float("nan")
+    rows[4, 36] = float("inf")
+    assert torch.equal(cpu_fused.argmax_rows(rows), rows.float().argmax(-1))
     print(cpu_attention.build_info(), cpu_attention._state["path"])
 """)
 

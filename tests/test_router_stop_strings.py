@@ -72,3 +72,43 @@ def test_matched_names_the_stop_that_ended_the_text():
     m = StopStringMatcher(["stop"])
     m.push("no match here")
     assert m.matched is None
+
+
+def test_multi_token_messages_are_cut_at_the_token_that_completes_a_stop_string(tokenizer):
+    """The worker's --stream-interval sends several tokens per message: the relay keeps the tokens
+    up to the one completing a stop string, with the text one-token messages would have given."""
+    from common.detokenizer import IncrementalDetokenizer
+    from router.relay import decode_message
+
+    ids = tokenizer.encode("The capital of France is Paris. It is a big city.")
+    stop = ["Paris"]
+
+    def one_at_a_time():
+        detok, stops, text = IncrementalDetokenizer(tokenizer), StopStringMatcher(stop), ""
+        for n, token in enumerate(ids, 1):
+            kept, piece, stopped, _ = decode_message([token], detok, stops)
+            text += piece
+            if stopped:
+                return ids[:n], text
+        raise AssertionError("the stop string never matched")
+
+    want_ids, want_text = one_at_a_time()
+    assert want_text == "The capital of France is " and len(want_ids) < len(ids)
+    for size in (2, 4, len(ids)):
+        detok, stops, got_ids, text = IncrementalDetokenizer(tokenizer), StopStringMatcher(stop), [], ""
+        for start in range(0, len(ids), size):
+            kept, piece, stopped, n = decode_message(ids[start : start + size], detok, stops)
+            assert n == len(kept)
+            got_ids += kept
+            text += piece
+            if stopped:
+                break
+        assert (got_ids, text, stopped) == (want_ids, want_text, True), size
+    # No stop strings: a message is kept whole.
+    assert decode_message(ids[:4], IncrementalDetokenizer(tokenizer), StopStringMatcher([]))[3] == 4
+    assert decode_message([], IncrementalDetokenizer(tokenizer), StopStringMatcher(stop)) == (
+        [],
+        "",
+        False,
+        0,
+    )

@@ -26,10 +26,11 @@ SAMPLING = {
 
 
 def stream_all(interval: int, async_scheduling: bool = False) -> dict[str, list]:
-    """Each request's outputs (token ids, logprobs, finished) as delivered, all three at once."""
+    """Each request's outputs (token ids, logprobs, finished) as delivered, all three at once. The
+    engine thread starts once all three requests are posted, so every run batches them the same way
+    (float32 matmuls are not batch-invariant in the last bits: the logprobs are compared exactly)."""
     config = tiny_config(async_scheduling=async_scheduling)
     engine = AsyncEngine(LLMEngine(config, runner=tiny_runner(config)), stream_interval=interval)
-    engine.start()
 
     async def one(rid: str) -> list:
         return [
@@ -38,7 +39,11 @@ def stream_all(interval: int, async_scheduling: bool = False) -> dict[str, list]
         ]
 
     async def main() -> dict[str, list]:
-        results = await asyncio.gather(*(one(rid) for rid in PROMPTS))
+        tasks = [asyncio.ensure_future(one(rid)) for rid in PROMPTS]
+        await asyncio.sleep(0)  # one turn of the loop: each task runs to its first await, posting its add
+        assert [c[0] for c in engine._commands] == ["add"] * len(PROMPTS)
+        engine.start()
+        results = await asyncio.gather(*tasks)
         return dict(zip(PROMPTS, results))
 
     try:
@@ -79,7 +84,7 @@ def test_abandoned_stream_with_held_tokens_frees_every_block():
         async for out in engine.generate("x", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=40)):
             got.append(out.new_token_ids)
             if len(got) == 2:
-                break  # closes the generator: the engine aborts the sequence
+                break  # the generator is closed (asyncio.run's shutdown_asyncgens at the latest): abort
         return got
 
     try:

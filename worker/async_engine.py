@@ -249,12 +249,12 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._unpark(parked)
-            # The load report first: a reader that got this step's token must not then read the
-            # load as it was before the step (the sequence still waiting, say).
+            # The load report and the step observers (the step histograms) first: a reader that got
+            # this step's token must not then read the load or metrics as they were before the step.
             self._stats = engine.stats()
-            self._hand_back(outputs)
             for observer in self.step_observers:
                 observer(engine, outputs)
+            self._hand_back(outputs)
 
     def _hand_back(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their streams: one call_soon_threadsafe per event loop (a write to

@@ -165,7 +165,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device))
-        if self.backend.fused is not None and self.device.type == "cpu":
+        if self.backend.name == "cpu" and self.backend.fused is not None:
             # Plain-greedy batches: our argmax over the model-dtype logits (no float32 copy).
             self.sampler.greedy_argmax = self.backend.fused.argmax_rows
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
