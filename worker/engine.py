@@ -170,11 +170,8 @@ class LLMEngine:
             return outputs
         start = time.perf_counter()
         sampled = self.runner.run(plan)
-        seconds = time.perf_counter() - start
-        self.step_s_total += seconds
-        self.num_steps += 1
+        self._count_step(plan, time.perf_counter() - start)
         self.num_sync_steps += 1
-        self.last_step = StepRecord(self.num_steps, seconds, plan.num_batched_tokens, len(plan.scheduled))
         output = self._output
         for seq in self.scheduler.update(plan, sampled):
             if seq.status is SequenceStatus.FINISHED:
@@ -253,12 +250,8 @@ class LLMEngine:
         self.scheduler.in_flight.popleft()
         # Device time of this step: from its launch, or from the previous step's end if later.
         ready = time.perf_counter()
-        seconds = ready - max(start, self._last_ready)
-        self.step_s_total += seconds
+        self._count_step(launched.plan, ready - max(start, self._last_ready))
         self._last_ready = ready
-        self.num_steps += 1
-        plan = launched.plan
-        self.last_step = StepRecord(self.num_steps, seconds, plan.num_batched_tokens, len(plan.scheduled))
         touched = self.scheduler.commit(launched.plan, sampled)
         self._release_pending()
         outputs, output = [], self._output
@@ -267,6 +260,12 @@ class LLMEngine:
                 self._release(seq.request_id)
             outputs.append(output(seq))
         return outputs
+
+    def _count_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A committed step's time and size: the totals and `last_step` (the step histograms)."""
+        self.step_s_total += seconds
+        self.num_steps += 1
+        self.last_step = StepRecord(self.num_steps, seconds, plan.num_batched_tokens, len(plan.scheduled))
 
     def _release_pending(self) -> None:
         """With nothing in flight the executor is idle: it takes the pending releases now."""

@@ -164,10 +164,11 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device))
-        if self.backend.name == "cpu" and self.backend.fused is not None:
-            # Plain-greedy batches: our argmax over the model-dtype logits (no float32 copy).
-            self.sampler.greedy_argmax = self.backend.fused.argmax_rows
+        # CPU plain-greedy batches: the fused ops' argmax over the model-dtype logits (no float32 copy).
+        cpu_argmax = (
+            self.backend.fused.argmax_rows if self.backend.name == "cpu" and self.backend.fused else None
+        )
+        self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device), cpu_argmax)
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
         log.info(
             "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",

@@ -248,8 +248,8 @@ class RequestSampler:
     - Plain greedy batches (`plain_greedy`): the argmax of the logits: on CUDA the two-pass
       Triton kernel over the model-dtype logits (`greedy_argmax`, worker/kernels/triton_argmax.py:
       torch's argmax reduces a 128k row in one block); on CPU with the "cpu" backend's fused ops the
-      C++ `argmax_rows` over the model-dtype logits (worker/kernels/cpu_fused.py; set by the model
-      runner), else torch's over their float32 copy (torch's CPU argmax is ~3x slower on bfloat16).
+      C++ `argmax_rows` over the model-dtype logits (worker/kernels/cpu_fused.py; given by the
+      model runner), else torch's over their float32 copy (torch's CPU argmax is ~3x slower on bfloat16).
     - With `fused` (the Triton kernel, on CUDA): the rows it can take (`fusable`) are sampled from
       the model-dtype logits in one launch, with no float32 `[S, V]` copy: noise from Philox keyed
       by the request's seed and the number of tokens it sampled so far. A request's rows always
@@ -262,9 +262,10 @@ class RequestSampler:
     would sync to read it). `release(request_id)` drops a request's state.
     """
 
-    def __init__(self, device: torch.device, seed: int, fused=None):
+    def __init__(self, device: torch.device, seed: int, fused=None, greedy_argmax=None):
         self.device, self.fused = torch.device(device), fused
-        self.greedy_argmax = _triton_argmax(self.device)  # plain-greedy batches' argmax, or None
+        # Plain-greedy batches' argmax over model-dtype logits: the caller's, else Triton's on CUDA.
+        self.greedy_argmax = greedy_argmax or _triton_argmax(self.device)
         self.seed_generator = torch.Generator().manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
