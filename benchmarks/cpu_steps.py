@@ -12,10 +12,13 @@ the one before):
   3. + the fused C++ small ops (worker/kernels/cpu_fused.py);
   4. + many-row inputs as bfloat16 GEMMs on weights dequantized per call (int4 from 32 rows,
      the int8 lm_head from 16: worker/kernels/cpu_quant.py);
-  5. + int8 activations with AVX512-VNNI (W4A8 / W8A8 at every row count): the default (where
-     the CPU has no VNNI this row runs step 4 again);
-  6. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops);
-  7. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
+  5. + int8 activations with AVX512-VNNI (W4A8 / W8A8 at every row count; where the CPU has no
+     VNNI this row runs step 4 again);
+  6. + the decoder layers of a step as one C++ op call (worker/kernels/cpu_layers.py): the default
+     (without VNNI, step 4 again);
+  7. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops and the
+     layer op);
+  8. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,
      +257 MiB), compiled.
 For each batch size B it adds B greedy requests of 200 prompt tokens and 48 output tokens
 (ignore_eos) at once and reports the median wall time of the last 40 decode steps (ms) and
@@ -81,11 +84,15 @@ STEPS = [
         dict(dtype="bfloat16", quantization="auto", enforce_eager=True, cpu_int8_activations=False),
     ),
     (
-        "5 + int8 activations, VNNI (the default)",
+        "5 + int8 activations, VNNI",
+        dict(dtype="bfloat16", quantization="auto", enforce_eager=True, cpu_layer_op=False),
+    ),
+    (
+        "6 + decoder layers as one C++ op (the default)",
         dict(dtype="bfloat16", quantization="auto", enforce_eager=True),
     ),
-    ("6 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
-    ("7 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
+    ("7 + compiled step (--cpu-compile)", dict(cpu_compile=True)),
+    ("8 + dense copies >= 16 rows (opt-in)", dict(cpu_compile=True, dense_weights_min_rows=16)),
 ]
 
 

@@ -40,6 +40,7 @@ from worker.config import EngineConfig, default_num_threads, resolve_device, res
 from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.input_batch import InputBatch
+from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
 from worker.sampler import RequestSampler, SampledTokens, on_device
 from worker.scheduler import SchedulerOutput
@@ -213,6 +214,11 @@ class ModelRunner:
             )
             if not self.cpu_compiled.warmup():
                 self.cpu_compiled = None
+        # CPU, int8 activations: the decoder layers of a step in one C++ op (worker/kernels/cpu_layers.py).
+        self.cpu_layers: CpuLayerStack | None = None
+        if config.cpu_layer_op and self.cpu_compiled is None and self.device.type == "cpu":
+            self.cpu_layers, why = CpuLayerStack.build(self.model, self.backend, self.kv_caches)
+            log.info("decoder layers as one C++ op: %s", "on" if self.cpu_layers else f"off ({why})")
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -352,6 +358,8 @@ class ModelRunner:
         input_ids, positions, meta = batch.eager_inputs(step, tokens)
         if self.cpu_compiled is not None:
             hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
+        elif self.cpu_layers is not None:
+            hidden = self.cpu_layers(input_ids, positions, meta)  # (T, C), the same as self.model's
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
         return take_rows(hidden, step.logits_rows), [plan.scheduled[i].seq for i in step.sample_seq_idx]

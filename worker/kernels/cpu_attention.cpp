@@ -791,3 +791,6 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
 
 // The int4 -> bfloat16 dequantization for many-row inputs (worker/kernels/cpu_quant.py).
 #include "cpu_quant.cpp"
+
+// The decoder layers of a step as one op over the ops above (worker/kernels/cpu_layers.py).
+#include "cpu_layers.cpp"

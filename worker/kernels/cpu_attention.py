@@ -12,17 +12,16 @@ length tried, 16-1,024 new tokens with and without a cached prefix (docs/kernels
 default `SDPA_MIN_QUERY_LEN = 0` never calls SDPA. The op has a fake (meta) implementation, so
 torch.compile traces a model that calls it without a graph break.
 
-Build: `load()` compiles the .cpp files (this op's, worker/kernels/cpu_fused.cpp's and cpu_quant.cpp's) with
-torch.utils.cpp_extension.load (ninja, -O3 -march=native, -fopenmp against the OpenMP runtime
-torch itself loaded, so there is one thread pool) into `$LLM_CPU_EXT_DIR` (default
-~/.cache/llm-serve/torch_extensions)/llm_cpu_attention_<key>, where <key> hashes the sources,
-torch's version and install path, the compiler's version, -march and the CPU's flags: a machine
-with other flags (AVX2 only, say) builds its own copy. Concurrent builders
-(several workers starting at once) take an flock on the build directory first, which the kernel
-releases if a builder dies, so the torch file baton (`lock`) a killed builder left behind is
-removed instead of being waited on forever. `python -m worker.kernels.cpu_build` (run by
-`make install`) builds it ahead of time. `LLM_CPU_EXT_MARCH` overrides -march (the tests build an
-AVX2-only copy with it).
+Build: `load()` compiles the .cpp files (this op's, worker/kernels/cpu_fused.cpp's, cpu_quant.cpp's
+and cpu_layers.cpp's) with torch.utils.cpp_extension.load (ninja, -O3 -march=native, -fopenmp
+against the OpenMP runtime torch itself loaded, so there is one thread pool) into `$LLM_CPU_EXT_DIR`
+(default ~/.cache/llm-serve/torch_extensions)/llm_cpu_attention_<key>, where <key> hashes the
+sources, torch's version and install path, the compiler's version, -march and the CPU's flags: a
+machine with other flags (AVX2 only, say) builds its own copy. Concurrent builders (several workers
+starting at once) take an flock on the build directory first, which the kernel releases if a builder
+dies, so the torch file baton (`lock`) a killed builder left behind is removed instead of being
+waited on forever. `python -m worker.kernels.cpu_build` (run by `make install`) builds it ahead of
+time. `LLM_CPU_EXT_MARCH` overrides -march (the tests build an AVX2-only copy with it).
 
 Fails how: bad shapes or dtypes raise ValueError (reference.check_attention_args, then the op's
 own checks: a sequence longer than its block-table row, a block id outside the pool,
@@ -59,7 +58,12 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # "cpu" backend's `fused` namespace (worker/kernels/cpu_fused.py) and the int4 dequantization of
 # worker/kernels/cpu_quant.py, which SOURCE includes (one translation unit: torch's headers parsed
 # once). All are hashed and copied; SOURCE is compiled.
-SOURCES = (SOURCE, SOURCE.with_name("cpu_fused.cpp"), SOURCE.with_name("cpu_quant.cpp"))
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("cpu_fused.cpp"),
+    SOURCE.with_name("cpu_quant.cpp"),
+    SOURCE.with_name("cpu_layers.cpp"),
+)
 # Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
 # paged kernel was faster at every length measured, docs/kernels.md "CPU").
 SDPA_MIN_QUERY_LEN = 0

@@ -1,0 +1,139 @@
+"""The decoder layers of a CPU step as one C++ op (worker/kernels/cpu_layers.py) against the Python
+layer loop it replaces (LlamaModel.forward with the "cpu" backend's fused ops): bit-identical hidden
+states and KV caches on the embedded SmolLM2 in prefill, chunked prefill, decode and mixed steps,
+the engine's greedy tokens with the op on and off, which models it declines (and why), and bad
+arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.kernels import cpu_attention, cpu_quant
+from worker.kernels.cpu_layers import CpuLayerStack
+
+needs_vnni = pytest.mark.skipif(
+    not (cpu_attention.available() and cpu_quant.vnni_available()),
+    reason="no AVX512-VNNI on this CPU or in its extension build: the op takes only W4A8 / W8A8 layers",
+)
+
+SMALL = dict(kv_cache_bytes=16 * 2**20, num_threads=2, max_num_seqs=8)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # bfloat16 bit patterns: NaN-safe exact equality
+
+
+@needs_vnni
+def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop():
+    """Every step of an engine run (two prompts prefilled in 48-token chunks, a third arriving while
+    they decode: prefill, chunked prefill, decode and mixed steps) goes through the op and, on a copy
+    of the caches taken before the step, through the Python layer loop: the hidden states and every
+    cache byte agree."""
+    from worker.engine import LLMEngine
+    from worker.types import SamplingParams
+
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=48, **SMALL))
+    runner = engine.runner
+    stack = runner.cpu_layers
+    assert stack is not None
+    kinds = []
+
+    def checked(input_ids, positions, meta):
+        copies = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        want = runner.model(input_ids, positions, copies, meta, runner.backend)
+        got = CpuLayerStack.__call__(stack, input_ids, positions, meta)
+        assert torch.equal(_bits(got), _bits(want))
+        for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, copies):
+            assert torch.equal(_bits(k), _bits(k_ref)) and torch.equal(_bits(v), _bits(v_ref))
+        lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        kinds.append("decode" if max(lens) == 1 else "mixed" if min(lens) == 1 else "prefill")
+        return got
+
+    runner.cpu_layers = checked
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [(7 * j + 3) % 49000 for j in range(70)], sp)
+    engine.add_request("b", [(11 * j + 5) % 49000 for j in range(23)], sp)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("c", [(13 * j + 1) % 49000 for j in range(30)], sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert {"prefill", "decode", "mixed"} <= set(kinds)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@needs_vnni
+def test_greedy_tokens_with_and_without_the_op_are_the_same():
+    from worker.engine import LLMEngine
+    from worker.types import SamplingParams
+
+    def tokens(flag: bool) -> dict[str, list[int]]:
+        engine = LLMEngine(EngineConfig(cpu_layer_op=flag, **SMALL))
+        assert (engine.runner.cpu_layers is not None) == flag
+        sp = SamplingParams(temperature=0, max_tokens=12)
+        for i, n in enumerate((5, 40, 17)):
+            engine.add_request(f"r{i}", [(100 + 3 * i + j) % 49000 for j in range(n)], sp)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    on = tokens(True)
+    assert on == tokens(False) and all(len(v) >= 1 for v in on.values())
+
+
+@needs_vnni
+def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
+    from worker.model_runner import ModelRunner
+
+    cases = [
+        (dict(cpu_int8_activations=False), "not on int8 activations"),
+        (dict(dtype="float32", quantization="none"), "without the fused CPU ops"),
+        (dict(dtype="float16", quantization="none"), "float16 activations"),
+        (dict(attention_backend="torch"), "'torch' attention backend"),
+    ]
+    for overrides, reason in cases:
+        runner = ModelRunner(EngineConfig(**{**SMALL, **overrides}))
+        assert runner.cpu_layers is None
+        stack, why = CpuLayerStack.build(runner.model, runner.backend, runner.kv_caches)
+        assert stack is None and reason in why, (overrides, why)
+
+
+@needs_vnni
+def test_bad_arguments_are_value_errors_naming_the_problem():
+    from worker.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(**SMALL))
+    stack = runner.cpu_layers
+    x = torch.zeros(1, runner.model_config.hidden_size, dtype=torch.bfloat16)
+    args = dict(
+        x=x,
+        positions=torch.zeros(1, dtype=torch.int64),
+        k_caches=stack.k_caches,
+        v_caches=stack.v_caches,
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.ones(1, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        cos=stack.rope.cos,
+        sin=stack.rope.sin,
+        weights=stack.weights,
+        eps=stack.eps,
+        scale=stack.scale,
+        num_heads=stack.shape[0],
+        num_kv_heads=stack.shape[1],
+        head_dim=stack.shape[2],
+        sdpa_min_query_len=0,
+    )
+    op = torch.ops.llm_cpu.decoder_layers
+    h, residual = op(**args)  # well-formed: one token at position 0
+    assert h.shape == residual.shape == x.shape
+    with pytest.raises(ValueError, match="weight tensors"):
+        op(**{**args, "weights": stack.weights[:-1]})
+    with pytest.raises(ValueError, match="non-empty"):
+        op(**{**args, "x": x[:0]})
+    with pytest.raises(ValueError, match="outside"):
+        op(**{**args, "slot_mapping": torch.tensor([10**9])})

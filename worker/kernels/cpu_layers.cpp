@@ -1,0 +1,87 @@
+// The decoder layers of one model step as one op call: the per-layer sequence of worker/model/
+// llama.py's fused CPU path (norm, q|k|v, RoPE + cache write, paged attention, o, norm, gate|up,
+// SiLU*mul, down) run from C++, calling this translation unit's ops directly.
+//
+// Why: a batch-1 decode step of SmolLM2 makes ~270 op calls from Python (9 per layer x 30), each
+// ~4-6 us of module call, dispatch and argument handling on top of its kernel: ~1.5 ms of a ~5.5 ms
+// step on a 2-vCPU EPYC (docs/cpu-serving.md). Here the loop and the glue (views, splits) cost
+// microseconds for the whole step, and the GIL is released for all of it.
+//
+// Contract:
+//   decoder_layers(x bf16 [T, C], positions int64 [T], k_caches[L], v_caches[L] (contiguous
+//     [blocks, block_size, Hkv, D], x's dtype), slot_mapping int64 [T], block_tables int32 [S, W],
+//     seq_lens int32 [S], query_start_loc int32 [S + 1], cos, sin float32 [P, D/2],
+//     weights[14 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len)
+//     -> (h [T, C], residual [T, C])
+//   per layer l, weights[14 l ..]: input norm weight [C]; q|k|v linear (3 tensors); o linear (3);
+//   post-attention norm weight [C]; gate|up linear (3); down linear (3). A linear is (wq uint8,
+//   sz bf16, unused) for W4A8 (int4_vnni_linear) or (wq int8, corr int32, scale bf16) for W8A8
+//   (int8_vnni_linear), told apart by wq's dtype. The result is what LlamaModel.forward's layer
+//   loop returns before the final norm: the last layer's MLP output and the residual stream, so
+//   `rms_norm_residual(h, residual, norm_weight, eps)` gives the final hidden states. The K/V of
+//   the new tokens are written into the caches as the Python path writes them.
+//   Every op is the one the Python path calls, in the same order on the same inputs: the outputs
+//   are bit-identical to it.
+// Fails how: the ops' own checks (shapes, dtypes, slots, block tables) raise ValueError /
+//   RuntimeError; a weights list of the wrong length or a T=0 input raises ValueError.
+// Build: included at the end of cpu_attention.cpp (one translation unit).
+// Proven by tests/test_cpu_layers.py (bit-identical hidden states and caches against the Python
+// layer loop on SmolLM2 in prefill, decode and mixed steps; greedy tokens of the engine).
+
+namespace llm_cpu_layers {
+
+constexpr int64_t kPerLayer = 14;
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+  if (w[0].scalar_type() == at::kByte) return llm_cpu_quant::int4_vnni_linear(x, w[0], w[1]);
+  return llm_cpu_quant::int8_vnni_linear(x, w[0], w[1], w[2]);
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x, const at::Tensor& positions, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+    double eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t sdpa_min_query_len) {
+  const int64_t layers = int64_t(k_caches.size());
+  TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers, "one K and one V cache per layer");
+  TORCH_CHECK_VALUE(int64_t(weights.size()) == kPerLayer * layers, "expected ", kPerLayer * layers,
+                    " weight tensors for ", layers, " layers, got ", weights.size());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) > 0, "x must be a non-empty [T, C] tensor");
+  const int64_t t = x.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
+  at::Tensor h, residual, cur = x;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + kPerLayer * l;
+    if (l == 0) {
+      h = llm_cpu_fused::rms_norm(cur, w[0], eps);
+      residual = cur;
+    } else {
+      std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(cur, residual, w[0], eps);
+    }
+    const at::Tensor qkv = linear(h, w + 1);  // [T, qs + 2 kvs]
+    const at::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, qs, kvs).view({t, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, num_kv_heads, head_dim});
+    at::Tensor kc = k_caches[l], vc = v_caches[l];
+    const at::Tensor qr = llm_cpu_fused::rope_store_kv(positions, q, k, v, cos, sin, kc, vc, slot_mapping);
+    const at::Tensor attn = paged_attention(qr, kc, vc, block_tables, seq_lens, query_start_loc, scale,
+                                            sdpa_min_query_len);
+    const at::Tensor o = linear(attn.reshape({t, qs}), w + 4);
+    std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(o, residual, w[7], eps);
+    cur = linear(llm_cpu_fused::silu_and_mul(linear(h, w + 8)), w + 11);
+  }
+  return {cur, residual};
+}
+
+}  // namespace llm_cpu_layers
+
+TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
+  m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor cos, "
+        "Tensor sin, Tensor[] weights, float eps, float scale, int num_heads, int num_kv_heads, "
+        "int head_dim, int sdpa_min_query_len) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("decoder_layers", &llm_cpu_layers::decoder_layers);
+}

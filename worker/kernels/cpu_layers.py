@@ -1,0 +1,119 @@
+"""The decoder layers of a CPU step as one C++ op call (worker/kernels/cpu_layers.cpp).
+
+Why: with the fused small ops and the VNNI linears, a batch-1 decode step of SmolLM2 spends about
+a third of its model time outside the kernels: 9 op calls per layer from Python (module calls,
+dispatch, argument checks), ~270 per step. `llm_cpu::decoder_layers` runs the same ops in the same
+order from C++, so the outputs are bit-identical and that overhead goes (docs/cpu-serving.md has
+the measured step times). The op also holds no GIL while it runs, so the worker's event loop and
+gRPC threads run beside the step instead of between its ops.
+
+Contract:
+- `CpuLayerStack.build(model, backend, kv_caches) -> (stack | None, reason)`: a stack when every
+  layer of `model` is on the path the op takes: the "cpu" backend with its fused ops, bfloat16
+  activations and KV cache (contiguous), every q|k|v, o, gate|up and down linear a W4A8
+  (Int4Linear.w4a8) or W8A8 (Int8Linear.w8a8) module with no bias and no dense copy, no tensor
+  parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
+  keeps the Python layer loop).
+- `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
+  what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
+  tokens' K/V written into the caches the same way. T = 0 goes to the Python loop.
+Fails how: the ops' checks raise ValueError / RuntimeError (as the Python path's would).
+Proven by tests/test_cpu_layers.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.kernels import cpu_attention
+
+
+def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
+    from worker.model.quant import Int4Linear, Int8Linear
+
+    name = type(module).__name__
+    if getattr(module, "_buffers", {}).get("bias") is not None or getattr(module, "dense", None) is not None:
+        return None, f"a {name} with a bias or a dense copy"
+    if isinstance(module, Int4Linear) and module.w4a8:
+        b = module._buffers
+        return [b["vnni_weight"], b["vnni_sz"], b["vnni_sz"].new_empty(0)], ""
+    if isinstance(module, Int8Linear) and module.w8a8:
+        b = module._buffers
+        return [b["vnni_weight"], b["vnni_corr"], b["scales"]], ""
+    return None, f"a {name} linear not on int8 activations (W4A8 / W8A8)"
+
+
+class CpuLayerStack:
+    def __init__(self, model, backend, kv_caches, weights: list[torch.Tensor]):
+        attn = model.layers[0].self_attn
+        self.model, self.backend = model, backend
+        self.k_caches = [k for k, _ in kv_caches]
+        self.v_caches = [v for _, v in kv_caches]
+        self.weights = weights
+        self.rope = attn.rope
+        self.eps = float(model.layers[0].input_layernorm.eps)
+        self.scale = float(attn.scale)
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+
+    @classmethod
+    def build(cls, model, backend, kv_caches) -> tuple[CpuLayerStack | None, str]:
+        if backend.name != "cpu" or backend.fused is None or backend.rope_store_kv is None:
+            return None, f"the {backend.name!r} attention backend without the fused CPU ops"
+        if model.dtype != torch.bfloat16:
+            return None, f"{model.dtype} activations (the int8-activation ops take bfloat16)"
+        if any(k.dtype != torch.bfloat16 or not k.is_contiguous() for pair in kv_caches for k in pair):
+            return None, "a KV cache that is not contiguous bfloat16"
+        weights: list[torch.Tensor] = []
+        eps = {float(layer.input_layernorm.eps) for layer in model.layers}
+        eps |= {float(layer.post_attention_layernorm.eps) for layer in model.layers}
+        if len(eps) != 1:
+            return None, "norms with different eps"
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.all_reduce is not None or mlp.all_reduce is not None:
+                return None, "tensor parallel layers"
+            weights.append(layer.input_layernorm.weight)
+            for module in (attn.qkv_proj, attn.o_proj):
+                parts, why = _linear_parts(module)
+                if parts is None:
+                    return None, why
+                weights += parts
+            weights.append(layer.post_attention_layernorm.weight)
+            for module in (mlp.gate_up_proj, mlp.down_proj):
+                parts, why = _linear_parts(module)
+                if parts is None:
+                    return None, why
+                weights += parts
+        try:
+            cpu_attention.load()
+        except RuntimeError as exc:
+            return None, str(exc)
+        return cls(model, backend, kv_caches, [w.detach() for w in weights]), ""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        if input_ids.shape[0] == 0:
+            caches = list(zip(self.k_caches, self.v_caches))
+            return self.model(input_ids, positions, caches, meta, self.backend)
+        x = self.model.embed_tokens(input_ids)  # (T, C)
+        heads, kv_heads, head_dim = self.shape
+        h, residual = torch.ops.llm_cpu.decoder_layers(
+            x,
+            positions,
+            self.k_caches,
+            self.v_caches,
+            meta.slot_mapping.long(),
+            meta.block_tables.to(torch.int32),
+            meta.seq_lens.to(torch.int32),
+            meta.query_start_loc.to(torch.int32),
+            self.rope.cos,
+            self.rope.sin,
+            self.weights,
+            self.eps,
+            self.scale,
+            heads,
+            kv_heads,
+            head_dim,
+            cpu_attention.SDPA_MIN_QUERY_LEN,
+        )
+        norm = self.model.norm
+        return self.backend.fused.rms_norm(h, norm.weight, norm.eps, residual)[0]
