@@ -39,7 +39,7 @@ from common.process import terminate
 START_TIMEOUT_S = 300.0
 LISTENING = re.compile(r"listening on (\S+)")
 KV_POOL = re.compile(r"(\d+) KV blocks \((\d+) tokens, (\d+) MiB\)")
-WORKER_LOG = re.compile(r"(loaded in|compiled in|KV blocks|dtype|quantiz)", re.IGNORECASE)
+WORKER_LOG = re.compile(r"(loaded in|compiled in|KV blocks|dtype|quantiz|C\+\+ op)", re.IGNORECASE)
 
 
 class ServiceProcess:

@@ -100,6 +100,14 @@ def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
         assert runner.cpu_layers is None
         stack, why = CpuLayerStack.build(runner.model, runner.backend, runner.kv_caches)
         assert stack is None and reason in why, (overrides, why)
+    # Tensor parallel's rank-0 model wraps the shard (its forward first hands the step to the other
+    # ranks): declined even if the shard inside were on the op's path.
+    from worker.tp.runner import LeaderModel
+
+    runner = ModelRunner(EngineConfig(**SMALL))
+    assert runner.cpu_layers is not None
+    stack, why = CpuLayerStack.build(LeaderModel(runner.model, None), runner.backend, runner.kv_caches)
+    assert stack is None and "LeaderModel" in why
 
 
 @needs_vnni

@@ -8,12 +8,12 @@ the measured step times). The op also holds no GIL while it runs, so the worker'
 gRPC threads run beside the step instead of between its ops.
 
 Contract:
-- `CpuLayerStack.build(model, backend, kv_caches) -> (stack | None, reason)`: a stack when every
-  layer of `model` is on the path the op takes: the "cpu" backend with its fused ops, bfloat16
-  activations and KV cache (contiguous), every q|k|v, o, gate|up and down linear a W4A8
-  (Int4Linear.w4a8) or W8A8 (Int8Linear.w8a8) module with no bias and no dense copy, no tensor
-  parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
-  keeps the Python layer loop).
+- `CpuLayerStack.build(model, backend, kv_caches) -> (stack | None, reason)`: a stack when `model`
+  is a plain LlamaModel (not a wrapper such as tensor parallel's) and every layer is on the path
+  the op takes: the "cpu" backend with its fused ops, bfloat16 activations and KV cache
+  (contiguous), every q|k|v, o, gate|up and down linear a W4A8 (Int4Linear.w4a8) or W8A8
+  (Int8Linear.w8a8) module with no bias and no dense copy, no tensor parallel all-reduce. Else
+  None and the first reason it is not (the model runner logs it and keeps the Python layer loop).
 - `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
   what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
   tokens' K/V written into the caches the same way. T = 0 goes to the Python loop.
@@ -57,6 +57,10 @@ class CpuLayerStack:
 
     @classmethod
     def build(cls, model, backend, kv_caches) -> tuple[CpuLayerStack | None, str]:
+        from worker.model.llama import LlamaModel
+
+        if type(model) is not LlamaModel:  # e.g. tensor parallel's LeaderModel, whose forward does more
+            return None, f"a {type(model).__name__}, not a plain LlamaModel"
         if backend.name != "cpu" or backend.fused is None or backend.rope_store_kv is None:
             return None, f"the {backend.name!r} attention backend without the fused CPU ops"
         if model.dtype != torch.bfloat16:
