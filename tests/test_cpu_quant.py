@@ -196,6 +196,28 @@ def test_vnni_layouts_round_trip():
     assert torch.equal(cpu_quant.int8_rows_from_vnni(wq8, ids), q8[ids])
 
 
+@needs_layout
+def test_int8_embedding_lookup_from_the_vnni_layout_matches_torch():
+    """The embedding's one-op lookup: bit-identical to unpacking the rows and scaling them in
+    torch (repeated ids, a 2-D ids tensor, enough ids to run in parallel); ids outside the rows
+    raise ValueError."""
+    gen = torch.Generator().manual_seed(3)
+    q8 = torch.randint(-127, 128, (96, 64), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(96, generator=gen) * 0.05 + 1e-3).to(torch.bfloat16)
+    wq8, _ = cpu_quant.int8_to_vnni(q8)
+    for ids in (
+        torch.tensor([0, 95, 17, 17, 30]),
+        torch.randint(0, 96, (3, 7), generator=gen),
+        torch.randint(0, 96, (700,), generator=gen),
+    ):
+        want = q8[ids].to(torch.bfloat16) * scale[ids].unsqueeze(-1)
+        got = cpu_quant.int8_vnni_embedding(wq8, scale, ids)
+        assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for bad in (torch.tensor([96]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match="outside the embedding"):
+            cpu_quant.int8_vnni_embedding(wq8, scale, bad)
+
+
 @needs_vnni
 @pytest.mark.parametrize("rows", [1, 2, 7, 15, 33])
 def test_int8_activation_ops_match_the_reference(rows):

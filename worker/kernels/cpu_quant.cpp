@@ -377,6 +377,43 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   return out;
 }
 
+// int8_vnni_embedding(wq int8 [N/16, K/4, 16, 4], scale bf16 [N], ids int64 [T]) -> bf16 [T, K]:
+//   rows `ids` of the W8A8 layout above (the tied embedding / lm_head), each value times its row's
+//   scale rounded to bfloat16: out[t, c] = bf16(float(q[ids[t], c]) * float(scale[ids[t]])), what
+//   `q[ids].to(bf16) * scale[ids, None]` gives in torch, without unpacking or fancy indexing.
+at::Tensor int8_vnni_embedding(const at::Tensor& wq, const at::Tensor& scale, const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(wq.scalar_type() == at::kChar && wq.is_contiguous() && wq.dim() == 4 && wq.size(2) == 16 &&
+                        wq.size(3) == 4,
+                    "wq must be a contiguous int8 [N/16, K/4, 16, 4] tensor");
+  const int64_t n = wq.size(0) * 16, k = wq.size(1) * 4;
+  TORCH_CHECK_VALUE(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.dim() == 1 &&
+                        scale.size(0) == n,
+                    "scale must be a contiguous bfloat16 [N] tensor");
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be an int64 [T] tensor");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t t = idc.size(0);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK_VALUE(ip[i] >= 0 && ip[i] < n, "token id ", ip[i], " outside the embedding's ", n, " rows");
+  at::Tensor out = at::empty({t, k}, scale.options());
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = ip[i], b = row / 16, r = row % 16;
+      uint32_t bits = uint32_t(sp[row]) << 16;
+      float sc;
+      std::memcpy(&sc, &bits, 4);
+      const int8_t* src = wp + b * (k / 4) * 64 + r * 4;  // run u of 4 columns at src + u * 64
+      uint16_t* dst = op + i * k;
+      for (int64_t u = 0; u < k / 4; ++u)
+        for (int j = 0; j < 4; ++j) dst[u * 4 + j] = bf16_bits(float(src[u * 64 + j]) * sc);
+    }
+  });
+  return out;
+}
+
 }  // namespace llm_cpu_quant
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
@@ -384,6 +421,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("int8_linear_tiled(Tensor x, Tensor q, Tensor scale, int tile) -> Tensor");
   m.def("int4_vnni_linear(Tensor x, Tensor wq, Tensor sz) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor wq, Tensor corr, Tensor scale) -> Tensor");
+  m.def("int8_vnni_embedding(Tensor wq, Tensor scale, Tensor ids) -> Tensor");
   m.def("vnni_compiled() -> bool", &llm_cpu_quant::vnni_compiled);
 }
 
@@ -392,4 +430,5 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("int8_linear_tiled", &llm_cpu_quant::int8_linear_tiled);
   m.impl("int4_vnni_linear", &llm_cpu_quant::int4_vnni_linear);
   m.impl("int8_vnni_linear", &llm_cpu_quant::int8_vnni_linear);
+  m.impl("int8_vnni_embedding", &llm_cpu_quant::int8_vnni_embedding);
 }

@@ -35,7 +35,9 @@ Contract:
   [M, N]` and `int8_vnni(x, wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16], scale [N])`:
   the W4A8 / W8A8 products with x rounded as `round_activations(x)` (the float32 reference);
   `int4_to_vnni` / `int8_to_vnni` build those layouts from (q, scales_and_zeros) / q, and
-  `int4_from_vnni` / `int8_from_vnni` / `int8_rows_from_vnni` invert them exactly.
+  `int4_from_vnni` / `int8_from_vnni` / `int8_rows_from_vnni` invert them exactly;
+  `int8_vnni_embedding(wq, scale, ids [...]) -> bf16 [..., K]` is the int8 embedding's lookup
+  straight from the W8A8 layout (rows times their scales, as torch rounds them).
 - Every op has a fake (meta) kernel, so the compiled CPU step traces through them.
 Fails how: the ops' checks raise ValueError / RuntimeError (shapes, dtypes, N % 16 or 64, K % 32,
 a VNNI op in a build without VNNI).
@@ -156,6 +158,13 @@ def int8_rows_from_vnni(wq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return wq[ids // 16, :, ids % 16, :].reshape(*ids.shape, -1)
 
 
+def int8_vnni_embedding(wq: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [...] of the W8A8 layout times their scales: bf16 [..., K], bit-identical to
+    `int8_rows_from_vnni(wq, ids).to(bf16) * scale[ids].unsqueeze(-1)` (one op call, no unpacking)."""
+    out = _ops().int8_vnni_embedding(wq, scale, ids.reshape(-1).long())
+    return out.view(*ids.shape, out.shape[-1])
+
+
 def int4_vnni(x: torch.Tensor, wq: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     return _ops().int4_vnni_linear(x, wq, sz)
 
@@ -193,3 +202,7 @@ def register_fakes() -> None:
     @torch.library.register_fake("llm_cpu::int8_vnni_linear")
     def _(x, wq, corr, scale):
         return x.new_empty((x.shape[0], wq.shape[0] * 16))
+
+    @torch.library.register_fake("llm_cpu::int8_vnni_embedding")
+    def _(wq, scale, ids):
+        return scale.new_empty((ids.shape[0], wq.shape[1] * 4))

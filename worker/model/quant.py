@@ -314,8 +314,9 @@ class Int8Embedding(nn.Module):
         return _to_w8a8(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_quant.int8_rows_from_vnni(self.vnni_weight, ids) if self.w8a8 else self.weight[ids]
-        return rows.to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
+        if self.w8a8:  # one op call: the fancy-indexed gather took ~4% of a served decode step
+            return cpu_quant.int8_vnni_embedding(self.vnni_weight, self.scales, ids)
+        return self.weight[ids].to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., C] -> [..., V] (bfloat16): the tied lm_head."""
