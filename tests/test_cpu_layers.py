@@ -91,7 +91,6 @@ def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
 
     cases = [
         (dict(cpu_int8_activations=False), "not on int8 activations"),
-        (dict(dtype="float32", quantization="none"), "without the fused CPU ops"),
         (dict(dtype="float16", quantization="none"), "float16 activations"),
         (dict(attention_backend="torch"), "'torch' attention backend"),
     ]
