@@ -15,7 +15,7 @@ the one before):
   5. + int8 activations with AVX512-VNNI (W4A8 / W8A8 at every row count; where the CPU has no
      VNNI this row runs step 4 again);
   6. + the decoder layers of a step as one C++ op call (worker/kernels/cpu_layers.py): the default
-     (without VNNI, step 4 again);
+     (without VNNI, step 4's linears with the op);
   7. + the compiled model step (--cpu-compile: inductor, opt-in; it replaces the fused ops and the
      layer op);
   8. + dense bfloat16 weight copies for inputs of >= 16 rows (--dense-weights-min-rows 16, opt-in,

@@ -1,8 +1,8 @@
 """The decoder layers of a CPU step as one C++ op (worker/kernels/cpu_layers.py) against the Python
 layer loop it replaces (LlamaModel.forward with the "cpu" backend's fused ops): bit-identical hidden
-states and KV caches on the embedded SmolLM2 in prefill, chunked prefill, decode and mixed steps,
-the engine's greedy tokens with the op on and off, which models it declines (and why), and bad
-arguments."""
+states and KV caches on the embedded SmolLM2 in prefill, chunked prefill, decode and mixed steps on
+every CPU path of the quantized linears, the engine's greedy tokens with the op on and off, which
+models it declines (and why), and bad arguments."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from worker.config import EngineConfig
 from worker.kernels import cpu_attention, cpu_quant
 from worker.kernels.cpu_layers import CpuLayerStack
 
+needs_op = pytest.mark.skipif(
+    not cpu_attention.available(), reason="the llm_cpu extension did not build here (no compiler?)"
+)
 needs_vnni = pytest.mark.skipif(
     not (cpu_attention.available() and cpu_quant.vnni_available()),
-    reason="no AVX512-VNNI on this CPU or in its extension build: the op takes only W4A8 / W8A8 layers",
+    reason="no AVX512-VNNI on this CPU or in its extension build: no W4A8 / W8A8 layers to run",
 )
 
 SMALL = dict(kv_cache_bytes=16 * 2**20, num_threads=2, max_num_seqs=8)
@@ -25,16 +28,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)  # bfloat16 bit patterns: NaN-safe exact equality
 
 
-@needs_vnni
-def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop():
+@pytest.mark.parametrize(
+    "paths",
+    [
+        pytest.param({}, marks=needs_vnni, id="int8-activations"),
+        pytest.param(dict(cpu_int8_activations=False), marks=needs_op, id="bf16-activations"),
+        pytest.param(
+            dict(cpu_int8_activations=False, int4_dequant_min_rows=8, int8_dequant_min_rows=8),
+            marks=needs_op,
+            id="bf16-dequantize-from-8-rows",
+        ),
+    ],
+)
+def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop(paths):
     """Every step of an engine run (two prompts prefilled in 48-token chunks, a third arriving while
     they decode: prefill, chunked prefill, decode and mixed steps) goes through the op and, on a copy
     of the caches taken before the step, through the Python layer loop: the hidden states and every
-    cache byte agree."""
+    cache byte agree. For each CPU path of the quantized linears: W4A8 / W8A8 (int8 activations),
+    torch's int4 kernel (bfloat16 activations), and dequantize-then-GEMM from 8 rows (so that both
+    sides of the threshold run)."""
     from worker.engine import LLMEngine
     from worker.types import SamplingParams
 
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=48, **SMALL))
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=48, **paths, **SMALL))
     runner = engine.runner
     stack = runner.cpu_layers
     assert stack is not None
@@ -64,7 +80,7 @@ def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@needs_vnni
+@needs_op
 def test_greedy_tokens_with_and_without_the_op_are_the_same():
     from worker.engine import LLMEngine
     from worker.types import SamplingParams
@@ -85,12 +101,12 @@ def test_greedy_tokens_with_and_without_the_op_are_the_same():
     assert on == tokens(False) and all(len(v) >= 1 for v in on.values())
 
 
-@needs_vnni
+@needs_op
 def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
     from worker.model_runner import ModelRunner
 
     cases = [
-        (dict(cpu_int8_activations=False), "not on int8 activations"),
+        (dict(dense_weights_min_rows=16), "with a bias or a dense copy"),
         (dict(dtype="float16", quantization="none"), "float16 activations"),
         (dict(attention_backend="torch"), "'torch' attention backend"),
     ]
@@ -109,7 +125,7 @@ def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
     assert stack is None and "LeaderModel" in why
 
 
-@needs_vnni
+@needs_op
 def test_bad_arguments_are_value_errors_naming_the_problem():
     from worker.model_runner import ModelRunner
 

@@ -242,10 +242,10 @@ class EngineConfig:
     cpu_layer_op: bool = field(
         default=True,
         metadata=option(
-            "CPU, int8 activations (the default on AVX512-VNNI): run the decoder layers of each step "
-            "as one C++ op call (worker/kernels/cpu_layers.py) instead of ~9 op calls per layer from "
-            "Python; the same ops in the same order, bit-identical outputs. --no-cpu-layer-op keeps "
-            "the Python layer loop",
+            "CPU, int4 / int8 layers (the GGUF default): run the decoder layers of each step as one "
+            "C++ op call (worker/kernels/cpu_layers.py) instead of ~9 op calls per layer from Python; "
+            "the same ops in the same order, bit-identical outputs. --no-cpu-layer-op keeps the "
+            "Python layer loop",
             negative=("no-cpu-layer-op",),
         ),
     )

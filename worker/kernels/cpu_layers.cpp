@@ -14,9 +14,16 @@
 //     weights[14 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len)
 //     -> (h [T, C], residual [T, C])
 //   per layer l, weights[14 l ..]: input norm weight [C]; q|k|v linear (3 tensors); o linear (3);
-//   post-attention norm weight [C]; gate|up linear (3); down linear (3). A linear is (wq uint8,
-//   sz bf16, unused) for W4A8 (int4_vnni_linear) or (wq int8, corr int32, scale bf16) for W8A8
-//   (int8_vnni_linear), told apart by wq's dtype. The result is what LlamaModel.forward's layer
+//   post-attention norm weight [C]; gate|up linear (3); down linear (3). A linear is one of
+//     W4A8: (wq uint8 [N/16, K/8, 16, 4], sz bf16, unused) -> int4_vnni_linear;
+//     W8A8: (wq int8 [N/16, K/4, 16, 4], corr int32, scale bf16) -> int8_vnni_linear;
+//     int4, bfloat16 activations: (torch's packed uint8 [N, K/2], scales_and_zeros bf16,
+//       int64 [group size, dequantize-from rows (0: never), input repeats]) -> at::mm on
+//       int4_dequant_t from that many rows, else torch's int4 kernel (x repeated along K);
+//     int8, bfloat16 activations: (q int8 [N, K], scale bf16 [N], int64 [dequantize-from rows,
+//       tile rows]) -> int8_linear_tiled from that many rows, else torch's int8 kernel;
+//   told apart by wq's dtype and rank: Int4Linear._matmul / Int8Linear._matmul's choices, made
+//   with the same calls. The result is what LlamaModel.forward's layer
 //   loop returns before the final norm: the last layer's MLP output and the residual stream, so
 //   `rms_norm_residual(h, residual, norm_weight, eps)` gives the final hidden states. The K/V of
 //   the new tokens are written into the caches as the Python path writes them.
@@ -28,13 +35,31 @@
 // Proven by tests/test_cpu_layers.py (bit-identical hidden states and caches against the Python
 // layer loop on SmolLM2 in prefill, decode and mixed steps; greedy tokens of the engine).
 
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/cat.h>
+
 namespace llm_cpu_layers {
 
 constexpr int64_t kPerLayer = 14;
 
+// One quantized linear, as Int4Linear._matmul / Int8Linear._matmul would run it (same ATen calls).
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
-  if (w[0].scalar_type() == at::kByte) return llm_cpu_quant::int4_vnni_linear(x, w[0], w[1]);
-  return llm_cpu_quant::int8_vnni_linear(x, w[0], w[1], w[2]);
+  const bool vnni = w[0].dim() == 4;
+  if (w[0].scalar_type() == at::kByte) {
+    if (vnni) return llm_cpu_quant::int4_vnni_linear(x, w[0], w[1]);
+    const int64_t* meta = w[2].data_ptr<int64_t>();  // group size, dequantize-from rows, input repeats
+    if (meta[1] && x.size(0) >= meta[1])
+      return at::mm(x, llm_cpu_quant::int4_dequant_t(w[0], w[1], meta[0], meta[2]));
+    const at::Tensor x2 = meta[2] > 1 ? at::cat(std::vector<at::Tensor>(size_t(meta[2]), x), 1) : x;
+    return at::_weight_int4pack_mm_for_cpu(x2, w[0], meta[0], w[1]);
+  }
+  if (vnni) return llm_cpu_quant::int8_vnni_linear(x, w[0], w[1], w[2]);
+  const int64_t* meta = w[2].data_ptr<int64_t>();  // dequantize-from rows, tile rows
+  if (meta[0] && x.size(0) >= meta[0]) return llm_cpu_quant::int8_linear_tiled(x, w[0], w[1], meta[1]);
+  // torch's int8 kernel loads x with aligned loads (worker/model/quant.py int8_mm)
+  const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 == 0;
+  return at::_weight_int8pack_mm(aligned ? x : x.clone(), w[0], w[1]);
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(

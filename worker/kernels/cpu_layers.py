@@ -1,19 +1,22 @@
 """The decoder layers of a CPU step as one C++ op call (worker/kernels/cpu_layers.cpp).
 
-Why: with the fused small ops and the VNNI linears, a batch-1 decode step of SmolLM2 spends about
-a third of its model time outside the kernels: 9 op calls per layer from Python (module calls,
-dispatch, argument checks), ~270 per step. `llm_cpu::decoder_layers` runs the same ops in the same
-order from C++, so the outputs are bit-identical and that overhead goes (docs/cpu-serving.md has
-the measured step times). The op also holds no GIL while it runs, so the worker's event loop and
-gRPC threads run beside the step instead of between its ops.
+Why: with the fused small ops and the quantized linears' fast paths, a batch-1 decode step of
+SmolLM2 spends about a third of its model time outside the kernels: 9 op calls per layer from Python
+(module calls, dispatch, argument checks), ~270 per step. `llm_cpu::decoder_layers` runs the same
+ops in the same order from C++, so the outputs are bit-identical and that overhead goes (docs/cpu-
+serving.md has the measured step times). The op also holds no GIL while it runs, so the worker's
+event loop and gRPC threads run beside the step instead of between its ops.
 
 Contract:
 - `CpuLayerStack.build(model, backend, kv_caches) -> (stack | None, reason)`: a stack when `model`
   is a plain LlamaModel (not a wrapper such as tensor parallel's) and every layer is on the path
   the op takes: the "cpu" backend with its fused ops, bfloat16 activations and KV cache
-  (contiguous), every q|k|v, o, gate|up and down linear a W4A8 (Int4Linear.w4a8) or W8A8
-  (Int8Linear.w8a8) module with no bias and no dense copy, no tensor parallel all-reduce. Else
-  None and the first reason it is not (the model runner logs it and keeps the Python layer loop).
+  (contiguous), every q|k|v, o, gate|up and down linear an Int4Linear or Int8Linear (any of their
+  CPU paths: W4A8 / W8A8 with int8 activations; torch's weight-only kernels or
+  dequantize-then-GEMM with bfloat16 activations) with no bias and no dense copy, no tensor
+  parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
+  keeps the Python layer loop). The modules' paths are read when the stack is built: built after
+  `apply_cpu_paths`, as the model runner does.
 - `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
   what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
   tokens' K/V written into the caches the same way. T = 0 goes to the Python loop.
@@ -29,18 +32,26 @@ from worker.kernels import cpu_attention
 
 
 def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
+    """The op's three tensors for one linear (worker/kernels/cpu_layers.cpp's contract), or None
+    and why not."""
+    from worker.kernels import cpu_quant
     from worker.model.quant import Int4Linear, Int8Linear
 
     name = type(module).__name__
     if getattr(module, "_buffers", {}).get("bias") is not None or getattr(module, "dense", None) is not None:
-        return None, f"a {name} with a bias or a dense copy"
+        return None, f"{name} with a bias or a dense copy"
+    b = getattr(module, "_buffers", {})
     if isinstance(module, Int4Linear) and module.w4a8:
-        b = module._buffers
         return [b["vnni_weight"], b["vnni_sz"], b["vnni_sz"].new_empty(0)], ""
     if isinstance(module, Int8Linear) and module.w8a8:
-        b = module._buffers
         return [b["vnni_weight"], b["vnni_corr"], b["scales"]], ""
-    return None, f"a {name} linear not on int8 activations (W4A8 / W8A8)"
+    if isinstance(module, Int4Linear):
+        meta = [module.group_size, module.dequant_min_rows, module.input_repeats]
+        return [b["weight_packed"], b["scales_and_zeros"], torch.tensor(meta, dtype=torch.int64)], ""
+    if isinstance(module, Int8Linear):
+        meta = [module.dequant_min_rows, cpu_quant.INT8_TILE]
+        return [b["weight"], b["scales"], torch.tensor(meta, dtype=torch.int64)], ""
+    return None, f"a {name} linear (the op takes the int4 / int8 modules of worker/model/quant.py)"
 
 
 class CpuLayerStack:
