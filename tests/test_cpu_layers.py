@@ -6,6 +6,8 @@ models it declines (and why), and bad arguments."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,9 +50,36 @@ def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop(pat
     torch's int4 kernel (bfloat16 activations), and dequantize-then-GEMM from 8 rows (so that both
     sides of the threshold run)."""
     from worker.engine import LLMEngine
+
+    _check_every_step(LLMEngine(EngineConfig(max_num_batched_tokens=48, **paths, **SMALL)), vocab=49000)
+
+
+@pytest.mark.parametrize(
+    "int8_activations",
+    [pytest.param(True, marks=needs_vnni, id="int8-activations"), pytest.param(False, id="bf16-activations")],
+)
+@needs_op
+def test_qwen2_layers_with_qkv_bias_are_bit_identical(tmp_path, int8_activations):
+    """A tiny random Qwen2 (q/k/v bias) quantized to int4 at load: the op adds each bias as the
+    modules do, the same bits as the Python loop."""
+    from tests.tiny_llama import save_tiny
+    from worker.engine import LLMEngine
+
+    path, _ = save_tiny(tmp_path, "qwen2")
+    config = EngineConfig(
+        model=str(path), quantization="int4", cpu_int8_activations=int8_activations, max_num_batched_tokens=48
+    )
+    engine = LLMEngine(dataclasses.replace(config, kv_cache_bytes=2**20, num_threads=2))
+    gen = torch.Generator().manual_seed(0)
+    for layer in engine.runner.model.layers:  # transformers initialises biases to zero
+        bias = layer.self_attn.qkv_proj.bias
+        bias.copy_(torch.randn(bias.shape, generator=gen).to(bias.dtype))  # in place: the op holds it
+    _check_every_step(engine, vocab=127)
+
+
+def _check_every_step(engine, vocab: int) -> None:
     from worker.types import SamplingParams
 
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=48, **paths, **SMALL))
     runner = engine.runner
     stack = runner.cpu_layers
     assert stack is not None
@@ -69,11 +98,11 @@ def test_hidden_states_and_caches_are_bit_identical_to_the_python_layer_loop(pat
 
     runner.cpu_layers = checked
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine.add_request("a", [(7 * j + 3) % 49000 for j in range(70)], sp)
-    engine.add_request("b", [(11 * j + 5) % 49000 for j in range(23)], sp)
+    engine.add_request("a", [(7 * j + 3) % vocab for j in range(70)], sp)
+    engine.add_request("b", [(11 * j + 5) % vocab for j in range(23)], sp)
     for _ in range(4):
         engine.step()
-    engine.add_request("c", [(13 * j + 1) % 49000 for j in range(30)], sp)
+    engine.add_request("c", [(13 * j + 1) % vocab for j in range(30)], sp)
     while engine.has_unfinished_requests():
         engine.step()
     assert {"prefill", "decode", "mixed"} <= set(kinds)
@@ -106,7 +135,7 @@ def test_models_off_the_ops_path_keep_the_python_loop_and_say_why():
     from worker.model_runner import ModelRunner
 
     cases = [
-        (dict(dense_weights_min_rows=16), "with a bias or a dense copy"),
+        (dict(dense_weights_min_rows=16), "with a dense copy"),
         (dict(dtype="float16", quantization="none"), "float16 activations"),
         (dict(attention_backend="torch"), "'torch' attention backend"),
     ]

@@ -11,10 +11,11 @@
 //   decoder_layers(x bf16 [T, C], positions int64 [T], k_caches[L], v_caches[L] (contiguous
 //     [blocks, block_size, Hkv, D], x's dtype), slot_mapping int64 [T], block_tables int32 [S, W],
 //     seq_lens int32 [S], query_start_loc int32 [S + 1], cos, sin float32 [P, D/2],
-//     weights[14 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len)
+//     weights[18 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len)
 //     -> (h [T, C], residual [T, C])
-//   per layer l, weights[14 l ..]: input norm weight [C]; q|k|v linear (3 tensors); o linear (3);
-//   post-attention norm weight [C]; gate|up linear (3); down linear (3). A linear is one of
+//   per layer l, weights[18 l ..]: input norm weight [C]; q|k|v linear (4 tensors); o linear (4);
+//   post-attention norm weight [C]; gate|up linear (4); down linear (4). A linear is three tensors
+//   and its bias (bf16 [N], or an empty tensor for none); the three are one of
 //     W4A8: (wq uint8 [N/16, K/8, 16, 4], sz bf16, unused) -> int4_vnni_linear;
 //     W8A8: (wq int8 [N/16, K/4, 16, 4], corr int32, scale bf16) -> int8_vnni_linear;
 //     int4, bfloat16 activations: (torch's packed uint8 [N, K/2], scales_and_zeros bf16,
@@ -37,14 +38,16 @@
 
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 
 namespace llm_cpu_layers {
 
-constexpr int64_t kPerLayer = 14;
+constexpr int64_t kPerLinear = 4, kPerLayer = 2 + 4 * kPerLinear;
 
-// One quantized linear, as Int4Linear._matmul / Int8Linear._matmul would run it (same ATen calls).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+// One quantized linear, as Int4Linear._matmul / Int8Linear._matmul would run it (same ATen calls),
+// then its bias, as _QuantLinearBase.forward adds it (out + bias, rounded to bfloat16).
+at::Tensor matmul(const at::Tensor& x, const at::Tensor* w) {
   const bool vnni = w[0].dim() == 4;
   if (w[0].scalar_type() == at::kByte) {
     if (vnni) return llm_cpu_quant::int4_vnni_linear(x, w[0], w[1]);
@@ -60,6 +63,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
   // torch's int8 kernel loads x with aligned loads (worker/model/quant.py int8_mm)
   const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 == 0;
   return at::_weight_int8pack_mm(aligned ? x : x.clone(), w[0], w[1]);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+  at::Tensor out = matmul(x, w);
+  return w[3].numel() ? at::add(out, w[3]) : out;
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
@@ -83,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     } else {
       std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(cur, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(h, w + 1);  // [T, qs + 2 kvs]
+    const at::Tensor qkv = linear(h, w + 1);  // [T, qs + 2 kvs]; the linears at w + 1, 5, 10, 14
     const at::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, qs, kvs).view({t, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, num_kv_heads, head_dim});
@@ -91,9 +99,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor qr = llm_cpu_fused::rope_store_kv(positions, q, k, v, cos, sin, kc, vc, slot_mapping);
     const at::Tensor attn = paged_attention(qr, kc, vc, block_tables, seq_lens, query_start_loc, scale,
                                             sdpa_min_query_len);
-    const at::Tensor o = linear(attn.reshape({t, qs}), w + 4);
-    std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(o, residual, w[7], eps);
-    cur = linear(llm_cpu_fused::silu_and_mul(linear(h, w + 8)), w + 11);
+    const at::Tensor o = linear(attn.reshape({t, qs}), w + 1 + kPerLinear);
+    std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(o, residual, w[1 + 2 * kPerLinear], eps);
+    const at::Tensor* mlp = w + 2 + 2 * kPerLinear;
+    cur = linear(llm_cpu_fused::silu_and_mul(linear(h, mlp)), mlp + kPerLinear);
   }
   return {cur, residual};
 }

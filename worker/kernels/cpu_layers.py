@@ -13,8 +13,8 @@ Contract:
   the op takes: the "cpu" backend with its fused ops, bfloat16 activations and KV cache
   (contiguous), every q|k|v, o, gate|up and down linear an Int4Linear or Int8Linear (any of their
   CPU paths: W4A8 / W8A8 with int8 activations; torch's weight-only kernels or
-  dequantize-then-GEMM with bfloat16 activations) with no bias and no dense copy, no tensor
-  parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
+  dequantize-then-GEMM with bfloat16 activations; with or without a bias) with no dense copy, no
+  tensor parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
   keeps the Python layer loop). The modules' paths are read when the stack is built: built after
   `apply_cpu_paths`, as the model runner does.
 - `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
@@ -38,20 +38,21 @@ def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
     from worker.model.quant import Int4Linear, Int8Linear
 
     name = type(module).__name__
-    if getattr(module, "_buffers", {}).get("bias") is not None or getattr(module, "dense", None) is not None:
-        return None, f"{name} with a bias or a dense copy"
-    b = getattr(module, "_buffers", {})
+    if not isinstance(module, (Int4Linear, Int8Linear)):
+        return None, f"a {name} linear (the op takes the int4 / int8 modules of worker/model/quant.py)"
+    if module.dense is not None:
+        return None, f"{name} with a dense copy"
+    b = module._buffers
+    bias = b["bias"] if b["bias"] is not None else torch.empty(0, dtype=torch.bfloat16)
     if isinstance(module, Int4Linear) and module.w4a8:
-        return [b["vnni_weight"], b["vnni_sz"], b["vnni_sz"].new_empty(0)], ""
+        return [b["vnni_weight"], b["vnni_sz"], b["vnni_sz"].new_empty(0), bias], ""
     if isinstance(module, Int8Linear) and module.w8a8:
-        return [b["vnni_weight"], b["vnni_corr"], b["scales"]], ""
+        return [b["vnni_weight"], b["vnni_corr"], b["scales"], bias], ""
     if isinstance(module, Int4Linear):
         meta = [module.group_size, module.dequant_min_rows, module.input_repeats]
-        return [b["weight_packed"], b["scales_and_zeros"], torch.tensor(meta, dtype=torch.int64)], ""
-    if isinstance(module, Int8Linear):
-        meta = [module.dequant_min_rows, cpu_quant.INT8_TILE]
-        return [b["weight"], b["scales"], torch.tensor(meta, dtype=torch.int64)], ""
-    return None, f"a {name} linear (the op takes the int4 / int8 modules of worker/model/quant.py)"
+        return [b["weight_packed"], b["scales_and_zeros"], torch.tensor(meta, dtype=torch.int64), bias], ""
+    meta = [module.dequant_min_rows, cpu_quant.INT8_TILE]
+    return [b["weight"], b["scales"], torch.tensor(meta, dtype=torch.int64), bias], ""
 
 
 class CpuLayerStack:
