@@ -69,7 +69,7 @@ class CpuLayerStack:
 
     @classmethod
     def build(cls, model, backend, kv_caches) -> tuple[CpuLayerStack | None, str]:
-        from worker.model.llama import LlamaModel
+        from worker.model.llama import LlamaModel, RMSNorm
 
         if type(model) is not LlamaModel:  # e.g. tensor parallel's LeaderModel, whose forward does more
             return None, f"a {type(model).__name__}, not a plain LlamaModel"
@@ -88,14 +88,13 @@ class CpuLayerStack:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.all_reduce is not None or mlp.all_reduce is not None:
                 return None, "tensor parallel layers"
-            weights.append(layer.input_layernorm.weight)
-            for module in (attn.qkv_proj, attn.o_proj):
-                parts, why = _linear_parts(module)
-                if parts is None:
-                    return None, why
-                weights += parts
-            weights.append(layer.post_attention_layernorm.weight)
-            for module in (mlp.gate_up_proj, mlp.down_proj):
+            # The op's order: input norm, q|k|v, o, post-attention norm, gate|up, down.
+            order = (layer.input_layernorm, attn.qkv_proj, attn.o_proj)
+            order += (layer.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj)
+            for module in order:
+                if isinstance(module, RMSNorm):
+                    weights.append(module.weight)
+                    continue
                 parts, why = _linear_parts(module)
                 if parts is None:
                     return None, why
