@@ -40,7 +40,9 @@ from pathlib import Path
 from loadtest.environment import cpu_model
 
 # Steps 0-4 switch off what later steps add (EngineConfig defaults turn everything on).
-_NO_NEW_PATHS = dict(cpu_int8_activations=False, int4_dequant_min_rows=0, int8_dequant_min_rows=0)
+_NO_NEW_PATHS = dict(
+    cpu_int8_activations=False, int4_dequant_min_rows=0, int8_dequant_min_rows=0, cpu_layer_op=False
+)
 STEPS = [
     (
         "0 before: float32, torch attention, eager",
@@ -81,7 +83,13 @@ STEPS = [
     ),
     (
         "4 + dequantize-then-GEMM for many rows",
-        dict(dtype="bfloat16", quantization="auto", enforce_eager=True, cpu_int8_activations=False),
+        dict(
+            dtype="bfloat16",
+            quantization="auto",
+            enforce_eager=True,
+            cpu_int8_activations=False,
+            cpu_layer_op=False,
+        ),
     ),
     (
         "5 + int8 activations, VNNI",
@@ -109,6 +117,7 @@ def run_config(overrides: dict, batches: list[int], tokens: int, threads: int) -
     )
     if not fused_ops:
         engine.runner.backend.fused = engine.runner.backend.rope_store_kv = None
+        engine.runner.cpu_layers = None
     result = {"startup_s": time.perf_counter() - start, "batches": {}}
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for b in batches:

@@ -283,6 +283,8 @@ def test_served_model_greedy_tokens_with_and_without_fused_ops(tokenizer):
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fused = LLMEngine(config, runner=runner).generate(prompts, params)
+    assert runner.cpu_layers is not None  # the fused run went through the decoder-layer op
     runner.backend.fused = runner.backend.rope_store_kv = None
+    runner.cpu_layers = None  # built on the fused ops: the plain run is the Python loop
     plain = LLMEngine(config, runner=runner).generate(prompts, params)
     assert fused == plain

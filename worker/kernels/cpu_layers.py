@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.kernels import cpu_attention
+from worker.kernels import cpu_attention, cpu_fused
 
 
 def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
@@ -131,4 +131,4 @@ class CpuLayerStack:
             cpu_attention.SDPA_MIN_QUERY_LEN,
         )
         norm = self.model.norm
-        return self.backend.fused.rms_norm(h, norm.weight, norm.eps, residual)[0]
+        return cpu_fused.rms_norm(h, norm.weight, norm.eps, residual)[0]  # the backend's fused norm
