@@ -32,7 +32,7 @@ from worker.kernels import cpu_attention, cpu_fused
 
 
 def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
-    """The op's three tensors for one linear (worker/kernels/cpu_layers.cpp's contract), or None
+    """The op's four tensors for one linear (worker/kernels/cpu_layers.cpp's contract), or None
     and why not."""
     from worker.kernels import cpu_quant
     from worker.model.quant import Int4Linear, Int8Linear
