@@ -197,6 +197,27 @@ def test_vnni_layouts_round_trip():
 
 
 @needs_layout
+def test_activation_quantization_is_the_reference_exactly():
+    """The ops' per-group int8 rounding (AVX-512 where the build has it) against
+    cpu_quant.quantize_reference, value for value: q = round-half-even(x * (127 / amax)),
+    d = amax / 127, sums = sum(q); an all-zero group gives 0s; a group with a NaN or inf gives
+    d = NaN, q = 0 and sum 0 (so the rows' outputs are NaN); rows enough to run in parallel."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(300, 96, generator=gen) * torch.rand(300, 1, generator=gen) * 8).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    x[3, :32] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # scale 1: exact ties
+    q, d, sums = torch.ops.llm_cpu.quantize_activations(x)
+    want_q, want_d, want_sums = cpu_quant.quantize_reference(x)
+    assert torch.equal(q.view(300, 3, 32).float(), want_q) and torch.equal(sums, want_sums)
+    finite = ~want_d.isnan()
+    assert torch.equal(d[finite], want_d[finite]) and bool(d[~finite].isnan().all())
+    assert int((~finite).sum()) == 2 and float(d[0, 0]) == 0.0 and float(sums[0, 0]) == 0.0
+    assert q[3, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]  # ties to even
+
+
+@needs_layout
 def test_int8_embedding_lookup_from_the_vnni_layout_matches_torch():
     """The embedding's one-op lookup: bit-identical to unpacking the rows and scaling them in
     torch (repeated ids, a 2-D ids tensor, enough ids to run in parallel); ids outside the rows

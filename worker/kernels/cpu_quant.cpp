@@ -146,12 +146,43 @@ constexpr bool kVnni = false;
 
 bool vnni_compiled() { return kVnni; }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One group of 32 values with AVX-512: the scalar loop's results bit for bit (the same float
+// products, rounded to nearest even by vcvtps2dq under the default rounding mode as nearbyint
+// rounds them); a group with a NaN or inf gets scale NaN, values 0 and sum 0.
+inline void quantize_group(const at::BFloat16* src, int8_t* q, float* d, float* sum) {
+  const __m512 lo = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
+  const __m512 hi = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + 16))), 16));
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+  const bool finite = (_mm512_cmp_ps_mask(alo, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ahi, inf, _CMP_LT_OQ)) == 0xFFFF;
+  if (!finite) {
+    std::memset(q, 0, 32);
+    *d = std::numeric_limits<float>::quiet_NaN();
+    *sum = 0.f;
+    return;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qhi));
+  *d = amax / 127.f;
+  *sum = float(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+}
+#endif
+
 // Per row and group of 32: int8 values, the scale d and the sum of the int8 values.
 void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, float* d, float* sums) {
   const int64_t groups = k / 32;
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const at::BFloat16* src = x + u * 32;  // rows are contiguous, groups follow each other
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      quantize_group(src, xq + u * 32, d + u, sums + u);
+#else
       float v[32], amax = 0.f;
       bool finite = true;
       for (int j = 0; j < 32; ++j) {
@@ -165,12 +196,13 @@ void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, floa
       const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
       int sum = 0;
       for (int j = 0; j < 32; ++j) {
-        const int q = int(std::nearbyint(v[j] * inv));
+        const int q = finite ? int(std::nearbyint(v[j] * inv)) : 0;
         xq[u * 32 + j] = int8_t(q);
         sum += q;
       }
       d[u] = scale;
       sums[u] = float(sum);
+#endif
     }
   });
 }
@@ -179,6 +211,18 @@ void check_activations(const at::Tensor& x) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
                     "x must be a contiguous bfloat16 [M, K] tensor");
   TORCH_CHECK_VALUE(x.size(1) % 32 == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+// The W4A8 / W8A8 ops' activation quantization as an op of its own, for the tests:
+// quantize_activations(x bf16 [M, K]) -> (q int8 [M, K], d float32 [M, K/32], sums float32 [M, K/32]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  check_activations(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / 32}, x.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({m, k / 32}, x.options().dtype(at::kFloat));
+  quantize_rows(x.data_ptr<at::BFloat16>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>());
+  return {q, d, sums};
 }
 
 // x [M, K] quantized per row and group of 32 (quantize_rows): the int8 values, scales and sums.
@@ -422,6 +466,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("int4_vnni_linear(Tensor x, Tensor wq, Tensor sz) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor wq, Tensor corr, Tensor scale) -> Tensor");
   m.def("int8_vnni_embedding(Tensor wq, Tensor scale, Tensor ids) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("vnni_compiled() -> bool", &llm_cpu_quant::vnni_compiled);
 }
 
@@ -431,4 +476,5 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("int4_vnni_linear", &llm_cpu_quant::int4_vnni_linear);
   m.impl("int8_vnni_linear", &llm_cpu_quant::int8_vnni_linear);
   m.impl("int8_vnni_embedding", &llm_cpu_quant::int8_vnni_embedding);
+  m.impl("quantize_activations", &llm_cpu_quant::quantize_activations);
 }

@@ -173,15 +173,27 @@ def int8_vnni(x: torch.Tensor, wq: torch.Tensor, corr: torch.Tensor, scale: torc
     return _ops().int8_vnni_linear(x, wq, corr, scale)
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """The reference of the ops' activation quantization: x [M, K] -> float32 [M, K] rounded to
-    int8 per row and group of 32 (d = max|x| / 127; q = x * (127 / max|x|) rounded half to even,
-    the ops' float32 arithmetic), dequantized."""
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ops' activation quantization in torch, value for value: x [M, K] -> (q float32 [M, K/32,
+    32] = x * (127 / max|x|) rounded half to even, d [M, K/32] = max|x| / 127, sums [M, K/32] of q)
+    per row and group of 32, in float32 with a true division (`127 / t` in torch multiplies by a
+    reciprocal: 1 ulp off in about a quarter of the groups). A group with a NaN or inf: q = 0,
+    sum 0, d = NaN; an all-zero group: all 0."""
     m, k = x.shape
     g = x.float().view(m, k // 32, 32)
-    amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 127)).view(m, k)
+    amax = g.abs().amax(-1)
+    finite = torch.isfinite(g).all(-1)
+    inv = torch.where(finite & (amax > 0), torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.where(finite[..., None], torch.round(g * inv[..., None]), torch.zeros_like(g))
+    d = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
+    return q, d, q.sum(-1)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """The reference of the ops' rounded activations: x [M, K] -> float32 [M, K], each value its
+    int8 code times its group's scale (quantize_reference)."""
+    q, d, _ = quantize_reference(x)
+    return (q * d[..., None]).view(x.shape)
 
 
 def register_fakes() -> None:
