@@ -77,6 +77,54 @@ def test_qwen2_layers_with_qkv_bias_are_bit_identical(tmp_path, int8_activations
     _check_every_step(engine, vocab=127)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("int8-w8a8", marks=needs_vnni),
+        pytest.param("int8-bf16", marks=needs_op),
+        pytest.param("int4-repeats", marks=needs_op),
+    ],
+)
+def test_int8_linears_and_repeated_int4_halves_are_bit_identical(tmp_path, case):
+    """The linear paths the embedded model does not use (its linears are all Q4_1): int8 weights
+    (`--quantization int8`) as W8A8 and, with bfloat16 activations, through torch's int8 kernel and
+    the tiled dequantization from 8 rows; and int4 weights stored as two halves whose products add
+    (`input_repeats=2`, how the GGUF loader keeps Q8_0), through torch's int4 kernel and
+    dequantize-then-GEMM from 8 rows. On a tiny random Llama 3 (RoPE scaling)."""
+    from tests.tiny_llama import save_tiny
+    from worker.engine import LLMEngine
+    from worker.model.gguf_quant import quantize_int4
+    from worker.model.quant import Int4Linear, Int8Linear
+
+    path, _ = save_tiny(tmp_path, "llama3")
+    quant = "int8" if case.startswith("int8") else "int4"
+    config = EngineConfig(
+        model=str(path),
+        quantization=quant,
+        cpu_int8_activations=case == "int8-w8a8",
+        int8_dequant_min_rows=8,
+        max_num_batched_tokens=48,
+    )
+    engine = LLMEngine(dataclasses.replace(config, kv_cache_bytes=2**20, num_threads=2))
+    runner = engine.runner
+    kind = Int8Linear if quant == "int8" else Int4Linear
+    linears = [m for layer in runner.model.layers for m in layer.modules() if isinstance(m, kind)]
+    assert len(linears) == 4 * len(runner.model.layers)
+    if case == "int4-repeats":
+        for layer in runner.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, module in list(parent.named_children()):
+                    if isinstance(module, Int4Linear):
+                        w = module.dequantize()
+                        halves = torch.cat([w * 0.75, w * 0.25], dim=1)  # the two halves' products add
+                        twin = Int4Linear(*quantize_int4(halves, 32), input_repeats=2)
+                        twin.dequant_min_rows = 8
+                        setattr(parent, name, twin)
+        runner.cpu_layers, why = CpuLayerStack.build(runner.model, runner.backend, runner.kv_caches)
+        assert why == ""
+    _check_every_step(engine, vocab=127)
+
+
 def _check_every_step(engine, vocab: int) -> None:
     from worker.types import SamplingParams
 

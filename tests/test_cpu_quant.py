@@ -208,6 +208,7 @@ def test_activation_quantization_is_the_reference_exactly():
     x[1, 40] = float("nan")
     x[2, 70] = float("inf")
     x[3, :32] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # scale 1: exact ties
+    x[4, 32:64] = 1e-38  # 127 / max|x| overflows float32: a zero group
     q, d, sums = torch.ops.llm_cpu.quantize_activations(x)
     want_q, want_d, want_sums = cpu_quant.quantize_reference(x)
     assert torch.equal(q.view(300, 3, 32).float(), want_q) and torch.equal(sums, want_sums)
@@ -215,6 +216,7 @@ def test_activation_quantization_is_the_reference_exactly():
     assert torch.equal(d[finite], want_d[finite]) and bool(d[~finite].isnan().all())
     assert int((~finite).sum()) == 2 and float(d[0, 0]) == 0.0 and float(sums[0, 0]) == 0.0
     assert q[3, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]  # ties to even
+    assert not q[4, 32:64].any() and float(sums[4, 1]) == 0.0 and 0 < float(d[4, 1]) < 1e-39
 
 
 @needs_layout

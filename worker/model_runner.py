@@ -214,7 +214,7 @@ class ModelRunner:
             )
             if not self.cpu_compiled.warmup():
                 self.cpu_compiled = None
-        # CPU, int8 activations: the decoder layers of a step in one C++ op (worker/kernels/cpu_layers.py).
+        # CPU, int4 / int8 layers: the decoder layers of a step in one C++ op (worker/kernels/cpu_layers.py).
         self.cpu_layers: CpuLayerStack | None = None
         if config.cpu_layer_op and self.cpu_compiled is None and self.device.type == "cpu":
             self.cpu_layers, why = CpuLayerStack.build(self.model, self.backend, self.kv_caches)

@@ -51,6 +51,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor* w) {
   const bool vnni = w[0].dim() == 4;
   if (w[0].scalar_type() == at::kByte) {
     if (vnni) return llm_cpu_quant::int4_vnni_linear(x, w[0], w[1]);
+    TORCH_CHECK_VALUE(w[2].scalar_type() == at::kLong && w[2].numel() == 3, "int4 linear: bad meta tensor");
     const int64_t* meta = w[2].data_ptr<int64_t>();  // group size, dequantize-from rows, input repeats
     if (meta[1] && x.size(0) >= meta[1])
       return at::mm(x, llm_cpu_quant::int4_dequant_t(w[0], w[1], meta[0], meta[2]));
@@ -58,6 +59,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor* w) {
     return at::_weight_int4pack_mm_for_cpu(x2, w[0], meta[0], w[1]);
   }
   if (vnni) return llm_cpu_quant::int8_vnni_linear(x, w[0], w[1], w[2]);
+  TORCH_CHECK_VALUE(w[2].scalar_type() == at::kLong && w[2].numel() == 2, "int8 linear: bad meta tensor");
   const int64_t* meta = w[2].data_ptr<int64_t>();  // dequantize-from rows, tile rows
   if (meta[0] && x.size(0) >= meta[0]) return llm_cpu_quant::int8_linear_tiled(x, w[0], w[1], meta[1]);
   // torch's int8 kernel loads x with aligned loads (worker/model/quant.py int8_mm)

@@ -19,8 +19,11 @@ Contract:
   `apply_cpu_paths`, as the model runner does.
 - `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
   what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
-  tokens' K/V written into the caches the same way. T = 0 goes to the Python loop.
-Fails how: the ops' checks raise ValueError / RuntimeError (as the Python path's would).
+  tokens' K/V written into the caches the same way. T = 0, or a backend whose fused ops were
+  switched off since, goes to the Python loop. Other changes after the build (a module's path,
+  its row thresholds, dense copies) are not seen: build a new stack.
+Fails how: the ops' checks raise ValueError / RuntimeError (the same conditions as the Python
+path's, the messages may differ).
 Proven by tests/test_cpu_layers.py.
 """
 
@@ -82,6 +85,8 @@ class CpuLayerStack:
         weights: list[torch.Tensor] = []
         eps = {float(layer.input_layernorm.eps) for layer in model.layers}
         eps |= {float(layer.post_attention_layernorm.eps) for layer in model.layers}
+        if not len(model.layers):
+            return None, "a model without layers"
         if len(eps) != 1:
             return None, "norms with different eps"
         for layer in model.layers:
@@ -106,7 +111,12 @@ class CpuLayerStack:
         return cls(model, backend, kv_caches, [w.detach() for w in weights]), ""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        if input_ids.shape[0] == 0:
+        if (
+            input_ids.shape[0] == 0
+            or self.backend.fused is not cpu_fused
+            or self.backend.rope_store_kv is None
+        ):
+            # nothing to run, or the backend's fused ops were switched off after the stack was built
             caches = list(zip(self.k_caches, self.v_caches))
             return self.model(input_ids, positions, caches, meta, self.backend)
         x = self.model.embed_tokens(input_ids)  # (T, C)

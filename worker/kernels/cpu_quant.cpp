@@ -146,6 +146,13 @@ constexpr bool kVnni = false;
 
 bool vnni_compiled() { return kVnni; }
 
+// 127 / amax for a finite group, 0 for an all-zero one and for amax below ~3.7e-37, where the
+// quotient overflows: such a group quantizes to zeros (its values are < 1e-36 anyway).
+inline float group_inverse(float amax) {
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  return inv < std::numeric_limits<float>::infinity() ? inv : 0.f;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // One group of 32 values with AVX-512: the scalar loop's results bit for bit (the same float
 // products, rounded to nearest even by vcvtps2dq under the default rounding mode as nearbyint
@@ -165,7 +172,7 @@ inline void quantize_group(const at::BFloat16* src, int8_t* q, float* d, float* 
     return;
   }
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512 inv = _mm512_set1_ps(group_inverse(amax));
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
   _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qlo));
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qhi));
@@ -193,7 +200,7 @@ void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, floa
       // A NaN or inf makes the group's scale NaN (and its values 0), so the rows' outputs are NaN
       // as a float product would be, not finite numbers (std::max skips NaN).
       const float scale = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-      const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+      const float inv = finite ? group_inverse(amax) : 0.f;
       int sum = 0;
       for (int j = 0; j < 32; ++j) {
         const int q = finite ? int(std::nearbyint(v[j] * inv)) : 0;

@@ -178,12 +178,14 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     32] = x * (127 / max|x|) rounded half to even, d [M, K/32] = max|x| / 127, sums [M, K/32] of q)
     per row and group of 32, in float32 with a true division (`127 / t` in torch multiplies by a
     reciprocal: 1 ulp off in about a quarter of the groups). A group with a NaN or inf: q = 0,
-    sum 0, d = NaN; an all-zero group: all 0."""
+    sum 0, d = NaN; an all-zero group: all 0; a group whose 127 / max|x| overflows (max|x| below
+    ~3.7e-37): q = 0, sum 0, d = max|x| / 127."""
     m, k = x.shape
     g = x.float().view(m, k // 32, 32)
     amax = g.abs().amax(-1)
     finite = torch.isfinite(g).all(-1)
     inv = torch.where(finite & (amax > 0), torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(inv.isinf(), torch.zeros_like(inv), inv)  # amax < ~3.7e-37: a zero group
     q = torch.where(finite[..., None], torch.round(g * inv[..., None]), torch.zeros_like(g))
     d = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
     return q, d, q.sum(-1)
