@@ -62,6 +62,7 @@ class CpuLayerStack:
     def __init__(self, model, backend, kv_caches, weights: list[torch.Tensor]):
         attn = model.layers[0].self_attn
         self.model, self.backend = model, backend
+        self.kv_caches = kv_caches  # the runner's list of (K, V): the Python loop's argument
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.weights = weights
@@ -117,8 +118,7 @@ class CpuLayerStack:
             or self.backend.rope_store_kv is None
         ):
             # nothing to run, or the backend's fused ops were switched off after the stack was built
-            caches = list(zip(self.k_caches, self.v_caches))
-            return self.model(input_ids, positions, caches, meta, self.backend)
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         x = self.model.embed_tokens(input_ids)  # (T, C)
         heads, kv_heads, head_dim = self.shape
         h, residual = torch.ops.llm_cpu.decoder_layers(

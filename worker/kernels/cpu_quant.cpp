@@ -158,10 +158,7 @@ inline float group_inverse(float amax) {
 // products, rounded to nearest even by vcvtps2dq under the default rounding mode as nearbyint
 // rounds them); a group with a NaN or inf gets scale NaN, values 0 and sum 0.
 inline void quantize_group(const at::BFloat16* src, int8_t* q, float* d, float* sum) {
-  const __m512 lo = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
-  const __m512 hi = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + 16))), 16));
+  const __m512 lo = llm_cpu_fused::load16(src), hi = llm_cpu_fused::load16(src + 16);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
   const bool finite = (_mm512_cmp_ps_mask(alo, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ahi, inf, _CMP_LT_OQ)) == 0xFFFF;
