@@ -173,7 +173,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # On the meta device (the loader's build) the random init is skipped: nn.Embedding's normal_ on
+        # a meta tensor runs through torch._refs, which imports torch._dynamo and triton (~1 s of a
+        # worker's start, and nanobind's page of leak warnings at its exit) for weights then replaced.
+        meta = torch.get_default_device().type == "meta"
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if meta else None)
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
