@@ -101,8 +101,9 @@ SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_p
 # a model family, keyed by (organization, basename) from the GGUF's general.* fields.
 DOCUMENTED_GGUF_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
     # SmolLM2 (the embedded 135M model): greedy. Its model card's example samples at temperature
-    # 0.2, top_p 0.9; with those the README's first question got "Paris" for 5 of 8 seeds (the
-    # others a French ramble); greedy answers "The capital of France is Paris."
+    # 0.2, top_p 0.9; with those "What is the capital of France?" got "Paris" for 5 of 8 seeds (the
+    # others a French ramble); greedy answers the README's question with "The capital of Germany
+    # is Berlin." in every weight form (docs/serving.md, "Generation defaults").
     ("huggingfacetb", "smollm2"): {"temperature": 0.0},
 }
 

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             curl = f"  curl -s {base}/v1/models  (OpenAI-compatible API: docs/openai.md)\n"
         print(
             f"\nReady: workers on {', '.join(workers.addresses.values())}. Try:\n"
-            f"  {client} --chat 'What is the capital of France?'\n"
+            f"  {client} --chat 'What is the capital of Germany?'\n"
             f"  {client} 'Once upon a time' --max-tokens 64\n{curl}"
             f"A second router over the same workers needs their token (set LLM_WORKER_TOKEN for both):\n"
             f"  LLM_WORKER_TOKEN=... .venv/bin/python -m router --port 50052 --ray-address {ray_address} "

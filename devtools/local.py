@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nReady: router on {target}, workers on {', '.join(addresses)}. Try:\n"
             f"  .venv/bin/python -m devtools.client --target {target} --chat "
-            "'What is the capital of France?'\n"
+            "'What is the capital of Germany?'\n"
             f"  .venv/bin/python -m devtools.client --target {target} 'Once upon a time' --max-tokens 64\n"
             f"  grpcurl -plaintext {target} list      # server reflection\n"
             "Ctrl-C stops everything.\n",

@@ -1,7 +1,9 @@
 """The README's first try, as written, against a real stack (worker + router processes, the
-embedded SmolLM2): `python -m devtools.client "What is the capital of France?" --chat` answers
-with Paris. The client leaves sampling unset, so the router applies the model's documented
-defaults (greedy for SmolLM2, docs/serving.md "Generation defaults") instead of temperature 1.0.
+embedded SmolLM2, float32 as every shared test worker): `python -m devtools.client "What is the
+capital of Germany?" --chat` answers with Berlin (tests/test_ray_serve.py asks `make serve`'s
+default stack, int4 weights, the same question). The client leaves sampling unset, so the router
+applies the model's documented defaults (greedy for SmolLM2, docs/serving.md "Generation
+defaults") instead of temperature 1.0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import pytest
 
 from tests.procs import REPO, running_router
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of Germany?"
+ANSWER = "The capital of Germany is Berlin."
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +38,9 @@ def _client(router, *flags: str) -> str:
     return out.stdout
 
 
-def test_readme_first_try_answers_paris(router) -> None:
+def test_readme_first_try_answers_berlin(router) -> None:
     answer = _client(router)  # exactly the README's command: the model's defaults apply (greedy)
-    assert answer.strip() == "The capital of France is Paris."
+    assert answer.strip() == ANSWER
     assert _client(router, "--temperature", "0") == answer
 
 
@@ -45,4 +48,4 @@ def test_explicit_sampling_still_wins_over_the_defaults(router) -> None:
     """A request that sets temperature samples (seeded: same seed, same text), not greedy."""
     sampled = [_client(router, "--temperature", "1.5", "--seed", "3", "--max-tokens", "12") for _ in range(2)]
     assert sampled[0] == sampled[1]
-    assert sampled[0].strip() != "The capital of France is Paris."
+    assert sampled[0].strip() != ANSWER
