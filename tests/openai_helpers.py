@@ -1,10 +1,10 @@
 """Helpers of the OpenAI front's end-to-end tests (tests/test_openai_e2e.py,
 tests/test_openai_errors_e2e.py, tests/test_openai_serving_e2e.py): the announced HTTP URL, raw
 POSTs, a client that leaves, gRPC generation with the same request, a throwaway certificate; and
-the stack the first two share (import the fixtures into the test module: each module gets its own
-router process on the session's shared worker): `worker`, `router` (HTTP port 0, spans to the
-session's OTLP sink, tenants `tests` and a rate-limited `limited`), `client` (the official SDK),
-`stub` (gRPC)."""
+the stack the e2e modules share (import the fixtures into the test module: each module gets its
+own router process on the session's shared worker): `worker`, `router` (HTTP port 0, spans to the
+session's OTLP sink, tenants `tests`, a rate-limited `limited` and `pair`, at most 2 open
+requests), `client` (the official SDK), `stub` (gRPC)."""
 
 from __future__ import annotations
 
@@ -123,13 +123,15 @@ def self_signed(directory) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-KEY, LIMITED_KEY = "openai-tests-key", "limited-key"
+KEY, LIMITED_KEY, PAIR_KEY = "openai-tests-key", "limited-key", "pair-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
 TENANTS = (
     "tenants:\n"
     f"  - name: tests\n    key_sha256: {hash_key(KEY)}\n"
     f"  - name: limited\n    key_sha256: {hash_key(LIMITED_KEY)}\n"
     "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
+    f"  - name: pair\n    key_sha256: {hash_key(PAIR_KEY)}\n"
+    "    max_concurrency: 2\n"
 )
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"

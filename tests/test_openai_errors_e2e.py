@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP front's errors, end to end (split from tests/test_openai_e2e.py; the
 same stack, tests/openai_helpers.py): the official `openai` SDK's error classes for 400 (naming
 the parameter, no traceback), 401 (the key not echoed) and 429 (with Retry-After), raw bodies
-that are not JSON or batch prompts, unknown routes and methods as OpenAI error objects, and the
-router's per-protocol request counter."""
+that are not JSON or a batch with a prompt of the wrong type, unknown routes and methods as
+OpenAI error objects, and the router's per-protocol request counter."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker:
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(logit_bias={"x": 1}), "logit_bias"),
         (dict(top_logprobs=2), "top_logprobs"),
-        (dict(n=2), "n"),
+        (dict(n=17), "n"),
         (dict(model="no-such-model"), "model"),
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(stop=["ok"] * 9), "stop"),
@@ -53,10 +53,10 @@ def test_invalid_requests_are_400_naming_the_parameter(client, kwargs, param):
     assert "Traceback" not in info.value.body["message"]
 
 
-def test_bad_body_and_prompt_batches_are_400(router):
+def test_bad_body_and_bad_prompt_in_a_batch_are_400(router):
     url = http_url(router)
     bad_status, bad = post(f"{url}/completions", b"{not json", KEY)
-    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", "b"]}).encode(), KEY)
+    batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", {"b": 1}]}).encode(), KEY)
     assert (bad_status, batch_status) == (400, 400)
     assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
     missing_status, missing = post(f"{url}/embeddings", b"{}", KEY)  # not served: an OpenAI error too

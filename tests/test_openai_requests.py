@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from protos.llm.v1 import generation_pb2 as pb
 from router.config import RouterConfig, parse_args
 from router.errors import AuthError, Overloaded, Unavailable, ValidationError
 from router.openai.app import api_error
 from router.openai.requests import ApiError, param_of, parse
+from router.openai.responses import Responder
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -67,11 +69,40 @@ def test_completion_prompts_and_defaults():
     assert parse({"prompt": "x", "top_k": -1}, chat=False, request_id="r").request.sampling.top_k == 0
 
 
+def test_choices_are_one_request_each_prompt_major_with_seed_plus_j():
+    one = parse({"prompt": "a", "seed": 5}, chat=False, request_id="r")
+    assert [r.request_id for r in one.requests] == ["r"] and one.request is one.requests[0]
+    batch = parse({"prompt": ["a", [7, 8]], "n": 2, "seed": 2**64 - 1}, chat=False, request_id="r")
+    assert [r.request_id for r in batch.requests] == ["r-0", "r-1", "r-2", "r-3"] and batch.n == 2
+    assert [r.prompt for r in batch.requests[:2]] == ["a", "a"]
+    assert [list(r.token_ids.ids) for r in batch.requests[2:]] == [[7, 8], [7, 8]]
+    assert [r.sampling.seed for r in batch.requests] == [2**64 - 1, 0, 2**64 - 1, 0]  # wraps
+    chat = parse({**CHAT, "n": 3, "temperature": 0.5}, chat=True, request_id="c")
+    assert len(chat.requests) == 3 and all(r.sampling.temperature == 0.5 for r in chat.requests)
+    assert not any(r.sampling.HasField("seed") for r in chat.requests)  # unseeded: the worker draws
+
+
+def test_usage_counts_each_prompt_once_and_offsets_are_per_choice():
+    parsed = parse({"prompt": ["a", "b"], "n": 2, "logprobs": 0}, chat=False, request_id="r")
+    responder = Responder(parsed, "m", lambda token_id: "xy")
+    dones = [
+        pb.Finished(usage=pb.Usage(prompt_tokens=p, completion_tokens=c, cached_prompt_tokens=k))
+        for p, c, k in ((3, 1, 0), (3, 2, 3), (5, 4, 0), (5, 8, 5))
+    ]
+    chunk = pb.TokenChunk(token_ids=[1, 2], text="xyxy", logprobs=[-1.0, -2.0])
+    body = responder.complete([([chunk], d) for d in dones])
+    assert body["usage"]["prompt_tokens"] == 8 and body["usage"]["completion_tokens"] == 15
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["logprobs"]["text_offset"] == [0, 2] for c in body["choices"])
+
+
 @pytest.mark.parametrize(
     "body, chat, param",
     [
         ([], False, None),
-        ({"prompt": ["a", "b"]}, False, "prompt"),
+        ({"prompt": ["a", 5]}, False, "prompt"),
+        ({"prompt": ["a", [1, -2]]}, False, "prompt"),
         ({"prompt": 5}, False, "prompt"),
         ({"prompt": [1, -2]}, False, "prompt"),
         ({}, True, "messages"),
@@ -90,7 +121,9 @@ def test_completion_prompts_and_defaults():
         ({**CHAT, "logit_bias": {"1": "x"}}, True, "logit_bias"),
         ({**CHAT, "top_logprobs": 3}, True, "top_logprobs"),
         ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
-        ({**CHAT, "n": 3}, True, "n"),
+        ({**CHAT, "n": 0}, True, "n"),
+        ({**CHAT, "n": 17}, True, "n"),
+        ({"prompt": ["a"] * 5, "n": 4}, False, "n"),
         ({**CHAT, "tools": [{"type": "function"}]}, True, "tools"),
         ({**CHAT, "response_format": {"type": "json_object"}}, True, "response_format"),
         ({"prompt": "x", "echo": True}, False, "echo"),

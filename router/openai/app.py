@@ -13,7 +13,10 @@ Contract
   -> 504, a body over --max-message-mb -> 413, anything unexpected -> 500 (logged; the client sees
   only the exception's type). Worker addresses in a message become "<worker>" (as for gRPC). A
   stream's first event is awaited before the status line is sent, so a refusal is a status, not an
-  event; a failure after that is an `error` event then [DONE].
+  event; a failure after that is an `error` event then [DONE]. Several choices (`n`, a batch of
+  prompts) are one pipeline call each (`Choices`): every call's first event is awaited before the
+  answer starts, a refusal of any is the answer's status (the others are cancelled), and a failure
+  of any later ends the stream with an `error` event.
   A client that disconnects (while queued, while streaming, or while waiting for a whole
   response) cancels the call: the worker stream is cancelled and its KV blocks freed.
 - state: none of its own.
@@ -231,11 +234,11 @@ def create_app(
             headers=getattr(exc, "headers", None),
         )
 
-    async def observed(parsed: Parsed, ctx: HttpCallContext) -> AsyncIterator[Chunk | Done]:
+    async def observed(request: pb.GenerateRequest, ctx: HttpCallContext) -> AsyncIterator[Chunk | Done]:
         """The gRPC pipeline's responses, unwrapped: `TokenChunk`s, then one `Finished`."""
         obs = RequestObservation(metrics, ctx.invocation_metadata(), protocol="http")
         try:
-            async with aclosing(service._generate(parsed.request, ctx, obs)) as events:
+            async with aclosing(service._generate(request, ctx, obs)) as events:
                 async for response in events:
                     yield getattr(response, response.WhichOneof("kind"))
         except BaseException as exc:  # observed here, answered by the caller
@@ -251,27 +254,28 @@ def create_app(
             parsed = parse(await _read_json(request, max_body_bytes), chat, request_id)
             served = models()  # the name the answer shows when the request leaves `model` empty
             name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
-            events = observed(parsed, HttpCallContext(request))
+            ctx = HttpCallContext(request)
+            calls = Choices([observed(one, ctx) for one in parsed.requests])
             streaming = False
             try:
-                first = await until_disconnected(request, anext(events))
+                await until_disconnected(request, calls.start())
                 # validated: the model is served; token texts are needed only for logprobs
                 responder = Responder(parsed, name, token_text(name) if parsed.logprobs else str)
                 if parsed.stream:
-                    streaming = True  # from here the response closes `events`, however it ends
+                    streaming = True  # from here the response closes `calls`, however it ends
                     return EventStream(
-                        _stream(responder, first, events),
+                        _stream(responder, calls),
                         {"x-request-id": request_id},
-                        events,
+                        calls,
                         stream_idle_timeout_s,
                     )
                 return JSONResponse(
-                    await until_disconnected(request, _collect(responder, first, events)),
+                    await until_disconnected(request, _collect(responder, calls)),
                     headers={"x-request-id": request_id},
                 )
             finally:
                 if not streaming:
-                    await events.aclose()  # closes the worker call if anything above stopped early
+                    await calls.aclose()  # closes the worker calls if anything above stopped early
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
@@ -306,42 +310,93 @@ def create_app(
     return app
 
 
-async def _rest(first: Chunk | Done, events: AsyncIterator) -> AsyncIterator[Chunk | Done]:
-    """`first`, then the rest, to the end: the pipeline finishes (and is observed) as it did for gRPC."""
-    async with aclosing(events):
-        yield first
-        async for event in events:
-            yield event
+class Choices:
+    """The pipeline calls of one HTTP request's choices, read as one. `start()` awaits every call's
+    first event (a refusal of any is raised at once and the others are cancelled); then `events()`
+    yields (index, TokenChunk | Finished) as they come, each call read to its end (so each request
+    finishes and is observed as for gRPC), and each call read again only once its previous event
+    was taken: a slow client holds back every worker stream. `aclose()` closes every call, which
+    cancels the worker streams of unfinished ones. One choice takes no extra task per event."""
 
+    def __init__(self, calls: list[AsyncIterator]):
+        self._calls = calls
+        self._first: list = []
+        self._reads: dict[asyncio.Future, int] = {}  # pending anext(call) -> choice index
 
-async def _collect(responder: Responder, first: Chunk | Done, events: AsyncIterator) -> dict:
-    chunks: list[Chunk] = []
-    done = None
-    async with aclosing(_rest(first, events)) as all_events:
-        async for event in all_events:
-            if isinstance(event, Done):
-                done = event
-            else:
-                chunks.append(event)
-    if done is None:
-        raise RouterError("the generation stream ended without a finish")
-    return responder.complete(chunks, done)
+    async def _wait(self, return_when) -> set[asyncio.Future]:
+        done, _ = await asyncio.wait(self._reads, return_when=return_when)
+        return done
 
-
-async def _stream(responder: Responder, first: Chunk | Done, events: AsyncIterator) -> AsyncIterator[bytes]:
-    async with aclosing(_rest(first, events)) as all_events:
-        yield responder.start()
-        done = None
-        try:
-            async for event in all_events:
-                if isinstance(event, Done):
-                    done = event
-                else:
-                    yield responder.delta(event)
-            if done is None:
-                raise RouterError("the generation stream ended without a finish")
-        except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
-            err = api_error(exc, responder.parsed)
-            yield responder.error(err.status, err.body())
+    async def start(self) -> None:
+        if len(self._calls) == 1:
+            self._first = [await anext(self._calls[0])]
             return
-        yield responder.finish(done)
+        self._reads = {asyncio.ensure_future(anext(c)): i for i, c in enumerate(self._calls)}
+        firsts: dict[int, object] = {}
+        while self._reads:
+            for read in await self._wait(asyncio.FIRST_EXCEPTION):
+                firsts[self._reads.pop(read)] = read.result()  # raises the refusal, if any
+        self._first = [firsts[i] for i in range(len(self._calls))]
+
+    async def events(self) -> AsyncIterator[tuple[int, Chunk | Done]]:
+        if len(self._calls) == 1:
+            yield 0, self._first[0]
+            async for event in self._calls[0]:
+                yield 0, event
+            return
+        for i, first in enumerate(self._first):
+            yield i, first
+            self._reads[asyncio.ensure_future(anext(self._calls[i]))] = i
+        while self._reads:
+            for read in sorted(await self._wait(asyncio.FIRST_COMPLETED), key=self._reads.get):
+                i = self._reads.pop(read)
+                try:
+                    event = read.result()
+                except StopAsyncIteration:
+                    continue  # this call ended
+                yield i, event
+                self._reads[asyncio.ensure_future(anext(self._calls[i]))] = i
+
+    async def aclose(self) -> None:
+        reads, self._reads = list(self._reads), {}
+        for read in reads:
+            read.cancel()
+        for read in reads:
+            with suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await read
+        for call in self._calls:
+            await call.aclose()
+
+
+async def _collect(responder: Responder, calls: Choices) -> dict:
+    chunks: list[list[Chunk]] = [[] for _ in calls._calls]
+    dones: list[Done | None] = [None] * len(chunks)
+    async with aclosing(calls.events()) as events:
+        async for i, event in events:
+            if isinstance(event, Done):
+                dones[i] = event
+            else:
+                chunks[i].append(event)
+    if any(done is None for done in dones):
+        raise RouterError("the generation stream ended without a finish")
+    return responder.complete(list(zip(chunks, dones)))
+
+
+async def _stream(responder: Responder, calls: Choices) -> AsyncIterator[bytes]:
+    yield responder.start()
+    dones: list[Done | None] = [None] * len(calls._calls)
+    try:
+        async with aclosing(calls.events()) as events:
+            async for i, event in events:
+                if isinstance(event, Done):
+                    dones[i] = event
+                    yield responder.finish_choice(event, i)
+                else:
+                    yield responder.delta(event, i)
+        if any(done is None for done in dones):
+            raise RouterError("the generation stream ended without a finish")
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
+        err = api_error(exc, responder.parsed)
+        yield responder.error(err.status, err.body())
+        return
+    yield responder.end(dones)

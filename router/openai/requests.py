@@ -4,11 +4,14 @@ logprobs), checked field by field.
 Contract
 - input: the decoded JSON body of POST /v1/chat/completions (`chat=True`) or /v1/completions, and
   the request id the front chose (the client's X-Request-Id, or a new one).
-- output: `Parsed` (the protobuf request and how to shape the answer). The service then validates
-  the protobuf exactly as for gRPC; `param_of` maps its field names back to the OpenAI parameter.
+- output: `Parsed`: one protobuf request per choice (`n` per prompt; a completions batch of
+  prompts gives prompt-major choices, index = prompt * n + j) and how to shape the answer. With
+  several choices each request id gets "-<index>" and a `seed` becomes seed + j for the j-th
+  choice of a prompt (distinct, reproducible samples). The service then validates each protobuf
+  exactly as for gRPC; `param_of` maps its field names back to the OpenAI parameter.
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
-  the protobuf cannot carry (a negative seed), several prompts or choices (`n` > 1), or a feature
+  the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature
   this server does not have (tools, response_format other than text, echo, suffix, best_of > 1).
   Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
   vendor extensions; docs/openai.md lists what is honoured.
@@ -24,6 +27,9 @@ from protos.llm.v1 import generation_pb2 as pb
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
 MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
+# Choices per HTTP request (n x prompts): each is a generation of its own (admission counts each),
+# and the bound keeps one request's pre-admission work (parsing, tokenizing) small.
+MAX_CHOICES = 16
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages
 
 
@@ -49,8 +55,10 @@ class ApiError(Exception):
 
 @dataclass
 class Parsed:
-    request: pb.GenerateRequest
+    request: pb.GenerateRequest  # the first choice's (the answer's id and model come from it)
     chat: bool
+    requests: list[pb.GenerateRequest] = field(default_factory=list)  # one per choice, in index order
+    n: int = 1  # choices per prompt
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -124,20 +132,26 @@ def _messages(body: dict) -> pb.Chat:
     return chat
 
 
-def _prompt(body: dict, req: pb.GenerateRequest) -> None:
+def _prompts(body: dict) -> list[str | list[int]]:
+    """The completions prompt(s): a string, a list of token ids, or a batch (list) of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise _bad("prompt", f"one prompt per request (got a batch of {len(prompt)})")
-        prompt = prompt[0]
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batch else [prompt]
+    for i, one in enumerate(prompts):
+        where = f"prompt: batch item {i}:" if batch else "prompt:"
+        if isinstance(one, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+            if not _token_ids(one):
+                raise ApiError(400, f"{where} token ids must be in [0, {UINT32_MAX}]", param="prompt")
+        elif not isinstance(one, str):
+            raise ApiError(400, f"{where} required: a string or a list of token ids", param="prompt")
+    return prompts
+
+
+def _set_prompt(req: pb.GenerateRequest, prompt: str | list[int]) -> None:
     if isinstance(prompt, str):
         req.prompt = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not _token_ids(prompt):
-            raise _bad("prompt", f"token ids must be in [0, {UINT32_MAX}]")
-        req.token_ids.ids.extend(prompt)
     else:
-        raise _bad("prompt", "required: a string or a list of token ids")
+        req.token_ids.ids[:] = prompt
 
 
 def _unsupported(body: dict, chat: bool) -> None:
@@ -147,8 +161,6 @@ def _unsupported(body: dict, chat: bool) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise _bad("response_format", "only {'type': 'text'} is supported")
-    if _int(body, "n", 1) not in (None, 1):
-        raise _bad("n", "only n = 1 is supported")
     if not chat:
         if _get(body, "echo", (bool,), "a boolean"):
             raise _bad("echo", "echo is not supported")
@@ -229,12 +241,14 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _unsupported(body, chat)
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    prompts = [None] if chat else _prompts(body)
+    if n * len(prompts) > MAX_CHOICES:
+        raise _bad("n", f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}")
     req = pb.GenerateRequest(request_id=request_id, model=_get(body, "model", (str,), "a string") or "")
-    out = Parsed(request=req, chat=chat)
+    out = Parsed(request=req, chat=chat, n=n)
     if chat:
         req.chat.CopyFrom(_messages(body))
-    else:
-        _prompt(body, req)
     out.stream = bool(_get(body, "stream", (bool,), "a boolean"))
     options = _get(body, "stream_options", (dict,), "an object")
     if options is not None:
@@ -245,6 +259,18 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     _logprobs(body, chat, req.sampling, out)
     _stopping(body, chat, req.stopping, out)
     req.priority = _int(body, "priority", -INT32_MAX - 1) or 0
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            one = pb.GenerateRequest()
+            one.CopyFrom(req)
+            if prompt is not None:
+                _set_prompt(one, prompt)
+            if len(prompts) * n > 1:
+                one.request_id = f"{request_id}-{len(out.requests)}"
+                if j and one.sampling.HasField("seed"):
+                    one.sampling.seed = (one.sampling.seed + j) % (UINT64_MAX + 1)
+            out.requests.append(one)
+    out.request = out.requests[0]
     return out
 
 

@@ -1,14 +1,17 @@
 """Relay events -> OpenAI response JSON: whole responses, SSE chunks, usage and logprobs.
 
 Contract
-- input: the `Parsed` request, the model name, and the service's `TokenChunk`s and `Finished`
-  (the same protobuf messages the gRPC API streams); `token_text(id) -> str` (for logprobs).
-- output: `chat.completion` / `text_completion` objects and their streamed `chunk` forms; usage
-  with `prompt_tokens_details.cached_tokens`; finish_reason stop | length | abort (the worker
-  ended it) and `stop_reason`, the stop string or stop token id that matched (vLLM's field; null
-  for EOS or length); logprobs in the chat form (`content: [{token, logprob, bytes, top_logprobs}]`)
-  or the completions form (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
-- state: per response (id, created time, text offset of the logprobs).
+- input: the `Parsed` request, the model name, and per choice (index) the service's `TokenChunk`s
+  and `Finished` (the same protobuf messages the gRPC API streams); `token_text(id) -> str` (for
+  logprobs).
+- output: `chat.completion` / `text_completion` objects and their streamed `chunk` forms (one
+  choice per chunk, each with its `index`); usage summed over the choices, each prompt counted
+  once (as OpenAI counts `n`), with `prompt_tokens_details.cached_tokens`; finish_reason stop |
+  length | abort (the worker ended it) and `stop_reason`, the stop string or stop token id that
+  matched (vLLM's field; null for EOS or length); logprobs in the chat form (`content: [{token,
+  logprob, bytes, top_logprobs}]`) or the completions form (`tokens`, `token_logprobs`,
+  `top_logprobs`, `text_offset`).
+- state: per response (id, created time, each choice's text offset for the logprobs).
 - failure modes: none (the events are already validated).
 - proven by: tests/test_openai_e2e.py (the openai SDK parses every shape).
 """
@@ -34,13 +37,16 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
-def usage(done: Done) -> dict:
-    u = done.usage
+def usage(dones: list[Done], n: int = 1) -> dict:
+    """Usage of every choice's `Finished` (index order, `n` choices per prompt): completion tokens
+    summed, the prompt (and its cached tokens) counted once per prompt."""
+    prompt = sum(d.usage.prompt_tokens for d in dones[::n])
+    completion = sum(d.usage.completion_tokens for d in dones)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(d.usage.cached_prompt_tokens for d in dones[::n])},
     }
 
 
@@ -56,14 +62,14 @@ class Responder:
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
         self.created = int(time.time())
-        self._offset = 0
+        self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
 
     # -- logprobs ---------------------------------------------------------------------------
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    def logprobs(self, chunks: list[Chunk]) -> dict | None:
+    def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict | None:
         if not self.parsed.logprobs:
             return None
         pairs = [
@@ -81,6 +87,7 @@ class Responder:
                 content.append(entry)
             return {"content": content}
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self._offsets.get(index, 0)
         for token, lp, top in pairs:
             text = self._token_text(token)
             out["tokens"].append(text)
@@ -88,13 +95,16 @@ class Responder:
             out["top_logprobs"].append(
                 {self._token_text(t): v for t, v in zip(top.token_ids, top.logprobs)} if top else {}
             )
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
         return out
 
     # -- whole response ---------------------------------------------------------------------
-    def _choice(self, text: str | None, chunks: list[Chunk], done: Done | None, delta: bool) -> dict:
-        choice: dict = {"index": 0}
+    def _choice(
+        self, index: int, text: str | None, chunks: list[Chunk], done: Done | None, delta: bool
+    ) -> dict:
+        choice: dict = {"index": index}
         if self.parsed.chat:
             body = {} if text is None else {"content": text}
             if delta:
@@ -103,7 +113,7 @@ class Responder:
                 choice["message"] = {"role": "assistant", "content": text or ""}
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = self.logprobs(chunks) if chunks else None
+        choice["logprobs"] = self.logprobs(chunks, index) if chunks else None
         choice["finish_reason"] = FINISH.get(done.reason, "abort") if done else None
         choice["stop_reason"] = stop_reason(done) if done else None
         return choice
@@ -118,10 +128,16 @@ class Responder:
             "choices": choices,
         }
 
-    def complete(self, chunks: list[Chunk], done: Done) -> dict:
-        text = "".join(c.text for c in chunks)
-        out = self._envelope([self._choice(text, chunks, done, delta=False)], chunked=False)
-        out["usage"] = usage(done)
+    def complete(self, choices: list[tuple[list[Chunk], Done]]) -> dict:
+        """The whole answer from each choice's (chunks, Finished), in index order."""
+        out = self._envelope(
+            [
+                self._choice(i, "".join(c.text for c in chunks), chunks, done, delta=False)
+                for i, (chunks, done) in enumerate(choices)
+            ],
+            chunked=False,
+        )
+        out["usage"] = usage([done for _, done in choices], self.parsed.n)
         return out
 
     # -- streaming --------------------------------------------------------------------------
@@ -132,27 +148,30 @@ class Responder:
         return sse(out)
 
     def start(self) -> bytes:
-        """Chat streams open with the assistant's role (OpenAI does the same)."""
+        """Chat streams open with the assistant's role, one chunk per choice (as OpenAI does)."""
         if not self.parsed.chat:
             return b""
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._chunk([choice])
+        role = {"role": "assistant", "content": ""}
+        return b"".join(
+            self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+            for i in range(len(self.parsed.requests) or 1)
+        )
 
-    def delta(self, chunk: Chunk) -> bytes:
+    def delta(self, chunk: Chunk, index: int = 0) -> bytes:
         if not chunk.text and not (self.parsed.logprobs and chunk.token_ids):
             return b""  # text held back (a partial character or a possible stop string)
-        return self._chunk([self._choice(chunk.text, [chunk], None, delta=True)])
+        return self._chunk([self._choice(index, chunk.text, [chunk], None, delta=True)])
 
-    def finish(self, done: Done) -> bytes:
-        out = self._chunk([self._choice(None if self.parsed.chat else "", [], done, delta=True)])
+    def finish_choice(self, done: Done, index: int = 0) -> bytes:
+        """One choice's last chunk: its finish_reason and stop_reason."""
+        return self._chunk([self._choice(index, None if self.parsed.chat else "", [], done, delta=True)])
+
+    def end(self, dones: list[Done]) -> bytes:
+        """After every choice finished: the usage chunk (with include_usage), then [DONE]."""
+        out = b""
         if self.parsed.include_usage:
             last = self._envelope([], chunked=True)
-            last["usage"] = usage(done)
+            last["usage"] = usage(dones, self.parsed.n)
             out += sse(last)
         return out + sse("[DONE]")
 
