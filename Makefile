@@ -120,6 +120,11 @@ FAIRNESS_ARGS ?=
 bench-fairness: install protos
 	$(PY) -m benchmarks.fairness $(FAIRNESS_ARGS)
 
+# Structured output's cost per engine step: json_object vs free text, taking turns (~1 min).
+.PHONY: bench-structured
+bench-structured: install protos
+	$(PY) -m benchmarks.structured_output $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

@@ -172,6 +172,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON (what llguidance builds its token trie from)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a 600k-character prompt
         # tokenized on a helper thread then no longer stalls the router's event loop for seconds.

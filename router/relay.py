@@ -133,6 +133,7 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
         repetition_penalty=req.repetition_penalty,
         logit_bias=dict(req.logit_bias),
         top_logprobs=req.top_logprobs,
+        grammar=req.grammar,
     )
     if req.seed is not None:
         sampling.seed = req.seed

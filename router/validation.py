@@ -13,11 +13,13 @@ Contract
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.structured import MAX_GRAMMAR_BYTES, grammar_for
 from protos.llm.v1 import generation_pb2 as pb
 from router.config import Limits
 from router.errors import ValidationError
@@ -57,6 +59,7 @@ class ValidRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     priority: int = 0
+    grammar: str = ""  # structured output: the llguidance grammar the worker runs ("" = free text)
 
 
 def _check(ok: bool, field: str, problem: str) -> None:
@@ -242,6 +245,33 @@ def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
     return out
 
 
+def _response_format(req: pb.GenerateRequest) -> dict:
+    """The format's grammar, compiled here (bounded: common.structured.MAX_GRAMMAR_BYTES) so that a
+    schema llguidance cannot run is a 400 before admission, not a worker error."""
+    kind = req.response_format.WhichOneof("kind")
+    if kind is None:
+        return {}
+    field = f"response_format.{kind}"
+    _check(not req.stopping.ignore_eos, field, "ends its output with EOS: not with stopping.ignore_eos")
+    if kind == "json_object":
+        _check(req.response_format.json_object, field, "must be true when set")
+        fmt: dict = {"type": "json_object"}
+    elif kind == "json_schema":
+        size = len(req.response_format.json_schema)
+        _check(size <= MAX_GRAMMAR_BYTES, field, f"{size} bytes, more than {MAX_GRAMMAR_BYTES}")
+        try:
+            schema = json.loads(req.response_format.json_schema)
+        except (ValueError, RecursionError):
+            raise ValidationError(field, "is not valid JSON") from None
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    else:
+        fmt = {"type": "regex", "regex": req.response_format.regex}
+    try:
+        return {"grammar": grammar_for(fmt)}
+    except ValueError as exc:
+        raise ValidationError(field, str(exc)) from None
+
+
 def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, ModelSpec]) -> ValidRequest:
     """Everything that can be checked before tokenization."""
     model = _resolve_model(req.model, models)
@@ -252,6 +282,7 @@ def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, Model
         **_input(req, model, limits),
         **_sampling(req.sampling, model),
         **_stopping(req.stopping, model, limits),
+        **_response_format(req),
     )
 
 

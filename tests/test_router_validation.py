@@ -1,5 +1,6 @@
 """Validation table (pure): each invalid request names its field; defaults are applied."""
 
+import json
 import math
 
 import pytest
@@ -87,6 +88,34 @@ INVALID = [
     ("bias nan", req(sampling=pb.SamplingParams(logit_bias={5: math.nan})), "sampling.logit_bias"),
     ("request id with space", req(request_id="a b"), "request_id"),
     ("request id too long", req(request_id="x" * 129), "request_id"),
+    (
+        "schema not JSON",
+        req(response_format=pb.ResponseFormat(json_schema="{nope")),
+        "response_format.json_schema",
+    ),
+    (
+        "schema of an unknown type",
+        req(response_format=pb.ResponseFormat(json_schema='{"type": "nope"}')),
+        "response_format.json_schema",
+    ),
+    (
+        "schema too large",
+        req(response_format=pb.ResponseFormat(json_schema='{"enum": ["' + "x" * 70_000 + '"]}')),
+        "response_format.json_schema",
+    ),
+    ("bad regex", req(response_format=pb.ResponseFormat(regex="(")), "response_format.regex"),
+    (
+        "json_object false",
+        req(response_format=pb.ResponseFormat(json_object=False)),
+        "response_format.json_object",
+    ),
+    (
+        "format with ignore_eos",
+        req(
+            response_format=pb.ResponseFormat(json_object=True), stopping=pb.StoppingCriteria(ignore_eos=True)
+        ),
+        "response_format.json_object",
+    ),
 ]
 
 
@@ -157,6 +186,19 @@ def test_fit_to_context():
     )
     with pytest.raises(ValidationError, match="^chat.messages: "):
         fit_to_context(chat, 0, LIMITS)
+
+
+def test_response_formats_become_grammars():
+    assert validate(req(), LIMITS, MODELS).grammar == ""
+    grammars = {
+        validate(req(response_format=fmt), LIMITS, MODELS).grammar
+        for fmt in (
+            pb.ResponseFormat(json_object=True),
+            pb.ResponseFormat(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+            pb.ResponseFormat(regex="[0-9]+"),
+        )
+    }
+    assert len(grammars) == 3 and all(json.loads(g) for g in grammars)  # llguidance's JSON form
 
 
 def test_new_sampling_params_kept():

@@ -251,6 +251,23 @@ class ModelRunner:
         self.sampler.release(request_id)
         self.input_batch.drop(request_id)
 
+    def start_grammar(self, request_id: str, grammar: str) -> None:
+        """A constrained request's matcher (worker/grammar.py), made before it is scheduled;
+        ValueError naming the problem. The tokenizer is read from the model file on first use."""
+        if self.sampler.grammars is None:
+            from worker.grammar import Grammars
+
+            self.sampler.grammars = Grammars(self._tokenizer_json, self.eos_token_ids)
+        self.sampler.grammars.start(request_id, grammar)
+
+    def _tokenizer_json(self) -> str:
+        from common.model_files import default_model_path, resolve_model_source
+        from common.tokenizer import Tokenizer
+
+        model = self.config.model
+        path = resolve_model_source(str(model)) if model else default_model_path()
+        return Tokenizer.from_model(path).backend_json()
+
     def prepare(
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -9,7 +9,9 @@ prompt + output token ids so far) of row i, needed only by rows with penalties
 Order of the steps, as vLLM applies them:
 1. `adjust_logits`: logit bias added; repetition penalty over prompt + output tokens (a positive
    logit divided by it, a negative one multiplied); frequency penalty x count and presence penalty
-   (once) subtracted for the tokens of the output so far. Greedy rows take the argmax here.
+   (once) subtracted for the tokens of the output so far. Then rows with a grammar (structured
+   output, worker/grammar.py) set every token it does not allow to -inf. Greedy rows take the
+   argmax here.
 2. `sampling_logits` (other rows): / temperature, then min-p (drop tokens with probability below
    min_p x the largest), then top-k, then top-p (the smallest set whose mass reaches top_p).
 3. Draw by the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. Each row
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.grammar import Grammars
 from worker.types import Logprob, SamplingParams
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, prompt + output ids)
@@ -162,10 +165,17 @@ def sample_tokens(
     generators: list[torch.Generator | None],
     histories: Sequence[History] | None = None,
     state: torch.Tensor | None = None,
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[float] | None]:
     """`sample` with the tokens left on the logits' device ([S] int64, no host sync); the logprobs,
-    when any row asks for them, come back to the host (one sync). `state`: as `adjust_logits`."""
+    when any row asks for them, come back to the host (one sync). `state`: as `adjust_logits`.
+    `allowed`: (rows, bool [R, V]) the tokens each of those rows may take (a grammar's mask)."""
     adjusted = adjust_logits(logits, params, histories, state)
+    if allowed is not None:
+        rows, mask = allowed
+        adjusted = adjusted.clone() if adjusted is logits else adjusted
+        idx = on_device(rows, logits.device, torch.int64)
+        adjusted[idx] = adjusted[idx].masked_fill(~mask.to(logits.device), float("-inf"))
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -237,9 +247,9 @@ class SampledTokens:
 
 
 def fusable(p: SamplingParams) -> bool:
-    """Rows the fused kernel samples (worker/kernels/triton_sampling.py): no logprobs, logit bias or
-    penalties."""
-    return not (p.logprobs or p.logit_bias or p.needs_history)
+    """Rows the fused kernel samples (worker/kernels/triton_sampling.py): no logprobs, logit bias,
+    penalties or grammar."""
+    return not (p.logprobs or p.logit_bias or p.needs_history or p.grammar)
 
 
 class RequestSampler:
@@ -258,6 +268,9 @@ class RequestSampler:
     - The other rows: `sample_tokens` over their float32 logits, with one `torch.Generator` per
       request, and penalties reading the request's statistics on the device (`penalty_state`, built
       from the prompt at its first sampling step, `record_tokens` after each).
+    - Rows with a grammar (structured output) take the torch path with the grammar's mask
+      (`grammars`, worker/grammar.py, set by the model runner), and their tokens come to the host
+      at once (one sync) to advance each request's matcher before the next step's mask.
     Seeds of unseeded requests are drawn from a CPU generator seeded by the engine (a CUDA one
     would sync to read it). `release(request_id)` drops a request's state.
     """
@@ -270,11 +283,14 @@ class RequestSampler:
         self.generators: dict[str, torch.Generator] = {}
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
         self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (penalty_state)
+        self.grammars: Grammars | None = None  # constrained requests' matchers (the model runner's)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.philox.pop(request_id, None)
         self.penalties.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def _seed(self, seed: int | None) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator)) if seed is None else seed
@@ -349,10 +365,19 @@ class RequestSampler:
         penalized = [i for i, p in enumerate(params) if p.needs_history]
         states = [self._penalty_row(seqs[i], logits.shape[-1]) for i in penalized]
         state = torch.stack(states) if states else None
-        tokens, logprobs = sample_tokens(logits, params, gens, state=state)
+        constrained = [i for i, p in enumerate(params) if p.grammar]
+        allowed = None
+        if constrained:
+            ids = [seqs[i].request_id for i in constrained]
+            allowed = (constrained, self.grammars.allowed(ids, logits.shape[-1]))
+        tokens, logprobs = sample_tokens(logits, params, gens, state=state, allowed=allowed)
         if states:
             idx = on_device(penalized, self.device, torch.int64)
             record_tokens(states, tokens if len(penalized) == len(seqs) else tokens[idx])
+        if constrained:  # the next mask needs these tokens: one host sync
+            host = tokens.tolist()
+            for i in constrained:
+                self.grammars.consume(seqs[i].request_id, host[i])
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return tokens, logprobs

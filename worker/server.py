@@ -76,6 +76,7 @@ def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
         repetition_penalty=s.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         top_logprobs=s.top_logprobs,
+        grammar=s.grammar,
     )
 
 

@@ -45,6 +45,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # (0, 2]: divides (>0) or multiplies (<0) seen tokens' logits
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     top_logprobs: int = 0  # also the N most likely tokens at each position (needs logprobs)
+    grammar: str = ""  # llguidance grammar the output must follow (worker/grammar.py); "" = none
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -67,6 +68,8 @@ class SamplingParams:
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         if self.top_logprobs < 0 or (self.top_logprobs and not self.logprobs):
             raise ValueError(f"top_logprobs must be >= 0 and needs logprobs, got {self.top_logprobs}")
+        if self.grammar and self.ignore_eos:
+            raise ValueError("a grammar ends its output with EOS: it cannot be combined with ignore_eos")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,8 @@ Contract
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
   the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature
-  this server does not have (tools, response_format other than text, echo, suffix, best_of > 1).
+  this server does not have (tools, echo, suffix, best_of > 1); a `response_format` other than
+  text, json_object or json_schema.
   Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
   vendor extensions; docs/openai.md lists what is honoured.
 - proven by: tests/test_openai_requests.py (table), tests/test_openai_e2e.py (through the SDK).
@@ -20,6 +21,7 @@ Contract
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -158,9 +160,6 @@ def _unsupported(body: dict, chat: bool) -> None:
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name):
             raise _bad(name, "tool calling is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise _bad("response_format", "only {'type': 'text'} is supported")
     if not chat:
         if _get(body, "echo", (bool,), "a boolean"):
             raise _bad("echo", "echo is not supported")
@@ -168,6 +167,25 @@ def _unsupported(body: dict, chat: bool) -> None:
             raise _bad("suffix", "suffix is not supported")
         if _int(body, "best_of", 1) not in (None, 1):
             raise _bad("best_of", "only best_of = 1 is supported")
+
+
+def _response_format(body: dict, req: pb.GenerateRequest) -> None:
+    """`{"type": "text"}` (or none), `{"type": "json_object"}`, or `{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: structured output."""
+    fmt = _get(body, "response_format", (dict,), "an object")
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        req.response_format.json_object = True
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format", "json_schema.schema: required, a JSON Schema object")
+        req.response_format.json_schema = json.dumps(schema)
+    else:
+        raise _bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _logprobs(body: dict, chat: bool, s: pb.SamplingParams, out: Parsed) -> None:
@@ -259,6 +277,7 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     _logprobs(body, chat, req.sampling, out)
     _stopping(body, chat, req.stopping, out)
     req.priority = _int(body, "priority", -INT32_MAX - 1) or 0
+    _response_format(body, req)
     for i, prompt in enumerate(prompts):
         for j in range(n):
             one = pb.GenerateRequest()
@@ -296,4 +315,6 @@ def param_of(field_name: str, parsed: Parsed | None) -> str:
         return field_name.removeprefix("stopping.")
     if field_name.startswith("sampling."):
         return field_name.removeprefix("sampling.")
+    if field_name.startswith("response_format"):
+        return "response_format"
     return FIELD_PARAMS.get(field_name, field_name)

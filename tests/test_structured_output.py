@@ -1,0 +1,158 @@
+"""Structured output (response_format: json_object, json_schema; regex over gRPC), from the grammar
+to the SDK: common/structured.py builds and validates the llguidance grammar, worker/grammar.py
+masks the logits, the sampler advances each request's matcher.
+
+Checked: the format's errors name the problem; the unpacked bitmask equals llguidance's own
+byte-per-token form; a constrained generation is accepted whole by a fresh matcher (the reference)
+and parses as an instance of the schema (greedy and seeded sampling, in one batch with an
+unconstrained row whose tokens stay those it gets alone); the same tokens with async scheduling,
+preemption and an abort in a small pool; every matcher released; ignore_eos refused; through a
+real router and worker: the OpenAI SDK's json_schema answer parses, a bad schema is a 400 naming
+response_format, and a gRPC regex constrains the text."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from common.structured import grammar_for
+from protos.llm.v1 import generation_pb2 as pb
+from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker: the shared stack's fixtures
+    AUTH,
+    client,
+    grpc_generate,
+    router,
+    stub,
+    worker,
+)
+from tests.test_async_scheduling import Request, assert_same, run
+from worker.types import SamplingParams
+
+llguidance = pytest.importorskip("llguidance")
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Give me a JSON object describing a person named Ann who is 31."}]
+
+
+def schema_grammar(schema: dict) -> str:
+    return grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+
+
+@pytest.mark.parametrize(
+    "fmt, problem",
+    [
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "nope"),
+        ({"type": "json_schema", "json_schema": {}}, "json_schema.schema: required"),
+        ({"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70_000]}}}, "more than"),
+        ({"type": "regex", "regex": "(unclosed"}, ""),
+        ({"type": "yaml"}, "must be text, json_object, json_schema or regex"),
+    ],
+)
+def test_bad_formats_raise_naming_the_problem(fmt, problem):
+    with pytest.raises(ValueError) as info:
+        grammar_for(fmt)
+    assert problem in str(info.value) and str(info.value)
+
+
+def test_mask_unpacking_equals_llguidances_byte_mask(runner, tokenizer):
+    runner.start_grammar("mask-check", schema_grammar(PERSON))
+    grammars = runner.sampler.grammars
+    try:
+        vocab = runner.model_config.vocab_size
+        matcher = grammars.matchers["mask-check"]
+        for text in ("", '{"name": "A'):  # the opening state, then inside a string
+            if text:
+                assert matcher.consume_tokens(tokenizer.encode(text))
+            want = [b != 0 for b in matcher.compute_logit_bias()][:vocab]
+            got = grammars.allowed(["mask-check"], vocab)[0]
+            assert got.tolist()[: len(want)] == want and sum(want) > 0
+        assert matcher.consume_tokens(tokenizer.encode('nn", "age": 31}'))
+        only = grammars.allowed(["mask-check"], vocab)[0]  # complete: only EOS may follow
+        assert only.nonzero().flatten().tolist() == sorted(t for t in runner.eos_token_ids if t < vocab)
+    finally:
+        runner.release("mask-check")
+    assert not grammars.matchers
+
+
+def test_engine_outputs_follow_the_schema_and_leave_other_rows_alone(make_engine, runner, tokenizer):
+    prompt = tokenizer.encode_chat(ASK)
+    grammar = schema_grammar(PERSON)
+    free = SamplingParams(max_tokens=24, temperature=0)
+    alone = make_engine().generate([prompt], free)[0]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0, grammar=grammar),
+        SamplingParams(max_tokens=48, temperature=0.9, seed=5, grammar=grammar),
+        free,
+    ]
+    outs = make_engine().generate([prompt] * 3, params)
+    assert outs[2] == alone  # an unconstrained row in the batch: its tokens as alone
+    for out in outs[:2]:
+        reference = llguidance.LLMatcher(runner.sampler.grammars._llt(), grammar)  # a fresh matcher
+        assert reference.consume_tokens(out) and reference.is_stopped(), tokenizer.decode(out)
+        assert out[-1] in runner.eos_token_ids
+        person = json.loads(tokenizer.decode(out[:-1]))
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert outs[0][0] != alone[0]  # unconstrained, the model opens with a code fence, not "{"
+    assert not runner.sampler.grammars.matchers  # released at the end of each request
+
+
+def test_async_scheduling_preemption_and_abort_keep_the_constrained_tokens(make_engine, tokenizer):
+    grammar = grammar_for({"type": "json_object"})
+    prompt = tokenizer.encode_chat(ASK)
+    requests = [
+        Request(
+            f"j{i}", prompt, SamplingParams(max_tokens=20, temperature=0.7, seed=i, grammar=grammar), i, None
+        )
+        for i in range(3)
+    ]
+    requests.append(Request("abort", prompt, SamplingParams(max_tokens=20, grammar=grammar), 1, 4))
+    kwargs = dict(num_kv_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    sync = run(make_engine(**kwargs), requests)
+    engine = make_engine(async_scheduling=True, **kwargs)
+    assert_same(sync, run(engine, requests))
+    engine.close()
+    assert all(sync[f"j{i}"].tokens[0] == tokenizer.encode("{")[0] for i in range(3))
+    assert not engine.runner.sampler.grammars.matchers
+
+
+def test_a_grammar_cannot_ignore_eos():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(grammar=grammar_for({"type": "json_object"}), ignore_eos=True)
+
+
+def test_sdk_json_schema_answer_parses_and_a_bad_schema_is_400(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    reply = client.chat.completions.create(model="", messages=ASK, max_tokens=48, response_format=fmt)
+    person = json.loads(reply.choices[0].message.content)
+    assert set(person) == {"name", "age"} and reply.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=ASK, max_tokens=8, response_format=bad)
+    assert info.value.param == "response_format" and "nope" in info.value.body["message"]
+
+
+def test_grpc_regex_constrains_the_text(stub):
+    text, finished = grpc_generate(
+        stub,
+        AUTH,
+        prompt="My favourite number is",
+        response_format=pb.ResponseFormat(regex="[0-9]{3}"),
+        sampling=pb.SamplingParams(temperature=0.8, seed=2),
+        stopping=pb.StoppingCriteria(max_tokens=12),
+    )
+    assert re.fullmatch("[0-9]{3}", text) and finished.reason == pb.FINISH_REASON_STOP
+
+
+def test_cost_benchmark_runs():
+    from benchmarks.structured_output import main
+
+    [row] = main(["--batches", "2", "--tokens", "6", "--rounds", "1"])
+    assert row["batch"] == 2 and row["free_ms"] > 0 and row["constrained_ms"] > 0
