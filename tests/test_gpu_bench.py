@@ -4,8 +4,8 @@ transformers eager and static-cache + torch.compile, HBM roofline) and writes th
 needs nothing that the GPU machine lacks. The real-checkpoint check (graphs vs eager on SmolLM2)
 runs at tiny size in-process, and is skipped with a reason where the GGUF cannot be loaded.
 
-The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2, safetensors or
-prometheus_client; each test runs the script in a subprocess where those imports fail.
+The GPU machine has torch, triton and transformers but not gguf, tokenizers, jinja2, safetensors,
+prometheus_client or llguidance; each test runs the script in a subprocess where those imports fail.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_smoke_run_writes_tables(tmp_path):
     proc = run_python(
         "import runpy\nsys.argv = ['gpu_bench', '--smoke']\n"
         "runpy.run_module('benchmarks.gpu_bench', run_name='__main__')",
-        blocked=("gguf", "tokenizers", "jinja2", "prometheus_client"),
+        blocked=("gguf", "tokenizers", "jinja2", "prometheus_client", "llguidance"),
         env={"OUT": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -214,7 +214,9 @@ engine = LLMEngine(config, runner=ModelRunner.from_model(config, model))
 [out] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 print(len(out), hf is None, why)
 """
-    proc = run_python(code, blocked=("gguf", "tokenizers", "jinja2", "safetensors"), timeout=120)
+    proc = run_python(
+        code, blocked=("gguf", "tokenizers", "jinja2", "safetensors", "llguidance"), timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     num_tokens, hf_missing, why = proc.stdout.strip().splitlines()[-1].split(" ", 2)
     assert num_tokens == "3"
@@ -238,6 +240,7 @@ def test_gpu_session_tests_need_no_server_packages():
             "tokenizers",
             "jinja2",
             "safetensors",
+            "llguidance",
         ),
         timeout=120,
     )
