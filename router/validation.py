@@ -13,6 +13,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import uuid
@@ -245,6 +246,21 @@ def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _grammar(kind: str, value: str) -> str:
+    """The llguidance grammar of one format (cached: the n choices of a request, and clients that
+    send the same schema each time, compile it once; errors are not cached)."""
+    if kind == "json_object":
+        return grammar_for({"type": "json_object"})
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("is not valid JSON") from None
+        return grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+    return grammar_for({"type": "regex", "regex": value})
+
+
 def _response_format(req: pb.GenerateRequest) -> dict:
     """The format's grammar, compiled here (bounded: common.structured.MAX_GRAMMAR_BYTES) so that a
     schema llguidance cannot run is a 400 before admission, not a worker error."""
@@ -253,21 +269,11 @@ def _response_format(req: pb.GenerateRequest) -> dict:
         return {}
     field = f"response_format.{kind}"
     _check(not req.stopping.ignore_eos, field, "ends its output with EOS: not with stopping.ignore_eos")
-    if kind == "json_object":
-        _check(req.response_format.json_object, field, "must be true when set")
-        fmt: dict = {"type": "json_object"}
-    elif kind == "json_schema":
-        size = len(req.response_format.json_schema)
-        _check(size <= MAX_GRAMMAR_BYTES, field, f"{size} bytes, more than {MAX_GRAMMAR_BYTES}")
-        try:
-            schema = json.loads(req.response_format.json_schema)
-        except (ValueError, RecursionError):
-            raise ValidationError(field, "is not valid JSON") from None
-        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
-    else:
-        fmt = {"type": "regex", "regex": req.response_format.regex}
+    _check(kind != "json_object" or req.response_format.json_object, field, "must be true when set")
+    value = getattr(req.response_format, kind) if kind != "json_object" else ""
+    _check(len(value) <= MAX_GRAMMAR_BYTES, field, f"{len(value)} bytes, more than {MAX_GRAMMAR_BYTES}")
     try:
-        return {"grammar": grammar_for(fmt)}
+        return {"grammar": _grammar(kind, value)}
     except ValueError as exc:
         raise ValidationError(field, str(exc)) from None
 

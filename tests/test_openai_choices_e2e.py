@@ -30,8 +30,10 @@ FOX = "The quick brown fox"
 def test_batch_of_prompts_with_n_is_each_choice_single_request(client):
     prompts, n, seed = [STORY, FOX], 2, 7
     common = dict(model="", max_tokens=6, temperature=1.0, logprobs=1, extra_body={"ignore_eos": True})
-    reply = client.completions.create(prompt=prompts, n=n, seed=seed, **common)
-    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    reply = client.completions.create(
+        prompt=prompts, n=n, seed=seed, **common, extra_headers={"X-Request-Id": "batch-1"}
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3] and reply.id == "cmpl-batch-1"
     singles = [
         client.completions.create(prompt=prompts[k // n], seed=seed + k % n, **common) for k in range(4)
     ]
@@ -82,3 +84,22 @@ def test_a_choice_over_the_tenants_limit_refuses_the_request_and_frees_every_blo
             assert procs.worker_load(worker.address).num_running == 2
     load, _ = procs.wait_all_blocks_free(worker.address)
     assert load.num_running == 0
+
+
+def test_choices_beyond_the_workers_room_run_in_turn(client, worker):
+    """16 x (prompt + 12) tokens are more than this router may reserve on the worker (its whole
+    pool): the first choices run to the end and free their room for the rest (waiting for every
+    choice's first token before reading any further held that room forever)."""
+    capacity = procs.worker_load(worker.address).num_total_blocks * 16
+    prompt = " ".join([STORY] * 3)
+    reply = client.completions.create(
+        model="",
+        prompt=prompt,
+        n=16,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        timeout=90,
+    )
+    assert 16 * (reply.usage.prompt_tokens + 12) > capacity
+    assert reply.usage.completion_tokens == 16 * 12 and len({c.text for c in reply.choices}) == 1

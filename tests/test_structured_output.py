@@ -6,7 +6,7 @@ Checked: the format's errors name the problem; the unpacked bitmask equals llgui
 byte-per-token form; a constrained generation is accepted whole by a fresh matcher (the reference)
 and parses as an instance of the schema (greedy and seeded sampling, in one batch with an
 unconstrained row whose tokens stay those it gets alone); the same tokens with async scheduling,
-preemption and an abort in a small pool; every matcher released; ignore_eos refused; through a
+preemption and an abort in a small pool; ignore_eos refused; through a
 real router and worker: the OpenAI SDK's json_schema answer parses, a bad schema is a 400 naming
 response_format, and a gRPC regex constrains the text."""
 
@@ -29,7 +29,7 @@ from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker:
     worker,
 )
 from tests.test_async_scheduling import Request, assert_same, run
-from worker.types import SamplingParams
+from worker.types import FinishReason, SamplingParams
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -63,23 +63,19 @@ def test_bad_formats_raise_naming_the_problem(fmt, problem):
 
 
 def test_mask_unpacking_equals_llguidances_byte_mask(runner, tokenizer):
-    runner.start_grammar("mask-check", schema_grammar(PERSON))
-    grammars = runner.sampler.grammars
-    try:
-        vocab = runner.model_config.vocab_size
-        matcher = grammars.matchers["mask-check"]
-        for text in ("", '{"name": "A'):  # the opening state, then inside a string
-            if text:
-                assert matcher.consume_tokens(tokenizer.encode(text))
-            want = [b != 0 for b in matcher.compute_logit_bias()][:vocab]
-            got = grammars.allowed(["mask-check"], vocab)[0]
-            assert got.tolist()[: len(want)] == want and sum(want) > 0
-        assert matcher.consume_tokens(tokenizer.encode('nn", "age": 31}'))
-        only = grammars.allowed(["mask-check"], vocab)[0]  # complete: only EOS may follow
-        assert only.nonzero().flatten().tolist() == sorted(t for t in runner.eos_token_ids if t < vocab)
-    finally:
-        runner.release("mask-check")
-    assert not grammars.matchers
+    matcher = runner.grammar_matcher(schema_grammar(PERSON))
+    grammars, vocab = runner.sampler.grammars, runner.model_config.vocab_size
+    for text in ("", '{"name": "A'):  # the opening state, then inside a string
+        if text:
+            assert matcher.consume_tokens(tokenizer.encode(text))
+        want = [b != 0 for b in matcher.compute_logit_bias()][:vocab]
+        got = grammars.allowed([matcher], vocab)[0]
+        assert got.tolist()[: len(want)] == want and sum(want) > 0
+    assert matcher.consume_tokens(tokenizer.encode('nn", "age": 31}'))
+    only = grammars.allowed([matcher], vocab)[0]  # complete: only EOS may follow
+    assert only.nonzero().flatten().tolist() == sorted(t for t in runner.eos_token_ids if t < vocab)
+    with pytest.raises(ValueError, match="grammar"):
+        runner.grammar_matcher('{"grammars": "not a grammar"}')
 
 
 def test_engine_outputs_follow_the_schema_and_leave_other_rows_alone(make_engine, runner, tokenizer):
@@ -101,26 +97,30 @@ def test_engine_outputs_follow_the_schema_and_leave_other_rows_alone(make_engine
         person = json.loads(tokenizer.decode(out[:-1]))
         assert set(person) == {"name", "age"} and isinstance(person["age"], int)
     assert outs[0][0] != alone[0]  # unconstrained, the model opens with a code fence, not "{"
-    assert not runner.sampler.grammars.matchers  # released at the end of each request
 
 
 def test_async_scheduling_preemption_and_abort_keep_the_constrained_tokens(make_engine, tokenizer):
     grammar = grammar_for({"type": "json_object"})
-    prompt = tokenizer.encode_chat(ASK)
+    prompt = tokenizer.encode("A JSON object:")
     requests = [
         Request(
             f"j{i}", prompt, SamplingParams(max_tokens=20, temperature=0.7, seed=i, grammar=grammar), i, None
         )
         for i in range(3)
     ]
-    requests.append(Request("abort", prompt, SamplingParams(max_tokens=20, grammar=grammar), 1, 4))
+    requests.append(Request("abort", prompt, SamplingParams(max_tokens=20, seed=9, grammar=grammar), 1, 4))
     kwargs = dict(num_kv_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
-    sync = run(make_engine(**kwargs), requests)
+    sync_engine = make_engine(**kwargs)
+    sync = run(sync_engine, requests)
     engine = make_engine(async_scheduling=True, **kwargs)
     assert_same(sync, run(engine, requests))
     engine.close()
-    assert all(sync[f"j{i}"].tokens[0] == tokenizer.encode("{")[0] for i in range(3))
-    assert not engine.runner.sampler.grammars.matchers
+    assert sync_engine.stats().num_preemptions > 0  # 3 x 23 tokens in a 48-token pool
+    texts = [tokenizer.decode(sync[f"j{i}"].tokens) for i in range(3)]
+    assert all(t.lstrip().startswith("{") and len(sync[f"j{i}"].tokens) > 4 for i, t in enumerate(texts)), (
+        texts
+    )
+    assert sync["abort"].finish_reason is FinishReason.ABORT
 
 
 def test_a_grammar_cannot_ignore_eos():

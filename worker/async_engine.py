@@ -313,7 +313,10 @@ class AsyncEngine:
                 _, request_id, prompt, sampling, priority, salt = command
                 try:
                     self.engine.add_request(request_id, prompt, sampling, priority, salt)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - this request fails, the engine loop goes on
+                    if not isinstance(exc, ValueError):
+                        log.exception("adding request %s failed", request_id)
+                        exc = RuntimeError(f"the request could not be added ({type(exc).__name__})")
                     stream = self._streams.get(request_id)
                     if stream is not None:
                         stream.put(exc)

@@ -136,13 +136,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, priority, salt)
         if sampling.grammar:
-            self.runner.start_grammar(request_id, sampling.grammar)  # ValueError for a bad grammar
-        try:
-            self.scheduler.add(Sequence(request_id, list(prompt_token_ids), sampling, priority, salt))
-        except BaseException:
-            self.runner.release(request_id)
-            raise
+            seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

@@ -2,79 +2,85 @@
 grammar's language, with llguidance (the token-mask engine vLLM and llama.cpp use).
 
 Contract
-- input: `SamplingParams.grammar`, an llguidance grammar (JSON text, as common.structured builds it
-  from an OpenAI `response_format`: a JSON Schema, any JSON object, or a regex; the router
-  validates it before admission); the model's tokenizer (`tokenizer_json()`, read once, on the
-  first constrained request: ~0.2 s for SmolLM2's 49k tokens).
-- output: `Grammars.start(request_id, grammar)` (a matcher per request; ValueError naming the
-  problem for a grammar this tokenizer cannot run); `allowed(request_ids, vocab)` -> bool
-  `[R, vocab]` (CPU) of the tokens each request may take next (EOS only once the grammar is
-  complete or the matcher failed: the sequence then ends as at any EOS); `consume(request_id,
-  token)` after each sampled token; `release(request_id)`.
-- state: one `LLMatcher` per constrained request, advanced only by `consume`, so a preempted and
-  recomputed sequence keeps its place in the grammar.
-- cost: a mask is ~1 ms of CPU per constrained row per step (SmolLM2's vocabulary, JSON).
-- failure modes: ValueError at `start` (bad grammar); a token the mask did not allow (impossible
-  through the sampler) leaves the matcher in its error state: EOS only from then on.
-- proven by: tests/test_structured_output.py (engine outputs parse and match the schema; the
-  masked logits against an unmasked run; through the router and the OpenAI SDK).
+- input: `SamplingParams.grammar`, an llguidance grammar (JSON text, as common.structured builds
+  it from a `response_format`: a JSON Schema, any JSON object, or a regex; the router validates it
+  before admission); the model's tokenizer (`tokenizer_json()`, read once, on the first
+  constrained request: ~0.2 s for SmolLM2's 49k tokens, on the engine thread).
+- output: `Grammars.matcher(grammar)` -> a new llguidance matcher (the engine keeps it on the
+  request's `Sequence`; ValueError naming the problem for a grammar this tokenizer cannot run, or
+  where llguidance is not installed); `allowed(matchers, vocab)` -> bool `[R, vocab]` (CPU) of the
+  tokens each may take next (EOS only once the grammar is complete or the matcher failed: the
+  sequence then ends as at any EOS); `consume(matcher, token)` after each sampled token.
+- state: the llguidance tokenizer; each matcher lives on its `Sequence` (advanced only by
+  `consume`, so a preempted and recomputed sequence keeps its place in the grammar, and nothing
+  keyed by request id can outlive or be shared by a request).
+- cost: a mask is about 0.15-0.3 ms per constrained row per step (docs/benchmarks.md).
+- failure modes: ValueError from `matcher` (bad grammar, llguidance missing). A matcher can enter
+  llguidance's error state mid-generation (a resource limit; a token it did not allow cannot come
+  through the sampler): the error is logged and only EOS is allowed from then on, so the output
+  ends early and may not be complete.
+- proven by: tests/test_structured_output.py (engine outputs accepted whole by a fresh matcher and
+  parsed against the schema; the unpacked mask against llguidance's byte mask; async scheduling,
+  preemption and aborts; through the router and the OpenAI SDK).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from common.structured import MAX_GRAMMAR_BYTES, available, llguidance
 
+log = logging.getLogger(__name__)
+
 
 class Grammars:
-    """The matchers of a model runner's constrained requests (see the module docstring)."""
+    """A model runner's llguidance tokenizer and the matchers made from it."""
 
     def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: tuple[int, ...]):
         self._tokenizer_json, self._eos = tokenizer_json, tuple(eos_token_ids)
         self._tokenizer = None
-        self.matchers: dict[str, object] = {}
+        self._bits = torch.arange(32, dtype=torch.int32)
 
     def _llt(self):
         if self._tokenizer is None:
-            if llguidance is None:
-                raise ValueError(f"constrained decoding is unavailable: {available()}")
             self._tokenizer = llguidance.LLTokenizer(
                 self._tokenizer_json(), eos_token=list(self._eos) or None
             )
         return self._tokenizer
 
-    def start(self, request_id: str, grammar: str) -> None:
+    def matcher(self, grammar: str):
+        if llguidance is None:
+            raise ValueError(f"structured output is unavailable on this worker: {available()}")
         if len(grammar) > 4 * MAX_GRAMMAR_BYTES:  # the compiled form of a schema at the router's limit
             raise ValueError(f"grammar: {len(grammar)} bytes is too large")
         matcher = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"grammar: {matcher.get_error()}")
-        self.matchers[request_id] = matcher
+        return matcher
 
-    def allowed(self, request_ids: list[str], vocab: int) -> torch.Tensor:
+    def allowed(self, matchers: list, vocab: int) -> torch.Tensor:
         eos = [t for t in self._eos if t < vocab]
-        out = torch.zeros(len(request_ids), vocab, dtype=torch.bool)
-        bits = torch.arange(32, dtype=torch.int32)
-        for row, request_id in enumerate(request_ids):
-            matcher = self.matchers[request_id]
+        out = torch.zeros(len(matchers), vocab, dtype=torch.bool)
+        for row, matcher in enumerate(matchers):
             if matcher.is_error():
                 out[row, eos] = True
                 continue
             words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-            mask = ((words[:, None] >> bits) & 1).flatten().bool()[:vocab]
+            mask = ((words[:, None] >> self._bits) & 1).flatten().bool()[:vocab]
             out[row, : mask.numel()] = mask
             if matcher.is_stopped():  # complete: only an end of sequence may follow
                 out[row] = False
                 out[row, eos] = True
         return out
 
-    def consume(self, request_id: str, token: int) -> None:
-        matcher = self.matchers.get(request_id)
-        if matcher is not None and not matcher.is_stopped():
-            matcher.consume_token(token)  # False = error state: EOS only from then on
-
-    def release(self, request_id: str) -> None:
-        self.matchers.pop(request_id, None)
+    @staticmethod
+    def consume(matcher, token: int) -> None:
+        if not matcher.is_stopped() and not matcher.consume_token(token):
+            log.warning(
+                "structured output: the grammar failed at token %d (%s); ending with EOS",
+                token,
+                matcher.get_error(),
+            )

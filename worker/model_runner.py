@@ -251,14 +251,22 @@ class ModelRunner:
         self.sampler.release(request_id)
         self.input_batch.drop(request_id)
 
-    def start_grammar(self, request_id: str, grammar: str) -> None:
-        """A constrained request's matcher (worker/grammar.py), made before it is scheduled;
+    def grammar_matcher(self, grammar: str):
+        """A constrained request's llguidance matcher (worker/grammar.py), kept on its Sequence;
         ValueError naming the problem. The tokenizer is read from the model file on first use."""
         if self.sampler.grammars is None:
             from worker.grammar import Grammars
 
             self.sampler.grammars = Grammars(self._tokenizer_json, self.eos_token_ids)
-        self.sampler.grammars.start(request_id, grammar)
+        try:
+            return self.sampler.grammars.matcher(grammar)
+        except ValueError:
+            raise
+        except Exception as exc:  # the tokenizer file, say: the request fails, the engine goes on
+            log.exception("structured output: no matcher")
+            raise ValueError(
+                f"structured output is unavailable on this worker ({type(exc).__name__})"
+            ) from None
 
     def _tokenizer_json(self) -> str:
         from common.model_files import default_model_path, resolve_model_source

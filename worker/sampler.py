@@ -268,9 +268,9 @@ class RequestSampler:
     - The other rows: `sample_tokens` over their float32 logits, with one `torch.Generator` per
       request, and penalties reading the request's statistics on the device (`penalty_state`, built
       from the prompt at its first sampling step, `record_tokens` after each).
-    - Rows with a grammar (structured output) take the torch path with the grammar's mask
-      (`grammars`, worker/grammar.py, set by the model runner), and their tokens come to the host
-      at once (one sync) to advance each request's matcher before the next step's mask.
+    - Rows with a grammar (structured output) take the torch path with their matcher's mask
+      (`seq.matcher`, worker/grammar.py), and their tokens come to the host at once (one sync) to
+      advance each matcher before the next step's mask.
     Seeds of unseeded requests are drawn from a CPU generator seeded by the engine (a CUDA one
     would sync to read it). `release(request_id)` drops a request's state.
     """
@@ -283,14 +283,12 @@ class RequestSampler:
         self.generators: dict[str, torch.Generator] = {}
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
         self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (penalty_state)
-        self.grammars: Grammars | None = None  # constrained requests' matchers (the model runner's)
+        self.grammars: Grammars | None = None  # structured output's tokenizer (the model runner's)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.philox.pop(request_id, None)
         self.penalties.pop(request_id, None)
-        if self.grammars is not None:
-            self.grammars.release(request_id)
 
     def _seed(self, seed: int | None) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator)) if seed is None else seed
@@ -368,8 +366,8 @@ class RequestSampler:
         constrained = [i for i, p in enumerate(params) if p.grammar]
         allowed = None
         if constrained:
-            ids = [seqs[i].request_id for i in constrained]
-            allowed = (constrained, self.grammars.allowed(ids, logits.shape[-1]))
+            matchers = [seqs[i].matcher for i in constrained]
+            allowed = (constrained, self.grammars.allowed(matchers, logits.shape[-1]))
         tokens, logprobs = sample_tokens(logits, params, gens, state=state, allowed=allowed)
         if states:
             idx = on_device(penalized, self.device, torch.int64)
@@ -377,7 +375,7 @@ class RequestSampler:
         if constrained:  # the next mask needs these tokens: one host sync
             host = tokens.tolist()
             for i in constrained:
-                self.grammars.consume(seqs[i].request_id, host[i])
+                self.grammars.consume(seqs[i].matcher, host[i])
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return tokens, logprobs

@@ -47,6 +47,7 @@ class Sequence:
     first_token_s: float | None = None
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
+    matcher: object | None = None  # structured output: its llguidance matcher (worker/grammar.py)
     # Stop conditions, precomputed (host time per sequence per step): the token ids that end it
     # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
     stop_ids: frozenset[int] = field(init=False)

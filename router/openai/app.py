@@ -312,31 +312,51 @@ def create_app(
 
 class Choices:
     """The pipeline calls of one HTTP request's choices, read as one. `start()` awaits every call's
-    first event (a refusal of any is raised at once and the others are cancelled); then `events()`
-    yields (index, TokenChunk | Finished) as they come, each call read to its end (so each request
-    finishes and is observed as for gRPC), and each call read again only once its previous event
-    was taken: a slow client holds back every worker stream. `aclose()` closes every call, which
-    cancels the worker streams of unfinished ones. One choice takes no extra task per event."""
+    first event (a refusal of any is raised at once; the caller's `aclose()` cancels the others);
+    then `events()` yields (index, TokenChunk | Finished) as they come, each call read to its end
+    (so each request finishes and is observed as for gRPC). One choice is read directly: a slow
+    client holds back its worker stream. Several are each read by a task of their own into a queue
+    from the start, so no choice holds a worker slot and KV blocks while waiting for another to be
+    admitted (a deadlock when the choices need more room than there is); what a slow client has
+    not taken stays in memory (at most every choice's max_tokens chunks) until the stream's idle
+    timeout ends it. `aclose()` closes every call, which cancels the worker streams of unfinished
+    ones."""
+
+    _END = object()
 
     def __init__(self, calls: list[AsyncIterator]):
         self._calls = calls
-        self._first: list = []
-        self._reads: dict[asyncio.Future, int] = {}  # pending anext(call) -> choice index
+        self._first: list = []  # one call: its first event
+        self._queue: asyncio.Queue = asyncio.Queue()  # several: (index, event | exception | _END)
+        self._early: list[tuple[int, object]] = []  # taken from the queue by start(), in order
+        self._readers: list[asyncio.Task] = []
 
-    async def _wait(self, return_when) -> set[asyncio.Future]:
-        done, _ = await asyncio.wait(self._reads, return_when=return_when)
-        return done
+    async def _read(self, index: int, call: AsyncIterator) -> None:
+        try:
+            async for event in call:
+                self._queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - handed to whoever reads the events
+            self._queue.put_nowait((index, exc))
+        self._queue.put_nowait((index, self._END))
+
+    async def _next(self) -> tuple[int, object]:
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return index, item
 
     async def start(self) -> None:
         if len(self._calls) == 1:
             self._first = [await anext(self._calls[0])]
             return
-        self._reads = {asyncio.ensure_future(anext(c)): i for i, c in enumerate(self._calls)}
-        firsts: dict[int, object] = {}
-        while self._reads:
-            for read in await self._wait(asyncio.FIRST_EXCEPTION):
-                firsts[self._reads.pop(read)] = read.result()  # raises the refusal, if any
-        self._first = [firsts[i] for i in range(len(self._calls))]
+        self._readers = [asyncio.ensure_future(self._read(i, c)) for i, c in enumerate(self._calls)]
+        started: set[int] = set()
+        while len(started) < len(self._calls):
+            index, item = await self._next()
+            if item is self._END and index not in started:
+                raise RouterError("the generation stream ended without a finish")
+            started.add(index)
+            self._early.append((index, item))
 
     async def events(self) -> AsyncIterator[tuple[int, Chunk | Done]]:
         if len(self._calls) == 1:
@@ -344,26 +364,25 @@ class Choices:
             async for event in self._calls[0]:
                 yield 0, event
             return
-        for i, first in enumerate(self._first):
-            yield i, first
-            self._reads[asyncio.ensure_future(anext(self._calls[i]))] = i
-        while self._reads:
-            for read in sorted(await self._wait(asyncio.FIRST_COMPLETED), key=self._reads.get):
-                i = self._reads.pop(read)
-                try:
-                    event = read.result()
-                except StopAsyncIteration:
-                    continue  # this call ended
-                yield i, event
-                self._reads[asyncio.ensure_future(anext(self._calls[i]))] = i
+        ended = 0
+        early, self._early = self._early, []
+        for index, item in early:
+            if item is self._END:
+                ended += 1
+            else:
+                yield index, item
+        while ended < len(self._calls):
+            index, item = await self._next()
+            if item is self._END:
+                ended += 1
+            else:
+                yield index, item
 
     async def aclose(self) -> None:
-        reads, self._reads = list(self._reads), {}
-        for read in reads:
-            read.cancel()
-        for read in reads:
-            with suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await read
+        for reader in self._readers:
+            reader.cancel()  # a reader inside its call: the cancellation closes that call's pipeline
+        if self._readers:
+            await asyncio.gather(*self._readers, return_exceptions=True)
         for call in self._calls:
             await call.aclose()
 

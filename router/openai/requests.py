@@ -61,6 +61,7 @@ class Parsed:
     chat: bool
     requests: list[pb.GenerateRequest] = field(default_factory=list)  # one per choice, in index order
     n: int = 1  # choices per prompt
+    request_id: str = ""  # the answer's (each choice's request adds "-<index>" when there are several)
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -264,7 +265,7 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     if n * len(prompts) > MAX_CHOICES:
         raise _bad("n", f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}")
     req = pb.GenerateRequest(request_id=request_id, model=_get(body, "model", (str,), "a string") or "")
-    out = Parsed(request=req, chat=chat, n=n)
+    out = Parsed(request=req, chat=chat, n=n, request_id=request_id)
     if chat:
         req.chat.CopyFrom(_messages(body))
     out.stream = bool(_get(body, "stream", (bool,), "a boolean"))

@@ -58,7 +58,7 @@ def stop_reason(done: Done) -> str | int | None:
 class Responder:
     def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
         self.parsed, self.model, self._token_text = parsed, model, token_text
-        rid = parsed.request.request_id
+        rid = parsed.request_id or parsed.request.request_id
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
         self.created = int(time.time())
