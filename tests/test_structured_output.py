@@ -156,3 +156,41 @@ def test_cost_benchmark_runs():
 
     [row] = main(["--batches", "2", "--tokens", "6", "--rounds", "1"])
     assert row["batch"] == 2 and row["free_ms"] > 0 and row["constrained_ms"] > 0
+
+
+def test_a_worker_without_llguidance_refuses_and_a_failed_add_fails_only_its_request(runner, monkeypatch):
+    import asyncio
+
+    import worker.grammar
+    from worker.async_engine import AsyncEngine
+    from worker.engine import LLMEngine
+
+    monkeypatch.setattr(worker.grammar, "llguidance", None)
+    monkeypatch.setattr(runner.sampler, "grammars", None)  # a fresh Grammars, as on such a worker
+    with pytest.raises(ValueError, match="unavailable on this worker: the llguidance package"):
+        runner.grammar_matcher(grammar_for({"type": "json_object"}))
+
+    engine = AsyncEngine(LLMEngine(runner.config, runner=runner))
+    real_add = engine.engine.add_request
+
+    def add(request_id, *args):
+        if request_id == "broken":
+            raise OSError("disk gone")  # not the request's fault: INTERNAL for it, the loop goes on
+        return real_add(request_id, *args)
+
+    monkeypatch.setattr(engine.engine, "add_request", add)
+    engine.start()
+
+    async def main():
+        with pytest.raises(RuntimeError, match="could not be added"):
+            async for _ in engine.generate("broken", [1, 2, 3], SamplingParams(max_tokens=2)):
+                pass
+        return [
+            o async for o in engine.generate("fine", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        ]
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 2

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.structured import MAX_GRAMMAR_BYTES, available, llguidance
+from common.structured import MAX_GRAMMAR_BYTES, llguidance
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class Grammars:
 
     def matcher(self, grammar: str):
         if llguidance is None:
-            raise ValueError(f"structured output is unavailable on this worker: {available()}")
+            raise ValueError(
+                "structured output is unavailable on this worker: the llguidance package is not installed"
+            )
         if len(grammar) > 4 * MAX_GRAMMAR_BYTES:  # the compiled form of a schema at the router's limit
             raise ValueError(f"grammar: {len(grammar)} bytes is too large")
         matcher = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
