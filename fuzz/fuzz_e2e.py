@@ -75,6 +75,19 @@ HOSTILE_VALUES = [
     "\x00\ud7ff",
     [1] * 300,
 ]
+# Structured output's formats, valid and not: llguidance must refuse or bound each (router compile,
+# worker matcher), never hang or crash a process.
+HOSTILE_FORMATS = [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a{1,1000}){1,1000}"}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 10**9}}},
+    {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": ["integer", "nope"]}}},
+    {"type": "json_schema", "json_schema": {"schema": [1, 2]}},
+    {"type": "json_schema"},
+    {"type": "regex", "regex": "(a|aa)*b"},
+    {"type": 5},
+]
 PARAMS = [
     "model",
     "max_tokens",
@@ -120,6 +133,10 @@ def hostile_body(rng: random.Random, model: str, chat: bool) -> bytes:
         body[rng.choice(PARAMS)] = rng.choice(HOSTILE_VALUES)
     if rng.random() < 0.05:
         body[rng.choice(PARAMS)] = rng.uniform(-1e6, 1e6)
+    if rng.random() < 0.1:
+        body["response_format"] = rng.choice(HOSTILE_FORMATS)
+    if rng.random() < 0.05:
+        body["n"] = rng.choice([2, 16, 17])
     text = json.dumps(body, allow_nan=True)
     if rng.random() < 0.03:
         text = text.replace("1", "NaN", 1) if rng.random() < 0.5 else text + " " * rng.randint(0, 10)
