@@ -42,10 +42,20 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
         req.stopping.max_tokens = a.max_tokens
     req.stopping.stop.extend(a.stop)
     req.stopping.ignore_eos = a.ignore_eos
+    if a.json:
+        req.response_format.json_object = True
+    elif a.json_schema:
+        schema = a.json_schema
+        if not schema.lstrip().startswith("{"):  # a file
+            with open(schema, encoding="utf-8") as f:
+                schema = f.read()
+        req.response_format.json_schema = schema
+    elif a.regex:
+        req.response_format.regex = a.regex
     return req
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m devtools.client", description=__doc__.splitlines()[0])
     p.add_argument("prompt")
     p.add_argument("--target", default="127.0.0.1:50051", help="router address")
@@ -62,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", action="store_true", help="print the mean logprob at the end")
     p.add_argument("--priority", type=int, default=0)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="structured output: a JSON object")
+    fmt.add_argument(
+        "--json-schema", default=None, help="structured output: a JSON Schema (JSON text or a file)"
+    )
+    fmt.add_argument("--regex", default=None, help="structured output: text matching this regex")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline for the whole call")
     p.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA (PEM)")
@@ -73,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         help="name the router's certificate carries, when it is not --target's host "
         "(e.g. through a port forward)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     try:
         credentials = (

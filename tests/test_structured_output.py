@@ -194,3 +194,16 @@ def test_a_worker_without_llguidance_refuses_and_a_failed_add_fails_only_its_req
     finally:
         engine.shutdown()
     assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 2
+
+
+def test_dev_client_sends_each_format(tmp_path):
+    from devtools.client import build_request, parser
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    parse = lambda *flags: build_request(parser().parse_args(["hi", *flags]))  # noqa: E731
+    assert parse("--json").response_format.json_object
+    assert json.loads(parse("--json-schema", str(schema)).response_format.json_schema) == PERSON
+    assert parse("--json-schema", '{"type": "integer"}').response_format.json_schema == '{"type": "integer"}'
+    assert parse("--regex", "[0-9]+").response_format.regex == "[0-9]+"
+    assert parse().response_format.WhichOneof("kind") is None
