@@ -331,6 +331,9 @@ class Choices:
         self._early: list[tuple[int, object]] = []  # taken from the queue by start(), in order
         self._readers: list[asyncio.Task] = []
 
+    def __len__(self) -> int:
+        return len(self._calls)
+
     async def _read(self, index: int, call: AsyncIterator) -> None:
         try:
             async for event in call:
@@ -388,7 +391,7 @@ class Choices:
 
 
 async def _collect(responder: Responder, calls: Choices) -> dict:
-    chunks: list[list[Chunk]] = [[] for _ in calls._calls]
+    chunks: list[list[Chunk]] = [[] for _ in range(len(calls))]
     dones: list[Done | None] = [None] * len(chunks)
     async with aclosing(calls.events()) as events:
         async for i, event in events:
@@ -403,7 +406,7 @@ async def _collect(responder: Responder, calls: Choices) -> dict:
 
 async def _stream(responder: Responder, calls: Choices) -> AsyncIterator[bytes]:
     yield responder.start()
-    dones: list[Done | None] = [None] * len(calls._calls)
+    dones: list[Done | None] = [None] * len(calls)
     try:
         async with aclosing(calls.events()) as events:
             async for i, event in events:
