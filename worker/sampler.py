@@ -173,9 +173,13 @@ def sample_tokens(
     adjusted = adjust_logits(logits, params, histories, state)
     if allowed is not None:
         rows, mask = allowed
-        adjusted = adjusted.clone() if adjusted is logits else adjusted
-        idx = on_device(rows, logits.device, torch.int64)
-        adjusted[idx] = adjusted[idx].masked_fill(~mask.to(logits.device), float("-inf"))
+        banned = ~mask.to(logits.device)
+        if len(rows) == logits.shape[0]:  # every row: one pass, a new tensor (logits stay raw)
+            adjusted = adjusted.masked_fill(banned, float("-inf"))
+        else:
+            adjusted = adjusted.clone() if adjusted is logits else adjusted
+            idx = on_device(rows, logits.device, torch.int64)
+            adjusted[idx] = adjusted[idx].masked_fill(banned, float("-inf"))
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
