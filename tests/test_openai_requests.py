@@ -306,3 +306,36 @@ def test_event_stream_closes_its_source_when_the_client_stalls_or_leaves(how):
 
     closed, num_sent = asyncio.run(scenario())
     assert closed and num_sent >= 3
+
+
+def test_choices_end_when_a_pipeline_cancels_itself_and_close_every_call():
+    """A choice whose pipeline raises CancelledError of its own (a worker call cancelled under it)
+    fails the request with 503 instead of leaving the reader of the other choices waiting."""
+    import asyncio
+
+    from router.errors import Unavailable
+    from router.openai.app import Choices
+
+    closed = []
+
+    async def call(i: int, cancel: bool):
+        try:
+            yield pb.TokenChunk(token_ids=[i], text=str(i))
+            if cancel:
+                raise asyncio.CancelledError()
+            await asyncio.sleep(3600)  # never ends by itself: aclose must cancel it
+        finally:
+            closed.append(i)
+
+    async def main():
+        choices = Choices([call(0, False), call(1, True)])
+        await choices.start()
+        seen = []
+        with pytest.raises(Unavailable, match="cancelled"):
+            async for event in choices.events():
+                seen.append(event)
+        await choices.aclose()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 10))
+    assert sorted(i for i, _ in seen) == [0, 1] and sorted(closed) == [0, 1]

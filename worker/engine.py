@@ -138,6 +138,7 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         seq = Sequence(request_id, list(prompt_token_ids), sampling, priority, salt)
         if sampling.grammar:
+            self.scheduler.check(seq)  # the cheap refusals before compiling the grammar
             seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
         self.scheduler.add(seq)
 

@@ -15,7 +15,9 @@ Contract
   `consume`, so a preempted and recomputed sequence keeps its place in the grammar, and nothing
   keyed by request id can outlive or be shared by a request).
 - cost: +0.3 ms per step at batch 1, +0.085 ms per row at batch 32 (docs/benchmarks.md).
-- failure modes: ValueError from `matcher` (bad grammar, llguidance missing). A matcher can enter
+- failure modes: ValueError from `matcher` (bad grammar, llguidance missing); RuntimeError when
+  the model's tokenizer cannot be read (a worker fault: INTERNAL, remembered, not retried per
+  request). A matcher can enter
   llguidance's error state mid-generation (a resource limit; a token it did not allow cannot come
   through the sampler): the error is logged and only EOS is allowed from then on, so the output
   ends early and may not be complete.
@@ -43,12 +45,22 @@ class Grammars:
     def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: tuple[int, ...]):
         self._tokenizer_json, self._eos = tokenizer_json, tuple(eos_token_ids)
         self._tokenizer = None
+        self._failed: str | None = None  # why the tokenizer could not be built (not retried)
 
     def _llt(self):
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json(), eos_token=list(self._eos) or None
-            )
+            if self._failed:
+                raise RuntimeError(self._failed)
+            try:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json(), eos_token=list(self._eos) or None
+                )
+            except Exception as exc:  # a worker fault, not the request's: INTERNAL (the router retries)
+                log.exception("structured output: the model's tokenizer could not be read")
+                self._failed = (
+                    f"structured output: the model's tokenizer could not be read ({type(exc).__name__})"
+                )
+                raise RuntimeError(self._failed) from None
         return self._tokenizer
 
     def matcher(self, grammar: str):

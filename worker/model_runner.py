@@ -253,20 +253,13 @@ class ModelRunner:
 
     def grammar_matcher(self, grammar: str):
         """A constrained request's llguidance matcher (worker/grammar.py), kept on its Sequence;
-        ValueError naming the problem. The tokenizer is read from the model file on first use."""
+        ValueError naming the problem. The tokenizer is read from the model file on first use (if
+        that fails, RuntimeError: a worker fault, INTERNAL for the request)."""
         if self.sampler.grammars is None:
             from worker.grammar import Grammars
 
             self.sampler.grammars = Grammars(self._tokenizer_json, self.eos_token_ids)
-        try:
-            return self.sampler.grammars.matcher(grammar)
-        except ValueError:
-            raise
-        except Exception as exc:  # the tokenizer file, say: the request fails, the engine goes on
-            log.exception("structured output: no matcher")
-            raise ValueError(
-                f"structured output is unavailable on this worker ({type(exc).__name__})"
-            ) from None
+        return self.sampler.grammars.matcher(grammar)  # RuntimeError: the tokenizer (a worker fault)
 
     def _tokenizer_json(self) -> str:
         from common.model_files import default_model_path, resolve_model_source

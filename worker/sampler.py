@@ -367,7 +367,7 @@ class RequestSampler:
         penalized = [i for i, p in enumerate(params) if p.needs_history]
         states = [self._penalty_row(seqs[i], logits.shape[-1]) for i in penalized]
         state = torch.stack(states) if states else None
-        constrained = [i for i, p in enumerate(params) if p.grammar]
+        constrained = [i for i, seq in enumerate(seqs) if getattr(seq, "matcher", None) is not None]
         allowed = None
         if constrained:
             matchers = [seqs[i].matcher for i in constrained]

@@ -120,6 +120,15 @@ class Scheduler:
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        if not seq.sampling.ignore_eos:
+            seq.stop_ids = seq.stop_ids | self.eos_token_ids
+        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+        self.requests[seq.request_id] = seq
+        self._enqueue(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """ValueError naming why `add` would refuse `seq` (duplicate id, empty or too long prompt)."""
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request_id {seq.request_id!r}")
         if not seq.prompt_token_ids:
@@ -129,11 +138,6 @@ class Scheduler:
                 f"prompt has {seq.num_prompt_tokens} tokens; the limit is "
                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
             )
-        if not seq.sampling.ignore_eos:
-            seq.stop_ids = seq.stop_ids | self.eos_token_ids
-        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
-        self.requests[seq.request_id] = seq
-        self._enqueue(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.requests.get(request_id)

@@ -15,8 +15,8 @@ Contract
   stream's first event is awaited before the status line is sent, so a refusal is a status, not an
   event; a failure after that is an `error` event then [DONE]. Several choices (`n`, a batch of
   prompts) are one pipeline call each (`Choices`): every call's first event is awaited before the
-  answer starts, a refusal of any is the answer's status (the others are cancelled), and a failure
-  of any later ends the stream with an `error` event.
+  answer starts, a refusal or failure of any before then is the answer's status (the others are
+  cancelled), and a failure of any later ends the stream with an `error` event.
   A client that disconnects (while queued, while streaming, or while waiting for a whole
   response) cancels the call: the worker stream is cancelled and its KV blocks freed.
 - state: none of its own.
@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
-from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
+from router.errors import Overloaded, RouterError, Unavailable, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai.requests import ApiError, Parsed, param_of, parse
@@ -319,8 +319,10 @@ class Choices:
     from the start, so no choice holds a worker slot and KV blocks while waiting for another to be
     admitted (a deadlock when the choices need more room than there is); what a slow client has
     not taken stays in memory (at most every choice's max_tokens chunks) until the stream's idle
-    timeout ends it. `aclose()` closes every call, which cancels the worker streams of unfinished
-    ones."""
+    timeout ends it (with --stream-idle-timeout-s 0, until the client goes). A choice that fails
+    before every choice has its first token fails the whole request in `start()` (its status);
+    later, the stream's `error` event. `aclose()` closes every call, which cancels the worker
+    streams of unfinished ones."""
 
     _END = object()
 
@@ -335,12 +337,19 @@ class Choices:
         return len(self._calls)
 
     async def _read(self, index: int, call: AsyncIterator) -> None:
+        """Every outcome ends with END on the queue, so a reader never waits for a call that ended."""
         try:
             async for event in call:
                 self._queue.put_nowait((index, event))
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # aclose() cancels the readers: nobody reads the queue any more
+            # the pipeline's own cancellation (a worker call cancelled under it): this choice failed
+            self._queue.put_nowait((index, Unavailable("the worker stream was cancelled")))
         except Exception as exc:  # noqa: BLE001 - handed to whoever reads the events
             self._queue.put_nowait((index, exc))
-        self._queue.put_nowait((index, self._END))
+        finally:
+            self._queue.put_nowait((index, self._END))
 
     async def _next(self) -> tuple[int, object]:
         index, item = await self._queue.get()
