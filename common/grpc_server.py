@@ -9,8 +9,9 @@ Contract
   the caller adds its servicers to `.server`, then `bind()` -> the bound port (`.address` is
   `host:port`), `await start()` (tracing, with the bound address as the service instance, unless
   `start_tracing()` ran already; then the server), `await set_serving(bool)` (health of "" and
-  every service), `stop_event(stop, extra_signals)` (SIGTERM/SIGINT set it, unless the caller
-  passes its own event, as a server on a non-main thread must), `announce()` (the machine-read
+  every service; `.serving` mirrors it, False for good once draining), `stop_event(stop,
+  extra_signals)` (SIGTERM/SIGINT set it, unless the caller passes its own event, as a server on
+  a non-main thread must), `announce()` (the machine-read
   "<component> listening on HOST:PORT" line and the log lines), and for the drain
   `await not_serving()` (health NOT_SERVING for good: a graceful-shutdown health servicer),
   `await stop(grace_s)`, then `close()` (flushes tracing, closes /metrics).
@@ -85,6 +86,8 @@ class GrpcServer:
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self._pending: set[asyncio.Task] = set()
+        self.serving = False  # what health says for "" (the HTTP front's GET /health reads it)
+        self._draining = False
 
     @property
     def address(self) -> str:
@@ -113,6 +116,7 @@ class GrpcServer:
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving and not self._draining
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
@@ -159,6 +163,7 @@ class GrpcServer:
 
     async def not_serving(self) -> None:
         """Health NOT_SERVING from now on (drain); calls are still accepted until `stop`."""
+        self.serving, self._draining = False, True
         await self.health.enter_graceful_shutdown()
 
     async def stop(self, grace_s: float) -> None:

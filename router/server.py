@@ -151,6 +151,7 @@ async def serve(config: RouterConfig) -> int:
             token_text=models.token_text,
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
+            serving=lambda: base.serving,
         )
         try:
             http = HttpFront(

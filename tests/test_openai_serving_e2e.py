@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front's serving life, end to end with real router and worker
 processes and the official `openai` SDK: no worker -> 503; SIGTERM lets an open HTTP stream finish;
-a router with a TLS certificate serves the API over HTTPS; a request that waits in the router's
+a router with a TLS certificate serves the API over HTTPS; GET /health follows the gRPC health
+(503 with no worker and while draining, 200 serving, over HTTPS too); a request that waits in the router's
 fair queue (the worker's KV capacity reserved by a running stream) and whose client leaves is
 taken out of the queue, and nothing stays behind (queue, open calls, KV blocks). The API itself:
 tests/test_openai_e2e.py.
@@ -25,6 +26,17 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
 
 
+def health(url: str, context=None) -> tuple[int, dict]:
+    """GET /health (the base URL without /v1), no API key: (status, body)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10, context=context) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 @pytest.fixture(scope="module")
 def worker(plain_worker):
     """The session's shared worker (tests/conftest.py): default engine flags, float32."""
@@ -39,6 +51,7 @@ def test_no_worker_is_503(logs):
             with pytest.raises(openai.InternalServerError) as info:
                 c.chat.completions.create(model="", messages=FRANCE, max_tokens=2)
         assert info.value.status_code == 503
+        assert health(http_url(proc)) == (503, {"status": "NOT_SERVING"})  # no healthy worker
     finally:
         proc.stop()
 
@@ -58,7 +71,9 @@ def test_sigterm_lets_open_http_streams_finish(worker, logs):
             )
             chunks = iter(stream)
             next(chunks)  # the request is in flight
+            assert health(http_url(proc)) == (200, {"status": "SERVING"})
             proc.signal(signal.SIGTERM)
+            procs.wait_until(lambda: health(http_url(proc))[0] == 503, 30, "/health 503 while draining")
             rest = list(chunks)
         assert rest[-1].choices[0].finish_reason == "length"
         assert proc.popen.wait(60) == 0
@@ -83,6 +98,7 @@ def test_tls_router_serves_the_http_api_over_https(worker, logs, tmp_path):
             base_url=url, api_key="unused", max_retries=0, http_client=openai.DefaultHttpxClient(verify=trust)
         ) as c:
             assert c.completions.create(model="", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert health(url, context=trust)[0] == 200  # an HTTPS probe, where kubelet's gRPC one cannot go
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the TLS port
             post(url.replace("https://", "http://") + "/completions", b"{}", "", timeout_s=10)
     finally:

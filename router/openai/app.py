@@ -2,7 +2,8 @@
 
 Contract
 - input: OpenAI JSON over HTTP; `Authorization: Bearer <key>` (the same tenants and keys as
-  gRPC), optional `X-Request-Id`, W3C `traceparent`.
+  gRPC), optional `X-Request-Id`, W3C `traceparent`. `GET /health` (no key): 200 while the
+  router's gRPC health is SERVING (a healthy worker, not draining), else 503.
 - output: OpenAI JSON, or server-sent events with `stream: true` (router/openai/responses.py).
   Each request runs the gRPC pipeline itself, `GenerationService._generate` (auth, validation,
   admission, fair queue, relay), with `HttpCallContext` standing in for the gRPC context, under a
@@ -215,10 +216,12 @@ def create_app(
     token_text: Callable[[str], Callable[[int], str]],
     max_body_bytes: int,
     stream_idle_timeout_s: float = 0.0,
+    serving: Callable[[], bool] = lambda: True,
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
     `token_text(model)`: a token id's text under that model's tokenizer (for logprobs);
-    `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never)."""
+    `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never);
+    `serving()`: the gRPC health of "" (GET /health answers it over HTTP)."""
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
@@ -288,6 +291,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """For probes that speak HTTP(S), not gRPC (kubelet with TLS): no API key needed."""
+        up = serving()
+        return JSONResponse({"status": "SERVING" if up else "NOT_SERVING"}, status_code=200 if up else 503)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
