@@ -20,7 +20,9 @@ Contract
   `llm_router_worker_refused` (1 while its model or tokenizer fingerprint does not match the
   router's, router.models).
   `llm_router_requests_by_protocol_total{protocol,status}`: `llm_requests_total` split by the front
-  (grpc | http) the request came in by.
+  (grpc | http) the request came in by; `llm_router_structured_requests_total{format,status}`: the
+  requests with a response_format (json_object | json_schema | regex; a format llguidance cannot
+  compile ends as invalid_argument).
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
@@ -130,6 +132,12 @@ class RouterMetrics:
             "llm_router_requests_by_protocol",
             "Requests by the front they came in by (grpc | http) and final status",
             ["protocol", "status"],
+            registry=self.registry,
+        )
+        self.structured = Counter(
+            "llm_router_structured_requests",
+            "Requests with a response_format (json_object | json_schema | regex) by final status",
+            ["format", "status"],
             registry=self.registry,
         )
 

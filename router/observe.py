@@ -135,6 +135,7 @@ class RequestObservation:
         self.num_output_tokens = 0
         self._done: Done | None = None
         self._status: str | None = None
+        self.response_format: str | None = None  # the request's format kind (structured output)
 
     def stage(self, name: str, worker: str | None = None) -> None:
         """Ends the current stage and begins `name`; `worker` is the worker the request was placed on."""
@@ -210,9 +211,13 @@ class RequestObservation:
         if self._clock is not None:
             self._clock.finish(status, self.num_prompt_tokens if served else None, time.monotonic())
             self._metrics.by_protocol.labels(self.protocol, status).inc()
+            if self.response_format:
+                self._metrics.structured.labels(self.response_format, status).inc()
         trace_id = trace_id_of(self.span)
         if self.span.is_recording():
             self.span.set_attribute("gen_ai.response.finish_reasons", [status])
+            if self.response_format:
+                self.span.set_attribute("llm.response_format", self.response_format)
             if self.worker:
                 self.span.set_attribute("llm.worker.id", self.worker)
             if done is not None:

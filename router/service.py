@@ -132,6 +132,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             obs.stage("auth")
             tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
             obs.stage("validate")
+            obs.response_format = request.response_format.WhichOneof("kind")
             models = self._registry.models()
             if not models:
                 raise Unavailable("no healthy worker is connected to this router")

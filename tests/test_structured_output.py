@@ -20,6 +20,7 @@ import pytest
 
 from common.structured import grammar_for
 from protos.llm.v1 import generation_pb2 as pb
+from tests import procs
 from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker: the shared stack's fixtures
     AUTH,
     client,
@@ -128,7 +129,7 @@ def test_a_grammar_cannot_ignore_eos():
         SamplingParams(grammar=grammar_for({"type": "json_object"}), ignore_eos=True)
 
 
-def test_sdk_json_schema_answer_parses_and_a_bad_schema_is_400(client):
+def test_sdk_json_schema_answer_parses_and_a_bad_schema_is_400(client, router):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     reply = client.chat.completions.create(model="", messages=ASK, max_tokens=48, response_format=fmt)
     person = json.loads(reply.choices[0].message.content)
@@ -137,6 +138,12 @@ def test_sdk_json_schema_answer_parses_and_a_bad_schema_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="", messages=ASK, max_tokens=8, response_format=bad)
     assert info.value.param == "response_format" and "nope" in info.value.body["message"]
+    counted = {
+        dict(labels)["status"]: value
+        for (name, labels), value in procs.scrape(router).items()
+        if name == "llm_router_structured_requests_total" and ("format", "json_schema") in labels
+    }
+    assert counted.get("stop", 0) >= 1 and counted.get("invalid_argument", 0) >= 1, counted
 
 
 def test_grpc_regex_constrains_the_text(stub):
