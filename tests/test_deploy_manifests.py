@@ -125,6 +125,9 @@ def test_router_ports_probes_and_service_agree(k8s):
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
     assert ports["grpc"] == int(flag(cmdline(router), "--port"))
     assert ports["metrics"] == int(flag(cmdline(router), "--metrics-port"))
+    assert ports["http"] == int(flag(cmdline(router), "--http-port"))  # the OpenAI API, on the Service
+    assert flag(cmdline(router), "--http-host") == "0.0.0.0"
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "http"}
     assert router["readinessProbe"]["grpc"]["port"] == ports["grpc"]
     assert router["livenessProbe"]["tcpSocket"]["port"] == ports["grpc"]
     for port in service["spec"]["ports"]:
@@ -288,5 +291,7 @@ def test_workers_authenticate_routers_and_only_routers_reach_them(k8s, monkeypat
     assert {"podSelector": {"matchLabels": {"ray.io/cluster": cluster["metadata"]["name"]}}} in sources
     assert all(set(peer) <= {"podSelector", "namespaceSelector"} and peer for peer in sources)
     router_policy = k8s[("NetworkPolicy", "llm-router")]["spec"]
+    client_rule = next(r for r in router_policy["ingress"] if "from" not in r)
+    assert client_rule["ports"] == [{"port": "grpc"}, {"port": "http"}]  # the Service's two ports
     metrics_rule = next(r for r in router_policy["ingress"] if r.get("ports") == [{"port": "metrics"}])
     assert "namespaceSelector" in metrics_rule["from"][0]  # only the monitoring namespace
