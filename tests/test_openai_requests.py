@@ -314,7 +314,7 @@ def test_choices_end_when_a_pipeline_cancels_itself_and_close_every_call():
     import asyncio
 
     from router.errors import Unavailable
-    from router.openai.app import Choices
+    from router.openai.choices import Choices
 
     closed = []
 

@@ -171,9 +171,10 @@ def test_a_worker_without_llguidance_refuses_and_a_failed_add_fails_only_its_req
     import worker.grammar
     from worker.async_engine import AsyncEngine
     from worker.engine import LLMEngine
+    from worker.grammar import Grammars
 
     monkeypatch.setattr(worker.grammar, "llguidance", None)
-    monkeypatch.setattr(runner.sampler, "grammars", None)  # a fresh Grammars, as on such a worker
+    monkeypatch.setattr(runner.sampler, "grammars", Grammars.for_model(None, ()))  # as on such a worker
     with pytest.raises(ValueError, match="unavailable on this worker: the llguidance package"):
         runner.grammar_matcher(grammar_for({"type": "json_object"}))
 
@@ -190,8 +191,7 @@ def test_a_worker_without_llguidance_refuses_and_a_failed_add_fails_only_its_req
 
     async def main():
         with pytest.raises(RuntimeError, match="could not be added"):
-            async for _ in engine.generate("broken", [1, 2, 3], SamplingParams(max_tokens=2)):
-                pass
+            await anext(engine.generate("broken", [1, 2, 3], SamplingParams(max_tokens=2)))
         return [
             o async for o in engine.generate("fine", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
         ]

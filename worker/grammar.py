@@ -10,7 +10,9 @@ Contract
   request's `Sequence`; ValueError naming the problem for a grammar this tokenizer cannot run, or
   where llguidance is not installed); `allowed(matchers, vocab)` -> bool `[R, vocab]` (CPU) of the
   tokens each may take next (EOS only once the grammar is complete or the matcher failed: the
-  sequence then ends as at any EOS); `consume(matcher, token)` after each sampled token.
+  sequence then ends as at any EOS); for a sampling step, `banned(seqs, vocab, device)` -> the
+  bool `[S, vocab]` the sampler sets to -inf, then `advance(seqs, tokens)` (`consume(matcher,
+  token)` for each constrained row).
 - state: the llguidance tokenizer; each matcher lives on its `Sequence` (advanced only by
   `consume`, so a preempted and recomputed sequence keeps its place in the grammar, and nothing
   keyed by request id can outlive or be shared by a request).
@@ -43,9 +45,23 @@ class Grammars:
     """A model runner's llguidance tokenizer and the matchers made from it."""
 
     def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: tuple[int, ...]):
+        """`tokenizer_json()`: the model's `tokenizers` JSON, read on the first constrained request
+        (`for_model` reads it from a --model value)."""
         self._tokenizer_json, self._eos = tokenizer_json, tuple(eos_token_ids)
         self._tokenizer = None
         self._failed: str | None = None  # why the tokenizer could not be built (not retried)
+
+    @classmethod
+    def for_model(cls, model: str | None, eos_token_ids: tuple[int, ...]) -> Grammars:
+        """Grammars over the tokenizer of a --model value (None = the embedded model)."""
+
+        def tokenizer_json() -> str:
+            from common.model_files import resolve_model_source
+            from common.tokenizer import Tokenizer
+
+            return Tokenizer.from_model(resolve_model_source(model)).backend_json()
+
+        return cls(tokenizer_json, eos_token_ids)
 
     def _llt(self):
         if self._tokenizer is None:
@@ -96,6 +112,22 @@ class Grammars:
             for row in ended:
                 out[row, eos] = True
         return out
+
+    def banned(self, seqs: list, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """bool [S, vocab] on `device`: the tokens the grammar of each row's sequence (`.matcher`)
+        does not allow, nothing for rows without one; None when no row has one."""
+        rows = [i for i, seq in enumerate(seqs) if getattr(seq, "matcher", None) is not None]
+        if not rows:
+            return None
+        out = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+        out[rows] = ~self.allowed([seqs[i].matcher for i in rows], vocab)
+        return out.to(device)
+
+    def advance(self, seqs: list, tokens: torch.Tensor) -> None:
+        """Each constrained row's matcher takes its sampled token (one host copy of `tokens`)."""
+        for seq, token in zip(seqs, tokens.tolist()):
+            if getattr(seq, "matcher", None) is not None:
+                self.consume(seq.matcher, token)
 
     @staticmethod
     def consume(matcher, token: int) -> None:

@@ -39,6 +39,7 @@ from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import EngineConfig, default_num_threads, resolve_device, resolve_dtype
 from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
+from worker.grammar import Grammars
 from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
@@ -170,6 +171,8 @@ class ModelRunner:
             self.backend.fused.argmax_rows if self.backend.name == "cpu" and self.backend.fused else None
         )
         self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device), cpu_argmax)
+        # structured output: the model's tokenizer is read on the first constrained request
+        self.sampler.grammars = Grammars.for_model(config.model, eos_token_ids)
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
         log.info(
             "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
@@ -252,22 +255,8 @@ class ModelRunner:
         self.input_batch.drop(request_id)
 
     def grammar_matcher(self, grammar: str):
-        """A constrained request's llguidance matcher (worker/grammar.py), kept on its Sequence;
-        ValueError naming the problem. The tokenizer is read from the model file on first use (if
-        that fails, RuntimeError: a worker fault, INTERNAL for the request)."""
-        if self.sampler.grammars is None:
-            from worker.grammar import Grammars
-
-            self.sampler.grammars = Grammars(self._tokenizer_json, self.eos_token_ids)
-        return self.sampler.grammars.matcher(grammar)  # RuntimeError: the tokenizer (a worker fault)
-
-    def _tokenizer_json(self) -> str:
-        from common.model_files import default_model_path, resolve_model_source
-        from common.tokenizer import Tokenizer
-
-        model = self.config.model
-        path = resolve_model_source(str(model)) if model else default_model_path()
-        return Tokenizer.from_model(path).backend_json()
+        """A constrained request's llguidance matcher (worker/grammar.py `Grammars.matcher`)."""
+        return self.sampler.grammars.matcher(grammar)
 
     def prepare(
         self, plan: SchedulerOutput

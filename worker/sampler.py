@@ -165,21 +165,14 @@ def sample_tokens(
     generators: list[torch.Generator | None],
     histories: Sequence[History] | None = None,
     state: torch.Tensor | None = None,
-    allowed: tuple[list[int], torch.Tensor] | None = None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float] | None]:
     """`sample` with the tokens left on the logits' device ([S] int64, no host sync); the logprobs,
     when any row asks for them, come back to the host (one sync). `state`: as `adjust_logits`.
-    `allowed`: (rows, bool [R, V]) the tokens each of those rows may take (a grammar's mask)."""
+    `banned`: bool [S, V], tokens set to -inf after the adjustments (grammars' masks)."""
     adjusted = adjust_logits(logits, params, histories, state)
-    if allowed is not None:
-        rows, mask = allowed
-        banned = ~mask.to(logits.device)
-        if len(rows) == logits.shape[0]:  # every row: one pass, a new tensor (logits stay raw)
-            adjusted = adjusted.masked_fill(banned, float("-inf"))
-        else:
-            adjusted = adjusted.clone() if adjusted is logits else adjusted
-            idx = on_device(rows, logits.device, torch.int64)
-            adjusted[idx] = adjusted[idx].masked_fill(banned, float("-inf"))
+    if banned is not None:  # a new tensor: the logprobs below read the raw logits
+        adjusted = adjusted.masked_fill(banned, float("-inf"))
     tokens = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -287,7 +280,7 @@ class RequestSampler:
         self.generators: dict[str, torch.Generator] = {}
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
         self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (penalty_state)
-        self.grammars: Grammars | None = None  # structured output's tokenizer (the model runner's)
+        self.grammars: Grammars | None = None  # structured output (set by the model runner)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -367,19 +360,13 @@ class RequestSampler:
         penalized = [i for i, p in enumerate(params) if p.needs_history]
         states = [self._penalty_row(seqs[i], logits.shape[-1]) for i in penalized]
         state = torch.stack(states) if states else None
-        constrained = [i for i, seq in enumerate(seqs) if getattr(seq, "matcher", None) is not None]
-        allowed = None
-        if constrained:
-            matchers = [seqs[i].matcher for i in constrained]
-            allowed = (constrained, self.grammars.allowed(matchers, logits.shape[-1]))
-        tokens, logprobs = sample_tokens(logits, params, gens, state=state, allowed=allowed)
+        banned = self.grammars.banned(seqs, logits.shape[-1], self.device) if self.grammars else None
+        tokens, logprobs = sample_tokens(logits, params, gens, state=state, banned=banned)
         if states:
             idx = on_device(penalized, self.device, torch.int64)
             record_tokens(states, tokens if len(penalized) == len(seqs) else tokens[idx])
-        if constrained:  # the next mask needs these tokens: one host sync
-            host = tokens.tolist()
-            for i in constrained:
-                self.grammars.consume(seqs[i].matcher, host[i])
+        if banned is not None:  # the next mask needs these tokens: one host sync
+            self.grammars.advance(seqs, tokens)
         if logprobs is not None:
             logprobs = [lp if p.logprobs else None for lp, p in zip(logprobs, params)]
         return tokens, logprobs

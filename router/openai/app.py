@@ -15,9 +15,10 @@ Contract
   only the exception's type). Worker addresses in a message become "<worker>" (as for gRPC). A
   stream's first event is awaited before the status line is sent, so a refusal is a status, not an
   event; a failure after that is an `error` event then [DONE]. Several choices (`n`, a batch of
-  prompts) are one pipeline call each (`Choices`): every call's first event is awaited before the
-  answer starts, a refusal or failure of any before then is the answer's status (the others are
-  cancelled), and a failure of any later ends the stream with an `error` event.
+  prompts) are one pipeline call each (router/openai/choices.py): every call's first event is
+  awaited before the answer starts, a refusal or failure of any before then is the answer's
+  status (the others are cancelled), and a failure of any later ends the stream with an `error`
+  event.
   A client that disconnects (while queued, while streaming, or while waiting for a whole
   response) cancels the call: the worker stream is cancelled and its KV blocks freed.
 - state: none of its own.
@@ -43,9 +44,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
-from router.errors import Overloaded, RouterError, Unavailable, ValidationError, scrub_addresses
+from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
+from router.openai.choices import Choices
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
 
@@ -317,95 +319,6 @@ def create_app(
         return JSONResponse({"object": "list", "data": data})
 
     return app
-
-
-class Choices:
-    """The pipeline calls of one HTTP request's choices, read as one. `start()` awaits every call's
-    first event (a refusal of any is raised at once; the caller's `aclose()` cancels the others);
-    then `events()` yields (index, TokenChunk | Finished) as they come, each call read to its end
-    (so each request finishes and is observed as for gRPC). One choice is read directly: a slow
-    client holds back its worker stream. Several are each read by a task of their own into a queue
-    from the start, so no choice holds a worker slot and KV blocks while waiting for another to be
-    admitted (a deadlock when the choices need more room than there is); what a slow client has
-    not taken stays in memory (at most every choice's max_tokens chunks) until the stream's idle
-    timeout ends it (with --stream-idle-timeout-s 0, until the client goes). A choice that fails
-    before every choice has its first token fails the whole request in `start()` (its status);
-    later, the stream's `error` event. `aclose()` closes every call, which cancels the worker
-    streams of unfinished ones."""
-
-    _END = object()
-
-    def __init__(self, calls: list[AsyncIterator]):
-        self._calls = calls
-        self._first: list = []  # one call: its first event
-        self._queue: asyncio.Queue = asyncio.Queue()  # several: (index, event | exception | _END)
-        self._early: list[tuple[int, object]] = []  # taken from the queue by start(), in order
-        self._readers: list[asyncio.Task] = []
-
-    def __len__(self) -> int:
-        return len(self._calls)
-
-    async def _read(self, index: int, call: AsyncIterator) -> None:
-        """Every outcome ends with END on the queue, so a reader never waits for a call that ended."""
-        try:
-            async for event in call:
-                self._queue.put_nowait((index, event))
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise  # aclose() cancels the readers: nobody reads the queue any more
-            # the pipeline's own cancellation (a worker call cancelled under it): this choice failed
-            self._queue.put_nowait((index, Unavailable("the worker stream was cancelled")))
-        except Exception as exc:  # noqa: BLE001 - handed to whoever reads the events
-            self._queue.put_nowait((index, exc))
-        finally:
-            self._queue.put_nowait((index, self._END))
-
-    async def _next(self) -> tuple[int, object]:
-        index, item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return index, item
-
-    async def start(self) -> None:
-        if len(self._calls) == 1:
-            self._first = [await anext(self._calls[0])]
-            return
-        self._readers = [asyncio.ensure_future(self._read(i, c)) for i, c in enumerate(self._calls)]
-        started: set[int] = set()
-        while len(started) < len(self._calls):
-            index, item = await self._next()
-            if item is self._END and index not in started:
-                raise RouterError("the generation stream ended without a finish")
-            started.add(index)
-            self._early.append((index, item))
-
-    async def events(self) -> AsyncIterator[tuple[int, Chunk | Done]]:
-        if len(self._calls) == 1:
-            yield 0, self._first[0]
-            async for event in self._calls[0]:
-                yield 0, event
-            return
-        ended = 0
-        early, self._early = self._early, []
-        for index, item in early:
-            if item is self._END:
-                ended += 1
-            else:
-                yield index, item
-        while ended < len(self._calls):
-            index, item = await self._next()
-            if item is self._END:
-                ended += 1
-            else:
-                yield index, item
-
-    async def aclose(self) -> None:
-        for reader in self._readers:
-            reader.cancel()  # a reader inside its call: the cancellation closes that call's pipeline
-        if self._readers:
-            await asyncio.gather(*self._readers, return_exceptions=True)
-        for call in self._calls:
-            await call.aclose()
 
 
 async def _collect(responder: Responder, calls: Choices) -> dict:
