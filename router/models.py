@@ -105,10 +105,9 @@ class ModelTable:
     def tokenizer(self, model: str) -> Tokenizer:
         return self._models[model].tokenizer
 
-    def token_text(self, model: str):
-        """id -> its text in `model`'s vocabulary (the OpenAI front's logprobs)."""
-        tokenizer = self.tokenizer(model)
-        return lambda token_id: tokenizer.decode([token_id])
+    def decoder(self, model: str):
+        """token ids -> their text in `model`'s vocabulary (the OpenAI front's logprobs and echo)."""
+        return self.tokenizer(model).decode
 
     def check(self, info: worker_pb2.WorkerInfo) -> str:
         """ "" when a worker reporting `info` may serve requests routed by this router."""

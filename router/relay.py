@@ -6,7 +6,8 @@ Contract
   client's deadline, the `Placement` the dispatcher chose (worker + lease) and `retry(tried)`,
   which places a retry at once (retries do not queue again); gRPC `metadata` for the worker call
   (the W3C trace context of the router's route span).
-- output: an async stream of `Chunk` (token ids, text delta, logprobs) then one `Done`
+- output: an async stream of `Chunk` (token ids, text delta, logprobs; the first also the prompt's
+  logprobs when asked for) then one `Done`
   (reason stop / length / cancelled, usage, timings).
 - state: per request only (detokenizer, stop-string matcher); each attempt's `Placement` is
   charged as tokens arrive (balancer lease and the tenant's fair-queue counter) and released when
@@ -94,6 +95,8 @@ class Chunk:
     text: str
     logprobs: list[float]
     top_logprobs: list = ()  # worker_pb2.WorkerTopLogprobs per token when asked for
+    # the first chunk, when asked for: (prompt token ids, worker_pb2.WorkerPromptLogprobs)
+    prompt_logprobs: tuple[list[int], object] | None = None
 
 
 @dataclass
@@ -137,6 +140,8 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
     )
     if req.seed is not None:
         sampling.seed = req.seed
+    if req.prompt_logprobs is not None:
+        sampling.prompt_logprobs = req.prompt_logprobs
     return worker_pb2.WorkerRequest(
         request_id=f"{req.request_id}/{uuid.uuid4().hex[:12]}",
         prompt_token_ids=prompt_ids,
@@ -223,7 +228,10 @@ class Relay:
                     if first_token_s is None and ids:
                         first_token_s = time.monotonic()
                     num_out += len(ids)
-                    yield Chunk(ids, text, lps, tops)
+                    prompt = None
+                    if msg.HasField("prompt_logprobs"):
+                        prompt = (list(wreq.prompt_token_ids), msg.prompt_logprobs)
+                    yield Chunk(ids, text, lps, tops, prompt)
                 if stopped or finished:
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")

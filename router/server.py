@@ -148,7 +148,7 @@ async def serve(config: RouterConfig) -> int:
             service,
             registry.models,
             metrics,
-            token_text=models.token_text,
+            decoder=models.decoder,
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             serving=lambda: base.serving,

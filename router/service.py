@@ -60,16 +60,22 @@ FINISH_REASONS = {
 
 def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
     if isinstance(event, Chunk):
-        return pb.GenerateResponse(
-            chunk=pb.TokenChunk(
-                token_ids=event.token_ids,
-                text=event.text,
-                logprobs=event.logprobs,
-                top_logprobs=[
-                    pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in event.top_logprobs
-                ],
-            )
+        chunk = pb.TokenChunk(
+            token_ids=event.token_ids,
+            text=event.text,
+            logprobs=event.logprobs,
+            top_logprobs=[
+                pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in event.top_logprobs
+            ],
         )
+        if event.prompt_logprobs is not None:
+            ids, scored = event.prompt_logprobs
+            chunk.prompt_logprobs.SetInParent()
+            chunk.prompt_logprobs.token_ids.extend(ids)
+            chunk.prompt_logprobs.logprobs.extend(scored.logprobs)
+            for t in scored.top_logprobs:
+                chunk.prompt_logprobs.top_logprobs.add(token_ids=t.token_ids, logprobs=t.logprobs)
+        return pb.GenerateResponse(chunk=chunk)
     stop = {"stop_string": event.stop_reason} if isinstance(event.stop_reason, str) else {}
     if isinstance(event.stop_reason, int):
         stop = {"stop_token_id": event.stop_reason}

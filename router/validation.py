@@ -61,6 +61,7 @@ class ValidRequest:
     ignore_eos: bool = False
     priority: int = 0
     grammar: str = ""  # structured output: the llguidance grammar the worker runs ("" = free text)
+    prompt_logprobs: int | None = None  # None = off; N: the prompt's logprobs and N top tokens each
 
 
 def _check(ok: bool, field: str, problem: str) -> None:
@@ -162,7 +163,7 @@ def _sampling(s: pb.SamplingParams, model: ModelSpec) -> dict:
 
 
 def _sampling_extras(s: pb.SamplingParams, model: ModelSpec) -> dict:
-    """min_p, penalties, logit_bias, top_logprobs (issue 16 item 6; the sampler's own ranges)."""
+    """min_p, penalties, logit_bias, top_logprobs, prompt_logprobs (the sampler's own ranges)."""
     out: dict = {}
     _check(
         s.top_logprobs <= MAX_TOP_LOGPROBS,
@@ -171,6 +172,13 @@ def _sampling_extras(s: pb.SamplingParams, model: ModelSpec) -> dict:
     )
     _check(s.top_logprobs == 0 or s.logprobs == 1, "sampling.top_logprobs", "needs sampling.logprobs = 1")
     out["top_logprobs"] = s.top_logprobs
+    if s.HasField("prompt_logprobs"):
+        _check(
+            s.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "sampling.prompt_logprobs",
+            f"must be 0 to {MAX_TOP_LOGPROBS}, got {s.prompt_logprobs}",
+        )
+        out["prompt_logprobs"] = s.prompt_logprobs
     if s.HasField("min_p"):
         _check(
             math.isfinite(s.min_p) and 0 <= s.min_p <= 1,

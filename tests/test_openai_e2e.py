@@ -28,6 +28,7 @@ from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker:
     grpc_generate,
     grpc_tokens,
     http_url,
+    post,
     post_and_leave,
     router,
     stub,
@@ -177,6 +178,65 @@ def test_top_logprobs_agree_on_both_apis(client, stub):
         pytest.approx(t, abs=1e-4) for t in tops
     ]
     assert all(t[0] == pytest.approx(c, abs=1e-5) for t, c in zip(tops, chosen))  # greedy: the top one
+
+
+def test_echo_scores_prompts_as_lm_eval_does(client, stub, router):
+    """Prompt logprobs on gRPC (`sampling.prompt_logprobs`), then the request lm-evaluation-harness's
+    local-completions sends for loglikelihood (token-id prompts in a batch, echo, logprobs 1,
+    max_tokens 1): a greedy continuation scored in context has the generation's logprobs and is
+    greedy by lm-eval's test; `max_tokens` 0 returns the prompt alone; echo streams too."""
+    messages = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt=STORY,
+                sampling=pb.SamplingParams(temperature=0, logprobs=1, prompt_logprobs=2),
+                stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True),
+            ),
+            metadata=AUTH,
+        )
+    )
+    chunks = [m.chunk for m in messages if m.HasField("chunk")]
+    assert [c.HasField("prompt_logprobs") for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    scored = chunks[0].prompt_logprobs
+    context = list(scored.token_ids)
+    assert messages[-1].finished.usage.prompt_tokens == len(context) == len(scored.logprobs) + 1
+    assert messages[-1].finished.usage.cached_prompt_tokens == 0  # computed whole, never from the cache
+    pairs = zip(scored.top_logprobs, scored.logprobs)
+    assert all(len(t.token_ids) == 2 and t.logprobs[0] >= lp for t, lp in pairs)
+    continuation = [t for c in chunks for t in c.token_ids]
+    generated = [lp for c in chunks for lp in c.logprobs]
+
+    # lm_eval/models/openai_completions.py: LocalCompletionsAPI's loglikelihood payload and parsing
+    body = {"model": "", "prompt": [context + continuation[:5], context], "temperature": 0}
+    body |= {"max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    status, reply = post(f"{http_url(router)}/completions", json.dumps(body).encode(), KEY)
+    assert status == 200, reply
+    first, second = sorted(reply["choices"], key=lambda c: c["index"])
+    lp = first["logprobs"]
+    assert len(lp["tokens"]) == len(context) + 5 + 1 and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(context)] == pytest.approx(list(scored.logprobs), abs=1e-4)
+    tail, tops = lp["token_logprobs"][len(context) : -1], lp["top_logprobs"][len(context) : -1]
+    assert tail == pytest.approx(generated[:5], abs=1e-3)
+    assert all(tok == max(top.values()) for tok, top in zip(tail, tops))  # lm-eval's is_greedy
+    assert first["text"].startswith(STORY) and second["text"].startswith(STORY)
+    assert len(second["logprobs"]["tokens"]) == len(context) + 1
+
+    only = client.completions.create(model="", prompt=STORY, max_tokens=0, echo=True, logprobs=2)
+    choice = only.choices[0]
+    assert choice.text == STORY and choice.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(context) and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(list(scored.logprobs), abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == STORY  # the text offsets index the echoed text
+    offsets = [sum(map(len, choice.logprobs.tokens[:i])) for i in range(len(context))]
+    assert choice.logprobs.text_offset == offsets
+
+    whole = client.completions.create(model="", prompt=context, max_tokens=4, temperature=0, echo=True)
+    stream = client.completions.create(
+        model="", prompt=context, max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    streamed = "".join(part.choices[0].text for part in stream if part.choices)
+    plain = client.completions.create(model="", prompt=context, max_tokens=4, temperature=0)
+    assert whole.choices[0].text == streamed == STORY + plain.choices[0].text
 
 
 SAMPLING = dict(temperature=0.8, seed=11, presence_penalty=0.6, frequency_penalty=0.4)

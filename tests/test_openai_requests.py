@@ -132,7 +132,8 @@ def test_usage_counts_each_prompt_once_and_offsets_are_per_choice():
             "response_format",
         ),
         ({**CHAT, "response_format": "json"}, True, "response_format"),
-        ({"prompt": "x", "echo": True}, False, "echo"),
+        ({"prompt": "x", "echo": "yes"}, False, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),  # 0 only with echo
         ({"prompt": "x", "best_of": 2}, False, "best_of"),
         ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options"),
         ({**CHAT, "stop_token_ids": [-1]}, True, "stop_token_ids"),
@@ -152,6 +153,19 @@ def test_bad_parameters_are_named(body, chat, param):
     assert info.value.status == 400 and info.value.param == param
     if param:
         assert info.value.message.startswith(f"{param}: ")
+
+
+def test_echo_scores_the_prompt_with_logprobs():
+    plain = parse({"prompt": "x", "echo": True}, chat=False, request_id="r")
+    assert plain.echo and not plain.echo_only and not plain.request.sampling.HasField("prompt_logprobs")
+    scored = parse({"prompt": [1, 2], "echo": True, "logprobs": 3}, chat=False, request_id="r")
+    assert scored.request.sampling.prompt_logprobs == 3 and scored.request.sampling.top_logprobs == 3
+    assert param_of("sampling.prompt_logprobs", scored) == "logprobs"
+    # lm-evaluation-harness's loglikelihood: max_tokens 0 -> one token asked for, left out of the answer
+    only = parse({"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0}, chat=False, request_id="r")
+    assert only.echo_only and only.request.stopping.max_tokens == 1
+    chat = parse({**CHAT, "echo": True, "logprobs": True}, chat=True, request_id="r")
+    assert not chat.echo and not chat.request.sampling.HasField("prompt_logprobs")  # completions only
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,7 @@ INVALID = [
         "sampling.top_logprobs",
     ),
     ("top_logprobs alone", req(sampling=pb.SamplingParams(top_logprobs=2)), "sampling.top_logprobs"),
+    ("prompt_logprobs 21", req(sampling=pb.SamplingParams(prompt_logprobs=21)), "sampling.prompt_logprobs"),
     ("min_p above one", req(sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p"),
     ("min_p nan", req(sampling=pb.SamplingParams(min_p=math.nan)), "sampling.min_p"),
     ("presence 3", req(sampling=pb.SamplingParams(presence_penalty=3)), "sampling.presence_penalty"),
@@ -210,8 +211,10 @@ def test_new_sampling_params_kept():
         frequency_penalty=0.5,
         repetition_penalty=1.25,
         logit_bias={9: -100.0, 2: 4.5},
+        prompt_logprobs=0,
     )
     v = validate(req(sampling=sampling), LIMITS, MODELS)
+    assert v.prompt_logprobs == 0  # set (0: each prompt token's own logprob only)
     assert (v.top_logprobs, v.min_p, v.presence_penalty, v.frequency_penalty, v.repetition_penalty) == (
         3,
         0.25,
@@ -221,6 +224,7 @@ def test_new_sampling_params_kept():
     )
     assert v.logit_bias == ((2, 4.5), (9, -100.0))
     d = validate(req(), LIMITS, MODELS)
+    assert d.prompt_logprobs is None
     assert (d.top_logprobs, d.min_p, d.presence_penalty, d.repetition_penalty, d.logit_bias) == (
         0,
         0,

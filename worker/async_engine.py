@@ -95,8 +95,12 @@ def _merge(held: RequestOutput, out: RequestOutput) -> RequestOutput:
     logprobs = out.new_logprobs
     if held.new_logprobs is not None or logprobs is not None:
         logprobs = [*(held.new_logprobs or ()), *(logprobs or ())]
+    prompt = held.prompt_logprobs if held.prompt_logprobs is not None else out.prompt_logprobs
     return dataclasses.replace(
-        out, new_token_ids=held.new_token_ids + out.new_token_ids, new_logprobs=logprobs
+        out,
+        new_token_ids=held.new_token_ids + out.new_token_ids,
+        new_logprobs=logprobs,
+        prompt_logprobs=prompt,
     )
 
 

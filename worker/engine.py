@@ -173,7 +173,9 @@ class LLMEngine:
         if plan.is_empty:
             return outputs
         start = time.perf_counter()
-        sampled = self.runner.run(plan)
+        tokens = self.runner.launch(plan)
+        self._add_prompt_logprobs(tokens)
+        sampled = tokens.to_host()
         self._count_step(plan, time.perf_counter() - start)
         self.num_sync_steps += 1
         output = self._output
@@ -252,6 +254,7 @@ class LLMEngine:
             raise
         self._in_flight.popleft()
         self.scheduler.in_flight.popleft()
+        self._add_prompt_logprobs(tokens)
         # Device time of this step: from its launch, or from the previous step's end if later.
         ready = time.perf_counter()
         self._count_step(launched.plan, ready - max(start, self._last_ready))
@@ -264,6 +267,13 @@ class LLMEngine:
                 self._release(seq.request_id)
             outputs.append(output(seq))
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(tokens: SampledTokens) -> None:
+        """The prompt logprobs a step computed, into their sequences (a preempted or aborted one's
+        too: a recomputation skips what is held; an aborted one is never output again)."""
+        for seq, first, entries in tokens.prompt:
+            seq.add_prompt_logprobs(first, entries)
 
     def _count_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """A committed step's time and size: the totals and `last_step` (the step histograms)."""
@@ -308,6 +318,9 @@ class LLMEngine:
         new_lp = seq.logprobs[start - num_prompt :] if seq.sampling.logprobs else None
         seq.num_emitted_tokens = emitted = known - num_prompt
         arrival, first_scheduled, first_token = seq.arrival_s, seq.first_scheduled_s, seq.first_token_s
+        prompt_lp = None  # with the first tokens only
+        if start == num_prompt and known > start and seq.sampling.prompt_logprobs is not None:
+            prompt_lp = seq.prompt_logprobs
         return RequestOutput(
             seq.request_id,
             token_ids[start:known],
@@ -320,6 +333,7 @@ class LLMEngine:
             first_scheduled - arrival if first_scheduled else 0.0,
             first_token - arrival if first_token else 0.0,
             seq.num_preemptions,
+            prompt_lp,
         )
 
     def stats(self) -> EngineStats:

@@ -10,6 +10,10 @@ Contract:
   their outstanding tokens this step, and samples. Greedy rows without logprobs or logit
   processing take the argmax of the model-dtype logits (no float32 copy); one host sync per step
   (the tokens' copy to the host), two when logprobs are asked for.
+- Prompt logprobs (`SamplingParams.prompt_logprobs`): a step that computes a chunk of such a
+  prompt runs eager (no CUDA graph) and scores every row of the chunk whose next token is in the
+  prompt: float32 log-softmax of those rows' logits, `PROMPT_LOGPROBS_ROWS` rows at a time; the
+  chosen and top-N values come to the host with the step (`SampledTokens.prompt`).
 - Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
@@ -44,9 +48,11 @@ from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
 from worker.sampler import RequestSampler, SampledTokens, on_device
-from worker.scheduler import SchedulerOutput
+from worker.scheduler import ScheduledSeq, SchedulerOutput
+from worker.types import Logprob
 
 log = logging.getLogger(__name__)
+PROMPT_LOGPROBS_ROWS = 256  # prompt rows whose float32 logits are held at once (256 x vocab x 4 bytes)
 
 
 def resolved_config(config: EngineConfig) -> EngineConfig:
@@ -329,25 +335,38 @@ class ModelRunner:
             assert prev is not None, "placeholders to feed without the step that samples them"
             rows = prev.rows  # {request_id: row}, built once per step
             feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
-        hidden, sampling = self._forward(plan, feed)
+        scored = [
+            (i, s)
+            for i, s in enumerate(plan.scheduled)
+            if s.seq.sampling.prompt_logprobs is not None and s.start < len(s.seq.prompt_token_ids) - 1
+        ]
+        hidden, sampling, prompt = self._forward(plan, feed, scored)
         if not sampling:
-            return SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
-        return self._sample(sampling, hidden)
+            out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
+        else:
+            out = self._sample(sampling, hidden)
+        out.prompt = prompt
+        return out
 
-    def _forward(self, plan: SchedulerOutput, feed=None) -> tuple[torch.Tensor, list]:
-        """Hidden states of the sampling rows (S, C) and their sequences, in the same order."""
+    def _forward(
+        self, plan: SchedulerOutput, feed=None, scored: list[tuple[int, ScheduledSeq]] = ()
+    ) -> tuple[torch.Tensor, list, list]:
+        """Hidden states of the sampling rows (S, C), their sequences in the same order, and the
+        prompt logprobs of the `scored` (index in the plan, share) chunks (`_prompt_logprobs`)."""
         batch = self.input_batch
         graphs = self.cuda_graphs
         tokens, rows = feed if feed is not None else (None, None)
-        if graphs is not None:
+        if graphs is not None and not scored:  # scoring needs every row of a chunk: eager
             decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
             size = bucket_for(len(decode), graphs.sizes) if decode else None
             if size is not None and len(decode) == len(plan.scheduled):
                 step = batch.build(plan, feed=rows)
                 hidden = graphs.run(step, size, tokens)
-                return take_rows(hidden, step.sample_seq_idx), [
-                    plan.scheduled[i].seq for i in step.sample_seq_idx
-                ]
+                return (
+                    take_rows(hidden, step.sample_seq_idx),
+                    [plan.scheduled[i].seq for i in step.sample_seq_idx],
+                    [],
+                )
             if size is not None:
                 # Mixed step: the prompt chunks in one eager launch, the decode rows in their graph
                 # (distinct sequences: neither reads what the other writes).
@@ -360,7 +379,7 @@ class ModelRunner:
                 h_d = take_rows(graphs.run(dstep, size, tokens), dstep.sample_seq_idx)
                 seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
                 seqs += [decode[i].seq for i in dstep.sample_seq_idx]
-                return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs
+                return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, []
         step = batch.build(plan, feed=rows)
         input_ids, positions, meta = batch.eager_inputs(step, tokens)
         if self.cpu_compiled is not None:
@@ -369,7 +388,55 @@ class ModelRunner:
             hidden = self.cpu_layers(input_ids, positions, meta)  # (T, C), the same as self.model's
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
-        return take_rows(hidden, step.logits_rows), [plan.scheduled[i].seq for i in step.sample_seq_idx]
+        prompt = self._prompt_logprobs(hidden, step.query_start_loc, scored) if scored else []
+        seqs = [plan.scheduled[i].seq for i in step.sample_seq_idx]
+        return take_rows(hidden, step.logits_rows), seqs, prompt
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, starts, scored: list[tuple[int, ScheduledSeq]]
+    ) -> list[tuple[object, int, list[float]]]:
+        """(sequence, first position p, entries) per scored chunk: entry for position p is
+        log P(prompt[p + 1] | prompt[..p]) from row p's logits, for the chunk's positions whose next
+        token is in the prompt; a `Logprob` with the N most likely when prompt_logprobs N > 0.
+        `starts`: the step's query_start_loc (row of each sequence's first token)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans = []
+        for i, s in scored:
+            prompt = s.seq.prompt_token_ids
+            end = min(s.start + s.num_new_tokens, len(prompt) - 1)
+            first_row = int(starts[i])
+            rows.extend(range(first_row, first_row + end - s.start))
+            targets.extend(prompt[s.start + 1 : end + 1])
+            spans.append((s.seq, s.start, end - s.start))
+        vocab = self.model_config.vocab_size
+        top = min(max(s.seq.sampling.prompt_logprobs for _, s in scored), vocab)
+        chosen: list[float] = []
+        top_values: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        dev = hidden.device
+        for k in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            idx = on_device(rows[k : k + PROMPT_LOGPROBS_ROWS], dev, torch.int64)
+            logits = self.model.compute_logits(hidden.index_select(0, idx), upcast=True)
+            lp = logits.log_softmax(dim=-1)
+            target = on_device(targets[k : k + PROMPT_LOGPROBS_ROWS], dev, torch.int64)
+            chosen += lp.gather(-1, target[:, None]).squeeze(-1).tolist()
+            if top:
+                values, ids = lp.topk(top, dim=-1)
+                top_values += values.tolist()
+                top_ids += ids.tolist()
+        out, k = [], 0
+        for seq, first, n in spans:
+            want = seq.sampling.prompt_logprobs
+            entries: list[float] = chosen[k : k + n]
+            if want:
+                entries = [
+                    Logprob(c, tuple(zip(top_ids[k + j][:want], top_values[k + j][:want])))
+                    for j, c in enumerate(entries)
+                ]
+            out.append((seq, first, entries))
+            k += n
+        return out
 
     def _sample(self, sampling: list, hidden: torch.Tensor) -> SampledTokens:
         def logits(upcast: bool) -> torch.Tensor:

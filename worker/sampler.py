@@ -214,6 +214,8 @@ class SampledTokens:
         self, request_ids: list[str], tokens: torch.Tensor, logprobs: list[float | None] | None = None
     ):
         self.request_ids, self.tokens, self.logprobs = request_ids, tokens, logprobs
+        # (sequence, first entry, entries) of the prompt logprobs the step computed (on the host)
+        self.prompt: list[tuple[object, int, list[float]]] = []
         self._ready = None
         if tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -209,7 +209,7 @@ class Scheduler:
                     j += 1  # retired: that token ends it; those behind it go on
                     continue
                 break  # admitted once its token is known (next plan): none behind it before
-            if not seq.block_table:
+            if not seq.block_table and not seq.needs_prompt_logprobs:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):

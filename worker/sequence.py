@@ -48,6 +48,9 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
     matcher: object | None = None  # structured output: its llguidance matcher (worker/grammar.py)
+    # sampling.prompt_logprobs set: entry i = log P(prompt[i + 1] | prompt[..i]), filled as the
+    # steps computing the prompt commit (LLMEngine); a recomputation after preemption adds nothing
+    prompt_logprobs: list[float] = field(default_factory=list)
     # Stop conditions, precomputed (host time per sequence per step): the token ids that end it
     # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
     stop_ids: frozenset[int] = field(init=False)
@@ -86,6 +89,22 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for the prompt's logprobs and not all of them are in yet: its prompt must be
+        computed (no prefix-cache hit)."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
+
+    def add_prompt_logprobs(self, first: int, values: list[float]) -> None:
+        """Entries `first`, `first + 1`, ... of `prompt_logprobs` (a step's chunk); those already
+        held (a recomputation) are skipped."""
+        have = len(self.prompt_logprobs)
+        if first <= have:
+            self.prompt_logprobs.extend(values[have - first :])
 
     def sort_key(self) -> tuple[int, float]:
         """Scheduling order: higher priority first, then older first."""

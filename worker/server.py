@@ -77,6 +77,7 @@ def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         top_logprobs=s.top_logprobs,
         grammar=s.grammar,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -90,6 +91,14 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
     for lp in out.new_logprobs or ():  # worker.types.Logprob carries the top-N (sampler.py)
         if top := getattr(lp, "top", None):
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no entries)
+        msg.prompt_logprobs.logprobs.extend(out.prompt_logprobs)
+        for lp in out.prompt_logprobs:
+            if top := getattr(lp, "top", None):
+                msg.prompt_logprobs.top_logprobs.add(
+                    token_ids=[t for t, _ in top], logprobs=[v for _, v in top]
+                )
     if out.finished:
         msg.finished.CopyFrom(
             wpb.WorkerFinished(

@@ -5,6 +5,8 @@ Contract: the engine is token-in / token-out. A request is `prompt_token_ids: li
 tokens or finished in that step. `new_token_ids` are the tokens produced since the last output
 (usually one); `new_logprobs` (natural log, float) are parallel to it when requested; with
 `top_logprobs` N > 0 each is a `Logprob`, a float that also carries the N most likely tokens there.
+With `prompt_logprobs` set, the first output that carries tokens also carries `prompt_logprobs`:
+entry i is log P(prompt[i + 1] | prompt[..i]) (a `Logprob` with the N most likely when N > 0).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the caller (cancellation, deadline)
 
 
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit; bounds a reply's size)
+
 # Sampling fields that cannot change a greedy argmax; any other field away from its default (a
 # penalty, a logit bias, logprobs) sends the batch through the full sampler.
 _GREEDY_NEUTRAL = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
+    | {"prompt_logprobs"}  # read off the prompt's rows, not the sampled ones
 )
 
 
@@ -46,6 +51,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     top_logprobs: int = 0  # also the N most likely tokens at each position (needs logprobs)
     grammar: str = ""  # llguidance grammar the output must follow (worker/grammar.py); "" = none
+    # None = off; N >= 0: the logprob of each prompt token after the first, and the N most likely
+    # tokens at each position (the prompt is then computed whole: no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -66,8 +74,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
-        if self.top_logprobs < 0 or (self.top_logprobs and not self.logprobs):
-            raise ValueError(f"top_logprobs must be >= 0 and needs logprobs, got {self.top_logprobs}")
+        if not 0 <= self.top_logprobs <= MAX_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise ValueError(
+                f"top_logprobs must be 0 to {MAX_LOGPROBS} and needs logprobs, got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be 0 to {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if self.grammar and self.ignore_eos:
             raise ValueError("a grammar ends its output with EOS: it cannot be combined with ignore_eos")
 
@@ -118,6 +130,7 @@ class RequestOutput:
     queue_s: float = 0.0  # arrival -> first scheduled
     ttft_s: float = 0.0  # arrival -> first output token (0 until then)
     num_preemptions: int = 0  # times this sequence was preempted so far
+    prompt_logprobs: list[float] | None = None  # with the first tokens, when asked for (see above)
 
 
 @dataclass(frozen=True, slots=True)

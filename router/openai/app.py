@@ -215,13 +215,13 @@ def create_app(
     service,
     models: Callable[[], dict],
     metrics: RouterMetrics | None,
-    token_text: Callable[[str], Callable[[int], str]],
+    decoder: Callable[[str], Callable[[list[int]], str]],
     max_body_bytes: int,
     stream_idle_timeout_s: float = 0.0,
     serving: Callable[[], bool] = lambda: True,
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
-    `token_text(model)`: a token id's text under that model's tokenizer (for logprobs);
+    `decoder(model)`: token ids -> text under that model's tokenizer (logprobs, echo);
     `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never);
     `serving()`: the gRPC health of "" (GET /health answers it over HTTP)."""
     app = FastAPI(
@@ -264,8 +264,9 @@ def create_app(
             streaming = False
             try:
                 await until_disconnected(request, calls.start())
-                # validated: the model is served; token texts are needed only for logprobs
-                responder = Responder(parsed, name, token_text(name) if parsed.logprobs else str)
+                # validated: the model is served; texts are needed only for logprobs and echo
+                need = parsed.logprobs or parsed.echo
+                responder = Responder(parsed, name, decoder(name) if need else str)
                 if parsed.stream:
                     streaming = True  # from here the response closes `calls`, however it ends
                     return EventStream(

@@ -9,10 +9,14 @@ Contract
   several choices each request id gets "-<index>" and a `seed` becomes seed + j for the j-th
   choice of a prompt (distinct, reproducible samples). The service then validates each protobuf
   exactly as for gRPC; `param_of` maps its field names back to the OpenAI parameter.
+  Completions' `echo` puts each prompt in front of its choice; with `logprobs` N the prompt's
+  tokens are scored too (`sampling.prompt_logprobs` N), and `max_tokens` 0 (echo only) asks the
+  worker for one token that the answer leaves out (`Parsed.echo_only`): what lm-evaluation-harness's
+  loglikelihood requests send.
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
   the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature
-  this server does not have (tools, echo, suffix, best_of > 1); a `response_format` other than
+  this server does not have (tools, suffix, best_of > 1); a `response_format` other than
   text, json_object or json_schema.
   Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
   vendor extensions; docs/openai.md lists what is honoured.
@@ -64,6 +68,8 @@ class Parsed:
     request_id: str = ""  # the answer's (each choice's request adds "-<index>" when there are several)
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: each choice's prompt in front of its text (and logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the worker's one token is left out
     logprobs: bool = False
     top_logprobs: int = 0
     max_tokens_param: str = "max_tokens"
@@ -162,8 +168,6 @@ def _unsupported(body: dict, chat: bool) -> None:
         if body.get(name):
             raise _bad(name, "tool calling is not supported by this server")
     if not chat:
-        if _get(body, "echo", (bool,), "a boolean"):
-            raise _bad("echo", "echo is not supported")
         if _get(body, "suffix", (str,), "a string"):
             raise _bad("suffix", "suffix is not supported")
         if _int(body, "best_of", 1) not in (None, 1):
@@ -202,6 +206,9 @@ def _logprobs(body: dict, chat: bool, s: pb.SamplingParams, out: Parsed) -> None
             raise _bad("logprobs", f"must be 0 to {MAX_COMPLETIONS_LOGPROBS}, got {top}")
         out.logprobs, top = top is not None, top or 0
         out.params["sampling.top_logprobs"] = "logprobs"
+        if out.echo and out.logprobs:  # the prompt's tokens are scored as well
+            s.prompt_logprobs = top
+            out.params["sampling.prompt_logprobs"] = "logprobs"
     out.top_logprobs = top
     s.logprobs = int(out.logprobs)
     s.top_logprobs = top
@@ -232,8 +239,10 @@ def _stopping(body: dict, chat: bool, st: pb.StoppingCriteria, out: Parsed) -> N
     for name in names:
         value = _int(body, name)
         if value is not None:
+            if value == 0 and out.echo:  # the prompt only: one token is generated and left out
+                value, out.echo_only = 1, True
             if value < 1:
-                raise _bad(name, f"must be >= 1, got {value}")
+                raise _bad(name, f"must be >= 1 (0 only with echo), got {value}")
             st.max_tokens, out.max_tokens_param = value, name
             break
     stop = body.get("stop")
@@ -266,6 +275,7 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
         raise _bad("n", f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}")
     req = pb.GenerateRequest(request_id=request_id, model=_get(body, "model", (str,), "a string") or "")
     out = Parsed(request=req, chat=chat, n=n, request_id=request_id)
+    out.echo = not chat and bool(_get(body, "echo", (bool,), "a boolean"))
     if chat:
         req.chat.CopyFrom(_messages(body))
     out.stream = bool(_get(body, "stream", (bool,), "a boolean"))

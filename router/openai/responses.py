@@ -2,15 +2,19 @@
 
 Contract
 - input: the `Parsed` request, the model name, and per choice (index) the service's `TokenChunk`s
-  and `Finished` (the same protobuf messages the gRPC API streams); `token_text(id) -> str` (for
-  logprobs).
+  and `Finished` (the same protobuf messages the gRPC API streams); `decode(ids) -> str` under the
+  model's tokenizer (token texts for logprobs, a token-id prompt's text for echo).
 - output: `chat.completion` / `text_completion` objects and their streamed `chunk` forms (one
   choice per chunk, each with its `index`); usage summed over the choices, each prompt counted
   once (as OpenAI counts `n`), with `prompt_tokens_details.cached_tokens`; finish_reason stop |
   length | abort (the worker ended it) and `stop_reason`, the stop string or stop token id that
   matched (vLLM's field; null for EOS or length); logprobs in the chat form (`content: [{token,
   logprob, bytes, top_logprobs}]`) or the completions form (`tokens`, `token_logprobs`,
-  `top_logprobs`, `text_offset`).
+  `top_logprobs`, `text_offset`). Completions with `echo`: the choice's first chunk (or its last,
+  if none came before) starts with the prompt's text, and with logprobs its tokens' entries (the
+  first token's logprob and top_logprobs null: it has no context; the rest from the first
+  `TokenChunk.prompt_logprobs`); with `max_tokens` 0 (`Parsed.echo_only`) the generated token is
+  left out of text, logprobs and usage, and finish_reason is length.
 - state: per response (id, created time, each choice's text offset for the logprobs).
 - failure modes: none (the events are already validated).
 - proven by: tests/test_openai_e2e.py (the openai SDK parses every shape).
@@ -37,11 +41,12 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
-def usage(dones: list[Done], n: int = 1) -> dict:
+def usage(dones: list[Done], n: int = 1, completions: bool = True) -> dict:
     """Usage of every choice's `Finished` (index order, `n` choices per prompt): completion tokens
-    summed, the prompt (and its cached tokens) counted once per prompt."""
+    summed (none when `completions` is False: echo only), the prompt (and its cached tokens)
+    counted once per prompt."""
     prompt = sum(d.usage.prompt_tokens for d in dones[::n])
-    completion = sum(d.usage.completion_tokens for d in dones)
+    completion = sum(d.usage.completion_tokens for d in dones) if completions else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -56,15 +61,20 @@ def stop_reason(done: Done) -> str | int | None:
 
 
 class Responder:
-    def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
-        self.parsed, self.model, self._token_text = parsed, model, token_text
+    def __init__(self, parsed: Parsed, model: str, decode: Callable[[list[int]], str]):
+        self.parsed, self.model, self._decode = parsed, model, decode
         rid = parsed.request_id or parsed.request.request_id
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
+        # choices whose prompt is still to be echoed (completions with echo)
+        self._echo_pending = set(range(len(parsed.requests))) if parsed.echo else set()
 
     # -- logprobs ---------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self._decode([token_id])
+
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -100,6 +110,35 @@ class Responder:
         self._offsets[index] = offset
         return out
 
+    def _echo(self, index: int, chunks: list[Chunk]) -> tuple[str, dict | None]:
+        """Choice `index`'s prompt text and, with logprobs, its tokens' completions-form entries
+        (from the chunk that carries `prompt_logprobs`); ("", None) once echoed."""
+        if index not in self._echo_pending:
+            return "", None
+        self._echo_pending.discard(index)
+        req = self.parsed.requests[index]
+        text = req.prompt if req.WhichOneof("input") == "prompt" else self._decode(list(req.token_ids.ids))
+        if not self.parsed.logprobs:
+            return text, None
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        scored = next((c.prompt_logprobs for c in chunks if c.HasField("prompt_logprobs")), None)
+        offset = 0
+        if scored is not None:
+            tops = scored.top_logprobs
+            for k, token in enumerate(scored.token_ids):
+                piece = self._token_text(token)
+                out["tokens"].append(piece)
+                out["token_logprobs"].append(scored.logprobs[k - 1] if k else None)
+                top = None  # the first token has no context
+                if k:
+                    pairs = zip(tops[k - 1].token_ids, tops[k - 1].logprobs) if tops else ()
+                    top = {self._token_text(t): v for t, v in pairs}
+                out["top_logprobs"].append(top)
+                out["text_offset"].append(offset)
+                offset += len(piece)
+        self._offsets[index] = offset
+        return text, out
+
     # -- whole response ---------------------------------------------------------------------
     def _choice(
         self, index: int, text: str | None, chunks: list[Chunk], done: Done | None, delta: bool
@@ -111,11 +150,20 @@ class Responder:
                 choice["delta"] = body
             else:
                 choice["message"] = {"role": "assistant", "content": text or ""}
+            choice["logprobs"] = self.logprobs(chunks, index) if chunks else None
         else:
-            choice["text"] = text or ""
-        choice["logprobs"] = self.logprobs(chunks, index) if chunks else None
-        choice["finish_reason"] = FINISH.get(done.reason, "abort") if done else None
-        choice["stop_reason"] = stop_reason(done) if done else None
+            echoed, prompt_lp = self._echo(index, chunks) if self.parsed.echo else ("", None)
+            generated = [] if self.parsed.echo_only else chunks
+            choice["text"] = echoed + ("" if self.parsed.echo_only else text or "")
+            logprobs = self.logprobs(generated, index) if generated else None
+            if prompt_lp is not None:
+                logprobs = {k: v + (logprobs or {}).get(k, []) for k, v in prompt_lp.items()}
+            choice["logprobs"] = logprobs
+        finish = FINISH.get(done.reason, "abort") if done else None
+        if done and self.parsed.echo_only and finish != "abort":
+            finish = "length"  # max_tokens 0: the prompt is all there is
+        choice["finish_reason"] = finish
+        choice["stop_reason"] = stop_reason(done) if done and not self.parsed.echo_only else None
         return choice
 
     def _envelope(self, choices: list[dict], chunked: bool) -> dict:
@@ -137,7 +185,7 @@ class Responder:
             ],
             chunked=False,
         )
-        out["usage"] = usage([done for _, done in choices], self.parsed.n)
+        out["usage"] = usage([done for _, done in choices], self.parsed.n, not self.parsed.echo_only)
         return out
 
     # -- streaming --------------------------------------------------------------------------
@@ -158,8 +206,11 @@ class Responder:
         )
 
     def delta(self, chunk: Chunk, index: int = 0) -> bytes:
-        if not chunk.text and not (self.parsed.logprobs and chunk.token_ids):
-            return b""  # text held back (a partial character or a possible stop string)
+        if index not in self._echo_pending:  # (an echo is always sent)
+            if self.parsed.echo_only:
+                return b""  # max_tokens 0: the generated token is left out
+            if not chunk.text and not (self.parsed.logprobs and chunk.token_ids):
+                return b""  # text held back (a partial character or a possible stop string)
         return self._chunk([self._choice(index, chunk.text, [chunk], None, delta=True)])
 
     def finish_choice(self, done: Done, index: int = 0) -> bytes:
@@ -171,7 +222,7 @@ class Responder:
         out = b""
         if self.parsed.include_usage:
             last = self._envelope([], chunked=True)
-            last["usage"] = usage(dones, self.parsed.n)
+            last["usage"] = usage(dones, self.parsed.n, not self.parsed.echo_only)
             out += sse(last)
         return out + sse("[DONE]")
 
