@@ -28,6 +28,13 @@ from router.errors import ValidationError
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+# A scored prompt's reply (TokenChunk.prompt_logprobs) must fit a gRPC message on both hops (16 MiB
+# by default): bytes per prompt token for N top tokens, measured 17 (N = 1) and 151 (N = 20).
+PROMPT_LOGPROBS_MAX_BYTES = 8 * 2**20
+
+
+def prompt_logprobs_bytes(num_prompt_tokens: int, top: int) -> int:
+    return num_prompt_tokens * (10 + 8 * top)
 
 
 @dataclass(frozen=True)
@@ -305,6 +312,15 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
     context = req.model.max_model_len
     field = "token_ids.ids" if req.prompt_token_ids is not None else "chat.messages" if req.chat else "prompt"
     _check(num_prompt_tokens > 0, field, "tokenizes to zero tokens")
+    if req.prompt_logprobs is not None:
+        size = prompt_logprobs_bytes(num_prompt_tokens, req.prompt_logprobs)
+        _check(
+            size <= PROMPT_LOGPROBS_MAX_BYTES,
+            "sampling.prompt_logprobs",
+            f"scoring {num_prompt_tokens} prompt tokens with {req.prompt_logprobs} top tokens each makes a "
+            f"reply of ~{size / 2**20:.1f} MiB, more than {PROMPT_LOGPROBS_MAX_BYTES // 2**20} MiB: ask for "
+            "fewer top tokens or a shorter prompt",
+        )
     _check(
         num_prompt_tokens < context,
         field,

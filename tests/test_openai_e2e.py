@@ -226,7 +226,7 @@ def test_echo_scores_prompts_as_lm_eval_does(client, stub, router):
     assert choice.text == STORY and choice.finish_reason == "length" and only.usage.completion_tokens == 0
     assert len(choice.logprobs.tokens) == len(context) and choice.logprobs.top_logprobs[0] is None
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(list(scored.logprobs), abs=1e-4)
-    assert "".join(choice.logprobs.tokens) == STORY  # the text offsets index the echoed text
+    assert "".join(choice.logprobs.tokens) == STORY  # SmolLM2's pieces concatenate to the prompt
     offsets = [sum(map(len, choice.logprobs.tokens[:i])) for i in range(len(context))]
     assert choice.logprobs.text_offset == offsets
 

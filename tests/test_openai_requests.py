@@ -97,6 +97,19 @@ def test_usage_counts_each_prompt_once_and_offsets_are_per_choice():
     assert all(c["logprobs"]["text_offset"] == [0, 2] for c in body["choices"])
 
 
+def test_echo_of_a_choice_ended_before_its_prompt_was_scored_is_an_error():
+    """A worker that ends a choice before its first token sends no prompt logprobs: a 503 (or the
+    stream's error event), never a 200 whose prompt logprobs are missing."""
+    parsed = parse({"prompt": "ab", "echo": True, "logprobs": 1}, chat=False, request_id="r")
+    done = pb.Finished(reason=pb.FINISH_REASON_CANCELLED)
+    with pytest.raises(Unavailable, match="before its prompt was scored"):
+        Responder(parsed, "m", lambda ids: "x").complete([([], done)])
+    with pytest.raises(Unavailable):
+        Responder(parsed, "m", lambda ids: "x").finish_choice(done, 0)
+    plain = parse({"prompt": "ab", "echo": True}, chat=False, request_id="r")  # no logprobs: the text
+    assert Responder(plain, "m", str).complete([([], done)])["choices"][0]["text"] == "ab"
+
+
 @pytest.mark.parametrize(
     "body, chat, param",
     [

@@ -101,7 +101,9 @@ def test_prompt_logprobs_match_transformers(tiny, async_scheduling):
         for i, (prompt, top) in enumerate(zip(PROMPTS, tops))
     }
     requests["plain"] = (PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    queries = engine.block_manager.num_prefix_queries
     out = run(engine, requests)
+    assert engine.block_manager.num_prefix_queries - queries == len(PROMPTS[2])  # scored: no lookup
     assert out["plain"]["prompt"] == []  # not asked for: never sent
     assert out["plain"]["cached"] == 32  # its prefix hits the blocks the scored one wrote
     for i, (prompt, top) in enumerate(zip(PROMPTS, tops)):

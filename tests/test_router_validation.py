@@ -189,6 +189,16 @@ def test_fit_to_context():
         fit_to_context(chat, 0, LIMITS)
 
 
+def test_scored_prompt_reply_must_fit_a_message():
+    big = {"big": ModelSpec("big", max_model_len=10**6, vocab_size=1000)}
+    scored = validate(req(sampling=pb.SamplingParams(prompt_logprobs=20)), LIMITS, big)
+    assert fit_to_context(scored, 40_000, LIMITS) == 16  # ~6.5 MiB of reply
+    with pytest.raises(ValidationError, match="^sampling.prompt_logprobs: scoring 60000 prompt tokens"):
+        fit_to_context(scored, 60_000, LIMITS)
+    one = validate(req(sampling=pb.SamplingParams(prompt_logprobs=1)), LIMITS, big)
+    assert fit_to_context(one, 400_000, LIMITS) == 16  # one top token: 18 bytes per prompt token
+
+
 def test_response_formats_become_grammars():
     assert validate(req(), LIMITS, MODELS).grammar == ""
     grammars = {

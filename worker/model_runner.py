@@ -13,7 +13,8 @@ Contract:
 - Prompt logprobs (`SamplingParams.prompt_logprobs`): a step that computes a chunk of such a
   prompt runs eager (no CUDA graph) and scores every row of the chunk whose next token is in the
   prompt: float32 log-softmax of those rows' logits, `PROMPT_LOGPROBS_ROWS` rows at a time; the
-  chosen and top-N values come to the host with the step (`SampledTokens.prompt`).
+  chosen and top-N values come to the host with the step (`SampledTokens.prompt`): a host sync on
+  the executor thread, so on a GPU such a step does not overlap the next one's planning.
 - Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
@@ -338,7 +339,9 @@ class ModelRunner:
         scored = [
             (i, s)
             for i, s in enumerate(plan.scheduled)
-            if s.seq.sampling.prompt_logprobs is not None and s.start < len(s.seq.prompt_token_ids) - 1
+            if s.seq.sampling.prompt_logprobs is not None
+            and s.start < len(s.seq.prompt_token_ids) - 1
+            and s.seq.needs_prompt_logprobs  # (a recomputation after preemption has them all)
         ]
         hidden, sampling, prompt = self._forward(plan, feed, scored)
         if not sampling:

@@ -231,8 +231,9 @@ class Scheduler:
                     seq.first_scheduled_s = time.monotonic()
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.num_prompt_tokens += seq.num_prompt_tokens
-                    self.bm.num_prefix_queries += seq.num_prompt_tokens
-                    self.bm.num_prefix_hits += seq.num_cached_tokens
+                    if seq.sampling.prompt_logprobs is None:  # a scored prompt never looks it up
+                        self.bm.num_prefix_queries += seq.num_prompt_tokens
+                        self.bm.num_prefix_hits += seq.num_cached_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))

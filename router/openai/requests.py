@@ -10,9 +10,9 @@ Contract
   choice of a prompt (distinct, reproducible samples). The service then validates each protobuf
   exactly as for gRPC; `param_of` maps its field names back to the OpenAI parameter.
   Completions' `echo` puts each prompt in front of its choice; with `logprobs` N the prompt's
-  tokens are scored too (`sampling.prompt_logprobs` N), and `max_tokens` 0 (echo only) asks the
-  worker for one token that the answer leaves out (`Parsed.echo_only`): what lm-evaluation-harness's
-  loglikelihood requests send.
+  tokens are scored too (`sampling.prompt_logprobs` N: lm-evaluation-harness's loglikelihood
+  requests send echo, logprobs 1 and max_tokens 1), and `max_tokens` 0 (echo only, what other
+  scorers send) asks the worker for one token that the answer leaves out (`Parsed.echo_only`).
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
   the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature

@@ -16,7 +16,9 @@ Contract
   `TokenChunk.prompt_logprobs`); with `max_tokens` 0 (`Parsed.echo_only`) the generated token is
   left out of text, logprobs and usage, and finish_reason is length.
 - state: per response (id, created time, each choice's text offset for the logprobs).
-- failure modes: none (the events are already validated).
+- failure modes: an echo with logprobs whose choice ended before its prompt was scored (the
+  worker ended it before its first token) -> `Unavailable` (503, or the stream's error event),
+  never a 200 with the prompt's logprobs missing.
 - proven by: tests/test_openai_e2e.py (the openai SDK parses every shape).
 """
 
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.errors import Unavailable
 from router.openai.requests import Parsed
 
 Chunk, Done = pb.TokenChunk, pb.Finished
@@ -70,10 +73,14 @@ class Responder:
         self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
         # choices whose prompt is still to be echoed (completions with echo)
         self._echo_pending = set(range(len(parsed.requests))) if parsed.echo else set()
+        self._texts: dict[int, str] = {}  # token id -> its text (a scored prompt repeats many)
 
     # -- logprobs ---------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
-        return self._decode([token_id])
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self._token_text(token_id)
@@ -122,20 +129,21 @@ class Responder:
             return text, None
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         scored = next((c.prompt_logprobs for c in chunks if c.HasField("prompt_logprobs")), None)
+        if scored is None:
+            raise Unavailable(f"choice {index} ended before its prompt was scored (the worker ended it)")
         offset = 0
-        if scored is not None:
-            tops = scored.top_logprobs
-            for k, token in enumerate(scored.token_ids):
-                piece = self._token_text(token)
-                out["tokens"].append(piece)
-                out["token_logprobs"].append(scored.logprobs[k - 1] if k else None)
-                top = None  # the first token has no context
-                if k:
-                    pairs = zip(tops[k - 1].token_ids, tops[k - 1].logprobs) if tops else ()
-                    top = {self._token_text(t): v for t, v in pairs}
-                out["top_logprobs"].append(top)
-                out["text_offset"].append(offset)
-                offset += len(piece)
+        tops = scored.top_logprobs
+        for k, token in enumerate(scored.token_ids):
+            piece = self._token_text(token)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(scored.logprobs[k - 1] if k else None)
+            top = None  # the first token has no context
+            if k:
+                pairs = zip(tops[k - 1].token_ids, tops[k - 1].logprobs) if tops else ()
+                top = {self._token_text(t): v for t, v in pairs}
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(piece)
         self._offsets[index] = offset
         return text, out
 
