@@ -26,7 +26,7 @@ def kernel_sweep(rows: list[int], reps: int, forms=KERNEL_FORMS) -> list[dict]:
     from worker.kernels import cpu_quant
     from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear
 
-    has_op, has_vnni = cpu_quant.available(), cpu_quant.available() and cpu_quant.vnni_available()
+    has_op, has_vnni = cpu_quant.available(), cpu_quant.vnni_available()
     forms = [f for f in forms if (f != "int4 deq" or has_op) and (f != "w4a8" or has_vnni)]
     head_forms = ["head bf16", "head int8"] + ["head int8 tiled"] * has_op + ["head w8a8"] * has_vnni
 

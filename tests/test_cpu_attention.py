@@ -277,6 +277,31 @@ CHILD = textwrap.dedent("""
     rows[3, [8, 30]] = float("nan")
     rows[4, 36] = float("inf")
     assert torch.equal(cpu_fused.argmax_rows(rows), rows.float().argmax(-1))
+    # The int8-activation ops' AVX2 path (vpmaddubsw + vpmaddwd): the activations rounded exactly as
+    # the reference rounds them, both products against float32 (rows 1 + 2 + 4 blocks, an int8
+    # weight of -128, a NaN row).
+    from worker.kernels import cpu_quant
+    from worker.model.quant import Int4Linear, Int8Linear
+    assert torch.ops.llm_cpu.int8_dots_isa() == "AVX2" and cpu_quant.vnni_available()
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 128, generator=gen) * torch.rand(7, 1, generator=gen) * 4).bfloat16()
+    x[0, :32] = 0
+    q, d, sums = torch.ops.llm_cpu.quantize_activations(x)
+    want_q, want_d, want_sums = cpu_quant.quantize_reference(x)
+    assert torch.equal(q.view(7, 4, 32).float(), want_q) and torch.equal(d, want_d)
+    assert torch.equal(sums, want_sums)
+    rounded = cpu_quant.round_activations(x)
+    i4 = Int4Linear.from_float(torch.randn(64, 128, generator=gen) * 0.05)
+    lin = Int8Linear.from_float(torch.randn(32, 128, generator=gen))
+    lin.weight[3, 5] = -128
+    for module, convert in ((i4, i4.to_w4a8), (lin, lin.to_w8a8)):
+        ref = rounded @ module.dequantize().T
+        assert convert()
+        err = float((module(x).float() - ref).abs().max())
+        assert err <= 0.01 * float(ref.abs().max()), err
+    y = x.clone()
+    y[2, 7] = float("nan")
+    assert i4(y)[2].isnan().all() and not i4(y)[3].isnan().any()
     print(cpu_attention.build_info(), cpu_attention._state["path"])
 """)
 
@@ -286,7 +311,8 @@ def test_avx2_build_concurrent_builders_and_stale_lock(tmp_path, monkeypatch):
     """Two processes build an AVX2-only copy (-march=x86-64-v3: AVX2, FMA, F16C, no AVX-512) into an
     empty cache at the same time, where a torch lock file was left as by a builder killed mid-build:
     the stale lock must not block them (it is removed, not waited on), and both load the same
-    library, which is correct and has no zmm instruction. (One round: a second build round just for
+    library, which is correct (attention, the fused ops' SIMD paths, the int8-activation ops' AVX2
+    dot products) and has no zmm instruction. (One round: a second build round just for
     the stale lock cost a third process and ~2 s.)"""
     env = dict(os.environ, LLM_CPU_EXT_DIR=str(tmp_path), LLM_CPU_EXT_MARCH="x86-64-v3")
     monkeypatch.setenv("LLM_CPU_EXT_MARCH", "x86-64-v3")

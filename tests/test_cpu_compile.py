@@ -132,7 +132,7 @@ def test_quantized_path_compiled_close_to_float32(runner, tokenizer, int8_activa
     from worker.model_runner import ModelRunner
 
     if int8_activations and not (cpu_quant.available() and cpu_quant.vnni_available()):
-        pytest.skip("int8 activations need AVX512-VNNI and the llm_cpu op (not on this CPU/build)")
+        pytest.skip("int8 activations need int8 dot products and the llm_cpu op (not on this CPU/build)")
     quant = ModelRunner(
         EngineConfig(
             kv_cache_bytes=32 * 2**20,

@@ -20,7 +20,7 @@ needs_op = pytest.mark.skipif(
 )
 needs_vnni = pytest.mark.skipif(
     not (cpu_attention.available() and cpu_quant.vnni_available()),
-    reason="no AVX512-VNNI on this CPU or in its extension build: no W4A8 / W8A8 layers to run",
+    reason="no int8 dot products (AVX512-VNNI / AVX2) on this CPU or in its build: no W4A8 / W8A8 layers",
 )
 
 SMALL = dict(kv_cache_bytes=16 * 2**20, num_threads=2, max_num_seqs=8)

@@ -150,9 +150,11 @@ def test_bad_arguments_are_value_errors_naming_the_problem():
         torch.ops.llm_cpu.int8_linear_tiled(torch.randn(4, 64).to(torch.bfloat16), lin.weight, lin.scales, 8)
 
 
+needs_op = pytest.mark.skipif(not cpu_attention.available(), reason="the llm_cpu extension is unavailable")
 needs_vnni = pytest.mark.skipif(
-    not (cpu_attention.available() and _layout_is_block64() and torch.ops.llm_cpu.vnni_compiled()),
-    reason="no AVX512-VNNI on this CPU or in its build of the extension: the int8-activation ops are unused",
+    not (cpu_attention.available() and torch.ops.llm_cpu.vnni_compiled()),
+    reason="neither AVX512-VNNI nor AVX2 on this CPU or in its build of the extension: the int8-activation "
+    "ops are unused",
 )
 
 
@@ -196,7 +198,7 @@ def test_vnni_layouts_round_trip():
     assert torch.equal(cpu_quant.int8_rows_from_vnni(wq8, ids), q8[ids])
 
 
-@needs_layout
+@needs_op
 def test_activation_quantization_is_the_reference_exactly():
     """The ops' per-group int8 rounding (AVX-512 where the build has it) against
     cpu_quant.quantize_reference, value for value: q = round-half-even(x * (127 / amax)),
@@ -219,7 +221,7 @@ def test_activation_quantization_is_the_reference_exactly():
     assert not q[4, 32:64].any() and float(sums[4, 1]) == 0.0 and 0 < float(d[4, 1]) < 1e-39
 
 
-@needs_layout
+@needs_op
 def test_int8_embedding_lookup_from_the_vnni_layout_matches_torch():
     """The embedding's one-op lookup: bit-identical to unpacking the rows and scaling them in
     torch (repeated ids, a 2-D ids tensor, enough ids to run in parallel); ids outside the rows
@@ -293,7 +295,7 @@ def test_int8_activation_conversion_skips_shapes_the_ops_do_not_take():
 
 
 def test_without_vnni_nothing_is_converted_and_the_kernels_stay(monkeypatch):
-    """On a CPU (or build) without AVX512-VNNI the conversions refuse, whoever calls them, and the
+    """On a CPU (or build) without int8 dot products the conversions refuse, whoever calls them, and the
     modules keep torch's kernels: a converted module would have dropped its weights for an op that
     cannot run there. Runs on every machine (the probe is forced off)."""
     from worker.model.cpu_paths import row_thresholds, use_int8_activations

@@ -162,11 +162,11 @@ class EngineConfig:
     cpu_int8_activations: bool = field(
         default=True,
         metadata=option(
-            "CPU with AVX512-VNNI, int4 / int8 weights: quantize the activations of those linears to "
-            "int8 (per row and group of 32 values, llama.cpp's Q8 scheme) and multiply with VNNI dot "
-            "products: 2-3x the bfloat16-activation kernels' speed at every batch size, at a larger "
-            "logit error (docs/quantization.md). No effect without VNNI. --no-cpu-int8-activations keeps "
-            "bfloat16 activations",
+            "CPU with AVX512-VNNI or AVX2, int4 / int8 weights: quantize the activations of those "
+            "linears to int8 (per row and group of 32 values, llama.cpp's Q8 scheme) and multiply with "
+            "int8 dot products: 2-3x the bfloat16-activation kernels' speed at every batch size (VNNI), "
+            "at a larger logit error (docs/quantization.md). No effect without either. "
+            "--no-cpu-int8-activations keeps bfloat16 activations",
             negative=("no-cpu-int8-activations",),
         ),
     )

@@ -138,13 +138,28 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& q, const at:
 //   scale + zero). x is quantized per row and group of 32 to int8 (d = max|x| / 127, round to
 //   nearest), so out[m, n] = sum_g d[m, g] * (scale * sum_k q * xq + (zero - 8 * scale) * sum_k
 //   xq), i.e. the float32 dot of the dequantized weights with the int8-rounded activations.
+//
+// AVX2 builds (no AVX-512: Zen 2/3, Haswell to Comet Lake) run the same two ops on the same layouts
+// with 256-bit registers, a block's 16 rows as two halves of 8 lanes: vpmaddubsw (unsigned x signed
+// bytes -> pairs summed into int16) then vpmaddwd by ones (-> int32) does what one vpdpbusd does,
+// as llama.cpp's AVX2 dot products do. W4A8: the weight nibbles (0..15) are the unsigned operand,
+// so a pair sums to at most 2 * 15 * 127 and a group's 16 pairs per lane (30,480) still fit int16.
+// W8A8: no +128 offset; |w| is the unsigned operand and x takes w's sign (vpsignb), so a pair
+// stays within 2 * 128 * 127; each pair sum widens to int32 at once. The results are the same
+// integers, so the same outputs up to float summation order.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kVnni = true;
+#define LLM_DOTS_AVX512 1
+constexpr const char* kDots = "AVX512-VNNI";
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LLM_DOTS_AVX2 1
+constexpr const char* kDots = "AVX2";
 #else
-constexpr bool kVnni = false;
+constexpr const char* kDots = "";
 #endif
+constexpr bool kVnni = kDots[0] != '\0';
 
 bool vnni_compiled() { return kVnni; }
+std::string int8_dots_isa() { return kDots; }
 
 // 127 / amax for a finite group, 0 for an all-zero one and for amax below ~3.7e-37, where the
 // quotient overflows: such a group quantizes to zeros (its values are < 1e-36 anyway).
@@ -178,13 +193,58 @@ inline void quantize_group(const at::BFloat16* src, int8_t* q, float* d, float* 
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+// One group of 32 values with AVX2, bit for bit the scalar loop's results (as the AVX-512 one).
+inline __m256 bf16x8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline void quantize_group(const at::BFloat16* src, int8_t* q, float* d, float* sum) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 amax = _mm256_setzero_ps();
+  int finite = 0xFF;
+  for (int j = 0; j < 4; ++j) {
+    v[j] = bf16x8(src + 8 * j);
+    const __m256 a = _mm256_andnot_ps(sign, v[j]);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+    amax = _mm256_max_ps(amax, a);
+  }
+  if (finite != 0xFF) {
+    std::memset(q, 0, 32);
+    *d = std::numeric_limits<float>::quiet_NaN();
+    *sum = 0.f;
+    return;
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(group_inverse(top));
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = top / 127.f;
+  *sum = float(_mm_cvtsi128_si32(t));
+}
+#define LLM_QUANTIZE_GROUP_SIMD 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define LLM_QUANTIZE_GROUP_SIMD 1
+#endif
+
 // Per row and group of 32: int8 values, the scale d and the sum of the int8 values.
 void quantize_rows(const at::BFloat16* x, int64_t m, int64_t k, int8_t* xq, float* d, float* sums) {
   const int64_t groups = k / 32;
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const at::BFloat16* src = x + u * 32;  // rows are contiguous, groups follow each other
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(LLM_QUANTIZE_GROUP_SIMD)
       quantize_group(src, xq + u * 32, d + u, sums + u);
 #else
       float v[32], amax = 0.f;
@@ -239,7 +299,7 @@ struct QuantizedRows {
   }
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LLM_DOTS_AVX512)
 inline void store_bf16_16(uint16_t* o, __m512 v) {
   alignas(64) float tmp[16];
   _mm512_store_ps(tmp, v);
@@ -340,6 +400,99 @@ inline void int8_vnni_rows(const int8_t* wb, const int32_t* cb, int64_t groups, 
   }
   for (int i = 0; i < R; ++i) store_bf16_16(out + (m0 + i) * n, _mm512_mul_ps(acc[i], sc));
 }
+#elif defined(LLM_DOTS_AVX2)
+inline void store_bf16_8(uint16_t* o, __m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int r = 0; r < 8; ++r) o[r] = bf16_bits(tmp[r]);
+}
+
+// Rows 4, 2 or 1 at a time (16 ymm registers: a row holds two halves of int and float sums).
+template <class F>
+inline void for_row_blocks(int64_t m, F&& f) {
+  for (int64_t m0 = 0; m0 < m;) {
+    const int64_t left = m - m0;
+    if (left >= 4) f(std::integral_constant<int, 4>{}, m0), m0 += 4;
+    else if (left >= 2) f(std::integral_constant<int, 2>{}, m0), m0 += 2;
+    else f(std::integral_constant<int, 1>{}, m0), m0 += 1;
+  }
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 bfloat16 values (bits) as floats.
+inline __m256 bf16_bits_x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+template <int R>
+inline void int4_vnni_rows(const uint8_t* wb, const uint16_t* sb, int64_t groups, const int8_t* xq,
+                           int64_t k, const float* dx, const float* sx, int64_t m0, uint16_t* out,
+                           int64_t n) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R][2];  // int16 pair sums: 16 products per value, |sum| <= 30,480
+    for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + (g * 4 + t) * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xw = xq + (m0 + i) * k + g * 32 + 8 * t;
+          dot[i][h] = _mm256_add_epi16(dot[i][h], _mm256_maddubs_epi16(lo, bcast4(xw)));
+          dot[i][h] = _mm256_add_epi16(dot[i][h], _mm256_maddubs_epi16(hi, bcast4(xw + 4)));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = bf16_bits_x8(sb + g * 32 + h * 8), z = bf16_bits_x8(sb + g * 32 + 16 + h * 8);
+      const __m256 zm = _mm256_fmadd_ps(_mm256_set1_ps(-8.f), s, z);
+      for (int i = 0; i < R; ++i) {
+        const int64_t u = (m0 + i) * groups + g;
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i][h], ones));
+        const __m256 part = _mm256_fmadd_ps(d, s, _mm256_mul_ps(zm, _mm256_set1_ps(sx[u])));
+        acc[i][h] = _mm256_fmadd_ps(part, _mm256_set1_ps(dx[u]), acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) store_bf16_8(out + (m0 + i) * n + h * 8, acc[i][h]);
+}
+
+// W8A8 with signed activations (no offset, no correction): sum_k q * xq = sum |q| * (xq * sign q).
+template <int R>
+inline void int8_vnni_rows(const int8_t* wb, const int64_t groups, const int8_t* xq, int64_t k,
+                           const float* dx, const __m256 sc[2], int64_t m0, uint16_t* out, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R][2];
+    for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + (g * 8 + t) * 64 + h * 32));
+        const __m256i aw = _mm256_abs_epi8(w);  // -128 -> 0x80, read as unsigned 128: right
+        for (int i = 0; i < R; ++i) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(xq + (m0 + i) * k + g * 32 + 4 * t), w);
+          dot[i][h] = _mm256_add_epi32(dot[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(dx[(m0 + i) * groups + g]);
+      for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), d, acc[i][h]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) store_bf16_8(out + (m0 + i) * n + h * 8, _mm256_mul_ps(acc[i][h], sc[h]));
+}
 #endif
 
 at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz) {
@@ -352,7 +505,7 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   TORCH_CHECK_VALUE(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
                         sz.size(0) == blocks && sz.size(1) == groups && sz.size(2) == 2 && sz.size(3) == 16,
                     "sz must be a contiguous bfloat16 [N/16, K/32, 2, 16] tensor");
-  TORCH_CHECK(kVnni, "int4_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
+  TORCH_CHECK(kVnni, "int4_vnni_linear: this build has no int8 dot products (vnni_compiled() is false)");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   QuantizedRows rows(x);
@@ -363,7 +516,7 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LLM_DOTS_AVX512) || defined(LLM_DOTS_AVX2)
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = wp + b * (k / 8) * 64;
       const uint16_t* sb = sp + b * groups * 32;
@@ -397,19 +550,21 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
   TORCH_CHECK_VALUE(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.dim() == 1 &&
                         scale.size(0) == n,
                     "scale must be a contiguous bfloat16 [N] tensor");
-  TORCH_CHECK(kVnni, "int8_vnni_linear: this build has no AVX512-VNNI (vnni_compiled() is false)");
+  TORCH_CHECK(kVnni, "int8_vnni_linear: this build has no int8 dot products (vnni_compiled() is false)");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   QuantizedRows rows(x);
   std::vector<int8_t>& xq = rows.q;
   const std::vector<float>& dx = rows.d;
+#if defined(LLM_DOTS_AVX512)
   for (auto& v : xq) v = int8_t(uint8_t(int(v) + 128));  // unsigned bytes 1..255, same bits as +128
+#endif
   const int8_t* wp = wq.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LLM_DOTS_AVX512)
     for (int64_t b = begin; b < end; ++b) {
       const int8_t* wb = wp + b * (k / 4) * 64;
       const int32_t* cb = cp + b * groups * 16;
@@ -418,6 +573,15 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& wq, const at:
       uint16_t* ob = op + b * 16;
       for_row_blocks(m, [&](auto rows, int64_t m0) {
         int8_vnni_rows<decltype(rows)::value>(wb, cb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
+      });
+    }
+#elif defined(LLM_DOTS_AVX2)
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* wb = wp + b * (k / 4) * 64;
+      const __m256 sc[2] = {bf16_bits_x8(sp + b * 16), bf16_bits_x8(sp + b * 16 + 8)};
+      uint16_t* ob = op + b * 16;
+      for_row_blocks(m, [&](auto rows, int64_t m0) {
+        int8_vnni_rows<decltype(rows)::value>(wb, groups, xq.data(), k, dx.data(), sc, m0, ob, n);
       });
     }
 #endif
@@ -472,6 +636,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("int8_vnni_embedding(Tensor wq, Tensor scale, Tensor ids) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("vnni_compiled() -> bool", &llm_cpu_quant::vnni_compiled);
+  m.def("int8_dots_isa() -> str", &llm_cpu_quant::int8_dots_isa);
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {

@@ -1,5 +1,5 @@
 """Our CPU ops for the quantized linears (worker/kernels/cpu_quant.cpp, in the llm_cpu extension):
-dequantize-then-GEMM for many-row inputs, and int8 activations with AVX512-VNNI.
+dequantize-then-GEMM for many-row inputs, and int8 activations with AVX512-VNNI or AVX2.
 
 Why: torch's weight-only kernels are GEMVs. The int4 one (`_weight_int4pack_mm_for_cpu`)
 re-reads and re-dequantizes the whole weight for every 4 rows of input, the int8 one for every
@@ -14,7 +14,9 @@ row, so a 256-token prefill chunk makes ~64 passes over each int4 weight, and th
 - any rows, VNNI CPUs (the default there): activations quantized to int8 per row and 32-value
   group (d = max|x| / 127, llama.cpp's Q8 scheme) and multiplied with the int4 (W4A8) or int8
   (W8A8) weights by `vpdpbusd` dot products, int32 sums scaled per group in float32. Faster than
-  both torch kernels at every row count; the logit error grows (docs/quantization.md).
+  both torch kernels at every row count; the logit error grows (docs/quantization.md). On AVX2
+  CPUs without AVX-512 (the default there too) the same ops and layouts run on 256-bit registers
+  with `vpmaddubsw` + `vpmaddwd`, llama.cpp's AVX2 dot products: the same integer sums.
 Timings (ms, both threads of a 2-vCPU EPYC, Zen 5; docs/quantization.md "Faster CPU paths" has
 the sweep): all 120 SmolLM2 int4 linears at 1 / 8 / 32 / 256 rows, torch's int4 kernel 3.4 / 7.0
 / 23.5 / 174, W4A8 2.7 / 4.4 / 11.6 / 63, dequantize + GEMM 18 / 22 / 27 / 78; the lm_head, torch's
@@ -30,7 +32,10 @@ Contract:
   the repeats' column blocks summed in float32 and rounded once (Int4Linear's input_repeats).
 - `int8_linear(x bf16 [M, K], q int8 [N, K], scale [N]) -> bf16 [M, N]`: x @ (q * scale).T over
   dequantized `INT8_TILE`-row tiles.
-- `vnni_available() -> bool`: available() and the extension was compiled with AVX512-VNNI.
+- `vnni_available() -> bool`: the extension loads and was compiled with int8 dot products
+  (AVX512-VNNI or AVX2; "vnni" names the layouts); `int8_dots_isa()` says which ("" if none). The
+  W4A8 conversion reads torch's int4 layout through `available()`'s fast unpack where it is the
+  AVX-512 one, else through Int4Linear's layout-probing unpack.
 - `int4_vnni(x bf16 [M, K], wq uint8 [N/16, K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16]) -> bf16
   [M, N]` and `int8_vnni(x, wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16], scale [N])`:
   the W4A8 / W8A8 products with x rounded as `round_activations(x)` (the float32 reference);
@@ -103,14 +108,20 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return _ops().int8_linear_tiled(x, q, scale, INT8_TILE)
 
 
-# ---- W4A8 / W8A8 with AVX512-VNNI (int8 activations) ----------------------------------------
+# ---- W4A8 / W8A8 with AVX512-VNNI or AVX2 (int8 activations) ------------------------------
 
 
 def vnni_available() -> bool:
-    """The op was compiled with AVX512-VNNI and torch's int4 layout is the one unpacked here."""
+    """The W4A8 / W8A8 ops run here: the extension loads and has int8 dot products (AVX512-VNNI
+    or AVX2), whatever torch's int4 layout."""
     if "vnni" not in _layout:
-        _layout["vnni"] = available() and bool(_ops().vnni_compiled())
+        _layout["vnni"] = cpu_attention.available() and bool(_ops().vnni_compiled())
     return _layout["vnni"]
+
+
+def int8_dots_isa() -> str:
+    """The int8 dot products compiled in: "AVX512-VNNI", "AVX2", or "" (none)."""
+    return str(_ops().int8_dots_isa()) if vnni_available() else ""
 
 
 def int4_unpack(weight_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

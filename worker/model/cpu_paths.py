@@ -2,7 +2,8 @@
 
 Contract:
 - `use_int8_activations(model) -> int`: int4 / int8 modules multiply int8 activations with
-  AVX512-VNNI dot products (W4A8 / W8A8; `--no-cpu-int8-activations` keeps bfloat16 activations).
+  AVX512-VNNI or AVX2 dot products (W4A8 / W8A8; `--no-cpu-int8-activations` keeps bfloat16
+  activations).
 - `use_dequant_gemm(model, int4_min_rows, int8_min_rows) -> int`: inputs of many rows run as
   bfloat16 GEMMs on weights dequantized per call (`--int4-dequant-min-rows`, default 32;
   `--int8-dequant-min-rows`, default 16); modules already on the VNNI ops keep them.
@@ -22,15 +23,15 @@ import logging
 import torch.nn as nn
 
 from worker.kernels import cpu_quant
-from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _QuantLinearBase
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _int4_nibble_sources, _QuantLinearBase
 
 
 def use_int8_activations(model: nn.Module) -> int:
     """Every int4 / int8 module of `model` whose shape the VNNI ops take multiplies int8-quantized
-    activations (per row and group of 32, llama.cpp's Q8 scheme) with AVX512-VNNI dot products
+    activations (per row and group of 32, llama.cpp's Q8 scheme) with AVX512-VNNI (or AVX2) dot products
     (worker/kernels/cpu_quant.py: 2-3x the int4 kernel's speed, 2.7-5x the int8 kernel's); the
     weights are re-laid out in place, no copy kept. Returns the number of modules converted (0
-    when the CPU or the build has no VNNI)."""
+    when the CPU or the build has neither)."""
     if not cpu_quant.vnni_available():
         return 0
     count = 0
@@ -39,6 +40,7 @@ def use_int8_activations(model: nn.Module) -> int:
             count += module.to_w4a8()
         elif isinstance(module, (Int8Linear, Int8Embedding)):
             count += module.to_w8a8()
+    _int4_nibble_sources.cache_clear()  # the AVX2 unpack's maps, one per shape: not needed again
     return count
 
 
@@ -111,7 +113,8 @@ def apply_cpu_paths(model: nn.Module, config=None, log: logging.Logger | None = 
     converted = added = 0
     if config.cpu_int8_activations:
         converted = use_int8_activations(model)
-        log.info("int8 activations (AVX512-VNNI) in %d quantized modules", converted)
+        isa = cpu_quant.int8_dots_isa() or "no int8 dot products"
+        log.info("int8 activations (%s) in %d quantized modules", isa, converted)
     int4_rows, int8_rows = config.int4_dequant_min_rows, config.int8_dequant_min_rows
     layers = use_dequant_gemm(model, int4_rows, int8_rows)
     log.info(
