@@ -61,7 +61,7 @@ PROMPTS = [
 FORMS = {  # label -> (dtype, quantization, the served CPU paths applied)
     "reference float32": ("float32", "none", False),
     "auto (int4 + int8 embedding)": ("bfloat16", "auto", False),
-    "auto as served (int8 activations on VNNI)": ("bfloat16", "auto", True),
+    "auto as served (int8 activations: VNNI or AVX2)": ("bfloat16", "auto", True),
     "dense bfloat16": ("bfloat16", "none", False),
 }
 
