@@ -158,6 +158,21 @@ needs_vnni = pytest.mark.skipif(
 )
 
 
+def test_int4_unpack_reads_this_cpus_layout_as_the_probed_map_does():
+    """The W4A8 conversion's fast unpack (views over torch's row blocks of 64 (AVX-512) or 32
+    (AVX2), whichever `unpack_block` found here) gives the probed nibble map's values; both block
+    layouts invert `_pack_blocks`."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (192, 96), generator=gen, dtype=torch.uint8)
+    for block in (32, 64):
+        assert torch.equal(cpu_quant.int4_unpack(cpu_quant._pack_blocks(q, block), 192, 96, block), q)
+    block = cpu_quant.unpack_block()
+    if block is None:
+        pytest.skip("torch packs int4 in neither block layout on this CPU: the probed map is used")
+    lin = Int4Linear.from_float(torch.randn(192, 96, generator=gen))
+    assert torch.equal(cpu_quant.int4_unpack(lin.weight_packed, 192, 96, block), lin.unpacked())
+
+
 @needs_layout
 def test_the_model_runner_switches_every_quantized_module_by_its_flags():
     """CPU workers convert every quantized module of the embedded SmolLM2 to int8 activations where

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_llama import TINY
+from tests.tiny_llama import TINY, record_graph_replays
 from worker.config import EngineConfig
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, build_decode_inputs, capture_sizes, is_decode_only
 from worker.engine import LLMEngine
@@ -251,16 +251,7 @@ def test_runner_graph_path_with_mixed_steps_matches_eager(where):
             )
         runner = ModelRunner.from_model(config, tiny_model(device))
         if graphs_on:
-            if device != "cuda":
-                runner.cuda_graphs = CudaGraphRunner(
-                    runner.model, runner.kv_caches, runner.backend, capture_sizes(4), runner.input_batch
-                )
-                runner.cuda_graphs.eager_replay = True
-            run = runner.cuda_graphs.run
-            runner.cuda_graphs.run = lambda step, size, tokens=None: (
-                kinds.append(size),
-                run(step, size, tokens),
-            )[1]
+            record_graph_replays(runner, kinds, stand_in=device != "cuda")
         engine = LLMEngine(config, runner=runner)
         schedule = engine.scheduler.schedule
 

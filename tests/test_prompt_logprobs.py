@@ -16,9 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_llama import TINY, save_tiny
+from tests.tiny_llama import TINY, record_graph_replays, save_tiny
 from worker.config import EngineConfig
-from worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from worker.engine import LLMEngine
 from worker.model.llama import LlamaModel
 from worker.model_runner import ModelRunner
@@ -153,15 +152,7 @@ def test_graph_path_scores_prompts_eagerly():
         runner = ModelRunner.from_model(config, model)
         replays = []
         if graphs_on:
-            runner.cuda_graphs = CudaGraphRunner(
-                runner.model, runner.kv_caches, runner.backend, capture_sizes(4), runner.input_batch
-            )
-            runner.cuda_graphs.eager_replay = True
-            replay = runner.cuda_graphs.run
-            runner.cuda_graphs.run = lambda step, size, tokens=None: (
-                replays.append(size),
-                replay(step, size, tokens),
-            )[1]
+            record_graph_replays(runner, replays, stand_in=True)
         engine = LLMEngine(config, runner=runner)
         out: dict[str, dict] = {}
         pending = list(enumerate(prompts))

@@ -57,3 +57,22 @@ def save_tiny(tmp_path, kind: str, num_heads: int = 4, num_kv_heads: int = 2, ti
     path = tmp_path / kind
     model.save_pretrained(path, safe_serialization=True)
     return path, model
+
+
+def record_graph_replays(runner, sizes: list[int], stand_in: bool) -> None:
+    """Count the runner's decode-graph replays into `sizes` (the bucket of each); with `stand_in`
+    (CPU) first give it the CPU stand-in for CUDA graphs: the static-buffer forward, 4 sequences."""
+    from worker.cuda_graphs import CudaGraphRunner, capture_sizes
+
+    if stand_in:
+        runner.cuda_graphs = CudaGraphRunner(
+            runner.model, runner.kv_caches, runner.backend, capture_sizes(4), runner.input_batch
+        )
+        runner.cuda_graphs.eager_replay = True
+    replay = runner.cuda_graphs.run
+
+    def run(step, size, tokens=None):
+        sizes.append(size)
+        return replay(step, size, tokens)
+
+    runner.cuda_graphs.run = run

@@ -139,13 +139,16 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& q, const at:
 //   nearest), so out[m, n] = sum_g d[m, g] * (scale * sum_k q * xq + (zero - 8 * scale) * sum_k
 //   xq), i.e. the float32 dot of the dequantized weights with the int8-rounded activations.
 //
-// AVX2 builds (no AVX-512: Zen 2/3, Haswell to Comet Lake) run the same two ops on the same layouts
+// Builds with AVX2 but no AVX512-VNNI (Zen 2/3, Haswell to Comet Lake; also AVX-512 CPUs without
+// VNNI, e.g. Skylake-SP, untested) run the same two ops on the same layouts
 // with 256-bit registers, a block's 16 rows as two halves of 8 lanes: vpmaddubsw (unsigned x signed
 // bytes -> pairs summed into int16) then vpmaddwd by ones (-> int32) does what one vpdpbusd does,
 // as llama.cpp's AVX2 dot products do. W4A8: the weight nibbles (0..15) are the unsigned operand,
-// so a pair sums to at most 2 * 15 * 127 and a group's 16 pairs per lane (30,480) still fit int16.
-// W8A8: no +128 offset; |w| is the unsigned operand and x takes w's sign (vpsignb), so a pair
-// stays within 2 * 128 * 127; each pair sum widens to int32 at once. The results are the same
+// so a pair sums to at most 2 * 15 * 127 and a group's 8 pair sums per int16 lane (16 products,
+// 30,480) still fit int16 (activations are in [-127, 127]: |x| * round(127 / max|x|) <= 127).
+// W8A8: no +128 offset (so `corr` is checked but not read); |w| is the unsigned operand and x
+// takes w's sign (vpsignb), so a pair stays within 2 * 128 * 127; each pair sum widens to int32 at
+// once. The results are the same
 // integers, so the same outputs up to float summation order.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LLM_DOTS_AVX512 1

@@ -34,8 +34,8 @@ Contract:
   dequantized `INT8_TILE`-row tiles.
 - `vnni_available() -> bool`: the extension loads and was compiled with int8 dot products
   (AVX512-VNNI or AVX2; "vnni" names the layouts); `int8_dots_isa()` says which ("" if none). The
-  W4A8 conversion reads torch's int4 layout through `available()`'s fast unpack where it is the
-  AVX-512 one, else through Int4Linear's layout-probing unpack.
+  W4A8 conversion reads torch's int4 weights with `int4_unpack` in the row block `unpack_block()`
+  found (64: torch's AVX-512 layout, 32: its AVX2 one), else through Int4Linear's probed map.
 - `int4_vnni(x bf16 [M, K], wq uint8 [N/16, K/8, 16, 4], sz bf16 [N/16, K/32, 2, 16]) -> bf16
   [M, N]` and `int8_vnni(x, wq int8 [N/16, K/4, 16, 4], corr int32 [N/16, K/32, 16], scale [N])`:
   the W4A8 / W8A8 products with x rounded as `round_activations(x)` (the float32 reference);
@@ -74,22 +74,38 @@ def _ops():
     return torch.ops.llm_cpu
 
 
-def _layout_matches() -> bool:
-    """Pack a 128 x 64 matrix whose values name their own (row, column) and check the bytes."""
+def _layout_matches(block: int = BLOCK_N) -> bool:
+    """Pack a 128 x 64 matrix whose values name their own (row, column) and check the bytes
+    against the block-`block` layout: per block of `block` rows, K runs of block / 2 bytes, byte j
+    = rows j (low nibble) and block / 2 + j (high). torch's AVX-512 kernel packs with 64, its AVX2
+    one with 32."""
     n, k = 2 * BLOCK_N, 64
     rows = torch.arange(n, dtype=torch.int32)[:, None].expand(n, k)
     cols = torch.arange(k, dtype=torch.int32)[None, :].expand(n, k)
-    packed = torch._convert_weight_to_int4pack_for_cpu(((rows * 7 + cols * 3) % 16).contiguous(), 1)
-    q = ((rows * 7 + cols * 3) % 16).to(torch.uint8)
-    # expected[b, k, j] = q[64b + j, k] | q[64b + 32 + j, k] << 4
-    blocks = q.view(n // BLOCK_N, BLOCK_N, k).permute(0, 2, 1)  # [B, K, 64]
-    expected = blocks[..., :32] | (blocks[..., 32:] << 4)
-    return packed.shape == (n, k // 2) and torch.equal(packed.reshape(-1), expected.reshape(-1))
+    q = ((rows * 7 + cols * 3) % 16).contiguous()
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed.shape == (n, k // 2) and torch.equal(packed, _pack_blocks(q, block))
+
+
+def _pack_blocks(q: torch.Tensor, block: int) -> torch.Tensor:
+    """q [N, K] (0..15) in the block-`block` layout, [N, K / 2] uint8 (the inverse of int4_unpack)."""
+    n, k = q.shape
+    half = block // 2
+    blocks = q.to(torch.uint8).view(n // block, block, k).permute(0, 2, 1)  # [B, K, block]
+    return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(n, k // 2)
+
+
+def unpack_block() -> int | None:
+    """The row block of torch's int4 layout on this CPU (64 or 32), None for any other layout
+    (callers then unpack through Int4Linear's probed nibble map)."""
+    if "block" not in _layout:
+        _layout["block"] = next((b for b in (BLOCK_N, 32) if _layout_matches(b)), None)
+    return _layout["block"]
 
 
 def available() -> bool:
     if "ok" not in _layout:
-        ok = cpu_attention.available() and _layout_matches()
+        ok = cpu_attention.available() and unpack_block() == BLOCK_N
         if ok:
             _ops()
         _layout["ok"] = ok
@@ -124,10 +140,10 @@ def int8_dots_isa() -> str:
     return str(_ops().int8_dots_isa()) if vnni_available() else ""
 
 
-def int4_unpack(weight_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """torch's packed int4 (the block-64 layout `available()` checked) -> q uint8 [N, K]."""
-    p = weight_packed.view(n // BLOCK_N, k, 32)
-    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, K, 64]: rows j and 32 + j of each block
+def int4_unpack(weight_packed: torch.Tensor, n: int, k: int, block: int = BLOCK_N) -> torch.Tensor:
+    """torch's packed int4 in the block-`block` layout (`unpack_block()`) -> q uint8 [N, K]."""
+    p = weight_packed.view(n // block, k, block // 2)
+    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/block, K, block]: rows j and block/2 + j of each block
     return q.permute(0, 2, 1).reshape(n, k)
 
 

@@ -18,13 +18,12 @@ The kernels, their measured speeds and crossovers: worker/kernels/cpu_quant.py.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch.nn as nn
 
 from worker.kernels import cpu_quant
-from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _int4_nibble_sources, _QuantLinearBase
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _QuantLinearBase
 
 
 def use_int8_activations(model: nn.Module) -> int:
@@ -41,7 +40,6 @@ def use_int8_activations(model: nn.Module) -> int:
             count += module.to_w4a8()
         elif isinstance(module, (Int8Linear, Int8Embedding)):
             count += module.to_w8a8()
-    _int4_nibble_sources.cache_clear()  # the AVX2 unpack's maps, one per shape: not needed again
     return count
 
 
@@ -131,16 +129,8 @@ def apply_cpu_paths(model: nn.Module, config=None, log: logging.Logger | None = 
             config.dense_weights_min_rows,
             added / 2**20,
         )
-    if converted:
-        release_freed_heap()
+    if converted or added:
+        from worker.model.loader import release_freed_memory  # (the loader imports gguf: only here)
+
+        release_freed_memory()  # the re-layouts' freed copies and transients (~70 MiB of RSS on SmolLM2)
     return {"int8_activation_modules": converted, "dequant_gemm_modules": layers, "dense_copy_bytes": added}
-
-
-def release_freed_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim): the re-layouts free the
-    weights' old copies and the AVX2 unpack's index maps, which glibc otherwise keeps (~70 MiB of
-    RSS on SmolLM2). Nothing elsewhere (no glibc)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator keeps or returns pages by its own rules

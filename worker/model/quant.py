@@ -31,8 +31,6 @@ Proven by tests/test_quant.py (kernels vs dequantize).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -126,7 +124,6 @@ class _QuantLinearBase(nn.Module):
         )
 
 
-@functools.lru_cache(maxsize=8)
 def _int4_nibble_sources(n: int, k: int) -> torch.Tensor:
     """src[i] = flat index (row * k + col) of the value the pack op stores in nibble i of its
     output (nibble 2b: low half of byte b, 2b + 1: high half). Found by packing the base-16 digits
@@ -197,8 +194,8 @@ class Int4Linear(_QuantLinearBase):
             return self.w4a8
         if not cpu_quant.vnni_available():
             return False
-        # torch's AVX-512 layout unpacks with a view; other CPUs' (AVX2) through the probed nibble map
-        q = cpu_quant.int4_unpack(self.weight_packed, n, k) if cpu_quant.available() else self.unpacked()
+        block = cpu_quant.unpack_block()  # torch's AVX-512 (64) or AVX2 (32) layout: views, no map
+        q = cpu_quant.int4_unpack(self.weight_packed, n, k, block) if block else self.unpacked()
         wq, sz = cpu_quant.int4_to_vnni(q, self.scales_and_zeros)
         self.register_buffer("vnni_weight", wq)
         self.register_buffer("vnni_sz", sz)
