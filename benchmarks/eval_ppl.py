@@ -21,7 +21,7 @@ Contract
   Q4_1 kept quantized where the loader does so; whatever it returns is run the same way) on the
   weight-only kernels (bfloat16 activations), and bfloat16 + "auto" as a CPU worker serves it:
   `worker.model.cpu_paths.apply_cpu_paths` with the default EngineConfig (int8 activations on
-  AVX512-VNNI CPUs, dequantize-then-GEMM for many rows), the modules it converted in the row. Each
+  AVX512-VNNI and AVX2 CPUs, dequantize-then-GEMM for many rows), the modules it converted in the row. Each
   chunk is one forward pass of the model's own code with a paged KV cache of that dtype and the
   engine's default CPU attention backend; logits are float32 (the model's `compute_logits`).
 - Output: a table (PPL, +/-, tokens scored, seconds) and `quantized vs float32: +N.NN%` (the

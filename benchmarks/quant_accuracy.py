@@ -7,7 +7,7 @@ Contract: `python -m benchmarks.quant_accuracy [--json PATH] [--prompts N] [--to
   tests/test_engine_hf.py) and of each candidate: the default CPU path (dtype bfloat16,
   quantization "auto": Q4_1 linears as int4, the Q8_0 embedding as int8 rows) on torch's
   weight-only kernels, the same weights as a CPU worker serves them (`apply_cpu_paths` with the
-  default EngineConfig: int8 activations on AVX512-VNNI CPUs, dequantize-then-GEMM for many rows)
+  default EngineConfig: int8 activations on AVX512-VNNI / AVX2 CPUs, dequantize-then-GEMM for many rows)
   and dense bfloat16 (`quantization="none"`), which separates the bfloat16-activation error from
   the quantization's.
   Per prompt: the first position where the tokens differ (64 = never).

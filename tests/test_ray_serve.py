@@ -71,7 +71,7 @@ def stack(sink, tmp_path_factory):
                 "0",
                 "--workers",
                 "1",
-                # the default weights (int4 from the GGUF, bfloat16 activations or int8 ones on VNNI):
+                # the default weights (int4 from the GGUF, bfloat16 activations or int8 ones on VNNI / AVX2):
                 # the README's question is answered as users of `make serve` get it
                 "--kv-cache-mb",  # 32 MiB hold more than MAX_MODEL_LEN tokens
                 "32",

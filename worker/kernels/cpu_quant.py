@@ -45,7 +45,7 @@ Contract:
   straight from the W8A8 layout (rows times their scales, as torch rounds them).
 - Every op has a fake (meta) kernel, so the compiled CPU step traces through them.
 Fails how: the ops' checks raise ValueError / RuntimeError (shapes, dtypes, N % 16 or 64, K % 32,
-a VNNI op in a build without VNNI).
+a W4A8 / W8A8 op in a build with neither AVX512-VNNI nor AVX2).
 Proven by tests/test_cpu_quant.py (each op against its float32 reference, the layouts' round
 trips, the layout probe, the modules on both sides of the thresholds, the engine's greedy tokens)
 and tests/test_quant_smollm.py (SmolLM2 through each path against float32).

@@ -1,4 +1,4 @@
-"""Quantized layers for CPU inference: int4 / int8 weights, bfloat16 (or, on VNNI CPUs, int8) activations.
+"""Quantized layers for CPU inference: int4 / int8 weights, bfloat16 (or int8: VNNI, AVX2) activations.
 
 Contract:
 - `Int4Linear(q, scale, zero, bias=None, group_size=32, input_repeats=1)`: q [N, K] in 0..15, scale/zero
@@ -188,7 +188,7 @@ class Int4Linear(_QuantLinearBase):
     def to_w4a8(self) -> bool:
         """Re-lay the weight out for cpu_quant.int4_vnni (int8 activations, VNNI dot products) and
         drop torch's packed copy; False (unchanged) for shapes the op does not take, or where the
-        CPU or the build has no VNNI (or torch packs int4 in another layout)."""
+        CPU or the build has neither VNNI nor AVX2 int8 dot products."""
         n, k = self.out_features, self.in_features
         if self.w4a8 or self.group_size != 32 or self.input_repeats != 1 or n % 64 or k % 32:
             return self.w4a8
@@ -342,7 +342,7 @@ class Int8Embedding(nn.Module):
 def _to_w8a8(module: Int8Linear | Int8Embedding) -> bool:
     """Re-lay an int8 [N, K] weight out for cpu_quant.int8_vnni (int8 activations, VNNI) and drop
     the row-major copy; False (unchanged) for shapes the op does not take (N % 16, K % 32) or
-    where the CPU or the build has no VNNI."""
+    where the CPU or the build has no int8 dot products (AVX512-VNNI or AVX2)."""
     n, k = module.weight.shape if not module.w8a8 else (0, 0)
     if module.w8a8 or n % 16 or k % 32 or not cpu_quant.vnni_available():
         return module.w8a8
