@@ -11,10 +11,9 @@ Contract:
   processing take the argmax of the model-dtype logits (no float32 copy); one host sync per step
   (the tokens' copy to the host), two when logprobs are asked for.
 - Prompt logprobs (`SamplingParams.prompt_logprobs`): a step that computes a chunk of such a
-  prompt runs eager (no CUDA graph) and scores every row of the chunk whose next token is in the
-  prompt: float32 log-softmax of those rows' logits, `PROMPT_LOGPROBS_ROWS` rows at a time; the
-  chosen and top-N values come to the host with the step (`SampledTokens.prompt`): a host sync on
-  the executor thread, so on a GPU such a step does not overlap the next one's planning.
+  prompt runs eager (no CUDA graph) and scores the chunk's rows (worker/prompt_logprobs.py); the
+  values come to the host with the step (`SampledTokens.prompt`): a host sync on the executor
+  thread, so on a GPU such a step does not overlap the next one's planning.
 - Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
@@ -48,12 +47,11 @@ from worker.grammar import Grammars
 from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
+from worker.prompt_logprobs import score_prompt_rows, scored_chunks
 from worker.sampler import RequestSampler, SampledTokens, on_device
 from worker.scheduler import ScheduledSeq, SchedulerOutput
-from worker.types import Logprob
 
 log = logging.getLogger(__name__)
-PROMPT_LOGPROBS_ROWS = 256  # prompt rows whose float32 logits are held at once (256 x vocab x 4 bytes)
 
 
 def resolved_config(config: EngineConfig) -> EngineConfig:
@@ -336,14 +334,7 @@ class ModelRunner:
             assert prev is not None, "placeholders to feed without the step that samples them"
             rows = prev.rows  # {request_id: row}, built once per step
             feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
-        scored = [
-            (i, s)
-            for i, s in enumerate(plan.scheduled)
-            if s.seq.sampling.prompt_logprobs is not None
-            and s.start < len(s.seq.prompt_token_ids) - 1
-            and s.seq.needs_prompt_logprobs  # (a recomputation after preemption has them all)
-        ]
-        hidden, sampling, prompt = self._forward(plan, feed, scored)
+        hidden, sampling, prompt = self._forward(plan, feed, scored_chunks(plan))
         if not sampling:
             out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
         else:
@@ -355,7 +346,7 @@ class ModelRunner:
         self, plan: SchedulerOutput, feed=None, scored: list[tuple[int, ScheduledSeq]] = ()
     ) -> tuple[torch.Tensor, list, list]:
         """Hidden states of the sampling rows (S, C), their sequences in the same order, and the
-        prompt logprobs of the `scored` (index in the plan, share) chunks (`_prompt_logprobs`)."""
+        prompt logprobs of the `scored` (index in the plan, share) chunks (worker/prompt_logprobs.py)."""
         batch = self.input_batch
         graphs = self.cuda_graphs
         tokens, rows = feed if feed is not None else (None, None)
@@ -391,55 +382,9 @@ class ModelRunner:
             hidden = self.cpu_layers(input_ids, positions, meta)  # (T, C), the same as self.model's
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
-        prompt = self._prompt_logprobs(hidden, step.query_start_loc, scored) if scored else []
+        prompt = score_prompt_rows(self.model, hidden, step.query_start_loc, scored) if scored else []
         seqs = [plan.scheduled[i].seq for i in step.sample_seq_idx]
         return take_rows(hidden, step.logits_rows), seqs, prompt
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, starts, scored: list[tuple[int, ScheduledSeq]]
-    ) -> list[tuple[object, int, list[float]]]:
-        """(sequence, first position p, entries) per scored chunk: entry for position p is
-        log P(prompt[p + 1] | prompt[..p]) from row p's logits, for the chunk's positions whose next
-        token is in the prompt; a `Logprob` with the N most likely when prompt_logprobs N > 0.
-        `starts`: the step's query_start_loc (row of each sequence's first token)."""
-        rows: list[int] = []
-        targets: list[int] = []
-        spans = []
-        for i, s in scored:
-            prompt = s.seq.prompt_token_ids
-            end = min(s.start + s.num_new_tokens, len(prompt) - 1)
-            first_row = int(starts[i])
-            rows.extend(range(first_row, first_row + end - s.start))
-            targets.extend(prompt[s.start + 1 : end + 1])
-            spans.append((s.seq, s.start, end - s.start))
-        vocab = self.model_config.vocab_size
-        top = min(max(s.seq.sampling.prompt_logprobs for _, s in scored), vocab)
-        chosen: list[float] = []
-        top_values: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        dev = hidden.device
-        for k in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            idx = on_device(rows[k : k + PROMPT_LOGPROBS_ROWS], dev, torch.int64)
-            logits = self.model.compute_logits(hidden.index_select(0, idx), upcast=True)
-            lp = logits.log_softmax(dim=-1)
-            target = on_device(targets[k : k + PROMPT_LOGPROBS_ROWS], dev, torch.int64)
-            chosen += lp.gather(-1, target[:, None]).squeeze(-1).tolist()
-            if top:
-                values, ids = lp.topk(top, dim=-1)
-                top_values += values.tolist()
-                top_ids += ids.tolist()
-        out, k = [], 0
-        for seq, first, n in spans:
-            want = seq.sampling.prompt_logprobs
-            entries: list[float] = chosen[k : k + n]
-            if want:
-                entries = [
-                    Logprob(c, tuple(zip(top_ids[k + j][:want], top_values[k + j][:want])))
-                    for j, c in enumerate(entries)
-                ]
-            out.append((seq, first, entries))
-            k += n
-        return out
 
     def _sample(self, sampling: list, hidden: torch.Tensor) -> SampledTokens:
         def logits(upcast: bool) -> torch.Tensor:

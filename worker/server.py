@@ -81,6 +81,13 @@ def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
     )
 
 
+def _add_tops(field, logprobs) -> None:
+    """The top-N of each `worker.types.Logprob` (sampler.py) into a repeated WorkerTopLogprobs."""
+    for lp in logprobs:
+        if top := getattr(lp, "top", None):
+            field.add(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
+
+
 def to_response(out: RequestOutput) -> wpb.WorkerResponse:
     msg = wpb.WorkerResponse(
         token_ids=out.new_token_ids,
@@ -88,17 +95,11 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
         num_cached_tokens=out.num_cached_tokens,
         queue_ms=out.queue_s * 1e3,
     )
-    for lp in out.new_logprobs or ():  # worker.types.Logprob carries the top-N (sampler.py)
-        if top := getattr(lp, "top", None):
-            msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
+    _add_tops(msg.top_logprobs, out.new_logprobs or ())
     if out.prompt_logprobs is not None:
         msg.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no entries)
         msg.prompt_logprobs.logprobs.extend(out.prompt_logprobs)
-        for lp in out.prompt_logprobs:
-            if top := getattr(lp, "top", None):
-                msg.prompt_logprobs.top_logprobs.add(
-                    token_ids=[t for t, _ in top], logprobs=[v for _, v in top]
-                )
+        _add_tops(msg.prompt_logprobs.top_logprobs, out.prompt_logprobs)
     if out.finished:
         msg.finished.CopyFrom(
             wpb.WorkerFinished(
