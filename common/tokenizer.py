@@ -7,7 +7,7 @@ Contract:
   `tokenizer_config.json`, the chat template, and generation_config.json's eos ids);
   `Tokenizer.from_model(path)` picks by the path.
 - `encode(text, add_special_tokens) -> list[int]`, `decode(ids) -> str`; control tokens such as
-  `<|im_start|>` are matched whole in the text. `apply_chat_template(messages) -> str` renders the
+  `<|im_start|>` are matched whole in the text. `apply_chat_template(messages, tools) -> str` renders the
   model's own Jinja template in a sandbox; `encode_chat(messages) -> list[int]` tokenizes it.
 - `fingerprint` -> `Fingerprint(vocab_size, eos_token_ids, vocab_sha256)`: router and worker each
   compute it from their own model files and must agree before ids cross between them.
@@ -35,6 +35,7 @@ import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from common.chat_tools import TemplateFeatures, template_inputs
 from common.gguf_tokenizer import build_gguf_backend
 from common.model_files import read_gguf_metadata
 
@@ -78,6 +79,7 @@ class Tokenizer:
         declared = [eos_token_id, *(i for i in extra_eos_token_ids if i != eos_token_id)]
         self._eos_token_ids = (*declared, *(i for i in end_ids if i not in declared))
         self._chat_template = _compile_chat_template(chat_template) if chat_template else None
+        self._template_features = TemplateFeatures.of(chat_template) if chat_template else None
 
     @classmethod
     def from_model(cls, path: str | pathlib.Path) -> "Tokenizer":
@@ -185,22 +187,34 @@ class Tokenizer:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for `messages` (`{"role", "content"}` dicts) in the model's format."""
+        """The prompt text for `messages` (`{"role", "content"}` dicts, with tool calls and tool
+        results as common/chat_tools.py describes) and `tools` in the model's format."""
         if self._chat_template is None:
             raise ValueError("This model has no chat template; send a plain prompt instead.")
+        messages, tools = template_inputs(
+            [dict(message) for message in messages],
+            [dict(tool) for tool in tools or ()],
+            self._template_features,
+        )
         return self._chat_template.render(
-            messages=[dict(message) for message in messages],
+            messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),
         )
 
-    def encode_chat(self, messages: Iterable[Mapping[str, str]]) -> list[int]:
-        """Prompt ids for `messages`, ending with the assistant's turn opener. The template writes
-        every special token itself, so none are added (as transformers does)."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(
+        self, messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Prompt ids for `messages` (and `tools`), ending with the assistant's turn opener. The
+        template writes every special token itself, so none are added (as transformers does)."""
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""

@@ -88,6 +88,39 @@ HOSTILE_FORMATS = [
     {"type": "regex", "regex": "(a|aa)*b"},
     {"type": 5},
 ]
+# Tool calling: tools, choices and histories, valid and not (a schema llguidance refuses, names the
+# validation refuses, arguments that are not objects, calls on the wrong role).
+F_OK = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+HOSTILE_TOOLS = [
+    [F_OK],
+    [F_OK, F_OK],
+    [{"type": "function", "function": {"name": "g h"}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(a+)+$"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nope"}}}],
+    [{"type": "function", "function": {"name": "x" * 65}}],
+    [{"type": "code_interpreter"}],
+    [{"type": "function", "function": {"name": f"f{i}"}} for i in range(130)],
+]
+HOSTILE_CHOICES = [
+    "auto",
+    "none",
+    "required",
+    {"type": "function", "function": {"name": "f"}},
+    "f",
+    {"x": 1},
+    3,
+]
+HOSTILE_HISTORY = [
+    {
+        "role": "assistant",
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+    },
+    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[]"}}]},
+    {"role": "assistant", "content": None, "tool_calls": "x"},
+    {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "content": "42", "tool_call_id": "1"},
+    {"role": "tool", "tool_call_id": ["1"]},
+]
 PARAMS = [
     "model",
     "max_tokens",
@@ -109,6 +142,8 @@ PARAMS = [
     "frequency_penalty",
     "response_format",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "messages",
     "prompt",
     "echo",
@@ -135,6 +170,11 @@ def hostile_body(rng: random.Random, model: str, chat: bool) -> bytes:
         body[rng.choice(PARAMS)] = rng.uniform(-1e6, 1e6)
     if rng.random() < 0.1:
         body["response_format"] = rng.choice(HOSTILE_FORMATS)
+    if chat and rng.random() < 0.1:
+        body["tools"] = rng.choice(HOSTILE_TOOLS)
+        body["tool_choice"] = rng.choice(HOSTILE_CHOICES)
+    if chat and rng.random() < 0.05 and isinstance(body["messages"], list):
+        body["messages"] = [*body["messages"], rng.choice(HOSTILE_HISTORY), *body["messages"]]
     if rng.random() < 0.05:
         body["n"] = rng.choice([2, 16, 17])
     text = json.dumps(body, allow_nan=True)

@@ -136,6 +136,7 @@ class RequestObservation:
         self._done: Done | None = None
         self._status: str | None = None
         self.response_format: str | None = None  # the request's format kind (structured output)
+        self.tools = 0  # tools the chat shows the model
 
     def stage(self, name: str, worker: str | None = None) -> None:
         """Ends the current stage and begins `name`; `worker` is the worker the request was placed on."""
@@ -218,6 +219,8 @@ class RequestObservation:
             self.span.set_attribute("gen_ai.response.finish_reasons", [status])
             if self.response_format:
                 self.span.set_attribute("llm.response_format", self.response_format)
+            if self.tools:
+                self.span.set_attribute("llm.tools", self.tools)
             if self.worker:
                 self.span.set_attribute("llm.worker.id", self.worker)
             if done is not None:

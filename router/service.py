@@ -139,6 +139,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
             obs.stage("validate")
             obs.response_format = request.response_format.WhichOneof("kind")
+            obs.tools = len(request.chat.tools) if request.HasField("chat") else 0
             models = self._registry.models()
             if not models:
                 raise Unavailable("no healthy worker is connected to this router")
@@ -255,9 +256,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if per_token is None or req.prompt_token_ids is not None:
             return
         field, chars = (
-            ("chat.messages", sum(len(m["content"]) for m in req.chat))
-            if req.chat is not None
-            else ("prompt", len(req.prompt))
+            ("chat.messages", req.chat_chars) if req.chat is not None else ("prompt", len(req.prompt))
         )
         if chars > req.model.max_model_len * per_token:
             raise ValidationError(
@@ -289,7 +288,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tokenizer = self._models.tokenizer(req.model.name)
         if req.chat is not None:
             try:
-                return tokenizer.encode_chat(list(req.chat))
+                return tokenizer.encode_chat(list(req.chat), tools=list(req.tools))
             except (ValueError, jinja2.TemplateError) as exc:  # the template refused these messages
                 raise ValidationError("chat.messages", str(exc)) from None
         return tokenizer.encode(req.prompt, add_special_tokens=True)  # the model's BOS, if it adds one

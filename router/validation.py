@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from common.structured import MAX_GRAMMAR_BYTES, grammar_for
 from protos.llm.v1 import generation_pb2 as pb
+from router.chat_validation import CHAT_ROLES, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
 from router.config import Limits
 from router.errors import ValidationError
 
-CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 # A scored prompt's reply (TokenChunk.prompt_logprobs) must fit a gRPC message on both hops (16 MiB
@@ -49,7 +49,9 @@ class ValidRequest:
     request_id: str
     model: ModelSpec
     prompt: str | None = None  # exactly one of prompt / chat / token ids
-    chat: tuple[dict[str, str], ...] | None = None
+    chat: tuple[dict, ...] | None = None  # message dicts (router/chat_validation.py)
+    tools: tuple[dict, ...] = ()  # chat only: the tools the template shows the model
+    chat_chars: int = 0  # chat only: the characters it renders from (contents, calls, tools)
     prompt_token_ids: tuple[int, ...] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -112,26 +114,7 @@ def _input(req: pb.GenerateRequest, model: ModelSpec, limits: Limits) -> dict:
         )
         return {"prompt": req.prompt}
     if kind == "chat":
-        messages = req.chat.messages
-        _check(len(messages) > 0, "chat.messages", "must not be empty")
-        _check(
-            len(messages) <= limits.max_chat_messages,
-            "chat.messages",
-            f"more than {limits.max_chat_messages} messages",
-        )
-        for i, m in enumerate(messages):
-            _check(
-                m.role in CHAT_ROLES,
-                f"chat.messages[{i}].role",
-                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
-            )
-        _check(
-            sum(len(m.content) for m in messages) <= limits.max_prompt_chars,
-            "chat.messages",
-            f"longer than {limits.max_prompt_chars} characters in total",
-        )
-        _check(any(m.content for m in messages), "chat.messages", "all messages are empty")
-        return {"chat": tuple({"role": m.role, "content": m.content} for m in messages)}
+        return validate_chat(req.chat, limits)
     # the length first (O(1)): checking each of millions of ids would stall the router's event loop
     _check(
         len(req.token_ids.ids) < model.max_model_len,

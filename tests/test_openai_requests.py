@@ -137,7 +137,8 @@ def test_echo_of_a_choice_ended_before_its_prompt_was_scored_is_an_error():
         ({**CHAT, "n": 0}, True, "n"),
         ({**CHAT, "n": 17}, True, "n"),
         ({"prompt": ["a"] * 5, "n": 4}, False, "n"),
-        ({**CHAT, "tools": [{"type": "function"}]}, True, "tools"),
+        ({**CHAT, "tools": [{"type": "function"}]}, True, "tools[0].function"),
+        ({**CHAT, "functions": [{"name": "f"}]}, True, "functions"),
         ({**CHAT, "response_format": {"type": "grammar"}}, True, "response_format"),
         (
             {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

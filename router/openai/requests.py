@@ -13,11 +13,14 @@ Contract
   tokens are scored too (`sampling.prompt_logprobs` N: lm-evaluation-harness's loglikelihood
   requests send echo, logprobs 1 and max_tokens 1), and `max_tokens` 0 (echo only, what other
   scorers send) asks the worker for one token that the answer leaves out (`Parsed.echo_only`).
+  Chat `tools` / `tool_choice` (router/openai/tools.py) put the tools on `chat.tools`, a schema on
+  `response_format` for "required" or a named function, and `Parsed.tools` says how to read the
+  answer; messages carry an assistant's `tool_calls` and a tool result's `tool_call_id`.
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
   the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature
-  this server does not have (tools, suffix, best_of > 1); a `response_format` other than
-  text, json_object or json_schema.
+  this server does not have (suffix, best_of > 1, the deprecated functions); a `response_format`
+  other than text, json_object or json_schema; tools that router/openai/tools.py refuses.
   Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
   vendor extensions; docs/openai.md lists what is honoured.
 - proven by: tests/test_openai_requests.py (table), tests/test_openai_e2e.py (through the SDK).
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.openai.tools import ToolMode, ToolsError, parse_tools
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
 MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
@@ -74,6 +79,7 @@ class Parsed:
     top_logprobs: int = 0
     max_tokens_param: str = "max_tokens"
     params: dict[str, str] = field(default_factory=dict)  # protobuf field -> OpenAI parameter
+    tools: ToolMode | None = None  # chat with tools (tool_choice not none): how to read the answer
 
 
 def _bad(param: str, problem: str) -> ApiError:
@@ -128,6 +134,25 @@ def _text_of(content, param: str) -> str:
     return "".join(texts)
 
 
+def _tool_calls(calls: object, where: str) -> list[pb.ToolCall]:
+    """An assistant message's `tool_calls` (arguments: JSON text, or an object some clients send)."""
+    if not isinstance(calls, list):
+        raise _bad(where, "must be a list of {id, type: 'function', function: {name, arguments}}")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}[{j}].function", "must be an object with a string name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise _bad(f"{where}[{j}].function.arguments", "must be a string of JSON")
+        call_id = call.get("id") if isinstance(call.get("id"), str) else ""
+        out.append(pb.ToolCall(id=call_id, name=function["name"], arguments=arguments))
+    return out
+
+
 def _messages(body: dict) -> pb.Chat:
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -137,7 +162,14 @@ def _messages(body: dict) -> pb.Chat:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "must be an object with a string role")
         role = ROLE_ALIASES.get(m["role"], m["role"])
-        chat.messages.add(role=role, content=_text_of(m.get("content"), f"messages[{i}].content"))
+        one = chat.messages.add(role=role, content=_text_of(m.get("content"), f"messages[{i}].content"))
+        if m.get("tool_calls"):
+            one.tool_calls.extend(_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise _bad(f"messages[{i}].tool_call_id", f"must be a string, got {type(call_id).__name__}")
+            one.tool_call_id = call_id
     return chat
 
 
@@ -164,10 +196,13 @@ def _set_prompt(req: pb.GenerateRequest, prompt: str | list[int]) -> None:
 
 
 def _unsupported(body: dict, chat: bool) -> None:
-    for name in ("tools", "functions", "tool_choice", "function_call"):
+    for name in ("functions", "function_call"):  # the deprecated form of tools
         if body.get(name):
-            raise _bad(name, "tool calling is not supported by this server")
+            raise _bad(name, "deprecated by OpenAI and not supported: send tools and tool_choice")
     if not chat:
+        for name in ("tools", "tool_choice"):
+            if body.get(name):
+                raise _bad(name, "tool calling is for /v1/chat/completions")
         if _get(body, "suffix", (str,), "a string"):
             raise _bad("suffix", "suffix is not supported")
         if _int(body, "best_of", 1) not in (None, 1):
@@ -289,6 +324,13 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     _stopping(body, chat, req.stopping, out)
     req.priority = _int(body, "priority", -INT32_MAX - 1) or 0
     _response_format(body, req)
+    if chat:
+        try:
+            out.tools = parse_tools(body, req.chat, req)
+        except ToolsError as exc:
+            raise _bad(exc.param, exc.problem) from None
+        if out.tools and out.tools.choice != "auto":  # the schema (and its errors) come from tools
+            out.params["response_format.json_schema"] = "tools"
     for i, prompt in enumerate(prompts):
         for j in range(n):
             one = pb.GenerateRequest()
@@ -320,8 +362,10 @@ def param_of(field_name: str, parsed: Parsed | None) -> str:
         return parsed.params[field_name]
     if field_name == "stopping.max_tokens":
         return parsed.max_tokens_param if parsed else "max_tokens"
-    if field_name.startswith("chat.messages"):
-        return field_name.removeprefix("chat.")
+    if field_name.startswith("chat.tools["):  # chat.tools[i].name -> tools[i].function.name
+        return re.sub(r"^chat\.(tools\[\d+\])\.", r"\1.function.", field_name)
+    if field_name.startswith("chat."):  # ... tool_calls[j].arguments -> tool_calls[j].function.arguments
+        return re.sub(r"(tool_calls\[\d+\])\.", r"\1.function.", field_name.removeprefix("chat."))
     if field_name.startswith("stopping.stop["):
         return field_name.removeprefix("stopping.")
     if field_name.startswith("sampling."):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Unavailable
 from router.openai.requests import Parsed
+from router.openai.tools import ToolStream, extract
 
 Chunk, Done = pb.TokenChunk, pb.Finished
 FINISH = {
@@ -74,6 +75,7 @@ class Responder:
         # choices whose prompt is still to be echoed (completions with echo)
         self._echo_pending = set(range(len(parsed.requests))) if parsed.echo else set()
         self._texts: dict[int, str] = {}  # token id -> its text (a scored prompt repeats many)
+        self._tools: dict[int, ToolStream] = {}  # chat with tools, streaming: each choice's reader
 
     # -- logprobs ---------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
@@ -152,12 +154,19 @@ class Responder:
         self, index: int, text: str | None, chunks: list[Chunk], done: Done | None, delta: bool
     ) -> dict:
         choice: dict = {"index": index}
+        called = False  # the answer is tool calls (finish_reason tool_calls)
         if self.parsed.chat:
             body = {} if text is None else {"content": text}
             if delta:
                 choice["delta"] = body
+                called = index in self._tools and self._tools[index].calls > 0
             else:
-                choice["message"] = {"role": "assistant", "content": text or ""}
+                message = {"role": "assistant", "content": text or ""}
+                if self.parsed.tools is not None:
+                    message["content"], calls = extract(text or "", self.parsed.tools)
+                    if calls:
+                        message["tool_calls"], called = calls, True
+                choice["message"] = message
             choice["logprobs"] = self.logprobs(chunks, index) if chunks else None
         else:
             echoed, prompt_lp = self._echo(index, chunks) if self.parsed.echo else ("", None)
@@ -170,6 +179,8 @@ class Responder:
         finish = FINISH.get(done.reason, "abort") if done else None
         if done and self.parsed.echo_only and finish != "abort":
             finish = "length"  # max_tokens 0: the prompt is all there is
+        if finish == "stop" and called and self.parsed.tools.choice != "named":
+            finish = "tool_calls"  # (OpenAI says stop for a function the request named)
         choice["finish_reason"] = finish
         choice["stop_reason"] = stop_reason(done) if done and not self.parsed.echo_only else None
         return choice
@@ -214,6 +225,8 @@ class Responder:
         )
 
     def delta(self, chunk: Chunk, index: int = 0) -> bytes:
+        if self.parsed.tools is not None:
+            return self._tool_deltas(self._reader(index).feed(chunk.text), chunk, index)
         if index not in self._echo_pending:  # (an echo is always sent)
             if self.parsed.echo_only:
                 return b""  # max_tokens 0: the generated token is left out
@@ -221,9 +234,33 @@ class Responder:
                 return b""  # text held back (a partial character or a possible stop string)
         return self._chunk([self._choice(index, chunk.text, [chunk], None, delta=True)])
 
+    def _reader(self, index: int) -> ToolStream:
+        if index not in self._tools:
+            self._tools[index] = ToolStream(self.parsed.tools)
+        return self._tools[index]
+
+    def _tool_deltas(self, deltas: list[dict], chunk: Chunk | None, index: int) -> bytes:
+        """Chunks of a tool-reading choice's deltas; the chunk's logprobs on the first (a chunk of
+        its own when its text is held back)."""
+        logprobs = self.logprobs([chunk], index) if chunk is not None and chunk.token_ids else None
+        if logprobs is not None and not deltas:
+            deltas = [{}]
+        return b"".join(
+            self._chunk(
+                [{"index": index, "delta": d, "logprobs": logprobs if not k else None, "finish_reason": None}]
+            )
+            for k, d in enumerate(deltas)
+        )
+
     def finish_choice(self, done: Done, index: int = 0) -> bytes:
-        """One choice's last chunk: its finish_reason and stop_reason."""
-        return self._chunk([self._choice(index, None if self.parsed.chat else "", [], done, delta=True)])
+        """One choice's last chunk: its finish_reason and stop_reason (after a tool-reading
+        choice's held-back content and calls)."""
+        out = b""
+        if self.parsed.tools is not None:
+            out = self._tool_deltas(self._reader(index).finish(), None, index)
+        return out + self._chunk(
+            [self._choice(index, None if self.parsed.chat else "", [], done, delta=True)]
+        )
 
     def end(self, dones: list[Done]) -> bytes:
         """After every choice finished: the usage chunk (with include_usage), then [DONE]."""

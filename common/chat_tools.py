@@ -1,0 +1,86 @@
+"""Tools in chat prompts: what a chat template is given when a conversation has tool definitions,
+assistant tool calls or tool results (the torch-free half of tool calling; the router renders).
+
+Contract
+- input: messages as validated dicts, `{"role", "content"}` plus, on an assistant message,
+  `tool_calls` (`[{"id", "type": "function", "function": {"name", "arguments": dict}}]`, the
+  arguments already parsed, as transformers' templates expect) and, on a "tool" message,
+  `tool_call_id`; tools in transformers' form (`[{"type": "function", "function": {"name",
+  "description", "parameters"}}]`); what the model's template can take (`TemplateFeatures`).
+- output: `template_inputs(...) -> (messages, tools)` for `template.render(messages=..., tools=...)`.
+  A template that reads `tools` (Llama 3.1, Qwen2.5, Hermes, Mistral v3) gets them as they are; one
+  that does not (SmolLM2's ChatML) gets none and the tools are written into the system message
+  instead (TOOL_SYSTEM_PROMPT, the Hermes / Qwen2.5 wording, which asks for `<tool_call>` JSON:
+  the format the OpenAI front parses). A template that does not read `tool_calls` gets each
+  assistant call as `<tool_call>` text in the content and each tool result as a user message in
+  `<tool_response>` tags (what Qwen2.5's template writes).
+- state: none (pure).
+- failure modes: none of its own; the template may still refuse the messages (TemplateError).
+- proven by: tests/test_chat_tools.py (against transformers' rendering of a tool-aware template).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+
+TOOL_SYSTEM_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+    "\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class TemplateFeatures:
+    tools: bool  # the template reads a `tools` variable
+    tool_calls: bool  # the template writes assistant tool calls (and so, tool results) itself
+
+    @classmethod
+    def of(cls, source: str) -> TemplateFeatures:
+        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])  # parsed only, never rendered
+        variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+        return cls(tools="tools" in variables, tool_calls="tool_calls" in source)
+
+
+def call_text(call: dict) -> str:
+    """One call as the Hermes format writes it (what TOOL_SYSTEM_PROMPT asks the model for)."""
+    function = call["function"]
+    body = {"name": function["name"], "arguments": function["arguments"]}
+    return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+
+
+def _as_text(message: dict) -> dict:
+    """A message with tool calls or a tool result, for a template that writes neither."""
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    calls = "\n".join(call_text(call) for call in message["tool_calls"])
+    content = f"{message['content']}\n{calls}" if message["content"] else calls
+    return {"role": message["role"], "content": content}
+
+
+def template_inputs(
+    messages: list[dict], tools: list[dict] | None, features: TemplateFeatures
+) -> tuple[list[dict], list[dict] | None]:
+    """The `messages` and `tools` to render a template with (see the module docstring)."""
+    if not features.tool_calls:
+        plain = ("role", "content")
+        messages = [
+            _as_text(m) if m["role"] == "tool" or m.get("tool_calls") else {k: m[k] for k in plain}
+            for m in messages
+        ]
+    if not tools or features.tools:
+        return messages, tools or None
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    prompt = TOOL_SYSTEM_PROMPT.format(tools=listed)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        system = {**first, "content": f"{first['content']}\n\n{prompt}" if first["content"] else prompt}
+        return [system, *messages[1:]], None
+    return [{"role": "system", "content": prompt}, *messages], None

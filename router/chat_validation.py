@@ -1,0 +1,112 @@
+"""Chat input validation: `pb.Chat` (messages, tool calls, tool results, tool definitions) -> the
+dicts the chat template is rendered with (common/chat_tools.py), or `ValidationError`.
+
+Contract
+- input: a `pb.Chat` and the router's `Limits`.
+- output: `{"chat": (message dicts...), "tools": (tool dicts...), "chat_chars"}` for
+  `ValidRequest`. Each message is `{"role", "content"}`, an assistant's calls as `tool_calls:
+  [{"id", "type": "function", "function": {"name", "arguments": dict}}]` (arguments parsed:
+  transformers' templates write them with `tojson`), a tool result with its `tool_call_id`; each
+  tool `{"type": "function", "function": {"name", "description"?, "parameters"?}}` (parameters
+  parsed); `chat_chars` is the characters the chat renders from (the early too-long refusal).
+- state: none (pure).
+- failure modes: `ValidationError` naming the field, e.g. `chat.tools[1].name: ...`: an unknown
+  role, calls on a message that is not the assistant's, arguments or parameters that are not a JSON
+  object, a tool name outside [A-Za-z0-9_-]{1,64} or given twice, more than MAX_TOOLS tools, more
+  than `max_chat_messages` messages or `max_prompt_chars` characters in all.
+- proven by: tests/test_router_validation.py (table), tests/test_openai_tools_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.config import Limits
+from router.errors import ValidationError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TOOLS = 128  # OpenAI's limit
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _check(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise ValidationError(field, problem)
+
+
+def _json_object(text: str, field: str) -> dict:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValidationError(field, "is not valid JSON") from None
+    _check(isinstance(value, dict), field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _message(m: pb.ChatMessage, i: int) -> dict:
+    where = f"chat.messages[{i}]"
+    _check(m.role in CHAT_ROLES, f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        _check(m.role == "assistant", f"{where}.tool_calls", f"only on assistant messages, not {m.role!r}")
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            _check(bool(call.name), f"{where}.tool_calls[{j}].name", "must not be empty")
+            arguments = _json_object(call.arguments or "{}", f"{where}.tool_calls[{j}].arguments")
+            function = {"name": call.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": "function", "function": function})
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        _check(m.role == "tool", f"{where}.tool_call_id", f"only on tool messages, not {m.role!r}")
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool(tool: pb.Tool, i: int) -> dict:
+    where = f"chat.tools[{i}]"
+    _check(
+        TOOL_NAME.fullmatch(tool.name) is not None,
+        f"{where}.name",
+        f"must be 1-64 letters, digits, '_' or '-', got {tool.name[:80]!r}",
+    )
+    function: dict = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        function["parameters"] = _json_object(tool.parameters, f"{where}.parameters")
+    return {"type": "function", "function": function}
+
+
+def chat_chars(chat: pb.Chat) -> int:
+    """The characters a chat renders from: contents, calls, tool definitions."""
+    calls = sum(len(c.id) + len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
+    tools = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+    return sum(len(m.content) for m in chat.messages) + calls + tools
+
+
+def validate_chat(chat: pb.Chat, limits: Limits) -> dict:
+    messages = chat.messages
+    _check(len(messages) > 0, "chat.messages", "must not be empty")
+    _check(
+        len(messages) <= limits.max_chat_messages,
+        "chat.messages",
+        f"more than {limits.max_chat_messages} messages",
+    )
+    _check(len(chat.tools) <= MAX_TOOLS, "chat.tools", f"more than {MAX_TOOLS} tools")
+    chars = chat_chars(chat)
+    _check(
+        chars <= limits.max_prompt_chars,
+        "chat.messages",
+        f"longer than {limits.max_prompt_chars} characters in total",
+    )
+    out = tuple(_message(m, i) for i, m in enumerate(messages))
+    _check(any(m.content or m.tool_calls for m in messages), "chat.messages", "all messages are empty")
+    tools = tuple(_tool(t, i) for i, t in enumerate(chat.tools))
+    seen: set[str] = set()
+    for i, tool in enumerate(chat.tools):
+        _check(tool.name not in seen, f"chat.tools[{i}].name", f"{tool.name!r} is given twice")
+        seen.add(tool.name)
+    return {"chat": out, "tools": tools, "chat_chars": chars}
