@@ -245,6 +245,12 @@ ANSWERS = [  # (text, mode, content, [(name, arguments)])
         [("get_weather", {"city": "Paris"}), ("get_time", {})],
     ),
     ('[{"name": "get_wea', ToolMode("required", AUTO.names), '[{"name": "get_wea', []),  # cut by max_tokens
+    (
+        f'[\n{CALL},\n{{"name": "get_ti',
+        ToolMode("required", AUTO.names),
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
 ]
 
 

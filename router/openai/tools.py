@@ -9,7 +9,8 @@ Contract
   the named function's arguments object, or an array of 1 (or, with parallel calls, more) `{"name",
   "arguments"}` objects of the listed functions. "none" leaves the tools out of the prompt.
 - input (answer): the choice's generated text. `extract(text, mode) -> (content, calls)`:
-  named -> one call with the text as its arguments; required -> the array's calls; auto -> each
+  named -> one call with the text as its arguments; required -> the array's calls (of an array
+  cut by max_tokens, the complete ones: finish_reason stays length); auto -> each
   `<tool_call>{"name", "arguments"}</tool_call>` block (Hermes / Qwen2.5, what the system prompt
   of a template without tools asks for; an unclosed last block counts) of a known function, or the
   whole text as one JSON call object or list of them (`"parameters"` for `"arguments"`, Llama 3.1's
@@ -164,6 +165,23 @@ def _json(text: str) -> object:
         return None
 
 
+def _complete_items(text: str) -> list:
+    """The items of a JSON array, or of as much of one as is complete (an answer cut by max_tokens:
+    its calls before the cut)."""
+    decoder, text = json.JSONDecoder(), text.strip()
+    if not text.startswith("["):
+        return []
+    items, at = [], 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return items
+        items.append(item)
+
+
 def _whole_calls(text: str, names: tuple[str, ...]) -> list[dict] | None:
     """The text as one call object or a list of them, else None."""
     value = _json(text.strip().removeprefix(PYTHON_TAG))
@@ -177,8 +195,7 @@ def extract(text: str, mode: ToolMode) -> tuple[str | None, list[dict]]:
     if mode.choice == "named":
         return None, [_call(mode.name, text)]
     if mode.choice == "required":
-        value = _json(text)
-        calls = [_as_call(v, mode.names) for v in value] if isinstance(value, list) else [None]
+        calls = [_as_call(v, mode.names) for v in _complete_items(text)]
         return (text or None, []) if not calls or None in calls else (None, calls)
     rest, calls = _auto(text, mode)
     return (rest if rest.strip() else None), calls
