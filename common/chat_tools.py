@@ -11,9 +11,10 @@ Contract
   A template that reads `tools` (Llama 3.1, Qwen2.5, Hermes, Mistral v3) gets them as they are; one
   that does not (SmolLM2's ChatML) gets none and the tools are written into the system message
   instead (TOOL_SYSTEM_PROMPT, the Hermes / Qwen2.5 wording, which asks for `<tool_call>` JSON:
-  the format the OpenAI front parses). A template that does not read `tool_calls` gets each
-  assistant call as `<tool_call>` text in the content and each tool result as a user message in
-  `<tool_response>` tags (what Qwen2.5's template writes).
+  the format the OpenAI front parses), or into the first message for a template that refuses a
+  system role (Gemma). A template that does not read `tool_calls` gets each assistant call as
+  `<tool_call>` text in the content and the tool results in `<tool_response>` tags in the user
+  turn next to them (what Qwen2.5's template writes).
 - state: none (pure).
 - failure modes: none of its own; the template may still refuse the messages (TemplateError).
 - proven by: tests/test_chat_tools.py (against transformers' rendering of a tool-aware template).
@@ -65,22 +66,41 @@ def _as_text(message: dict) -> dict:
     return {"role": message["role"], "content": content}
 
 
+def _written_out(messages: list[dict]) -> list[dict]:
+    """Calls and results as text; a tool result joins the user turn next to it (one turn for
+    several results, as Qwen2.5's template writes them; templates that need user and assistant to
+    alternate accept it)."""
+    out: list[dict] = []
+    for m in messages:
+        result = m["role"] == "tool"
+        m = _as_text(m) if result or m.get("tool_calls") else {"role": m["role"], "content": m["content"]}
+        joins = (
+            out and out[-1]["role"] == "user" and m["role"] == "user" and (result or out[-1].get("_result"))
+        )
+        if joins:
+            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{m['content']}", "_result": True}
+        else:
+            out.append({**m, "_result": True} if result else m)
+    return [{k: v for k, v in m.items() if k != "_result"} for m in out]
+
+
 def template_inputs(
-    messages: list[dict], tools: list[dict] | None, features: TemplateFeatures
+    messages: list[dict], tools: list[dict] | None, features: TemplateFeatures, system_role: bool = True
 ) -> tuple[list[dict], list[dict] | None]:
-    """The `messages` and `tools` to render a template with (see the module docstring)."""
+    """The `messages` and `tools` to render a template with (see the module docstring). Without
+    `system_role` (a template that refuses one), the tool prompt opens the first message instead."""
     if not features.tool_calls:
-        plain = ("role", "content")
-        messages = [
-            _as_text(m) if m["role"] == "tool" or m.get("tool_calls") else {k: m[k] for k in plain}
-            for m in messages
-        ]
+        messages = _written_out(messages)
     if not tools or features.tools:
         return messages, tools or None
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     prompt = TOOL_SYSTEM_PROMPT.format(tools=listed)
     if messages and messages[0]["role"] == "system":
         first = messages[0]
-        system = {**first, "content": f"{first['content']}\n\n{prompt}" if first["content"] else prompt}
-        return [system, *messages[1:]], None
+        content = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+        return [{**first, "content": content}, *messages[1:]], None
+    if messages and not system_role:
+        first = messages[0]
+        content = f"{prompt}\n\n{first['content']}" if first["content"] else prompt
+        return [{**first, "content": content}, *messages[1:]], None
     return [{"role": "system", "content": prompt}, *messages], None

@@ -69,6 +69,7 @@ class Tokenizer:
         eos_token_id: int,
         chat_template: str | None,
         extra_eos_token_ids: Sequence[int] = (),
+        tool_template: str | None = None,
     ) -> None:
         self._backend = backend
         self._bos_token_id = bos_token_id
@@ -78,8 +79,12 @@ class Tokenizer:
         end_ids = sorted(i for i in self._special_ids if added[i].content in _END_OF_GENERATION_TOKENS)
         declared = [eos_token_id, *(i for i in extra_eos_token_ids if i != eos_token_id)]
         self._eos_token_ids = (*declared, *(i for i in end_ids if i not in declared))
-        self._chat_template = _compile_chat_template(chat_template) if chat_template else None
-        self._template_features = TemplateFeatures.of(chat_template) if chat_template else None
+        # the model's template, and the one its files name "tool_use" for requests with tools (Hermes)
+        self._templates = {
+            name: (_compile_chat_template(source), TemplateFeatures.of(source))
+            for name, source in (("default", chat_template), ("tool_use", tool_template))
+            if source
+        }
 
     @classmethod
     def from_model(cls, path: str | pathlib.Path) -> "Tokenizer":
@@ -101,6 +106,7 @@ class Tokenizer:
             eos_token_id=metadata["tokenizer.ggml.eos_token_id"],
             chat_template=metadata.get("tokenizer.chat_template"),
             extra_eos_token_ids=_listed(metadata.get("tokenizer.ggml.eot_token_id")),
+            tool_template=metadata.get("tokenizer.chat_template.tool_use"),
         )
 
     @classmethod
@@ -116,7 +122,7 @@ class Tokenizer:
         if template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
         else:
-            chat_template = _default_template(config.get("chat_template"))
+            chat_template = _named_template(config.get("chat_template"), "default")
 
         def token_id(name: str) -> int | None:
             token = config.get(name)
@@ -134,6 +140,7 @@ class Tokenizer:
             eos_token_id=eos_token_id,
             chat_template=chat_template,
             extra_eos_token_ids=_listed(generation.get("eos_token_id")),
+            tool_template=_named_template(config.get("chat_template"), "tool_use"),
         )
 
     @property
@@ -194,20 +201,31 @@ class Tokenizer:
     ) -> str:
         """The prompt text for `messages` (`{"role", "content"}` dicts, with tool calls and tool
         results as common/chat_tools.py describes) and `tools` in the model's format."""
-        if self._chat_template is None:
+        template = self._templates.get("tool_use" if tools and "tool_use" in self._templates else "default")
+        if template is None:
             raise ValueError("This model has no chat template; send a plain prompt instead.")
-        messages, tools = template_inputs(
-            [dict(message) for message in messages],
-            [dict(tool) for tool in tools or ()],
-            self._template_features,
-        )
-        return self._chat_template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self._bos_token_id),
-            eos_token=self._token_text(self._eos_token_id),
-        )
+        compiled, features = template
+        messages = [dict(message) for message in messages]
+        tools = [dict(tool) for tool in tools or ()]
+
+        def render(system_role: bool) -> str:
+            turns, shown = template_inputs(messages, tools, features, system_role)
+            return compiled.render(
+                messages=turns,
+                tools=shown,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self._bos_token_id),
+                eos_token=self._token_text(self._eos_token_id),
+            )
+
+        try:
+            return render(system_role=True)
+        except jinja2.TemplateError:
+            if not tools or features.tools or (messages and messages[0]["role"] == "system"):
+                raise
+            return render(
+                system_role=False
+            )  # a template without a system role (Gemma): tools in the first turn
 
     def encode_chat(
         self, messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
@@ -227,12 +245,13 @@ def _listed(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _default_template(chat_template: Any) -> str | None:
-    """`chat_template` in tokenizer_config.json is a string, or a list of named templates."""
+def _named_template(chat_template: Any, name: str) -> str | None:
+    """`chat_template` in tokenizer_config.json is a string, or a list of named templates
+    ("default", and "tool_use" in Hermes' models)."""
     if isinstance(chat_template, list):
         named = {entry["name"]: entry["template"] for entry in chat_template}
-        return named.get("default")
-    return chat_template
+        return named.get(name)
+    return chat_template if name == "default" else None
 
 
 def _raise_exception(message: str) -> None:

@@ -6,7 +6,8 @@ Contract
 - output: `{"chat": (message dicts...), "tools": (tool dicts...), "chat_chars"}` for
   `ValidRequest`. Each message is `{"role", "content"}`, an assistant's calls as `tool_calls:
   [{"id", "type": "function", "function": {"name", "arguments": dict}}]` (arguments parsed:
-  transformers' templates write them with `tojson`), a tool result with its `tool_call_id`; each
+  transformers' templates write them with `tojson`; content None when empty), a tool result with
+  its `tool_call_id` (and `name`, the function's, when an earlier assistant call has that id); each
   tool `{"type": "function", "function": {"name", "description"?, "parameters"?}}` (parameters
   parsed); `chat_chars` is the characters the chat renders from (the early too-long refusal).
 - state: none (pure).
@@ -45,7 +46,7 @@ def _json_object(text: str, field: str) -> dict:
     return value
 
 
-def _message(m: pb.ChatMessage, i: int) -> dict:
+def _message(m: pb.ChatMessage, i: int, called: dict[str, str]) -> dict:
     where = f"chat.messages[{i}]"
     _check(m.role in CHAT_ROLES, f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
     out: dict = {"role": m.role, "content": m.content}
@@ -58,10 +59,15 @@ def _message(m: pb.ChatMessage, i: int) -> dict:
             function = {"name": call.name, "arguments": arguments}
             calls.append({"id": call.id, "type": "function", "function": function})
         out["tool_calls"] = calls
+        called.update((call.id, call.name) for call in m.tool_calls if call.id)
+        if not m.content:
+            out["content"] = None  # as transformers and vLLM pass it (DeepSeek's template tests for none)
     if m.tool_call_id:
         _check(m.role == "tool", f"{where}.tool_call_id", f"only on tool messages, not {m.role!r}")
     if m.role == "tool":
         out["tool_call_id"] = m.tool_call_id
+        if m.tool_call_id in called:  # the function's name: Hermes' template writes it
+            out["name"] = called[m.tool_call_id]
     return out
 
 
@@ -83,6 +89,7 @@ def _tool(tool: pb.Tool, i: int) -> dict:
 def chat_chars(chat: pb.Chat) -> int:
     """The characters a chat renders from: contents, calls, tool definitions."""
     calls = sum(len(c.id) + len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
+    calls += sum(len(m.tool_call_id) for m in chat.messages)
     tools = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
     return sum(len(m.content) for m in chat.messages) + calls + tools
 
@@ -102,7 +109,8 @@ def validate_chat(chat: pb.Chat, limits: Limits) -> dict:
         "chat.messages",
         f"longer than {limits.max_prompt_chars} characters in total",
     )
-    out = tuple(_message(m, i) for i, m in enumerate(messages))
+    called: dict[str, str] = {}  # call id -> function name, from the assistant messages so far
+    out = tuple(_message(m, i, called) for i, m in enumerate(messages))
     _check(any(m.content or m.tool_calls for m in messages), "chat.messages", "all messages are empty")
     tools = tuple(_tool(t, i) for i, t in enumerate(chat.tools))
     seen: set[str] = set()

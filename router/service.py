@@ -289,6 +289,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if req.chat is not None:
             try:
                 return tokenizer.encode_chat(list(req.chat), tools=list(req.tools))
-            except (ValueError, jinja2.TemplateError) as exc:  # the template refused these messages
+            # the template refused these messages (TypeError: one that adds a string and an object)
+            except (ValueError, TypeError, jinja2.TemplateError) as exc:
                 raise ValidationError("chat.messages", str(exc)) from None
         return tokenizer.encode(req.prompt, add_special_tokens=True)  # the model's BOS, if it adds one

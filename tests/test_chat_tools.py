@@ -176,8 +176,8 @@ def test_a_template_without_tools_gets_them_in_the_system_message(tmp_path):
         "<|im_start|>assistant\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n'
-        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n"
-        "<|im_start|>user\n<tool_response>\n4 C, rain\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response>\n"
+        "<tool_response>\n4 C, rain\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     # no system message: one is added in front; no tools: the conversation as before
@@ -232,6 +232,15 @@ ANSWERS = [  # (text, mode, content, [(name, arguments)])
     ("Use <tool_call> tags.", AUTO, "Use <tool_call> tags.", []),
     ("a <tool", AUTO, "a <tool", []),
     ("  \n", AUTO, None, []),
+    (f"\n<tool_call>\n{CALL}\n</tool_call>", AUTO, None, [("get_weather", {"city": "Paris"})]),
+    (f"  <tool_call>{CALL}", AUTO, None, [("get_weather", {"city": "Paris"})]),
+    ("\n\n<tool", AUTO, "\n\n<tool", []),
+    (  # arguments nested too deep to read: content, not an error
+        '<tool_call>{"name": "get_time", "arguments": "' + "[" * 5000 + "]" * 5000 + '"}</tool_call>',
+        AUTO,
+        '<tool_call>{"name": "get_time", "arguments": "' + "[" * 5000 + "]" * 5000 + '"}</tool_call>',
+        [],
+    ),
     (
         '{"city": "Oslo"}',
         ToolMode("named", AUTO.names, "get_weather"),
@@ -361,6 +370,7 @@ BAD_REQUESTS = [
         "tools[0].function.parameters",
     ),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [1], "tool_choice": "none"}, "tools[0]"),  # checked even when not shown
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
     (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
@@ -443,3 +453,75 @@ def test_an_assistant_message_of_calls_alone_is_not_empty():
     assert valid["chat"][0]["tool_calls"] == [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": [1]}}}
     ]
+
+
+GEMMA_LIKE = (  # refuses a system role and turns that do not alternate, as Gemma-2's template does
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_template_without_a_system_role_gets_the_tools_in_the_first_turn(tmp_path):
+    valid = _validated({"messages": CONVERSATION[1:], "tools": [WEATHER]})
+    ours = _ours(GEMMA_LIKE, tmp_path, valid)
+    tools = json.dumps(WEATHER, ensure_ascii=False)
+    assert ours.startswith(
+        f"<start_of_turn>user\n{TOOL_SYSTEM_PROMPT.format(tools=tools)}\n\nWeather in Paris"
+    )
+    # the two results are one user turn: the roles alternate
+    assert ours.endswith(
+        "<start_of_turn>user\n<tool_response>\n18 C, sunny\n</tool_response>\n<tool_response>\n4 C, rain\n"
+        "</tool_response><end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_a_tool_use_template_is_chosen_for_requests_with_tools(tmp_path):
+    write_tokenizer_dir("qwen2", tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    named = [
+        {"name": "default", "template": CHATML_TEMPLATE},
+        {"name": "tool_use", "template": QWEN25_TEMPLATE},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    tokenizer = Tokenizer.from_pretrained_dir(tmp_path)
+    valid = _validated({"messages": CONVERSATION, "tools": [WEATHER]})
+    assert "You are Qwen" not in tokenizer.apply_chat_template(valid["chat"])  # no tools: the default
+    assert tokenizer.apply_chat_template(valid["chat"], tools=valid["tools"]).startswith(
+        "<|im_start|>system\nYou are terse.\n\n# Tools\n"
+    )
+
+
+def test_tool_results_carry_the_called_functions_name():
+    valid = _validated({"messages": CONVERSATION})
+    assert [m.get("name") for m in valid["chat"]] == [None, None, None, "get_weather", "get_weather"]
+    assert valid["chat"][2]["content"] is None  # calls alone: content None, as transformers passes it
+
+
+def test_required_keeps_each_tools_defs_and_refs():
+    """pydantic's nested models ($defs, $ref) inside the call array's schema still resolve there."""
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {
+        "$defs": {
+            "Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        },
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "required": ["to"],
+    }
+    ship = {"type": "function", "function": {"name": "ship", "parameters": params}}
+    parsed = parse(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, ship], "tool_choice": "required"},
+        chat=True,
+        request_id="r",
+    )
+    schema = json.loads(parsed.request.response_format.json_schema)
+    jsonschema.validate([{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "ship", "arguments": {"to": {"town": "Oslo"}}}], schema)
+    pytest.importorskip("llguidance")
+    from common.structured import grammar_for
+
+    assert grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})

@@ -41,6 +41,9 @@ NAMES = {"get_weather", "get_time"}
 def _merged(stream) -> tuple[str | None, list[dict], str]:
     """A streamed chat answer merged as the SDK's accumulator does: (content, calls, finish)."""
     content, calls, finish = None, {}, None
+    stream = iter(stream)
+    opening = next(stream).choices[0].delta
+    assert opening.role == "assistant" and opening.content is None  # (OpenAI's opening for tools)
     for chunk in stream:
         [choice] = chunk.choices
         delta = choice.delta
@@ -111,7 +114,7 @@ def test_a_named_function_is_called_and_its_arguments_stream(client):
         c.choices[0].delta.tool_calls[0].function.arguments for c in chunks if c.choices[0].delta.tool_calls
     ]
     assert len(pieces) > 2 and "".join(pieces) == call["arguments"]  # the arguments came as generated
-    assert _merged(iter(chunks))[1][0]["name"] == "get_weather"
+    assert _merged(chunks)[1][0]["name"] == "get_weather"
 
 
 def test_auto_answers_stream_as_they_come_whole(client):

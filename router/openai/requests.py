@@ -298,6 +298,8 @@ def parse(body: object, chat: bool, request_id: str) -> Parsed:
         return _parse(body, chat, request_id)
     except (ValueError, TypeError) as exc:  # a value the protobuf refuses that no check above caught
         raise ApiError(400, f"request: {exc}") from None
+    except RecursionError:  # a value nested nearly as deep as the body parser allows
+        raise ApiError(400, "request: nested too deeply") from None
 
 
 def _parse(body: object, chat: bool, request_id: str) -> Parsed:

@@ -218,7 +218,8 @@ class Responder:
         """Chat streams open with the assistant's role, one chunk per choice (as OpenAI does)."""
         if not self.parsed.chat:
             return b""
-        role = {"role": "assistant", "content": ""}
+        # (OpenAI's content is null where the answer may be tool calls alone)
+        role = {"role": "assistant", "content": None if self.parsed.tools else ""}
         return b"".join(
             self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
             for i in range(len(self.parsed.requests) or 1)

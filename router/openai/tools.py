@@ -80,17 +80,42 @@ def _tool(tool: object, i: int) -> pb.Tool:
     return pb.Tool(name=function["name"], description=description, parameters=text)
 
 
-def _call_schema(tool: pb.Tool) -> dict:
+def _rebased(value: object, base: str) -> object:
+    """`value` with each local `$ref` ("#...") rewritten to point under `base`: a tool's schema
+    nested into the call array's keeps its `$defs` (pydantic's nested models) and root refs."""
+    if isinstance(value, list):
+        return [_rebased(v, base) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rebased(v, base) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def _call_schema(tool: pb.Tool, i: int) -> dict:
+    """Tool `i`'s entry of the call array's `items.anyOf`."""
     arguments = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"type": "string", "enum": [tool.name]}, "arguments": arguments},
+        "properties": {
+            "name": {"type": "string", "enum": [tool.name]},
+            "arguments": _rebased(arguments, f"#/items/anyOf/{i}/properties/arguments"),
+        },
         "required": ["name", "arguments"],
     }
 
 
 def parse_tools(body: dict, chat: pb.Chat, req: pb.GenerateRequest) -> ToolMode | None:
     """The request's tools onto `chat`, the constraint of its tool_choice onto `req`; its mode."""
+    try:
+        return _parse_tools(body, chat, req)
+    except RecursionError:  # a parameters schema nested (almost) as deep as the body parser allows
+        raise _bad("tools", "a parameters schema is nested too deeply") from None
+
+
+def _parse_tools(body: dict, chat: pb.Chat, req: pb.GenerateRequest) -> ToolMode | None:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise _bad("tools", "must be a list of {'type': 'function', 'function': {...}}")
@@ -100,11 +125,11 @@ def parse_tools(body: dict, chat: pb.Chat, req: pb.GenerateRequest) -> ToolMode 
     parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls", f"must be a boolean, got {parallel!r}")
+    listed = [_tool(tool, i) for i, tool in enumerate(tools)]  # checked even when not shown
     if choice == "none":
         return None  # the model answers in text: the tools stay out of its prompt
     if not tools:
         raise _bad("tool_choice", f"{choice!r} needs tools")
-    listed = [_tool(tool, i) for i, tool in enumerate(tools)]
     names = tuple(t.name for t in listed)
     name = ""
     if isinstance(choice, dict):
@@ -130,7 +155,8 @@ def parse_tools(body: dict, chat: pb.Chat, req: pb.GenerateRequest) -> ToolMode 
         tool = listed[names.index(name)]
         schema = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
     else:
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in listed]}}
+        calls = [_call_schema(t, i) for i, t in enumerate(listed)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
     req.response_format.json_schema = json.dumps(schema, ensure_ascii=False)
@@ -149,13 +175,13 @@ def _as_call(value: object, names: tuple[str, ...]) -> dict | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = _json(arguments)
     if not isinstance(arguments, dict):
         return None
-    return _call(value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        return _call(value["name"], json.dumps(arguments, ensure_ascii=False))
+    except (ValueError, RecursionError):  # nested too deep to write back
+        return None
 
 
 def _json(text: str) -> object:
@@ -222,13 +248,17 @@ def _call_deltas(calls: list[dict], first: int) -> list[dict]:
 
 
 class ToolStream:
-    """One streamed choice's deltas (see the module docstring)."""
+    """One streamed choice's deltas (see the module docstring). Linear in the answer's length:
+    while content streams only a possible call's start is held (a few characters), and once a
+    call or a whole-text call may have begun the pieces are only collected."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
         self.calls = 0  # tool calls sent so far
-        self._held = ""  # text not yet sent: a possible call, or all of it (required)
-        self._sent = False  # content (or a named call's start) went out
+        self._held: list[str] = []  # text not sent yet
+        self._to_end = mode.choice == "required"  # hold everything until finish
+        self._blank = True  # nothing but whitespace is held (and nothing was sent)
+        self._sent = False  # content went out
 
     def feed(self, text: str) -> list[dict]:
         if self.mode.choice == "named":
@@ -236,24 +266,34 @@ class ToolStream:
                 return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
             self.calls = 1
             return _call_deltas([_call(self.mode.name, text)], 0)
-        self._held += text
-        if self.mode.choice == "required" or CALL_OPEN in self._held:
+        self._held.append(text)
+        if self._to_end or (self._blank and not text.strip()):
+            return []  # (leading whitespace is content only if content follows)
+        self._blank = False
+        held = "".join(self._held)
+        self._held = [held]
+        if CALL_OPEN in held:
+            self._to_end = True
             return []
         if not self._sent:
-            start = self._held.lstrip()
-            if not start or start[0] in "{[" or PYTHON_TAG.startswith(start[: len(PYTHON_TAG)]):
-                return []  # nothing yet, or possibly the whole text as one call: wait for the end
-        keep = next((k for k in range(len(CALL_OPEN) - 1, 0, -1) if self._held.endswith(CALL_OPEN[:k])), 0)
-        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
-        if not out:
-            return []
+            start = held.lstrip()
+            if start[0] in "{[" or start.startswith(PYTHON_TAG):
+                self._to_end = True  # possibly the whole text as one call: read at the end
+                return []
+            if PYTHON_TAG.startswith(start):
+                return []
+        keep = next((k for k in range(len(CALL_OPEN) - 1, 0, -1) if held.endswith(CALL_OPEN[:k])), 0)
+        out = held[: len(held) - keep]
+        if not out.strip() and not self._sent:
+            return []  # whitespace, then a possible call's start: content only if content follows
+        self._held = [held[len(out) :]] if keep else []
         self._sent = True
         return [{"content": out}]
 
     def finish(self) -> list[dict]:
         if self.mode.choice == "named":
             return [] if self.calls else self.feed("")
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._held), []
         if not held:
             return []
         if self._sent:  # `held` starts at a <tool_call> (or a piece of one); its text is content
