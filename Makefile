@@ -125,6 +125,12 @@ bench-fairness: install protos
 bench-structured: install protos
 	$(PY) -m benchmarks.structured_output $(ARGS)
 
+# Tool calling side by side with llama-server on the same GGUF (built once, as for bench-serve):
+# 12 questions x 4 tools, tool_choice required and auto; ~3 min. Results: docs/benchmarks.md.
+.PHONY: bench-tools
+bench-tools: install protos
+	$(PY) -m benchmarks.tool_calls $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

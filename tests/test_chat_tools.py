@@ -343,7 +343,9 @@ def test_tool_choice_puts_the_call_schema_on_the_request():
         request_id="r",
     )
     assert named.tools == ToolMode("named", AUTO.names, "get_weather")
-    assert json.loads(named.request.response_format.json_schema) == WEATHER["function"]["parameters"]
+    schema = json.loads(named.request.response_format.json_schema)
+    assert schema.pop("x-guidance") == {"whitespace_flexible": False}  # compact JSON
+    assert schema == WEATHER["function"]["parameters"]
     required = parse(
         {
             "messages": messages,
@@ -357,7 +359,8 @@ def test_tool_choice_puts_the_call_schema_on_the_request():
     schema = json.loads(required.request.response_format.json_schema)
     assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
     names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
-    assert names == [["get_weather"], ["get_time"]]
+    assert names == [["get_weather"], ["get_time"]] and schema["x-guidance"] == {"whitespace_flexible": False}
+    assert all(item["additionalProperties"] is False for item in schema["items"]["anyOf"])
     assert param_of("response_format.json_schema", required) == "tools"
 
 
@@ -525,3 +528,28 @@ def test_required_keeps_each_tools_defs_and_refs():
     from common.structured import grammar_for
 
     assert grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+
+
+def test_the_tool_benchmark_scores_what_an_agent_needs():
+    """benchmarks/tool_calls.py's `score`: a call, valid under the tool's schema, of the right
+    function with the expected value."""
+    pytest.importorskip("jsonschema")
+    from benchmarks.tool_calls import score
+
+    def message(name, arguments):
+        return {"content": None, "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}
+
+    right = score(message("get_time", '{"city": "New York"}'), "get_time", "city", "new york")
+    assert right == {"called": True, "valid": True, "right_function": True, "right_argument": True}
+    assert (
+        score(message("get_time", '{"city": "Paris"}'), "get_time", "city", "tokyo")["right_argument"]
+        is False
+    )
+    assert (
+        score(message("get_weather", '{"city": "Tokyo"}'), "get_time", "city", "tokyo")["right_function"]
+        is False
+    )
+    assert score(message("get_time", '{"town": "Tokyo"}'), "get_time", "city", "tokyo")["valid"] is False
+    assert score(message("nope", "{}"), "get_time", "city", "tokyo")["valid"] is False
+    assert score(message("get_time", '{"city": "To'), "get_time", "city", "tokyo")["valid"] is False
+    assert score({"content": "It is noon."}, "get_time", "city", "tokyo")["called"] is False

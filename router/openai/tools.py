@@ -104,6 +104,7 @@ def _call_schema(tool: pb.Tool, i: int) -> dict:
             "arguments": _rebased(arguments, f"#/items/anyOf/{i}/properties/arguments"),
         },
         "required": ["name", "arguments"],
+        "additionalProperties": False,
     }
 
 
@@ -159,6 +160,8 @@ def _parse_tools(body: dict, chat: pb.Chat, req: pb.GenerateRequest) -> ToolMode
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
+    # compact JSON (llguidance's option): a small model otherwise spends its tokens on blank lines
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
     req.response_format.json_schema = json.dumps(schema, ensure_ascii=False)
     return ToolMode(choice, names, name, parallel)
 
