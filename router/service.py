@@ -1,9 +1,11 @@
 """The `llm.v1.Generation` servicer: protobuf in, one call per stage, protobuf out.
 
 Contract
-- input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`; the served
-  models (`router.models.ModelTable`: tokenizer, chat template and generation defaults per id).
-- output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`.
+- input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`;
+  `TokenizeRequest` / `DetokenizeRequest` (router/token_api.py); the served models
+  (`router.models.ModelTable`: tokenizer, chat template and generation defaults per id).
+- output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`;
+  `TokenizeResponse` / `DetokenizeResponse`.
 - state: none of its own (drain counter, registry, tenants, admission and dispatcher are
   injected).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
@@ -48,6 +50,7 @@ from router.observe import RequestObservation
 from router.registry import WorkerRegistry
 from router.relay import Chunk, Done, Relay
 from router.tenants import TenantsFile
+from router.token_api import TokenApi
 from router.tokenize_pool import TokenizePool
 from router.validation import ValidRequest, fit_to_context, validate
 
@@ -117,6 +120,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._dispatcher = dispatcher
         self._relay = Relay(registry, models.tokenizer)
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
+        self._token_api = TokenApi(models, registry, limits, self._tokenize_pool)  # Tokenize / Detokenize
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -234,6 +238,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     )
                 )
             return pb.ListModelsResponse(models=cards)
+        finally:
+            self._drain.exit()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        self._drain.enter()
+        try:
+            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            return await self._token_api.tokenize(request)
+        finally:
+            self._drain.exit()
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        self._drain.enter()
+        try:
+            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            return await self._token_api.detokenize(request)
         finally:
             self._drain.exit()
 

@@ -1,4 +1,5 @@
-"""The FastAPI application: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""The FastAPI application: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (and
+/v1/models/{id}), POST /tokenize and /detokenize (router/openai/tokens.py).
 
 Contract
 - input: OpenAI JSON over HTTP; `Authorization: Bearer <key>` (the same tenants and keys as
@@ -47,6 +48,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
+from router.openai import tokens
 from router.openai.choices import Choices
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
@@ -295,19 +297,31 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
+    async def unary(request: Request, read, call, answer) -> Response:
+        """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""
+        try:
+            message = read(await _read_json(request, max_body_bytes))
+            return JSONResponse(answer(await call(message, HttpCallContext(request))))
+        except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
+            return error_response(api_error(exc, None))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await unary(request, tokens.tokenize_request, service.Tokenize, tokens.tokenize_answer)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await unary(request, tokens.detokenize_request, service.Detokenize, tokens.detokenize_answer)
+
     @app.get("/health")
     async def health() -> Response:
         """For probes that speak HTTP(S), not gRPC (kubelet with TLS): no API key needed."""
         up = serving()
         return JSONResponse({"status": "SERVING" if up else "NOT_SERVING"}, status_code=200 if up else 503)
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        try:
-            reply = await service.ListModels(pb.ListModelsRequest(), HttpCallContext(request))
-        except Exception as exc:  # noqa: BLE001
-            return error_response(api_error(exc, None))
-        data = [
+    async def model_cards(request: Request) -> list[dict]:
+        reply = await service.ListModels(pb.ListModelsRequest(), HttpCallContext(request))
+        return [
             {
                 "id": card.id,
                 "object": "model",
@@ -317,7 +331,26 @@ def create_app(
             }
             for card in reply.models
         ]
-        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        try:
+            return JSONResponse({"object": "list", "data": await model_cards(request)})
+        except Exception as exc:  # noqa: BLE001
+            return error_response(api_error(exc, None))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(request: Request, model: str) -> Response:
+        """The SDK's `client.models.retrieve(id)` (ids may hold "/": hub ids)."""
+        try:
+            card = next((c for c in await model_cards(request) if c["id"] == model), None)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(api_error(exc, None))
+        if card is None:
+            return error_response(
+                ApiError(404, f"model {model!r} is not served here", "model", "not_found_error")
+            )
+        return JSONResponse(card)
 
     return app
 

@@ -352,6 +352,7 @@ FIELD_PARAMS = {
     "chat.messages": "messages",
     "prompt": "prompt",
     "token_ids.ids": "prompt",
+    "token_ids": "tokens",  # /detokenize
     "stopping.stop": "stop",
     "stopping.stop_token_ids": "stop_token_ids",
     "request_id": "X-Request-Id",

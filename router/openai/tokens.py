@@ -1,0 +1,76 @@
+"""POST /tokenize and /detokenize bodies <-> the router's `Tokenize` / `Detokenize` protobufs, in
+vLLM's form (llama.cpp's field names accepted too).
+
+Contract
+- input: /tokenize `{"model"?, "prompt": str, "add_special_tokens"?: bool}` (llama.cpp:
+  `"content"` for `"prompt"`) or `{"model"?, "messages": [...], "tools"?, "tool_choice"?}` (the
+  chat as /v1/chat/completions renders it, generation prompt included); /detokenize `{"model"?,
+  "tokens": [ids]}`.
+- output: `{"model", "tokens", "count", "max_model_len"}` / `{"model", "prompt", "content"}`
+  (the text under both names: vLLM's and llama.cpp's).
+- failure modes: `ApiError(400)` naming the parameter (no prompt or messages, a wrong type,
+  `add_generation_prompt: false`, which this server does not do); the service's errors as for the
+  other endpoints (router/openai/app.py).
+- proven by: tests/test_openai_tokens_e2e.py.
+"""
+
+from __future__ import annotations
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.openai.requests import UINT32_MAX, ApiError, parse
+
+
+def _bad(param: str, problem: str) -> ApiError:
+    return ApiError(400, f"{param}: {problem}", param=param)
+
+
+def _model(body: dict) -> str:
+    model = body.get("model") or ""
+    if not isinstance(model, str):
+        raise _bad("model", "must be a string")
+    return model
+
+
+def tokenize_request(body: object) -> pb.TokenizeRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    out = pb.TokenizeRequest(model=_model(body))
+    if "messages" in body:
+        if body.get("add_generation_prompt", True) is not True:
+            raise _bad(
+                "add_generation_prompt", "only true is supported (the prompt ends with the assistant's turn)"
+            )
+        chat_fields = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
+        out.chat.CopyFrom(parse(chat_fields, chat=True, request_id="tokenize").request.chat)
+        return out
+    prompt = body.get("prompt", body.get("content"))
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "required: a string (or messages, for a chat)")
+    out.prompt = prompt
+    special = body.get("add_special_tokens")
+    if special is not None:
+        if not isinstance(special, bool):
+            raise _bad("add_special_tokens", "must be a boolean")
+        out.add_special_tokens = special
+    return out
+
+
+def tokenize_answer(reply: pb.TokenizeResponse) -> dict:
+    ids = list(reply.token_ids)
+    return {"model": reply.model, "tokens": ids, "count": len(ids), "max_model_len": reply.max_model_len}
+
+
+def detokenize_request(body: object) -> pb.DetokenizeRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    ids = body.get("tokens")
+    ok = isinstance(ids, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in ids
+    )
+    if not ok:
+        raise _bad("tokens", "required: a list of token ids")
+    return pb.DetokenizeRequest(model=_model(body), token_ids=ids)
+
+
+def detokenize_answer(reply: pb.DetokenizeResponse) -> dict:
+    return {"model": reply.model, "prompt": reply.text, "content": reply.text}

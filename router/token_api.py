@@ -1,0 +1,84 @@
+"""Tokenize / Detokenize: the token ids Generate would see for a prompt or a chat, and their text,
+from the router's own tokenizers (no worker, no admission).
+
+Contract
+- input: `pb.TokenizeRequest` (model, a prompt or a chat, `add_special_tokens` for a prompt,
+  default true as Generate) / `pb.DetokenizeRequest` (model, token ids).
+- output: `pb.TokenizeResponse` (the model's id, the ids, `max_model_len` from a connected worker
+  or 0 when none is) / `pb.DetokenizeResponse` (the text, special tokens written out).
+- state: none; tokenizing runs in the router's bounded pool (router/tokenize_pool.py), as for
+  Generate, so a flood of huge prompts is refused (RESOURCE_EXHAUSTED), never queued unbounded.
+- failure modes: `ValidationError` naming the field: an unknown model (or none named when several
+  are served), a prompt over `max_prompt_chars`, a chat that router/chat_validation.py refuses or
+  the template refuses, more token ids than `max_prompt_chars` or one outside the vocabulary.
+- proven by: tests/test_openai_tokens_e2e.py (gRPC and HTTP against a real router).
+"""
+
+from __future__ import annotations
+
+import jinja2
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.chat_validation import validate_chat
+from router.config import Limits
+from router.errors import ValidationError
+from router.models import ModelTable
+from router.tokenize_pool import TokenizePool
+
+
+class TokenApi:
+    def __init__(self, models: ModelTable, registry, limits: Limits, pool: TokenizePool):
+        self._models, self._registry, self._limits, self._pool = models, registry, limits, pool
+
+    def _model(self, name: str) -> str:
+        served = self._models.ids()
+        if name:
+            if self._models.get(name) is None:
+                raise ValidationError("model", f"unknown model {name!r}; this router serves {served}")
+            return name
+        if len(served) != 1:
+            raise ValidationError("model", f"required: this router serves several models, {served}")
+        return served[0]
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        name = self._model(request.model)
+        tokenizer = self._models.tokenizer(name)
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            valid = validate_chat(request.chat, self._limits)
+
+            def encode() -> list[int]:
+                try:
+                    return tokenizer.encode_chat(list(valid["chat"]), tools=list(valid["tools"]))
+                except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the template refused them
+                    raise ValidationError("chat.messages", str(exc)) from None
+
+        else:
+            prompt, limit = request.prompt, self._limits.max_prompt_chars
+            if len(prompt) > limit:
+                raise ValidationError("prompt", f"longer than {limit} characters")
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+
+            def encode() -> list[int]:
+                return tokenizer.encode(prompt, add_special_tokens=special)
+
+        ids = await self._pool.run(encode)
+        spec = self._registry.models().get(name)
+        return pb.TokenizeResponse(model=name, token_ids=ids, max_model_len=spec.max_model_len if spec else 0)
+
+    async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        name = self._model(request.model)
+        tokenizer = self._models.tokenizer(name)
+        ids = request.token_ids
+        if len(ids) > self._limits.max_prompt_chars:
+            raise ValidationError("token_ids", f"more than {self._limits.max_prompt_chars} ids")
+        vocab = tokenizer.vocab_size
+
+        def decode() -> str:  # (in the pool: a million ids are checked off the event loop)
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValidationError("token_ids", f"token id {bad} is outside the vocabulary (size {vocab})")
+            return tokenizer.decode(list(ids))
+
+        text = await self._pool.run(decode)
+        return pb.DetokenizeResponse(model=name, text=text)
