@@ -195,17 +195,32 @@ async def run_grpc(address: str, model: str, rng: random.Random, n: int) -> coll
                 return channel.unary_stream(
                     path, request_serializer=serialize, response_deserializer=pb.GenerateResponse.FromString
                 )
+            reply = {"ListModels": pb.ListModelsResponse, "Tokenize": pb.TokenizeResponse}.get(
+                method, pb.DetokenizeResponse
+            )
             return channel.unary_unary(
-                path, request_serializer=serialize, response_deserializer=pb.ListModelsResponse.FromString
+                path, request_serializer=serialize, response_deserializer=reply.FromString
             )
 
         async def one(i: int) -> None:
-            method = "Generate" if rng.random() < 0.95 else "ListModels"
+            method = rng.choices(["Generate", "ListModels", "Tokenize", "Detokenize"], [90, 4, 3, 3])[0]
             raw = rng.random() < 0.12
             if method == "Generate":
                 payload = hostile_bytes(rng, model, i) if raw else hostile_request(rng, model, i)
+            elif raw:
+                payload = hostile_bytes(rng, model, i) if method != "ListModels" else b"\x0a\x01\xff"
+            elif method == "Tokenize":
+                req = hostile_request(rng, model, i)
+                payload = pb.TokenizeRequest(model=req.model)
+                if req.WhichOneof("input") == "chat":
+                    payload.chat.CopyFrom(req.chat)
+                else:
+                    payload.prompt = req.prompt
+            elif method == "Detokenize":
+                ids = [rng.choice([0, 1, 2, 49151, 49152, 2**32 - 1]) for _ in range(rng.randint(0, 20))]
+                payload = pb.DetokenizeRequest(model=rng.choice([model, "", "nope"]), token_ids=ids)
             else:
-                payload = b"\x0a\x01\xff" if raw else pb.ListModelsRequest()
+                payload = pb.ListModelsRequest()
             timeout = rng.uniform(0.001, 0.3) if rng.random() < 0.12 else 60.0
             metadata = hostile_metadata(rng)
             async with limit:
@@ -240,6 +255,13 @@ async def run_http(base: str, model: str, rng: random.Random, n: int) -> collect
         key = rng.choices([FUZZ_KEY, WRONG_KEY, "", "k" * 5000], weights=[90, 4, 3, 3])[0]
         if r < 0.03:
             call = ("GET", f"{base}/models", None)
+        elif r < 0.06:  # the token endpoints (vLLM's paths, beside /v1)
+            root = base.removesuffix("/v1")
+            if rng.random() < 0.5:
+                call = ("POST", f"{root}/tokenize", hostile_body(rng, model, rng.random() < 0.5))
+            else:
+                ids = rng.choice([[1, 2], [-1], [2**40], "x", [True], list(range(300))])
+                call = ("POST", f"{root}/detokenize", json.dumps({"tokens": ids}).encode())
         else:
             chat = r < 0.6
             url = f"{base}/chat/completions" if chat else f"{base}/completions"
