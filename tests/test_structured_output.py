@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import re
+import types
 
 import openai
 import pytest
+import torch
 
 from common.structured import grammar_for
 from protos.llm.v1 import generation_pb2 as pb
@@ -77,6 +79,19 @@ def test_mask_unpacking_equals_llguidances_byte_mask(runner, tokenizer):
     assert only.nonzero().flatten().tolist() == sorted(t for t in runner.eos_token_ids if t < vocab)
     with pytest.raises(ValueError, match="grammar"):
         runner.grammar_matcher('{"grammars": "not a grammar"}')
+
+
+def test_a_grammar_failing_mid_generation_is_counted(make_engine, runner, tokenizer):
+    """A token the grammar does not allow (the sampler never passes one; llguidance's resource
+    limits can fail a matcher mid-way): only EOS may follow, and the engine's stats count it."""
+    engine = make_engine()
+    before = engine.stats().num_grammar_failures
+    matcher = runner.grammar_matcher(schema_grammar(PERSON))
+    seq = types.SimpleNamespace(matcher=matcher)
+    runner.sampler.grammars.advance([seq], torch.tensor(tokenizer.encode("x")[:1]))  # not a "{"
+    only = runner.sampler.grammars.allowed([matcher], runner.model_config.vocab_size)[0]
+    assert only.nonzero().flatten().tolist() == sorted(t for t in runner.eos_token_ids if t < len(only))
+    assert engine.stats().num_grammar_failures == before + 1
 
 
 def test_engine_outputs_follow_the_schema_and_leave_other_rows_alone(make_engine, runner, tokenizer):

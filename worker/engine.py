@@ -350,6 +350,7 @@ class LLMEngine:
             s.num_generation_tokens,
             self.num_overlapped_steps,
             self.num_sync_steps,
+            self.runner.grammar_failures(),
         )
 
     def generate(

@@ -50,6 +50,7 @@ class Grammars:
         self._tokenizer_json, self._eos = tokenizer_json, tuple(eos_token_ids)
         self._tokenizer = None
         self._failed: str | None = None  # why the tokenizer could not be built (not retried)
+        self.num_failures = 0  # cumulative: matchers that failed mid-generation (EngineStats)
 
     @classmethod
     def for_model(cls, model: str | None, eos_token_ids: tuple[int, ...]) -> Grammars:
@@ -129,9 +130,9 @@ class Grammars:
             if getattr(seq, "matcher", None) is not None:
                 self.consume(seq.matcher, token)
 
-    @staticmethod
-    def consume(matcher, token: int) -> None:
+    def consume(self, matcher, token: int) -> None:
         if not matcher.is_stopped() and not matcher.consume_token(token):
+            self.num_failures += 1
             log.warning(
                 "structured output: the grammar failed at token %d (%s); ending with EOS",
                 token,

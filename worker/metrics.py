@@ -8,6 +8,7 @@ Contract
   `llm_num_requests_waiting`, `llm_kv_cache_usage_ratio`, `llm_kv_cache_free_blocks`,
   `llm_kv_cache_total_blocks`; counters `llm_preemptions_total`, `llm_prefix_cache_queries_total`,
   `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
+  `llm_structured_output_failures_total` (grammars that failed mid-generation),
   `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
   ran, async scheduling / with none in flight); and, observed on the engine thread after each
   committed step (`LLMEngine.last_step`, a step observer of the AsyncEngine), histograms
@@ -64,6 +65,11 @@ class EngineCollector:
         )
         yield CounterMetricFamily(
             "llm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=s.num_prefix_hits
+        )
+        yield CounterMetricFamily(
+            "llm_structured_output_failures",
+            "Constrained generations whose grammar failed mid-way (llguidance's error state): ended with EOS",
+            value=s.num_grammar_failures,
         )
         steps = CounterMetricFamily(
             "llm_engine_steps",

@@ -259,6 +259,10 @@ class ModelRunner:
         self.sampler.release(request_id)
         self.input_batch.drop(request_id)
 
+    def grammar_failures(self) -> int:
+        """Constrained generations whose grammar failed mid-way, so far (worker/grammar.py)."""
+        return self.sampler.grammars.num_failures
+
     def grammar_matcher(self, grammar: str):
         """A constrained request's llguidance matcher (worker/grammar.py `Grammars.matcher`)."""
         return self.sampler.grammars.matcher(grammar)

@@ -156,6 +156,7 @@ class EngineStats:
     num_generation_tokens: int  # cumulative
     num_overlapped_steps: int = 0  # cumulative: planned while the step before ran (async scheduling)
     num_sync_steps: int = 0  # cumulative: planned with no step in flight
+    num_grammar_failures: int = 0  # cumulative: constrained generations whose grammar failed mid-way
 
     @property
     def kv_usage(self) -> float:
