@@ -40,6 +40,7 @@ from router.metrics import RouterMetrics, targets
 from router.models import ModelTable, worker_states
 from router.observe import EventLoopLag
 from router.openai.app import create_app
+from router.openai.reasoning import reasoning_modes
 from router.openai.server import HttpFront
 from router.registry import StaticRegistry
 from router.service import GenerationService
@@ -149,6 +150,7 @@ async def serve(config: RouterConfig) -> int:
             registry.models,
             metrics,
             decoder=models.decoder,
+            reasoning=reasoning_modes(models).get,
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             serving=lambda: base.serving,

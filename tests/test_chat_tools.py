@@ -22,6 +22,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import validate_chat
 from router.config import Limits
 from router.errors import ValidationError
+from router.openai.reasoning import Reasoning, ReasoningStream, reasoning_of, split
 from router.openai.requests import ApiError, param_of, parse
 from router.openai.tools import ToolMode, ToolStream, extract
 from tests.tiny_models import CHATML_TEMPLATE, write_tokenizer_dir
@@ -297,14 +298,18 @@ def _streamed(pieces: list[str], mode: ToolMode) -> tuple[str | None, list[dict]
     return content, [calls[i] for i in sorted(calls)]
 
 
-@pytest.mark.parametrize("text,mode,content,calls", ANSWERS)
-def test_a_stream_cut_anywhere_gives_the_whole_answer(text, mode, content, calls):
+def _cuts(text: str) -> list[list[str]]:
+    """`text` whole, a character at a time, and cut at 20 seeded random sets of three points."""
     rng = random.Random(7)
-    cuts = [[text], list(text)] + [
+    return [[text], list(text)] + [
         [text[a:b] for a, b in zip([0, *sorted(pts)], [*sorted(pts), len(text)])]
         for pts in (rng.sample(range(len(text) + 1), min(3, len(text) + 1)) for _ in range(20))
     ]
-    for pieces in cuts:
+
+
+@pytest.mark.parametrize("text,mode,content,calls", ANSWERS)
+def test_a_stream_cut_anywhere_gives_the_whole_answer(text, mode, content, calls):
+    for pieces in _cuts(text):
         got_content, got_calls = _streamed(pieces, mode)
         assert (got_content, _calls(got_calls)) == (content, calls), pieces
 
@@ -553,3 +558,101 @@ def test_the_tool_benchmark_scores_what_an_agent_needs():
     assert score(message("nope", "{}"), "get_time", "city", "tokyo")["valid"] is False
     assert score(message("get_time", '{"city": "To'), "get_time", "city", "tokyo")["valid"] is False
     assert score({"content": "It is noon."}, "get_time", "city", "tokyo")["called"] is False
+
+
+OPENED, PLAIN = Reasoning(opened=True), Reasoning(opened=False)
+REASONED = [  # (text, mode, reasoning, content)
+    ("Let me think.\n</think>\n\nParis.", OPENED, "Let me think.\n", "Paris."),
+    ("no end tag, cut by max_tokens", OPENED, "no end tag, cut by max_tokens", None),
+    ("</think>Paris.", OPENED, None, "Paris."),
+    ("Hmm </thin", OPENED, "Hmm </thin", None),
+    ("<think>\nhm\n</think>\n\nParis.", PLAIN, "\nhm\n", "Paris."),
+    ("  <think>hm</think>", PLAIN, "hm", None),
+    ("Paris. <think>later</think>", PLAIN, None, "Paris. <think>later</think>"),
+    ("<thin", PLAIN, None, "<thin"),
+    ("  ", PLAIN, None, "  "),
+    ("x</think>   ", OPENED, "x", None),
+]
+
+
+@pytest.mark.parametrize("text,mode,reasoning,content", REASONED)
+def test_reasoning_splits_whole_and_streamed_alike(text, mode, reasoning, content):
+    assert split(text, mode) == (reasoning, content)
+    for pieces in _cuts(text):
+        stream, got = ReasoningStream(mode), {"reasoning_content": None, "content": None}
+        for delta in [d for piece in pieces for d in stream.feed(piece)] + stream.finish():
+            [(key, value)] = delta.items()
+            assert value, delta
+            got[key] = (got[key] or "") + value
+        assert (got["reasoning_content"], got["content"]) == (reasoning, content), pieces
+
+
+def test_reasoning_is_found_by_the_vocabulary_and_the_template(tmp_path):
+    """A vocabulary with <think> and </think> as added tokens (not special: R1's distills decode
+    them) makes a reasoning model; its template opening the block makes the answers start inside."""
+    import tokenizers
+
+    write_tokenizer_dir("qwen2", tmp_path)
+    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)) is None  # no <think> tokens
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_tokens(
+        [tokenizers.AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)) == PLAIN  # ChatML opens none
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = CHATML_TEMPLATE.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)) == OPENED
+
+
+def _sse_merged(data: bytes) -> tuple[dict, str]:
+    """A streamed chat answer's events merged as the SDK does: the message and the finish."""
+    message, finish = {"content": None, "reasoning_content": None, "tool_calls": {}}, None
+    for event in data.decode().split("\n\n"):
+        if not event.startswith("data: {"):
+            continue
+        [choice] = json.loads(event.removeprefix("data: "))["choices"]
+        for key in ("content", "reasoning_content"):
+            if choice["delta"].get(key):
+                message[key] = (message[key] or "") + choice["delta"][key]
+        for call in choice["delta"].get("tool_calls", []):
+            merged = message["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+            merged["name"] += call.get("function", {}).get("name", "")
+            merged["arguments"] += call.get("function", {}).get("arguments", "")
+        finish = choice["finish_reason"] or finish
+    return message, finish
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_reasoning_models_answer_streams_as_it_comes_whole(tools):
+    from router.openai.responses import Responder
+
+    text = f"I need the weather.\n</think>\n\nChecking. <tool_call>{CALL}</tool_call>"
+    body = {"messages": [{"role": "user", "content": "hi"}], **({"tools": [WEATHER]} if tools else {})}
+    parsed = parse(body, chat=True, request_id="r")
+    done = pb.Finished(reason=pb.FINISH_REASON_STOP)
+    whole = Responder(parsed, "m", str, OPENED).complete([([pb.TokenChunk(text=text)], done)])
+    [choice] = whole["choices"]
+    message = choice["message"]
+    assert message["reasoning_content"] == "I need the weather.\n"
+    if tools:
+        assert message["content"] == "Checking. " and choice["finish_reason"] == "tool_calls"
+        assert _calls(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    else:
+        assert (
+            message["content"] == f"Checking. <tool_call>{CALL}</tool_call>" and "tool_calls" not in message
+        )
+    for pieces in _cuts(text)[:8]:
+        responder = Responder(parsed, "m", str, OPENED)
+        data = responder.start() + b"".join(responder.delta(pb.TokenChunk(text=p)) for p in pieces)
+        streamed, finish = _sse_merged(data + responder.finish_choice(done))
+        assert finish == choice["finish_reason"]
+        assert (streamed["content"], streamed["reasoning_content"]) == (
+            message["content"],
+            message["reasoning_content"],
+        )
+        calls = [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()]
+        assert calls == (_calls(message["tool_calls"]) if tools else [])

@@ -50,6 +50,7 @@ from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai import tokens
 from router.openai.choices import Choices
+from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
 
@@ -221,9 +222,11 @@ def create_app(
     max_body_bytes: int,
     stream_idle_timeout_s: float = 0.0,
     serving: Callable[[], bool] = lambda: True,
+    reasoning: Callable[[str], Reasoning | None] = lambda model: None,
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
     `decoder(model)`: token ids -> text under that model's tokenizer (logprobs, echo);
+    `reasoning(model)`: how a reasoning model's chat answers split (router/openai/reasoning.py);
     `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never);
     `serving()`: the gRPC health of "" (GET /health answers it over HTTP)."""
     app = FastAPI(
@@ -268,7 +271,7 @@ def create_app(
                 await until_disconnected(request, calls.start())
                 # validated: the model is served; texts are needed only for logprobs and echo
                 need = parsed.logprobs or parsed.echo
-                responder = Responder(parsed, name, decoder(name) if need else str)
+                responder = Responder(parsed, name, decoder(name) if need else str, reasoning(name))
                 if parsed.stream:
                     streaming = True  # from here the response closes `calls`, however it ends
                     return EventStream(

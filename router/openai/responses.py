@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Unavailable
+from router.openai.reasoning import Reasoning, ReasoningStream, split
 from router.openai.requests import Parsed
 from router.openai.tools import ToolStream, extract
 
@@ -65,8 +66,15 @@ def stop_reason(done: Done) -> str | int | None:
 
 
 class Responder:
-    def __init__(self, parsed: Parsed, model: str, decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        parsed: Parsed,
+        model: str,
+        decode: Callable[[list[int]], str],
+        reasoning: Reasoning | None = None,
+    ):
         self.parsed, self.model, self._decode = parsed, model, decode
+        self._reasoning = reasoning if parsed.chat else None  # a reasoning model's chat answers split
         rid = parsed.request_id or parsed.request.request_id
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
@@ -75,7 +83,8 @@ class Responder:
         # choices whose prompt is still to be echoed (completions with echo)
         self._echo_pending = set(range(len(parsed.requests))) if parsed.echo else set()
         self._texts: dict[int, str] = {}  # token id -> its text (a scored prompt repeats many)
-        self._tools: dict[int, ToolStream] = {}  # chat with tools, streaming: each choice's reader
+        # streaming chat with tools or reasoning: each choice's readers (reasoning first, then tools)
+        self._readers: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
 
     # -- logprobs ---------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
@@ -159,11 +168,14 @@ class Responder:
             body = {} if text is None else {"content": text}
             if delta:
                 choice["delta"] = body
-                called = index in self._tools and self._tools[index].calls > 0
+                tools = self._readers.get(index, (None, None))[1]
+                called = tools is not None and tools.calls > 0
             else:
                 message = {"role": "assistant", "content": text or ""}
+                if self._reasoning is not None:
+                    message["reasoning_content"], message["content"] = split(text or "", self._reasoning)
                 if self.parsed.tools is not None:
-                    message["content"], calls = extract(text or "", self.parsed.tools)
+                    message["content"], calls = extract(message["content"] or "", self.parsed.tools)
                     if calls:
                         message["tool_calls"], called = calls, True
                 choice["message"] = message
@@ -226,8 +238,8 @@ class Responder:
         )
 
     def delta(self, chunk: Chunk, index: int = 0) -> bytes:
-        if self.parsed.tools is not None:
-            return self._tool_deltas(self._reader(index).feed(chunk.text), chunk, index)
+        if self.parsed.tools is not None or self._reasoning is not None:
+            return self._read_deltas(self._read(index, chunk.text), chunk, index)
         if index not in self._echo_pending:  # (an echo is always sent)
             if self.parsed.echo_only:
                 return b""  # max_tokens 0: the generated token is left out
@@ -235,14 +247,28 @@ class Responder:
                 return b""  # text held back (a partial character or a possible stop string)
         return self._chunk([self._choice(index, chunk.text, [chunk], None, delta=True)])
 
-    def _reader(self, index: int) -> ToolStream:
-        if index not in self._tools:
-            self._tools[index] = ToolStream(self.parsed.tools)
-        return self._tools[index]
+    def _read(self, index: int, text: str | None) -> list[dict]:
+        """A piece of choice `index`'s text (None: its end) through its readers: reasoning splits
+        off `reasoning_content`, the tool reader turns the rest into content and calls."""
+        if index not in self._readers:
+            think = ReasoningStream(self._reasoning) if self._reasoning is not None else None
+            tools = ToolStream(self.parsed.tools) if self.parsed.tools is not None else None
+            self._readers[index] = (think, tools)
+        think, tools = self._readers[index]
+        if think is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = think.feed(text) if text is not None else think.finish()
+        out = []
+        for d in deltas:
+            out += tools.feed(d["content"]) if tools is not None and "content" in d else [d]
+        if text is None and tools is not None:
+            out += tools.finish()
+        return out
 
-    def _tool_deltas(self, deltas: list[dict], chunk: Chunk | None, index: int) -> bytes:
-        """Chunks of a tool-reading choice's deltas; the chunk's logprobs on the first (a chunk of
-        its own when its text is held back)."""
+    def _read_deltas(self, deltas: list[dict], chunk: Chunk | None, index: int) -> bytes:
+        """Chunks of a read choice's deltas; the chunk's logprobs on the first (a chunk of its own
+        when its text is held back)."""
         logprobs = self.logprobs([chunk], index) if chunk is not None and chunk.token_ids else None
         if logprobs is not None and not deltas:
             deltas = [{}]
@@ -254,11 +280,11 @@ class Responder:
         )
 
     def finish_choice(self, done: Done, index: int = 0) -> bytes:
-        """One choice's last chunk: its finish_reason and stop_reason (after a tool-reading
-        choice's held-back content and calls)."""
+        """One choice's last chunk: its finish_reason and stop_reason (after what its readers held
+        back: content, reasoning, calls)."""
         out = b""
-        if self.parsed.tools is not None:
-            out = self._tool_deltas(self._reader(index).finish(), None, index)
+        if self.parsed.tools is not None or self._reasoning is not None:
+            out = self._read_deltas(self._read(index, None), None, index)
         return out + self._chunk(
             [self._choice(index, None if self.parsed.chat else "", [], done, delta=True)]
         )
