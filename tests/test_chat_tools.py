@@ -656,3 +656,16 @@ def test_a_reasoning_models_answer_streams_as_it_comes_whole(tools):
         )
         calls = [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()]
         assert calls == (_calls(message["tool_calls"]) if tools else [])
+
+
+def test_a_constrained_answer_of_a_reasoning_model_is_not_split():
+    from router.openai.responses import Responder
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required"}
+    parsed = parse(body, chat=True, request_id="r")
+    done = pb.Finished(reason=pb.FINISH_REASON_STOP)
+    text = f"[{CALL}]"  # the grammar's output: no </think>, yet a call, not reasoning
+    [choice] = Responder(parsed, "m", str, OPENED).complete([([pb.TokenChunk(text=text)], done)])["choices"]
+    assert "reasoning_content" not in choice["message"] and _calls(choice["message"]["tool_calls"]) == [
+        ("get_weather", {"city": "Paris"})
+    ]

@@ -74,7 +74,10 @@ class Responder:
         reasoning: Reasoning | None = None,
     ):
         self.parsed, self.model, self._decode = parsed, model, decode
-        self._reasoning = reasoning if parsed.chat else None  # a reasoning model's chat answers split
+        # a reasoning model's chat answers split, unless a grammar wrote them (response_format, a
+        # required or named tool call: the constrained text is the answer, with no think block)
+        constrained = parsed.request.HasField("response_format")
+        self._reasoning = reasoning if parsed.chat and not constrained else None
         rid = parsed.request_id or parsed.request.request_id
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
