@@ -228,11 +228,19 @@ class Tokenizer:
             )  # a template without a system role (Gemma): tools in the first turn
 
     def encode_chat(
-        self, messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        max_chars: int | None = None,
     ) -> list[int]:
         """Prompt ids for `messages` (and `tools`), ending with the assistant's turn opener. The
-        template writes every special token itself, so none are added (as transformers does)."""
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        template writes every special token itself, so none are added (as transformers does).
+        `max_chars`: a rendered prompt longer than this is a ValueError, not tokenized (a template
+        may write far more than its input: tools pretty-printed with `tojson(indent=4)`)."""
+        text = self.apply_chat_template(messages, tools=tools)
+        if max_chars is not None and len(text) > max_chars:
+            raise ValueError(f"the chat template renders {len(text)} characters, more than {max_chars}")
+        return self.encode(text, add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""

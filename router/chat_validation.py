@@ -13,7 +13,8 @@ Contract
 - state: none (pure).
 - failure modes: `ValidationError` naming the field, e.g. `chat.tools[1].name: ...`: an unknown
   role, calls on a message that is not the assistant's, arguments or parameters that are not a JSON
-  object, a tool name outside [A-Za-z0-9_-]{1,64} or given twice, more than MAX_TOOLS tools, more
+  object (or one nested deeper than MAX_JSON_DEPTH), a tool name outside [A-Za-z0-9_-]{1,64} or
+  given twice, more than MAX_TOOLS tools, more
   than `max_chat_messages` messages or `max_prompt_chars` characters in all.
 - proven by: tests/test_router_validation.py (table), tests/test_openai_tools_e2e.py.
 """
@@ -30,11 +31,25 @@ from router.errors import ValidationError
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+# Tool parameters and call arguments: real schemas nest a few levels; templates pretty-print them
+# (Llama 3.1's `tojson(indent=4)`), which grows with the square of the depth.
+MAX_JSON_DEPTH = 64
 
 
 def _check(ok: bool, field: str, problem: str) -> None:
     if not ok:
         raise ValidationError(field, problem)
+
+
+def _depth(value: object) -> int:
+    """How deep objects and lists nest in a JSON value (iterative: no recursion to exhaust)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _json_object(text: str, field: str) -> dict:
@@ -43,6 +58,7 @@ def _json_object(text: str, field: str) -> dict:
     except (ValueError, RecursionError):
         raise ValidationError(field, "is not valid JSON") from None
     _check(isinstance(value, dict), field, f"must be a JSON object, got {type(value).__name__}")
+    _check(_depth(value) <= MAX_JSON_DEPTH, field, f"nests deeper than {MAX_JSON_DEPTH} levels")
     return value
 
 

@@ -120,7 +120,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._dispatcher = dispatcher
         self._relay = Relay(registry, models.tokenizer)
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
-        self._token_api = TokenApi(models, registry, limits, self._tokenize_pool)  # Tokenize / Detokenize
+        self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -242,18 +242,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._drain.exit()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        self._drain.enter()
-        try:
-            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
-            return await self._token_api.tokenize(request)
-        finally:
-            self._drain.exit()
+        return await self._token_call(self._token_api.tokenize, request, context)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        return await self._token_call(self._token_api.detokenize, request, context)
+
+    async def _token_call(self, call, request, context):
+        """Tokenize / Detokenize behind the tenant's key and admission claim (request rate and
+        concurrency, as Generate's before it tokenizes), in the token API's own pool."""
         self._drain.enter()
         try:
-            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
-            return await self._token_api.detokenize(request)
+            tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            try:
+                claim = self._admission.claim(tenant, 0.0)
+            except AdmissionError as err:
+                raise Overloaded(err.message, err.retry_after_ms) from None
+            try:
+                return await call(request)
+            finally:
+                claim.release()
         finally:
             self._drain.exit()
 
@@ -308,8 +315,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tokenizer = self._models.tokenizer(req.model.name)
         if req.chat is not None:
             try:
-                return tokenizer.encode_chat(list(req.chat), tools=list(req.tools))
-            # the template refused these messages (TypeError: one that adds a string and an object)
-            except (ValueError, TypeError, jinja2.TemplateError) as exc:
+                limit = self._limits.max_prompt_chars
+                return tokenizer.encode_chat(list(req.chat), tools=list(req.tools), max_chars=limit)
+            # the template refused these messages (TypeError: one that adds a string and an object;
+            # RecursionError: tools nested as deep as validation allows, written by a recursive template)
+            except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as exc:
                 raise ValidationError("chat.messages", str(exc)) from None
         return tokenizer.encode(req.prompt, add_special_tokens=True)  # the model's BOS, if it adds one

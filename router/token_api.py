@@ -6,11 +6,14 @@ Contract
   default true as Generate) / `pb.DetokenizeRequest` (model, token ids).
 - output: `pb.TokenizeResponse` (the model's id, the ids, `max_model_len` from a connected worker
   or 0 when none is) / `pb.DetokenizeResponse` (the text, special tokens written out).
-- state: none; tokenizing runs in the router's bounded pool (router/tokenize_pool.py), as for
-  Generate, so a flood of huge prompts is refused (RESOURCE_EXHAUSTED), never queued unbounded.
+- state: a tokenize pool of its own (one thread, eight waiting: router/tokenize_pool.py), so these
+  calls never wait in Generate's pool nor crowd it, and a flood is refused (RESOURCE_EXHAUSTED),
+  never queued unbounded. The service takes the tenant's admission claim for each call (its
+  request rate and concurrency), as for Generate.
 - failure modes: `ValidationError` naming the field: an unknown model (or none named when several
   are served), a prompt over `max_prompt_chars`, a chat that router/chat_validation.py refuses or
-  the template refuses, more token ids than `max_prompt_chars` or one outside the vocabulary.
+  the template refuses or that renders longer than `max_prompt_chars`, more token ids than the
+  model's context (MAX_DETOKENIZE_IDS while no worker is connected) or one outside the vocabulary.
 - proven by: tests/test_openai_tokens_e2e.py (gRPC and HTTP against a real router).
 """
 
@@ -25,10 +28,16 @@ from router.errors import ValidationError
 from router.models import ModelTable
 from router.tokenize_pool import TokenizePool
 
+# Ids one Detokenize may send while no worker tells the model's context (with one: max_model_len).
+MAX_DETOKENIZE_IDS = 131_072
+
 
 class TokenApi:
-    def __init__(self, models: ModelTable, registry, limits: Limits, pool: TokenizePool):
-        self._models, self._registry, self._limits, self._pool = models, registry, limits, pool
+    def __init__(self, models: ModelTable, registry, limits: Limits):
+        self._models, self._registry, self._limits = models, registry, limits
+        # A pool of its own, smaller than Generate's: these calls cannot crowd generations out of
+        # theirs, and a flood of them is refused (RESOURCE_EXHAUSTED) after a few waiting.
+        self._pool = TokenizePool(threads=1, max_waiting=8)
 
     def _model(self, name: str) -> str:
         served = self._models.ids()
@@ -48,9 +57,12 @@ class TokenApi:
             valid = validate_chat(request.chat, self._limits)
 
             def encode() -> list[int]:
+                limit = self._limits.max_prompt_chars
                 try:
-                    return tokenizer.encode_chat(list(valid["chat"]), tools=list(valid["tools"]))
-                except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the template refused them
+                    return tokenizer.encode_chat(
+                        list(valid["chat"]), tools=list(valid["tools"]), max_chars=limit
+                    )
+                except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as exc:  # (as Generate)
                     raise ValidationError("chat.messages", str(exc)) from None
 
         else:
@@ -70,8 +82,10 @@ class TokenApi:
         name = self._model(request.model)
         tokenizer = self._models.tokenizer(name)
         ids = request.token_ids
-        if len(ids) > self._limits.max_prompt_chars:
-            raise ValidationError("token_ids", f"more than {self._limits.max_prompt_chars} ids")
+        spec = self._registry.models().get(name)
+        limit = spec.max_model_len if spec else MAX_DETOKENIZE_IDS  # (its text stays one context's)
+        if len(ids) > limit:
+            raise ValidationError("token_ids", f"{len(ids)} ids, more than {limit} (the model's context)")
         vocab = tokenizer.vocab_size
 
         def decode() -> str:  # (in the pool: a million ids are checked off the event loop)

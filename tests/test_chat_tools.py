@@ -445,6 +445,11 @@ BAD_CHATS = [
         "messages[0].tool_call_id",
     ),
     (_chat(USER, tools=[pb.Tool(name="f", description="x" * 10_000)]), "chat.messages", "messages"),
+    (  # nested deeper than a schema needs: a pretty-printing template would write it quadratically
+        _chat(USER, tools=[pb.Tool(name="f", parameters='{"a": ' * 65 + "1" + "}" * 65)]),
+        "chat.tools[0].parameters",
+        "tools[0].function.parameters",
+    ),
 ]
 
 
@@ -572,6 +577,9 @@ REASONED = [  # (text, mode, reasoning, content)
     ("<thin", PLAIN, None, "<thin"),
     ("  ", PLAIN, None, "  "),
     ("x</think>   ", OPENED, "x", None),
+    ("<think>\nhm\n</think>\n\nok", OPENED, "\nhm\n", "ok"),  # the tag written again
+    ("  ", OPENED, "  ", None),
+    ("<thi", OPENED, "<thi", None),
 ]
 
 
@@ -669,3 +677,13 @@ def test_a_constrained_answer_of_a_reasoning_model_is_not_split():
     assert "reasoning_content" not in choice["message"] and _calls(choice["message"]["tool_calls"]) == [
         ("get_weather", {"city": "Paris"})
     ]
+
+
+def test_a_rendered_chat_longer_than_the_bound_is_refused_before_tokenizing(tmp_path):
+    write_tokenizer_dir("qwen2", tmp_path)
+    tokenizer = Tokenizer.from_pretrained_dir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = len(tokenizer.apply_chat_template(messages))
+    assert tokenizer.encode_chat(messages, max_chars=rendered) == tokenizer.encode_chat(messages)
+    with pytest.raises(ValueError, match=f"renders {rendered} characters, more than {rendered - 1}"):
+        tokenizer.encode_chat(messages, max_chars=rendered - 1)

@@ -17,6 +17,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker: the shared stack's fixtures
     AUTH,
     KEY,
+    LIMITED_KEY,
     client,
     grpc_generate,
     http_url,
@@ -89,11 +90,32 @@ def test_http_tokenize_counts_what_the_chat_completion_counts(router, client, to
         ),
         ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1] * 100_000}, 400, "tokens"),  # more than the model's context
+        ("/tokenize", {"prompt": "\ud800"}, 400, None),  # a lone surrogate: no protobuf string
+        ("/tokenize", {"content": 5}, 400, "content"),  # llama.cpp's field named as sent
     ],
 )
 def test_http_token_errors_name_the_parameter(router, path, body, status, param):
     got, answer = post(http_url(router).removesuffix("/v1") + path, json.dumps(body).encode(), KEY)
     assert (got, answer["error"]["param"]) == (status, param), answer
+
+
+def test_token_calls_take_the_tenants_admission_claim(stub, router):
+    """The limited tenant (a burst of one, then 0.001 per second): one call, then 429 / RESOURCE_EXHAUSTED."""
+    limited = (("authorization", f"Bearer {LIMITED_KEY}"),)
+    stub.Tokenize(pb.TokenizeRequest(prompt="x"), metadata=limited)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), metadata=limited)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in err.value.details()
+    got, _ = post(http_url(router).removesuffix("/v1") + "/tokenize", b'{"prompt": "x"}', LIMITED_KEY)
+    assert got == 429
+
+
+def test_llama_cpp_form_adds_no_bos_unless_asked(router, tokenizer):
+    base = http_url(router).removesuffix("/v1")
+    _, plain = post(f"{base}/tokenize", json.dumps({"content": "Hi"}).encode(), KEY)
+    _, special = post(f"{base}/tokenize", json.dumps({"content": "Hi", "add_special": True}).encode(), KEY)
+    assert plain["tokens"] == tokenizer.encode("Hi") and special["tokens"] == tokenizer.encode("Hi", True)
 
 
 def test_http_token_endpoints_need_the_key(router):

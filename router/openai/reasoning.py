@@ -5,14 +5,16 @@ Contract
 - input: a model's tokenizer (`reasoning_of`: the mode of a model whose vocabulary has `<think>` and
   `</think>` as single tokens, e.g. DeepSeek-R1 and its Llama / Qwen distills, QwQ; None for the
   others, whose answers are left whole); a choice's generated text, whole or in pieces.
-- output: `reasoning_modes(model_table)` -> {id: mode} of the served reasoning models (logged);
-  `split(text, mode) -> (reasoning, content)`: with `mode.opened` (the chat template ends
-  its prompt with `<think>`, as R1's does) the text up to `</think>` is reasoning; otherwise only a
-  text that starts with `<think>` has any. Without `</think>` (cut by max_tokens) all of it is
-  reasoning. The content after `</think>` starts at its first non-whitespace character; an empty
-  part is None. `ReasoningStream.feed(text) -> [delta]`, `.finish() -> [delta]`: deltas
-  (`{"reasoning_content"}` / `{"content"}`) whose concatenation equals `split` of the whole text;
-  only a possible tag's start and the whitespace a split would drop are held back.
+- output: `reasoning_modes(model_table)` -> {id: mode} of the served reasoning models (logged;
+  tags that are special tokens make none: the streamed text leaves them out);
+  `split(text, mode) -> (reasoning, content)`: with `mode.opened` (the chat template ends its
+  prompt with `<think>`, as R1's does) the text up to `</think>` is reasoning; otherwise only a
+  text that starts with `<think>` has any. A leading `<think>` is not part of the reasoning.
+  Without `</think>` (cut by max_tokens) all of it is reasoning. The content after `</think>`
+  starts at its first non-whitespace character; an empty part is None.
+  `ReasoningStream.feed(text) -> [delta]`, `.finish() -> [delta]`: deltas (`{"reasoning_content"}`
+  / `{"content"}`) whose concatenation equals `split` of the whole text; only a possible tag's
+  start and the whitespace a split would drop are held back.
 - state: `ReasoningStream` holds at most a tag's length of text (and leading whitespace).
 - failure modes: none (any text splits).
 - proven by: tests/test_chat_tools.py (a table, and every cut of each text through the stream).
@@ -35,7 +37,11 @@ class Reasoning:
 
 def reasoning_of(tokenizer) -> Reasoning | None:
     """The reasoning mode of a model (a `common.tokenizer.Tokenizer`), None when it has none."""
-    if len(tokenizer.encode(OPEN + CLOSE)) != 2:
+    ids = tokenizer.encode(OPEN + CLOSE)
+    if len(ids) != 2:
+        return None
+    if any(tokenizer.is_special(i) for i in ids):  # the text streamed to clients leaves them out
+        log.warning("<think> and </think> are special tokens of this vocabulary: answers stay whole")
         return None
     try:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
@@ -62,10 +68,10 @@ def reasoning_modes(models) -> dict[str, Reasoning]:
 
 def split(text: str, mode: Reasoning) -> tuple[str | None, str | None]:
     body = text
-    if not mode.opened:
-        if not text.lstrip().startswith(OPEN):
-            return None, text or None
+    if text.lstrip().startswith(OPEN):  # (opened: the model may write the tag again)
         body = text.lstrip()[len(OPEN) :]
+    elif not mode.opened:
+        return None, text or None
     end = body.find(CLOSE)
     if end < 0:
         return body or None, None
@@ -79,7 +85,8 @@ def _tag_start(text: str, tag: str) -> int:
 
 class ReasoningStream:
     def __init__(self, mode: Reasoning):
-        self._state = "reasoning" if mode.opened else "start"  # start | reasoning | after | content
+        self._opened = mode.opened
+        self._state = "start"  # start | reasoning | after | content
         self._held = ""
 
     def feed(self, text: str) -> list[dict]:
@@ -94,7 +101,7 @@ class ReasoningStream:
                 if head.startswith(OPEN):
                     self._held, self._state = head[len(OPEN) :], "reasoning"
                     continue
-                self._state = "content"  # no think block: the text as it is
+                self._state = "reasoning" if self._opened else "content"  # no tag: as the mode says
             if self._state == "reasoning":
                 end = held.find(CLOSE)
                 if end >= 0:
@@ -121,4 +128,5 @@ class ReasoningStream:
         held, self._held = self._held, ""
         if not held or self._state == "after":
             return []
-        return [{"reasoning_content" if self._state == "reasoning" else "content": held}]
+        reasoning = self._state == "reasoning" or (self._state == "start" and self._opened)
+        return [{"reasoning_content" if reasoning else "content": held}]

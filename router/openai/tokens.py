@@ -2,10 +2,10 @@
 vLLM's form (llama.cpp's field names accepted too).
 
 Contract
-- input: /tokenize `{"model"?, "prompt": str, "add_special_tokens"?: bool}` (llama.cpp:
-  `"content"` for `"prompt"`) or `{"model"?, "messages": [...], "tools"?, "tool_choice"?}` (the
-  chat as /v1/chat/completions renders it, generation prompt included); /detokenize `{"model"?,
-  "tokens": [ids]}`.
+- input: /tokenize `{"model"?, "prompt": str, "add_special_tokens"?: bool (default true)}`
+  (llama.cpp's form: `{"content": str, "add_special"?: bool (default false)}`) or `{"model"?,
+  "messages": [...], "tools"?, "tool_choice"?}` (the chat as /v1/chat/completions renders it,
+  generation prompt included); /detokenize `{"model"?, "tokens": [ids]}`.
 - output: `{"model", "tokens", "count", "max_model_len"}` / `{"model", "prompt", "content"}`
   (the text under both names: vLLM's and llama.cpp's).
 - failure modes: `ApiError(400)` naming the parameter (no prompt or messages, a wrong type,
@@ -32,6 +32,13 @@ def _model(body: dict) -> str:
 
 
 def tokenize_request(body: object) -> pb.TokenizeRequest:
+    try:
+        return _tokenize_request(body)
+    except (ValueError, TypeError) as exc:  # a string protobuf refuses (a lone surrogate)
+        raise ApiError(400, f"request: {exc}") from None
+
+
+def _tokenize_request(body: object) -> pb.TokenizeRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     out = pb.TokenizeRequest(model=_model(body))
@@ -43,15 +50,18 @@ def tokenize_request(body: object) -> pb.TokenizeRequest:
         chat_fields = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
         out.chat.CopyFrom(parse(chat_fields, chat=True, request_id="tokenize").request.chat)
         return out
-    prompt = body.get("prompt", body.get("content"))
+    # vLLM's {"prompt", "add_special_tokens": true by default} or llama.cpp's {"content",
+    # "add_special": false by default}
+    llama = body.get("prompt") is None and "content" in body
+    param, flag = ("content", "add_special") if llama else ("prompt", "add_special_tokens")
+    prompt = body.get(param)
     if not isinstance(prompt, str):
-        raise _bad("prompt", "required: a string (or messages, for a chat)")
+        raise _bad(param, "required: a string (or messages, for a chat)")
     out.prompt = prompt
-    special = body.get("add_special_tokens")
-    if special is not None:
-        if not isinstance(special, bool):
-            raise _bad("add_special_tokens", "must be a boolean")
-        out.add_special_tokens = special
+    special = body.get(flag, not llama)
+    if not isinstance(special, bool):
+        raise _bad(flag, "must be a boolean")
+    out.add_special_tokens = special
     return out
 
 
@@ -61,6 +71,13 @@ def tokenize_answer(reply: pb.TokenizeResponse) -> dict:
 
 
 def detokenize_request(body: object) -> pb.DetokenizeRequest:
+    try:
+        return _detokenize_request(body)
+    except (ValueError, TypeError) as exc:  # a string protobuf refuses (a lone surrogate)
+        raise ApiError(400, f"request: {exc}") from None
+
+
+def _detokenize_request(body: object) -> pb.DetokenizeRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     ids = body.get("tokens")
