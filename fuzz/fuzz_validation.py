@@ -50,7 +50,7 @@ FIELD = re.compile(
 )
 ROLES = ("system", "user", "assistant", "tool", "", "User", "<|im_start|>")
 _MODELS = SimpleNamespace(tokenizer=lambda model: TOKENIZER)  # the one model the harness serves
-_tokenize = GenerationService._tokenize.__get__(SimpleNamespace(_models=_MODELS))
+_tokenize = GenerationService._tokenize.__get__(SimpleNamespace(_models=_MODELS, _limits=LIMITS))
 
 
 def _float(fdp: atheris.FuzzedDataProvider) -> float:

@@ -16,8 +16,14 @@ Contract
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 from protos.llm.v1 import generation_pb2 as pb
 from router.openai.requests import UINT32_MAX, ApiError, parse
+
+T = TypeVar("T")
 
 
 def _bad(param: str, problem: str) -> ApiError:
@@ -31,16 +37,24 @@ def _model(body: dict) -> str:
     return model
 
 
-def tokenize_request(body: object) -> pb.TokenizeRequest:
-    try:
-        return _tokenize_request(body)
-    except (ValueError, TypeError) as exc:  # a string protobuf refuses (a lone surrogate)
-        raise ApiError(400, f"request: {exc}") from None
+def _request(build: Callable[[dict], T]) -> Callable[[object], T]:
+    """A body -> protobuf builder: the body must be a JSON object, and a string protobuf refuses
+    (a lone surrogate) is a 400, not a 500."""
+
+    @functools.wraps(build)
+    def checked(body: object) -> T:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            return build(body)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, f"request: {exc}") from None
+
+    return checked
 
 
-def _tokenize_request(body: object) -> pb.TokenizeRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+@_request
+def tokenize_request(body: dict) -> pb.TokenizeRequest:
     out = pb.TokenizeRequest(model=_model(body))
     if "messages" in body:
         if body.get("add_generation_prompt", True) is not True:
@@ -70,16 +84,8 @@ def tokenize_answer(reply: pb.TokenizeResponse) -> dict:
     return {"model": reply.model, "tokens": ids, "count": len(ids), "max_model_len": reply.max_model_len}
 
 
-def detokenize_request(body: object) -> pb.DetokenizeRequest:
-    try:
-        return _detokenize_request(body)
-    except (ValueError, TypeError) as exc:  # a string protobuf refuses (a lone surrogate)
-        raise ApiError(400, f"request: {exc}") from None
-
-
-def _detokenize_request(body: object) -> pb.DetokenizeRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+@_request
+def detokenize_request(body: dict) -> pb.DetokenizeRequest:
     ids = body.get("tokens")
     ok = isinstance(ids, list) and all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in ids
