@@ -26,8 +26,10 @@ from tests import procs
 MAX_NUM_SEQS = 2
 IDLE_S = 1.0  # the router's
 # Longer than the control call of the backpressure test takes (CONTROL_TOKENS decode steps, about
-# 1 s on a busy 2-vCPU machine), which must end while the stalled call is still parked.
-WORKER_IDLE_S = 5.0
+# 1 s on a busy 2-vCPU machine, ~3.5 s with the connect and prefill), which must end while the
+# stalled call is still parked: 5 s was exceeded once (a fresh-clone CI on a Zen 3 running 1.5x
+# slower than usual, 2026-12-02), so 10.
+WORKER_IDLE_S = 10.0
 CONTROL_TOKENS = 20  # an unthrottled 8-token prompt would pass its first 16-token block within them
 TOKEN = "streams-test-token"
 TENANTS = f"""
