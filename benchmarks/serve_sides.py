@@ -7,7 +7,7 @@ Contract
   from its "listening on" line; `stop()` SIGTERM, then SIGKILL after 30 s -> exit status.
 - `wait_serving(address, proc, deadline)`: grpc.health.v1 Check until SERVING;
   `wait_router_sees_worker(...)`: ListModels until a model has >= 1 worker.
-- `OurStack(model, threads, log_dir, worker_extra=())` / `LlamaSide(binary, model, threads,
+- `OurStack(model, threads, log_dir, worker_extra=(), router_extra=())` / `LlamaSide(binary, model, threads,
   parallel, ctx)`, the
   same duck type: `name`, `commands()` -> the command lines for the report, `start(timeout_s)` ->
   address, `target(address)` -> a loadtest `--target`, `pids()`, `stop()` -> {process: peak RSS
@@ -165,10 +165,18 @@ class OurStack:
     name = "ours"
 
     def __init__(
-        self, model: str | None, threads: int, log_dir: pathlib.Path, worker_extra: tuple[str, ...] = ()
+        self,
+        model: str | None,
+        threads: int,
+        log_dir: pathlib.Path,
+        worker_extra: tuple[str, ...] = (),
+        router_extra: tuple[str, ...] = (),
     ):
         self.model, self.threads, self.log_dir = model, threads, log_dir
         self.worker_extra = tuple(worker_extra)  # further `python -m worker` flags (bench-serve --worker-arg)
+        self.router_extra = tuple(
+            router_extra
+        )  # further `python -m router` flags (bench-tools: its HTTP port)
         self.worker: ServiceProcess | None = None
         self.router: ServiceProcess | None = None
         self.rss: dict[str, RssSampler] = {}
@@ -198,6 +206,7 @@ class OurStack:
             "--metrics-port",
             "0",
             *(["--model", self.model] if self.model else []),
+            *self.router_extra,
         ]
 
     def commands(self) -> list[str]:

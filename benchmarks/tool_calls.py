@@ -15,7 +15,7 @@ Contract
   table in results/ (docs/benchmarks.md, "Tool calling"), the CPU model and git revision with it.
 - failure modes: a side that fails to start is reported with its log tail and the other still
   runs; a request that fails counts as no call (its error kept in the JSON).
-- proven by: tests/test_chat_tools.py (`score` on hand-made answers); the servers only run here.
+- proven by: tests/test_tool_answers.py (`score` on hand-made answers); the servers only run here.
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ class _OurHttpStack:
     def __init__(self, model: pathlib.Path | None, threads: int, log_dir: pathlib.Path):
         from benchmarks.serve_sides import OurStack
 
-        self.stack = OurStack(str(model) if model else None, threads, log_dir)
-        args = self.stack.router_args
-        self.stack.router_args = lambda worker: [*args(worker), "--http-port", "0"]
+        self.stack = OurStack(
+            str(model) if model else None, threads, log_dir, router_extra=("--http-port", "0")
+        )
 
     def start(self) -> str:
         import re

@@ -17,7 +17,7 @@ Contract
   start and the whitespace a split would drop are held back.
 - state: `ReasoningStream` holds at most a tag's length of text (and leading whitespace).
 - failure modes: none (any text splits).
-- proven by: tests/test_chat_tools.py (a table, and every cut of each text through the stream).
+- proven by: tests/test_tool_answers.py (a table, and every cut of each text through the stream).
 """
 
 from __future__ import annotations

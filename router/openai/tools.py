@@ -27,7 +27,8 @@ Contract
   tool_choice other than none without tools, "required" or a named function together with
   `response_format`; the function names and schemas themselves are checked by
   router/chat_validation.py and the schema's compilation (router/validation.py).
-- proven by: tests/test_chat_tools.py (parsing, streaming = whole, request errors),
+- proven by: tests/test_tool_answers.py (parsing, streaming = whole), tests/test_chat_tools.py
+  (request errors),
   tests/test_openai_tools_e2e.py (the openai SDK against a real router and worker).
 """
 
