@@ -113,6 +113,7 @@ def make_engine(num_blocks: int, async_scheduling: bool = True, token_fn=next_to
         max_num_batched_tokens=kw.pop("max_num_batched_tokens", 32),
         async_scheduling=async_scheduling,
         enable_prefix_caching=kw.pop("prefix", True),
+        num_speculative_tokens=0,  # its FakeRunner computes one token per sequence per step
         **kw,
     )
     engine = LLMEngine(config, runner=FakeRunner(num_blocks, token_fn))

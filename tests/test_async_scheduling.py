@@ -179,6 +179,7 @@ def tiny_config(**overrides) -> EngineConfig:
         max_num_batched_tokens=16,
         enforce_eager=True,
         num_threads=1,
+        num_speculative_tokens=0,  # one token per step (drafts: tests/test_speculative.py)
     )
     return dataclasses.replace(base, **overrides)
 

@@ -139,6 +139,7 @@ ENGINE_SAMPLES = {
     "model": "/models/m.gguf",
     "fp8_group_size": "64",  # a power of two >= 16 (or 0)
     "tensor_parallel_size": "3",  # must divide the embedded model's heads (9 / 3 kv), vocab and MLP
+    "prompt_lookup_min": "2",  # at most prompt_lookup_max (5)
 }
 
 

@@ -104,7 +104,11 @@ def test_static_forward_matches_eager(backend):
     4-row bucket, 2 in 2, 1 in 1) and rows keep stale block-table columns from longer sequences.
     """
     config = EngineConfig(
-        kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=64
+        kv_cache_bytes=2**20,
+        attention_backend=backend,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_speculative_tokens=0,  # decode steps of one token per sequence: the graphs' shape
     )
     runner = ModelRunner.from_model(config, tiny_model("cpu"))
     assert runner.cuda_graphs is None  # CPU: never captured
@@ -247,7 +251,11 @@ def test_runner_graph_path_with_mixed_steps_matches_eager(where):
             )
         else:
             config = EngineConfig(
-                kv_cache_bytes=2**20, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16
+                kv_cache_bytes=2**20,
+                attention_backend=backend,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                num_speculative_tokens=0,  # as on CUDA, where drafts are off by default
             )
         runner = ModelRunner.from_model(config, tiny_model(device))
         if graphs_on:

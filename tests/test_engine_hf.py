@@ -53,7 +53,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_logits_match_transformers_chunked_prefill_then_decode(make_engine, tokenizer, hf_model):
     # A 7-token budget forces every prompt through several prefill chunks, ending mid-block.
-    engine = make_engine(max_num_batched_tokens=7)
+    engine = make_engine(max_num_batched_tokens=7, num_speculative_tokens=0)  # one row per step
     captured: dict[str, list[torch.Tensor]] = {}
 
     def observe(request_ids, logits):

@@ -18,8 +18,9 @@ def computed_tokens(engine, request_id, prompt, salt):
         if plan.is_empty:
             break
         computed += sum(s.num_new_tokens for s in plan.scheduled if s.seq.num_computed_tokens < len(prompt))
-        sampled = engine.runner.run(plan)
-        for seq in engine.scheduler.update(plan, sampled):
+        tokens = engine.runner.launch(plan)
+        sampled = tokens.to_host()
+        for seq in engine.scheduler.update(plan, sampled, tokens.accepted):
             if seq.is_finished:
                 engine.runner.release(seq.request_id)
         out.extend(sampled[request_id][:1] if request_id in sampled else [])

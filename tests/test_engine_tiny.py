@@ -27,7 +27,13 @@ PROMPTS = [
 def test_safetensors_model_matches_transformers(tmp_path, kind):
     path, hf = save_tiny(tmp_path, kind)
     engine = LLMEngine(
-        EngineConfig(model=str(path), dtype="float32", kv_cache_bytes=2**20, max_num_batched_tokens=8)
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            kv_cache_bytes=2**20,
+            max_num_batched_tokens=8,
+            num_speculative_tokens=0,  # one logits row per step
+        )
     )
     captured = {}
     engine.runner.logits_observer = lambda ids, logits: captured.setdefault(ids[0], []).append(logits[0])

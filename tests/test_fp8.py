@@ -132,7 +132,13 @@ def test_quantize_model_fp8_in_place():
 
 def run_engine(model: LlamaModel, **overrides) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
     overrides = {"device": DEVICE, **overrides}
-    config = EngineConfig(kv_cache_bytes=2**21, max_num_seqs=4, max_num_batched_tokens=64, **overrides)
+    config = EngineConfig(
+        kv_cache_bytes=2**21,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_speculative_tokens=0,  # one logits row per request per step, comparable across runs
+        **overrides,
+    )
     runner = ModelRunner.from_model(config, model)
     logits: dict[str, list[torch.Tensor]] = {}
     runner.logits_observer = lambda ids, rows: [

@@ -37,6 +37,12 @@ TINY = ModelConfig(
 )
 
 
+def run_plan(engine: LLMEngine, plan) -> list:
+    """The plan's step and the scheduler's update (`LLMEngine.step` without its bookkeeping)."""
+    tokens = engine.runner.launch(plan)
+    return engine.scheduler.update(plan, tokens.to_host(), tokens.accepted)
+
+
 def make_engine(mirror: bool, num_blocks: int = 12, max_num_seqs: int = 4) -> LLMEngine:
     torch.manual_seed(0)
     config = EngineConfig(
@@ -47,6 +53,8 @@ def make_engine(mirror: bool, num_blocks: int = 12, max_num_seqs: int = 4) -> LL
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=24,
         enforce_eager=True,
+        num_speculative_tokens=3,  # drafted shares among the plans (speculative decoding)
+        prompt_lookup_min=1,
     )
     runner = ModelRunner.from_model(config, LlamaModel(TINY).eval())
     if mirror:
@@ -72,7 +80,7 @@ def test_prepare_matches_reference_under_churn(mirror, seed):
     rng = random.Random(seed)
     engine = make_engine(mirror)
     shared = [rng.randrange(TINY.vocab_size) for _ in range(9)]
-    next_id, live, preempted, hits = 0, set(), 0, 0
+    next_id, live, preempted, hits, drafted = 0, set(), 0, 0, 0
     for step in range(120):
         if len(live) < 6 and rng.random() < 0.4:
             rid = f"r{rng.randrange(8)}"  # ids repeat once their request ended
@@ -89,18 +97,18 @@ def test_prepare_matches_reference_under_churn(mirror, seed):
             engine.abort(rid)
         plan = engine.scheduler.schedule()
         preempted += len(plan.preempted)
+        drafted += plan.drafted
         if not plan.is_empty:
             check_same(engine.runner, plan)
             for seq in plan.preempted:  # what run() does for them before building
                 engine.runner.input_batch.drop(seq.request_id)
-            sampled = engine.runner.run(plan)
-            for seq in engine.scheduler.update(plan, sampled):
+            for seq in run_plan(engine, plan):
                 if seq.is_finished:
                     engine.runner.release(seq.request_id)
         engine.scheduler.check_integrity()
         live = {rid for rid in live if rid in engine.scheduler.requests}
     hits = engine.block_manager.num_prefix_hits
-    assert preempted > 0 and hits > 0 and next_id > 8, (preempted, hits, next_id)
+    assert preempted > 0 and hits > 0 and next_id > 8 and drafted > 0, (preempted, hits, next_id, drafted)
 
 
 def test_rows_reclaimed_and_grown_without_drop():
@@ -133,7 +141,7 @@ def test_tables_grow_wider_without_graphs(mirror):
     while engine.has_unfinished_requests():
         plan = engine.scheduler.schedule()
         check_same(runner, plan)
-        for seq in engine.scheduler.update(plan, runner.run(plan)):
+        for seq in run_plan(engine, plan):
             if seq.is_finished:
                 runner.release(seq.request_id)
     assert runner.input_batch.max_blocks >= 6
@@ -152,7 +160,7 @@ def test_graph_rows_match_build_decode_inputs():
         plan = engine.scheduler.schedule()
         if all(s.num_new_tokens == 1 for s in plan.scheduled):
             break
-        engine.scheduler.update(plan, engine.runner.run(plan))
+        run_plan(engine, plan)
     batch = engine.runner.input_batch
     step = batch.build(plan)
     ref = build_decode_inputs(plan, 4, 4)

@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp8",)  # fp8: float8_e4m3fn, triton ba
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # fp8: W8A8, worker/model/fp8.py
 # auto: triton on CUDA; on CPU the compiled "cpu" op when it builds, else "torch".
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "reference", "triton")
+DEFAULT_SPECULATIVE_TOKENS = 4  # CPU's default draft length (docs/speculative.md, measured)
 
 
 def resolve_device(device: str) -> str:
@@ -259,6 +260,31 @@ class EngineConfig:
             "parallelism (worker/engine.py). Off until measured on a GPU"
         ),
     )
+    num_speculative_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            "speculative decoding with n-gram drafts (prompt lookup): each step, a decoding sequence "
+            "whose last tokens occurred before in its prompt or output takes up to N of the tokens that "
+            "followed there as a draft, checked in the same forward pass; the same tokens as without it "
+            "for greedy and seeded requests (worker/speculative.py, docs/speculative.md). 0 = off. "
+            f"Default: {DEFAULT_SPECULATIVE_TOKENS} on CPU, off on GPU (a drafted step runs outside the "
+            "CUDA graphs)"
+        ),
+    )
+    prompt_lookup_min: int = field(
+        default=3, metadata=option("speculative decoding: shortest n-gram of last tokens looked up")
+    )
+    prompt_lookup_max: int = field(
+        default=5,
+        metadata=option("speculative decoding: longest n-gram of last tokens looked up (tried first)"),
+    )
+    speculative_max_batch: int = field(
+        default=4,
+        metadata=option(
+            "speculative decoding: draft only while at most this many sequences run and none waits "
+            "(bigger steps spend on rejected drafts the compute they need)"
+        ),
+    )
     triton_gemv: bool = field(
         default=False,
         metadata=option(
@@ -307,5 +333,14 @@ class EngineConfig:
         for name in ("int4_dequant_min_rows", "int8_dequant_min_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be > 0")

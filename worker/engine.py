@@ -55,11 +55,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
-from worker.config import EngineConfig
+from worker.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from worker.speculative import NgramProposer
 from worker.step_thread import StepThread
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams, StepRecord
 
@@ -89,12 +90,15 @@ class LLMEngine:
             config.max_model_len or mc.max_position, mc.max_position, num_blocks * config.block_size
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_model_len,
             self.runner.eos_token_ids,
+            self._proposer(config),
+            config.speculative_max_batch,
         )
         self.info = ModelInfo(
             name=self.runner.model_name,
@@ -108,7 +112,6 @@ class LLMEngine:
         self.num_steps = 0
         self.step_s_total = 0.0
         self.last_step: StepRecord | None = None  # the latest committed step (worker/metrics.py)
-        self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1
         if self.async_scheduling and self.runner.device.type == "cpu" and not _omp_passive():
             log.warning(
                 "async scheduling on CPU without OMP_WAIT_POLICY=PASSIVE: libgomp's spinning team "
@@ -123,6 +126,20 @@ class LLMEngine:
         # AsyncEngine around this engine, which so stops its loop (and closes this) first.
         self._executor: StepThread | None = StepThread() if self.async_scheduling else None
         self._last_ready = 0.0  # when the last committed step's tokens reached the host
+
+    def _proposer(self, config: EngineConfig) -> NgramProposer | None:
+        """Speculative decoding's drafter, if on: by default on CPU (not on GPU, where a drafted step
+        would run outside the CUDA graphs); never with async scheduling or tensor parallelism, whose
+        steps take one token per sequence."""
+        k = config.num_speculative_tokens
+        if k is None:
+            k = DEFAULT_SPECULATIVE_TOKENS if self.runner.device.type == "cpu" else 0
+        elif k and (self.async_scheduling or config.tensor_parallel_size > 1):
+            log.warning("speculative decoding is off: not with async scheduling or tensor parallelism")
+            return None
+        if self.async_scheduling or config.tensor_parallel_size > 1:
+            return None
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max) if k else None
 
     def add_request(
         self,
@@ -179,7 +196,7 @@ class LLMEngine:
         self._count_step(plan, time.perf_counter() - start)
         self.num_sync_steps += 1
         output = self._output
-        for seq in self.scheduler.update(plan, sampled):
+        for seq in self.scheduler.update(plan, sampled, tokens.accepted):
             if seq.status is SequenceStatus.FINISHED:
                 self.runner.release(seq.request_id)
             outputs.append(output(seq))
@@ -351,6 +368,8 @@ class LLMEngine:
             self.num_overlapped_steps,
             self.num_sync_steps,
             self.runner.grammar_failures(),
+            s.num_draft_tokens,
+            s.num_accepted_tokens,
         )
 
     def generate(

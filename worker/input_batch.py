@@ -45,7 +45,9 @@ class HostStep:
     query_start_loc: np.ndarray  # (S+1,) int64
     rows: np.ndarray  # (S,) int64: block-table buffer row of each sequence
     width: int  # longest block table in the step
-    logits_rows: list[int]  # token index (eager) / sequence index (graph) of the sampling rows
+    # token index (eager) / sequence index (graph) of the sampling rows: one per sampling sequence,
+    # 1 + len(draft) for a drafted one (speculative decoding: all its tokens, in order)
+    logits_rows: list[int]
     sample_seq_idx: list[int]  # sequence index of each sampling row
     max_query_len: int
     updates: tuple[np.ndarray, np.ndarray]  # flat table indices and values changed this step
@@ -180,10 +182,15 @@ class InputBatch:
                     ids.append(0)
                     feed_dst.append(t)
                     feed_src.append(src)
+            elif s.draft:  # speculative decoding: the newest token, then the draft; each samples
+                ids.append(seq.token_ids[start])
+                ids.extend(s.draft)
+                logits_rows.extend(range(t, t + n))
+                sample_idx.extend([i] * n)
             else:
                 ids.extend(seq.token_ids[start : start + n])
             t += n
-            if s.samples:
+            if s.samples and not s.draft:
                 logits_rows.append(t - 1)
                 sample_idx.append(i)
         st = np.array(starts, dtype=np.int64)

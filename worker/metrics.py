@@ -71,6 +71,16 @@ class EngineCollector:
             "Constrained generations whose grammar failed mid-way (llguidance's error state): ended with EOS",
             value=s.num_grammar_failures,
         )
+        yield CounterMetricFamily(
+            "llm_spec_decode_draft_tokens",
+            "Speculative decoding: drafted tokens verified by the model",
+            value=s.num_draft_tokens,
+        )
+        yield CounterMetricFamily(
+            "llm_spec_decode_accepted_tokens",
+            "Speculative decoding: drafted tokens kept (the rest were sampled otherwise)",
+            value=s.num_accepted_tokens,
+        )
         steps = CounterMetricFamily(
             "llm_engine_steps",
             "Engine steps, by whether they were planned during the step before",

@@ -291,13 +291,15 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend((seq.token_ids + list(s.draft))[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             starts.append(starts[-1] + s.num_new_tokens)
             tables.append(table + [0] * (max_blocks - len(table)))
-            if s.samples:
+            if s.draft:
+                logits_rows.extend(range(starts[-2], starts[-1]))
+            elif s.samples:
                 logits_rows.append(starts[-1] - 1)
         dev = self.device
         meta = AttentionMetadata(
@@ -316,7 +318,9 @@ class ModelRunner:
         )
 
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
-        """One step: {request_id: (token, logprob | None)} of the sampling sequences."""
+        """One step: {request_id: (token, logprob | None)} of the sampling sequences (a plan without
+        drafts: a drafted one's kept drafts come with `launch`'s `SampledTokens.accepted`)."""
+        assert not plan.drafted, "a plan with drafts: launch() returns the drafts it kept"
         return self.launch(plan).to_host()
 
     @torch.inference_mode()
@@ -341,6 +345,9 @@ class ModelRunner:
         hidden, sampling, prompt = self._forward(plan, feed, scored_chunks(plan))
         if not sampling:
             out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
+        elif plan.drafted:  # speculative decoding: keep the drafts the sampled rows confirm
+            drafts = {s.seq.request_id: s.draft for s in plan.scheduled if s.draft}
+            out = self.sampler.verify(self._sample(sampling, hidden, drafted=True), drafts)
         else:
             out = self._sample(sampling, hidden)
         out.prompt = prompt
@@ -390,11 +397,11 @@ class ModelRunner:
         seqs = [plan.scheduled[i].seq for i in step.sample_seq_idx]
         return take_rows(hidden, step.logits_rows), seqs, prompt
 
-    def _sample(self, sampling: list, hidden: torch.Tensor) -> SampledTokens:
+    def _sample(self, sampling: list, hidden: torch.Tensor, drafted: bool = False) -> SampledTokens:
         def logits(upcast: bool) -> torch.Tensor:
             return self.model.compute_logits(hidden, upcast=upcast)
 
-        return self.sampler.sample(sampling, logits, self.logits_observer)
+        return self.sampler.sample(sampling, logits, self.logits_observer, drafted)
 
 
 def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

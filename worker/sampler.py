@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from worker.grammar import Grammars
+from worker.speculative import accepted_prefix
 from worker.types import Logprob, SamplingParams
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, prompt + output ids)
@@ -166,10 +167,13 @@ def sample_tokens(
     histories: Sequence[History] | None = None,
     state: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
+    states_after: list | None = None,
 ) -> tuple[torch.Tensor, list[float] | None]:
     """`sample` with the tokens left on the logits' device ([S] int64, no host sync); the logprobs,
     when any row asks for them, come back to the host (one sync). `state`: as `adjust_logits`.
-    `banned`: bool [S, V], tokens set to -inf after the adjustments (grammars' masks)."""
+    `banned`: bool [S, V], tokens set to -inf after the adjustments (grammars' masks).
+    `states_after` ([S] list): each random row's generator state right after its draw
+    (speculative decoding rewinds a request to the last row it keeps)."""
     adjusted = adjust_logits(logits, params, histories, state)
     if banned is not None:  # a new tensor: the logprobs below read the raw logits
         adjusted = adjusted.masked_fill(banned, float("-inf"))
@@ -181,6 +185,8 @@ def sample_tokens(
         noise = torch.empty_like(probs)
         for row, i in enumerate(random_rows):
             noise[row].exponential_(generator=generators[i])
+            if states_after is not None:
+                states_after[i] = generators[i].get_state()
         tokens[idx] = (probs / noise).argmax(dim=-1)
     if not any(p.logprobs for p in params):
         return tokens, None
@@ -214,6 +220,9 @@ class SampledTokens:
         self, request_ids: list[str], tokens: torch.Tensor, logprobs: list[float | None] | None = None
     ):
         self.request_ids, self.tokens, self.logprobs = request_ids, tokens, logprobs
+        # Speculative decoding (`RequestSampler.verify`): {request_id: [(token, logprob | None)]},
+        # the draft tokens each drafted request keeps, before its row's token.
+        self.accepted: dict[str, list[tuple[int, float | None]]] = {}
         # (sequence, first entry, entries) of the prompt logprobs the step computed (on the host)
         self.prompt: list[tuple[object, int, list[float]]] = []
         self._ready = None
@@ -237,11 +246,15 @@ class SampledTokens:
         """The row of `request_id` in `tokens` (KeyError if it did not sample this step)."""
         return self.rows[request_id]
 
-    def to_host(self) -> dict[str, tuple[int, float | None]]:
-        """{request_id: (token, logprob | None)}, after the copy to the host has landed."""
+    def host_list(self) -> list[int]:
+        """The tokens, row by row, after the copy to the host has landed."""
         if self._ready is not None:
             self._ready.synchronize()
-        ids = self._host.tolist()
+        return self._host.tolist()
+
+    def to_host(self) -> dict[str, tuple[int, float | None]]:
+        """{request_id: (token, logprob | None)}, after the copy to the host has landed."""
+        ids = self.host_list()
         return dict(zip(self.request_ids, zip(ids, self.logprobs or [None] * len(ids))))
 
 
@@ -283,6 +296,10 @@ class RequestSampler:
         self.philox: dict[str, list[int]] = {}  # request id -> [seed, tokens sampled so far]
         self.penalties: dict[str, torch.Tensor] = {}  # request id -> [2, vocab] (penalty_state)
         self.grammars: Grammars | None = None  # structured output (set by the model runner)
+        self._keep_states = False
+        # Speculative decoding: request id -> its generator's state after each of its rows this
+        # step (random rows on the torch path), read by `verify`.
+        self._row_states: dict[str, list] = {}
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -306,10 +323,13 @@ class RequestSampler:
             row = self.penalties[seq.request_id] = penalty_state([(prompt, prompt)], vocab, self.device)[0]
         return row
 
-    def sample(self, seqs: list, logits_fn, observer=None) -> SampledTokens:
+    def sample(self, seqs: list, logits_fn, observer=None, drafted: bool = False) -> SampledTokens:
         """Tokens of `seqs` (each with `.request_id`, `.sampling`, `.prompt_token_ids`);
         `logits_fn(upcast)` gives their logits `[S, V]` (float32 if `upcast`, else the model dtype);
-        `observer(request_ids, float32 logits)` (tests) sees every row, all on the torch path."""
+        `observer(request_ids, float32 logits)` (tests) sees every row, all on the torch path.
+        `drafted` (speculative decoding): a request may have several consecutive rows, sampled in
+        order from its one random stream, as consecutive steps would; `verify` follows."""
+        self._keep_states = drafted
         params = [seq.sampling for seq in seqs]
         request_ids = [seq.request_id for seq in seqs]
         if observer is None and all([p.plain_greedy for p in params]):
@@ -341,6 +361,38 @@ class RequestSampler:
         tokens, logprobs = self._torch(seqs, logits)
         return SampledTokens(request_ids, tokens, logprobs)
 
+    def verify(self, out: SampledTokens, drafts: dict[str, tuple[int, ...]]) -> SampledTokens:
+        """Speculative decoding: `out` has 1 + len(draft) consecutive rows for each drafted
+        request (worker/speculative.py). Keep the leading drafts its rows confirm; the row after
+        them gives its token. Each drafted request's random stream is rewound to just after that
+        row (generator state, or Philox counter), where consecutive steps without drafts would
+        have left it. One row per request comes back, with `accepted` set; a host sync."""
+        host, lps = out.host_list(), out.logprobs
+        rids: list[str] = []
+        tokens: list[int] = []
+        logprobs: list[float | None] = []
+        i = 0
+        while i < len(host):
+            rid = out.request_ids[i]
+            draft = drafts.get(rid, ())
+            a = accepted_prefix(host[i : i + len(draft)], draft)
+            if draft:
+                out.accepted[rid] = [(host[i + j], lps[i + j] if lps else None) for j in range(a)]
+                states = self._row_states.get(rid)
+                if states:
+                    self.generators[rid].set_state(states[a])
+                counter = self.philox.get(rid)
+                if counter is not None:
+                    counter[1] -= len(draft) - a
+            rids.append(rid)
+            tokens.append(host[i + a])
+            logprobs.append(lps[i + a] if lps else None)
+            i += len(draft) + 1
+        self._row_states.clear()
+        kept = SampledTokens(rids, torch.tensor(tokens, dtype=torch.int64), logprobs if lps else None)
+        kept.accepted = out.accepted
+        return kept
+
     def _fused(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         floats, ints = [], []
         for seq in seqs:
@@ -363,7 +415,12 @@ class RequestSampler:
         states = [self._penalty_row(seqs[i], logits.shape[-1]) for i in penalized]
         state = torch.stack(states) if states else None
         banned = self.grammars.banned(seqs, logits.shape[-1], self.device) if self.grammars else None
-        tokens, logprobs = sample_tokens(logits, params, gens, state=state, banned=banned)
+        after = [None] * len(seqs) if self._keep_states else None
+        tokens, logprobs = sample_tokens(logits, params, gens, state=state, banned=banned, states_after=after)
+        if after is not None:
+            for seq, state_after in zip(seqs, after):
+                if state_after is not None:
+                    self._row_states.setdefault(seq.request_id, []).append(state_after)
         if states:
             idx = on_device(penalized, self.device, torch.int64)
             record_tokens(states, tokens if len(penalized) == len(seqs) else tokens[idx])

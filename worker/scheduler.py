@@ -47,6 +47,7 @@ from operator import attrgetter
 
 from worker.block_manager import BlockManager
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from worker.speculative import NgramProposer, draftable
 from worker.types import FinishReason
 
 _ORDER = attrgetter("order")
@@ -65,13 +66,16 @@ class ScheduledSeq:
     block_table: list[int]  # the list itself: it only grows by append
     num_blocks: int  # its length when planned
     samples: bool  # computes the last outstanding token, so it samples
+    # Speculative decoding (worker/speculative.py): tokens computed after the newest one, each
+    # sampled after; `num_new_tokens` counts them (1 + len(draft)). Empty for every other share.
+    draft: tuple[int, ...]
 
-    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.seq, self.num_new_tokens = seq, num_new_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int, draft: tuple[int, ...] = ()) -> None:
+        self.seq, self.num_new_tokens, self.draft = seq, num_new_tokens, draft
         self.start = start = seq.num_computed_tokens
         self.block_table = table = seq.block_table
         self.num_blocks = len(table)
-        self.samples = start + num_new_tokens == len(seq.token_ids)
+        self.samples = start + num_new_tokens - len(draft) == len(seq.token_ids)
 
     @property
     def preempted(self) -> bool:
@@ -84,6 +88,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    drafted: int = 0  # scheduled sequences with a draft (speculative decoding)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -102,8 +107,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        proposer: NgramProposer | None = None,
+        draft_max_batch: int = 0,
     ):
         self.bm = block_manager
+        # Speculative decoding: drafts for decoding sequences while at most `draft_max_batch` run
+        # and none waits.
+        self.proposer, self.draft_max_batch = proposer, draft_max_batch
+        self.num_draft_tokens = 0  # cumulative: tokens drafted and verified
+        self.num_accepted_tokens = 0  # cumulative: drafted tokens kept
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -124,6 +136,7 @@ class Scheduler:
         if not seq.sampling.ignore_eos:
             seq.stop_ids = seq.stop_ids | self.eos_token_ids
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+        seq.draftable = self.proposer is not None and draftable(seq.sampling)
         self.requests[seq.request_id] = seq
         self._enqueue(seq)
 
@@ -167,6 +180,13 @@ class Scheduler:
         running = self.running
         running.sort(key=_ORDER)  # Sequence.sort_key, without a call per sequence
         room = self.bm.block_size  # tokens a block holds: most decodes need no new block
+        # Drafts while the step stays small: no sequence waits to join, at most draft_max_batch run.
+        drafting = (
+            self.proposer is not None
+            and not speculative
+            and not self.waiting
+            and 0 < len(running) <= self.draft_max_batch
+        )
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -178,6 +198,15 @@ class Scheduler:
             n = len(seq.token_ids) - computed
             if n > budget:
                 n = budget
+            if (
+                drafting
+                and n == 1
+                and seq.draftable
+                and self._schedule_draft(out, seq, budget - (len(running) - i))
+            ):
+                budget -= out.scheduled[-1].num_new_tokens
+                i += 1
+                continue
             if computed + n <= len(seq.block_table) * room:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -199,6 +228,21 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget, speculative)
         return out
+
+    def _schedule_draft(self, out: SchedulerOutput, seq: Sequence, room: int) -> bool:
+        """Plan a decoding `seq` with a draft of at most `room` tokens (worker/speculative.py);
+        False when there is none, or no free block for it (a draft never preempts)."""
+        limit = min(room, seq.max_num_tokens - len(seq.token_ids) - 1)  # its output fits max_tokens
+        draft = self.proposer.propose(seq.token_ids, limit) if limit > 0 else None
+        if not draft:
+            return False
+        n = 1 + len(draft)
+        if seq.num_computed_tokens + n > len(seq.block_table) * self.bm.block_size:
+            if not self.bm.allocate(seq, n):
+                return False
+        out.scheduled.append(ScheduledSeq(seq, n, tuple(draft)))
+        out.drafted += 1
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, speculative: bool = False) -> int:
         waiting, j = self.waiting, 0
@@ -258,14 +302,24 @@ class Scheduler:
         return bool(done)
 
     # -- results --------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, tuple[int, float | None]],
+        accepted: dict[str, list[tuple[int, float | None]]] | None = None,
+    ) -> list[Sequence]:
         """Advance computed tokens, append sampled ones, finish what is done. Returns the sequences
-        that produced a token or finished this step."""
+        that produced a token or finished this step. `accepted`: the draft tokens (and logprobs)
+        each drafted sequence keeps, before its sampled token."""
         now = time.monotonic()
         touched = []
         bs, commit = self.bm.block_size, self.bm.commit
         for s in out.scheduled:
             seq = s.seq
+            if s.draft:
+                self._take_drafted(seq, len(s.draft), accepted[seq.request_id], sampled[seq.request_id], now)
+                touched.append(seq)
+                continue
             computed = seq.num_computed_tokens + s.num_new_tokens
             seq.num_computed_tokens = computed
             if computed // bs > len(seq.block_hashes):  # a block became full: hash it
@@ -285,6 +339,38 @@ class Scheduler:
             touched.append(seq)
         self.num_generation_tokens += len(touched)
         return touched
+
+    def _take_drafted(
+        self,
+        seq: Sequence,
+        num_drafted: int,
+        accepted: list[tuple[int, float | None]],
+        final: tuple[int, float | None],
+        now: float,
+    ) -> None:
+        """A drafted sequence's step: the kept draft tokens, then the sampled one, up to the first
+        that ends it. The KV of its newest token and the kept drafts is valid; what the rejected
+        drafts wrote lies past the computed tokens and is overwritten by later steps."""
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += len(accepted)
+        token_ids, logprobs = seq.token_ids, seq.logprobs
+        start = len(token_ids)
+        for token, logprob in (*accepted, final):
+            token_ids.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if token in seq.stop_ids or len(token_ids) >= seq.max_num_tokens:
+                break
+        self.num_generation_tokens += len(token_ids) - start - 1  # `update` counts one per sequence
+        seq.num_computed_tokens = len(token_ids) - 1
+        if seq.num_computed_tokens // self.bm.block_size > len(seq.block_hashes):
+            self.bm.commit(seq)
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        reason = self._stop_reason(seq, token_ids[-1])
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
         """Why `token`, the sequence's `num_tokens`-th (default: its last), ends it; None if not."""

@@ -157,6 +157,8 @@ class EngineStats:
     num_overlapped_steps: int = 0  # cumulative: planned while the step before ran (async scheduling)
     num_sync_steps: int = 0  # cumulative: planned with no step in flight
     num_grammar_failures: int = 0  # cumulative: constrained generations whose grammar failed mid-way
+    num_draft_tokens: int = 0  # cumulative: speculative decoding's drafted tokens, verified
+    num_accepted_tokens: int = 0  # cumulative: drafted tokens kept
 
     @property
     def kv_usage(self) -> float:

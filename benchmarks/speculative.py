@@ -1,0 +1,331 @@
+"""Speculative decoding with n-gram drafts, side by side: our stack with and without drafts, and
+llama.cpp's llama-server without and with its n-gram speculation, on the same GGUF and prompts.
+
+Contract
+- input: `--model` (GGUF; the embedded SmolLM2 by default), `--threads`, `--max-tokens` (128),
+  `--rounds` (2: every side runs once per round, the order reversed in the second, so drift on a
+  shared machine falls on both), `--skip-llamacpp`; llama-server built once as for
+  `make bench-serve` (benchmarks/llamacpp.py).
+- protocol: WORKLOADS (copy: repeat a paragraph; edit: rewrite a snippet of code with a change;
+  chat: open questions, where earlier text rarely repeats), 4 prompts each, one request at a time
+  (the single-user case drafts are for), greedy (temperature 0), POST /v1/chat/completions
+  without streaming; a side is started alone, sent one unmeasured request, then every prompt.
+- output: per side and workload: output tokens / wall seconds of the requests (prefill included,
+  the same prompts on every side), the mean seconds per request, and for our drafted side how
+  many answers equal those of our side without drafts (the same greedy tokens are the contract);
+  the drafts made and kept (from the worker's /metrics). A JSON file and a markdown table in
+  results/ (docs/benchmarks.md, "Speculative decoding"), the CPU model and git revision with it.
+- failure modes: a side that fails to start is reported with its log tail and the others still
+  run; a failed request is an error in the JSON and is left out of the rates.
+- proven by: tests/test_speculative.py (equality with drafts off, in the engine); the servers
+  only run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from benchmarks.report import REPO, git_short
+from benchmarks.structured_output import _cpu
+
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the "
+    "capital of Germany. Water boils at 100 degrees Celsius at sea level.",
+    "Our library opens at nine in the morning and closes at six in the evening. Books can be borrowed "
+    "for three weeks, and each card holds up to ten books at a time.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in the "
+    "chloroplasts of plant cells, which contain the green pigment chlorophyll.",
+    "To reset your password, open the settings page, choose Security, and click Reset Password. A link "
+    "will be sent to your email address; it expires after one hour.",
+]
+SNIPPETS = [
+    (
+        "x",
+        "count",
+        "def f(x):\n    x = x + 1\n    for i in range(x):\n        print(i, x)\n    return x * 2\n",
+    ),
+    (
+        "items",
+        "values",
+        "def total(items):\n    s = 0\n    for item in items:\n        s += item\n"
+        "    return s / len(items)\n",
+    ),
+    (
+        "name",
+        "user",
+        "def greet(name):\n    if not name:\n        name = 'world'\n"
+        "    print('Hello, ' + name)\n    return name\n",
+    ),
+    ("a", "left", "def add(a, b):\n    c = a + b\n    print(a, b, c)\n    return c\n\nprint(add(1, 2))\n"),
+]
+QUESTIONS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me three tips for staying focused while studying.",
+    "What are the main differences between cats and dogs as pets?",
+]
+WORKLOADS = {
+    "copy": [f"Repeat the following text exactly, word for word:\n\n{p}" for p in PARAGRAPHS],
+    "edit": [
+        f"Rename the variable {old} to {new} in this code and print the whole code:\n\n{code}"
+        for old, new, code in SNIPPETS
+    ],
+    "chat": QUESTIONS,
+}
+
+
+def _post(url: str, body: dict, timeout_s: float = 600.0) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        return json.loads(reply.read())
+
+
+def ask(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "model": "",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    start = time.perf_counter()
+    try:
+        reply = _post(url, body)
+        row = {
+            "text": reply["choices"][0]["message"]["content"],
+            "tokens": reply["usage"]["completion_tokens"],
+        }
+    except (OSError, ValueError, KeyError, urllib.error.HTTPError) as exc:
+        row = {"error": str(exc)[:300]}
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+class _Ours:
+    def __init__(
+        self, name: str, model: pathlib.Path | None, threads: int, log_dir: pathlib.Path, k: int | None
+    ):
+        from benchmarks.serve_sides import OurStack
+
+        self.name = name
+        extra = () if k is None else ("--num-speculative-tokens", str(k))
+        self.stack = OurStack(
+            str(model) if model else None,
+            threads,
+            log_dir,
+            worker_extra=("--metrics-port", "0", *extra),
+            router_extra=("--http-port", "0"),
+        )
+        self.commands = self.stack.commands()
+
+    def start(self) -> str:
+        self.stack.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the router prints the address once uvicorn listens
+            match = re.search(r"OpenAI-compatible HTTP API at (\S+)", self.stack.router.log_text())
+            if match:
+                return match.group(1).rstrip("/").removesuffix("/v1")
+            time.sleep(0.1)  # a log file of another process: no event to wait on
+        raise RuntimeError("the router announced no HTTP address:\n" + self.stack.log_tail())
+
+    def drafts(self) -> dict:
+        match = re.search(r"metrics at (http://[^\s,]+)", self.stack.worker.log_text())
+        if not match:
+            return {}
+        with urllib.request.urlopen(match.group(1), timeout=10) as reply:
+            text = reply.read().decode()
+        return {
+            "drafted": _metric(text, "llm_spec_decode_draft_tokens"),
+            "kept": _metric(text, "llm_spec_decode_accepted_tokens"),
+        }
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+    def log_tail(self) -> str:
+        return self.stack.log_tail()
+
+
+class _Llama:
+    def __init__(self, name: str, model: pathlib.Path, threads: int, extra: tuple[str, ...]):
+        from benchmarks.llamacpp import LlamaServer, ensure_built
+
+        self.name = name
+        self.server = LlamaServer(
+            ensure_built().server, model, threads, parallel=1, ctx_size=4096, extra=extra
+        )
+        self.commands = [" ".join(self.server.command(port=0)).replace("--port 0", "--port <free port>")]
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def drafts(self) -> dict:
+        return {}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def log_tail(self) -> str:
+        return self.server.log_tail()
+
+
+def run_side(side, max_tokens: int) -> dict:
+    url = side.start()
+    try:
+        ask(url, QUESTIONS[0], 8)  # unmeasured: first-request costs
+        before = side.drafts()
+        rows = {name: [ask(url, p, max_tokens) for p in prompts] for name, prompts in WORKLOADS.items()}
+        after = side.drafts()
+    finally:
+        side.stop()
+    return {"rows": rows, "drafts": {k: after[k] - before.get(k, 0.0) for k in after}}
+
+
+def summarize(results: dict, reference: str) -> dict:
+    """{side: {workload: tok/s, s/request, same answers as `reference`}} over every round."""
+    out: dict = {}
+    for side, rounds in results.items():
+        for workload in WORKLOADS:
+            rows = [row for r in rounds for row in r["rows"][workload] if "error" not in row]
+            tokens = sum(r["tokens"] for r in rows)
+            seconds = sum(r["seconds"] for r in rows)
+            entry = {
+                "requests": len(rows),
+                "tok_s": tokens / seconds if seconds else 0.0,
+                "s_per_request": seconds / len(rows) if rows else 0.0,
+            }
+            if reference in results and side != reference and side.startswith("ours"):
+                ref = [row["text"] for r in results[reference] for row in r["rows"][workload]]
+                got = [row.get("text") for r in rounds for row in r["rows"][workload]]
+                entry["same_as_reference"] = sum(a == b for a, b in zip(ref, got))
+            out.setdefault(side, {})[workload] = entry
+    return out
+
+
+def markdown(res: dict) -> str:
+    sides = res["summary"]
+    lines = [
+        f"{res['date']}, {res['cpu']}, git {res['git']}, model {res['model']}, {res['rounds']} rounds, "
+        f"max_tokens {res['max_tokens']}: `{res['command']}`",
+        "",
+        "| side | " + " | ".join(f"{w} tok/s" for w in WORKLOADS) + " | drafts kept / made |",
+        "|---|" + "---:|" * (len(WORKLOADS) + 1),
+    ]
+    base = sides.get("ours, no drafts", {})
+    for side, workloads in sides.items():
+        cells = []
+        for w in WORKLOADS:
+            cell = f"{workloads[w]['tok_s']:.1f}"
+            if base and side != "ours, no drafts" and base[w]["tok_s"]:
+                cell += f" ({workloads[w]['tok_s'] / base[w]['tok_s']:.2f}x)"
+            if "same_as_reference" in workloads[w]:
+                cell += f", same text {workloads[w]['same_as_reference']}/{workloads[w]['requests']}"
+            cells.append(cell)
+        drafts = res["drafts"].get(side)
+        kept = f"{drafts['kept']:.0f} / {drafts['drafted']:.0f}" if drafts and drafts.get("drafted") else "-"
+        lines.append(f"| {side} | " + " | ".join(cells) + f" | {kept} |")
+    lines += ["", "Ratios in brackets: the side over `ours, no drafts` on the same workload."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--out-dir", default=str(REPO / "results"))
+    args = p.parse_args(argv)
+    from common.model_files import default_model_path
+
+    model = pathlib.Path(args.model) if args.model else default_model_path()
+    ours_model = model if args.model else None
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    makers = {
+        "ours, no drafts": lambda: _Ours("ours, no drafts", ours_model, args.threads, log_dir, 0),
+        "ours, drafts (default)": lambda: _Ours(
+            "ours, drafts (default)", ours_model, args.threads, log_dir, None
+        ),
+    }
+    if not args.skip_llamacpp:
+        makers["llama.cpp"] = lambda: _Llama("llama.cpp", model, args.threads, ())
+        makers["llama.cpp, ngram-simple"] = lambda: _Llama(
+            "llama.cpp, ngram-simple", model, args.threads, ("--spec-type", "ngram-simple")
+        )
+        # its lookup and draft lengths set to ours (3 and 4), for a like-for-like draft
+        makers["llama.cpp, ngram-simple n3 m4"] = lambda: _Llama(
+            "llama.cpp, ngram-simple n3 m4",
+            model,
+            args.threads,
+            (
+                "--spec-type",
+                "ngram-simple",
+                "--spec-ngram-simple-size-n",
+                "3",
+                "--spec-ngram-simple-size-m",
+                "4",
+            ),
+        )
+    res = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": _cpu(),
+        "git": git_short(),
+        "model": model.name,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "command": "python -m benchmarks.speculative " + " ".join(argv or []),
+        "commands": {},
+        "errors": {},
+        "raw": {},
+        "drafts": {},
+    }
+    order = list(makers)
+    for rnd in range(args.rounds):
+        for name in order if rnd % 2 == 0 else order[::-1]:
+            side = None
+            try:
+                side = makers[name]()
+                res["commands"][name] = side.commands
+                result = run_side(side, args.max_tokens)
+            except Exception as exc:  # noqa: BLE001 - one side failing must not cost the others
+                tail = side.log_tail() if side is not None else ""
+                res["errors"].setdefault(name, []).append(f"{type(exc).__name__}: {exc}\n{tail}"[:3000])
+                print(f"{name} failed: {exc}", flush=True)
+                continue
+            res["raw"].setdefault(name, []).append(result)
+            drafts = res["drafts"].setdefault(name, {})
+            for key, value in result["drafts"].items():
+                drafts[key] = drafts.get(key, 0.0) + value
+            print(
+                name,
+                "round",
+                rnd,
+                {w: sum(r.get("tokens", 0) for r in rows) for w, rows in result["rows"].items()},
+                flush=True,
+            )
+    res["summary"] = summarize(res["raw"], "ours, no drafts")
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.json").write_text(json.dumps(res, indent=2))
+    table = markdown(res)
+    (out / "speculative.md").write_text(table)
+    print("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
