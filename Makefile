@@ -131,6 +131,12 @@ bench-structured: install protos
 bench-tools: install protos
 	$(PY) -m benchmarks.tool_calls $(ARGS)
 
+# Speculative decoding (n-gram drafts) on and off, beside llama-server without and with its n-gram
+# speculation, on the same GGUF: copy, edit and chat prompts, one at a time, greedy; ~4 min.
+.PHONY: bench-spec
+bench-spec: install protos
+	$(PY) -m benchmarks.speculative $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

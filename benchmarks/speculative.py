@@ -9,12 +9,13 @@ Contract
 - protocol: WORKLOADS (copy: repeat a paragraph; edit: rewrite a snippet of code with a change;
   chat: open questions, where earlier text rarely repeats), 4 prompts each, one request at a time
   (the single-user case drafts are for), greedy (temperature 0), POST /v1/chat/completions
-  without streaming; a side is started alone, sent one unmeasured request, then every prompt.
-- output: per side and workload: output tokens / wall seconds of the requests (prefill included,
-  the same prompts on every side), the mean seconds per request, and for our drafted side how
-  many answers equal those of our side without drafts (the same greedy tokens are the contract);
-  the drafts made and kept (from the worker's /metrics). A JSON file and a markdown table in
-  results/ (docs/benchmarks.md, "Speculative decoding"), the CPU model and git revision with it.
+  streamed with usage; a side is started alone, sent one unmeasured request, then every prompt.
+- output: per side and workload: decode speed (output tokens after the first / seconds from the
+  first streamed content to the end), the median time to first content, and for our drafted side
+  how many answers equal those of our side without drafts (the same greedy tokens are the
+  contract); the drafts made and kept (our worker's /metrics; llama-server's `timings`). A JSON
+  file and a markdown table in results/ (docs/benchmarks.md, "Speculative decoding"), the CPU
+  model and git revision with it.
 - failure modes: a side that fails to start is reported with its log tail and the others still
   run; a failed request is an error in the JSON and is left out of the rates.
 - proven by: tests/test_speculative.py (equality with drafts off, in the engine); the servers
@@ -27,6 +28,7 @@ import argparse
 import json
 import pathlib
 import re
+import statistics
 import tempfile
 import time
 import urllib.error
@@ -81,28 +83,40 @@ WORKLOADS = {
 }
 
 
-def _post(url: str, body: dict, timeout_s: float = 600.0) -> dict:
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        return json.loads(reply.read())
-
-
-def ask(url: str, prompt: str, max_tokens: int) -> dict:
+def ask(url: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> dict:
+    """One streamed chat completion: its text, output tokens (usage), seconds to the first content
+    and to the end; llama-server's draft counts where its last chunk's `timings` has them."""
     body = {
         "model": "",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
+    row: dict = {"text": "", "first_s": None}
     try:
-        reply = _post(url, body)
-        row = {
-            "text": reply["choices"][0]["message"]["content"],
-            "tokens": reply["usage"]["completion_tokens"],
-        }
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                content = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+                if content:
+                    row["first_s"] = row["first_s"] or time.perf_counter() - start
+                    row["text"] += content
+                if chunk.get("usage"):
+                    row["tokens"] = chunk["usage"]["completion_tokens"]
+                timings = chunk.get("timings") or {}
+                if "draft_n" in timings:
+                    row["drafts"] = {"drafted": timings["draft_n"], "kept": timings["draft_n_accepted"]}
+        if "tokens" not in row or row["first_s"] is None:
+            raise ValueError("the stream carried no usage or no content")
     except (OSError, ValueError, KeyError, urllib.error.HTTPError) as exc:
         row = {"error": str(exc)[:300]}
     row["seconds"] = time.perf_counter() - start
@@ -191,7 +205,11 @@ def run_side(side, max_tokens: int) -> dict:
         after = side.drafts()
     finally:
         side.stop()
-    return {"rows": rows, "drafts": {k: after[k] - before.get(k, 0.0) for k in after}}
+    drafts = {k: after[k] - before.get(k, 0.0) for k in after}
+    for row in (r for workload in rows.values() for r in workload if "drafts" in r):  # llama-server's
+        for key, value in row["drafts"].items():
+            drafts[key] = drafts.get(key, 0.0) + value
+    return {"rows": rows, "drafts": drafts}
 
 
 def summarize(results: dict, reference: str) -> dict:
@@ -200,12 +218,14 @@ def summarize(results: dict, reference: str) -> dict:
     for side, rounds in results.items():
         for workload in WORKLOADS:
             rows = [row for r in rounds for row in r["rows"][workload] if "error" not in row]
-            tokens = sum(r["tokens"] for r in rows)
-            seconds = sum(r["seconds"] for r in rows)
+            decode_tokens = sum(r["tokens"] - 1 for r in rows)
+            decode_s = sum(r["seconds"] - r["first_s"] for r in rows)
             entry = {
                 "requests": len(rows),
-                "tok_s": tokens / seconds if seconds else 0.0,
-                "s_per_request": seconds / len(rows) if rows else 0.0,
+                "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+                "tok_s": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9),
+                "ttft_s": statistics.median(r["first_s"] for r in rows) if rows else 0.0,
+                "mean_tokens": sum(r["tokens"] for r in rows) / max(len(rows), 1),
             }
             if reference in results and side != reference and side.startswith("ours"):
                 ref = [row["text"] for r in results[reference] for row in r["rows"][workload]]
@@ -221,23 +241,34 @@ def markdown(res: dict) -> str:
         f"{res['date']}, {res['cpu']}, git {res['git']}, model {res['model']}, {res['rounds']} rounds, "
         f"max_tokens {res['max_tokens']}: `{res['command']}`",
         "",
-        "| side | " + " | ".join(f"{w} tok/s" for w in WORKLOADS) + " | drafts kept / made |",
-        "|---|" + "---:|" * (len(WORKLOADS) + 1),
+        "| side | "
+        + " | ".join(f"{w}: decode tok/s" for w in WORKLOADS)
+        + " | TTFT p50 ms (copy / edit / chat) | drafts kept / made |",
+        "|---|" + "---:|" * (len(WORKLOADS) + 2),
     ]
     base = sides.get("ours, no drafts", {})
     for side, workloads in sides.items():
         cells = []
         for w in WORKLOADS:
-            cell = f"{workloads[w]['tok_s']:.1f}"
-            if base and side != "ours, no drafts" and base[w]["tok_s"]:
-                cell += f" ({workloads[w]['tok_s'] / base[w]['tok_s']:.2f}x)"
+            cell = f"{workloads[w]['decode_tok_s']:.1f}"
+            if base and side != "ours, no drafts" and base[w]["decode_tok_s"]:
+                cell += f" ({workloads[w]['decode_tok_s'] / base[w]['decode_tok_s']:.2f}x)"
             if "same_as_reference" in workloads[w]:
                 cell += f", same text {workloads[w]['same_as_reference']}/{workloads[w]['requests']}"
             cells.append(cell)
+        ttft = " / ".join(f"{workloads[w]['ttft_s'] * 1000:.0f}" for w in WORKLOADS)
         drafts = res["drafts"].get(side)
         kept = f"{drafts['kept']:.0f} / {drafts['drafted']:.0f}" if drafts and drafts.get("drafted") else "-"
-        lines.append(f"| {side} | " + " | ".join(cells) + f" | {kept} |")
-    lines += ["", "Ratios in brackets: the side over `ours, no drafts` on the same workload."]
+        lines.append(f"| {side} | " + " | ".join(cells) + f" | {ttft} | {kept} |")
+    mean = {w: next(iter(sides.values()))[w]["mean_tokens"] for w in WORKLOADS} if sides else {}
+    lines += [
+        "",
+        "Decode tok/s: output tokens after the first / seconds from the first content to the end of "
+        "the stream, over all requests of the workload; ratios in brackets: the side over "
+        "`ours, no drafts`. Mean output tokens per request (first side): "
+        + ", ".join(f"{w} {n:.0f}" for w, n in mean.items())
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 

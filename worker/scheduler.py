@@ -137,6 +137,7 @@ class Scheduler:
             seq.stop_ids = seq.stop_ids | self.eos_token_ids
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         seq.draftable = self.proposer is not None and draftable(seq.sampling)
+        seq.draft_len = self.proposer.num_tokens if self.proposer is not None else 0
         self.requests[seq.request_id] = seq
         self._enqueue(seq)
 
@@ -232,7 +233,7 @@ class Scheduler:
     def _schedule_draft(self, out: SchedulerOutput, seq: Sequence, room: int) -> bool:
         """Plan a decoding `seq` with a draft of at most `room` tokens (worker/speculative.py);
         False when there is none, or no free block for it (a draft never preempts)."""
-        limit = min(room, seq.max_num_tokens - len(seq.token_ids) - 1)  # its output fits max_tokens
+        limit = min(room, seq.draft_len, seq.max_num_tokens - len(seq.token_ids) - 1)  # fits max_tokens
         draft = self.proposer.propose(seq.token_ids, limit) if limit > 0 else None
         if not draft:
             return False
@@ -353,6 +354,12 @@ class Scheduler:
         drafts wrote lies past the computed tokens and is overwritten by later steps."""
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += len(accepted)
+        # The next draft's length: twice as long after a draft kept whole (up to the proposer's),
+        # half after one rejected whole (down to 1): rejected rows cost compute and give nothing.
+        if len(accepted) == num_drafted:
+            seq.draft_len = min(2 * seq.draft_len, self.proposer.num_tokens)
+        elif not accepted:
+            seq.draft_len = max(seq.draft_len // 2, 1)
         token_ids, logprobs = seq.token_ids, seq.logprobs
         start = len(token_ids)
         for token, logprob in (*accepted, final):

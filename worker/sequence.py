@@ -49,6 +49,7 @@ class Sequence:
     num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
     matcher: object | None = None  # structured output: its llguidance matcher (worker/grammar.py)
     draftable: bool = False  # speculative decoding may draft for it (set by `Scheduler.add`)
+    draft_len: int = 0  # its next draft's length at most (adapted to what its drafts kept)
     # sampling.prompt_logprobs set: entry i = log P(prompt[i + 1] | prompt[..i]), filled as the
     # steps computing the prompt commit (LLMEngine); a recomputation after preemption adds nothing
     prompt_logprobs: list[float] = field(default_factory=list)
