@@ -168,7 +168,11 @@ def report_markdown(run: dict, points: list[Point]) -> str:
         "default but threads and ports. `make serve` (deploy/local.py) runs the same worker code with "
         "the same engine defaults as a Ray actor (one worker per two cores, each with its share of the "
         "cores as threads) and the router inside the Ray driver; plain processes are used here so the "
-        "worker's memory, log and threads are its own and no Ray daemons share the two cores.",
+        "worker's memory, log and threads are its own and no Ray daemons share the two cores. "
+        "The defaults include speculative decoding with n-gram drafts (CPU, at most 4 running "
+        "sequences): the output this load forces past EOS (ignore_eos) often repeats itself, which "
+        "drafts predict, so concurrency 1 gains more here than on natural prompts; the same load "
+        "with drafts off, and natural prompts, are in docs/speculative.md.",
         f"Raw numbers: `{run['json']}` (not committed).",
         "",
     ]

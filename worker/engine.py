@@ -6,7 +6,8 @@ Contract:
 - `abort(request_id)` ends it at once (its blocks are freed at once, also while a step in flight
   holds it); its final output comes from the next `step()` with finish_reason ABORT.
 - `step() -> list[RequestOutput]`: one scheduler plan, one forward pass, one sampled token per
-  sampling sequence; an output for every sequence that produced tokens or finished.
+  sampling sequence (with speculative decoding, worker/speculative.py, a drafted sequence's kept
+  draft tokens before it); an output for every sequence that produced tokens or finished.
 - State: everything lives here and is touched by one thread only (AsyncEngine's loop thread);
   with async scheduling the model runner belongs to one executor thread instead.
 - Async scheduling (`EngineConfig.async_scheduling`): `step()` launches step N+1 on the executor
@@ -38,7 +39,8 @@ Contract:
   (`fallbacks["preemption"]`), and the step after an empty next plan for any other reason (every
   running sequence's pending token is its last, and they still fill `max_num_seqs`). Stop strings
   are matched by the router, which aborts: an abort here.
-  Not with tensor parallelism (the flag is ignored there).
+  Not with tensor parallelism (the flag is ignored there), nor with speculative decoding (drafts
+  are off when the flag is on).
 - Proven by tests/test_engine_*.py, tests/test_async_scheduling.py (async == sync on random
   workloads, preempting ones included), tests/test_async_preemption.py (preemption in flight,
   case by case) and tests/test_async_ends_in_flight.py (blocks of sequences ending in flight reused

@@ -17,6 +17,9 @@ Contract:
 - Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
+- Speculative decoding (worker/speculative.py): a drafted sequence's newest token and draft are
+  computed as one chunk, every row of it samples, and `RequestSampler.verify` keeps the drafts
+  the rows confirm (`SampledTokens.accepted`, a host sync); such a step runs eager on CUDA.
 - State: the model weights, the paged KV cache (`kv_caches[layer] = (K, V)`, each
   `[num_blocks, block_size, num_kv_heads, head_dim]`), the per-request sampling state
   (`RequestSampler`, worker/sampler.py: generators, Philox seeds and counters, penalty statistics).

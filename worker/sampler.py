@@ -17,6 +17,9 @@ Order of the steps, as vLLM applies them:
 3. Draw by the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. Each row
    has its own `torch.Generator` (the request's seed, or one from the engine's seeded generator),
    so the same seed gives the same tokens whatever else is in the batch.
+Speculative decoding (`RequestSampler.verify`): a drafted request has several consecutive rows,
+drawn in order from its one stream as consecutive steps would draw them; after the drafts are
+checked its stream is rewound to just after the last row kept.
 Logprobs are log-softmax of the raw logits (before bias, penalties, temperature and truncation), as
 vLLM reports them; with `top_logprobs` N each is a `worker.types.Logprob` carrying the N most
 likely tokens.

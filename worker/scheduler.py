@@ -8,6 +8,12 @@ Contract:
   is shared by decodes (1 token) and prompt chunks (chunked prefill), so prefill and decode mix
   freely; at most `max_num_seqs` run at once.
 - State: `waiting` (sorted by priority, then arrival) and `running` queues; the block manager.
+- Speculative decoding (worker/speculative.py): while at most `draft_max_batch` sequences run and
+  none waits, a decoding sequence with a draft is planned for `1 + len(draft)` tokens (its
+  `ScheduledSeq.draft`; blocks for all, never by preempting: no free block, no draft); `update`
+  takes the drafts the model kept (`accepted`), then the sampled token, up to the first that ends
+  the sequence, and sets its computed tokens to those whose KV holds known tokens (what rejected
+  drafts wrote lies beyond and is overwritten). Its next draft length adapts (`draft_len`).
 - Fails how: when KV blocks run out, the lowest-priority, newest running sequence is preempted by
   recompute (blocks freed, it returns to the front of its priority class in `waiting`). A waiting
   sequence of higher priority may preempt a lower-priority running one.
