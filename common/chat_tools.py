@@ -14,7 +14,10 @@ Contract
   the format the OpenAI front parses), or into the first message for a template that refuses a
   system role (Gemma). A template that does not read `tool_calls` gets each assistant call as
   `<tool_call>` text in the content and the tool results in `<tool_response>` tags in the user
-  turn next to them (what Qwen2.5's template writes).
+  turn next to them (what Qwen2.5's template writes). A template that accepts call ids of one
+  length only (Mistral v0.3's: 9 alphanumerics) gets every call id, on the calls and on the
+  results, mapped to one of that length (`template_call_id`: kept if it fits, else a hash prefix;
+  ids the API hands out are `call_<24 hex>`).
 - state: none (pure).
 - failure modes: none of its own; the template may still refuse the messages (TemplateError).
 - proven by: tests/test_chat_tools.py (against transformers' rendering of a tool-aware template).
@@ -22,7 +25,9 @@ Contract
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 import jinja2
@@ -38,16 +43,47 @@ TOOL_SYSTEM_PROMPT = (
 )
 
 
+# A template that refuses call ids of any other length (Mistral v0.3's: `tool_call.id|length != 9`).
+_ID_LENGTH_CHECK = re.compile(r"(?:\.id|tool_call_id)\s*\|\s*length\s*!=\s*(\d+)")
+
+
 @dataclass(frozen=True)
 class TemplateFeatures:
     tools: bool  # the template reads a `tools` variable
     tool_calls: bool  # the template writes assistant tool calls (and so, tool results) itself
+    call_id_length: int | None = None  # the only call id length the template accepts, if it checks
 
     @classmethod
     def of(cls, source: str) -> TemplateFeatures:
         env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])  # parsed only, never rendered
         variables = jinja2.meta.find_undeclared_variables(env.parse(source))
-        return cls(tools="tools" in variables, tool_calls="tool_calls" in source)
+        length = _ID_LENGTH_CHECK.search(source)
+        return cls(
+            tools="tools" in variables,
+            tool_calls="tool_calls" in source,
+            call_id_length=int(length.group(1)) if length and 0 < int(length.group(1)) <= 64 else None,
+        )
+
+
+def template_call_id(call_id: str, length: int) -> str:
+    """`call_id` as a template that takes only alphanumeric ids of `length` characters sees it:
+    itself when it is one, else the first characters of its SHA-256 (hex): stable, so a call and
+    the result that names it still match."""
+    if len(call_id) == length and call_id.isalnum() and call_id.isascii():
+        return call_id
+    return hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+
+
+def _with_call_ids(messages: list[dict], length: int) -> list[dict]:
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{**c, "id": template_call_id(c.get("id") or "", length)} for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        elif m["role"] == "tool" and "tool_call_id" in m:
+            m = {**m, "tool_call_id": template_call_id(m["tool_call_id"] or "", length)}
+        out.append(m)
+    return out
 
 
 def call_text(call: dict) -> str:
@@ -91,6 +127,8 @@ def template_inputs(
     `system_role` (a template that refuses one), the tool prompt opens the first message instead."""
     if not features.tool_calls:
         messages = _written_out(messages)
+    elif features.call_id_length:
+        messages = _with_call_ids(messages, features.call_id_length)
     if not tools or features.tools:
         return messages, tools or None
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)

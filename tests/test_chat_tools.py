@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from common.chat_tools import TOOL_SYSTEM_PROMPT, TemplateFeatures
+from common.chat_tools import TOOL_SYSTEM_PROMPT, TemplateFeatures, template_call_id
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import validate_chat
@@ -123,6 +123,57 @@ def test_a_template_without_tools_gets_them_in_the_system_message(tmp_path):
     plain = _validated({"messages": [{"role": "user", "content": "hi"}]})
     assert plain["tools"] == () and _ours(CHATML_TEMPLATE, tmp_path, plain) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# Checks call ids as Mistral v0.3's template does (9 alphanumerics, else raise_exception) and
+# writes them next to each call and result.
+NINE_CHAR_IDS_TEMPLATE = (
+    "{%- if tools %}[TOOLS {{ tools|length }}]{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.tool_calls is defined and message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "[CALL {{ tool_call.function.name }} {{ tool_call.id }}]"
+    "{%- endfor %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if message.tool_call_id|length != 9 %}{{- raise_exception('bad id') }}{%- endif %}"
+    "[RESULT {{ message.tool_call_id }} {{ message.content }}]"
+    "{%- else %}[{{ message.role }} {{ message.content }}]{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def test_call_ids_mapped_for_a_template_that_takes_nine_characters(tmp_path):
+    """Our `call_<24 hex>` ids and a client's short ones, sent back in a later turn, are given to
+    a 9-character template as 9 alphanumerics, the same on a call and on its result."""
+    ours = "call_" + "ab12" * 6
+    conversation = [
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": ours, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+                {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": ours, "content": "18 C"},
+        {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": "noon"},
+    ]
+    features = TemplateFeatures.of(NINE_CHAR_IDS_TEMPLATE)
+    assert features.call_id_length == 9 and TemplateFeatures.of(QWEN25_TEMPLATE).call_id_length is None
+    text = _ours(
+        NINE_CHAR_IDS_TEMPLATE, tmp_path, _validated({"messages": conversation, "tools": [WEATHER, TIME]})
+    )
+    mapped = template_call_id(ours, 9)
+    assert len(mapped) == 9 and mapped.isalnum() and mapped == template_call_id(ours, 9)
+    assert template_call_id("Ab3dE6gH9", 9) == "Ab3dE6gH9"  # one that fits is kept
+    assert text == (
+        "[TOOLS 2][user Weather in Paris and Oslo?]"
+        f"[CALL get_weather {mapped}][CALL get_time Ab3dE6gH9]"
+        f"[RESULT {mapped} 18 C][RESULT Ab3dE6gH9 noon]"
     )
 
 
