@@ -333,6 +333,7 @@ class RequestSampler:
         `drafted` (speculative decoding): a request may have several consecutive rows, sampled in
         order from its one random stream, as consecutive steps would; `verify` follows."""
         self._keep_states = drafted
+        self._row_states.clear()  # a step that failed before `verify` left its own
         params = [seq.sampling for seq in seqs]
         request_ids = [seq.request_id for seq in seqs]
         if observer is None and all([p.plain_greedy for p in params]):

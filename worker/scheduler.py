@@ -10,7 +10,8 @@ Contract:
 - State: `waiting` (sorted by priority, then arrival) and `running` queues; the block manager.
 - Speculative decoding (worker/speculative.py): while at most `draft_max_batch` sequences run and
   none waits, a decoding sequence with a draft is planned for `1 + len(draft)` tokens (its
-  `ScheduledSeq.draft`; blocks for all, never by preempting: no free block, no draft); `update`
+  `ScheduledSeq.draft`; new blocks only where the free ones left cover the running sequences
+  after it, else the draft is cut to the blocks it holds: a draft never preempts); `update`
   takes the drafts the model kept (`accepted`), then the sampled token, up to the first that ends
   the sequence, and sets its computed tokens to those whose KV holds known tokens (what rejected
   drafts wrote lies beyond and is overwritten). Its next draft length adapts (`draft_len`).
@@ -238,14 +239,25 @@ class Scheduler:
 
     def _schedule_draft(self, out: SchedulerOutput, seq: Sequence, room: int) -> bool:
         """Plan a decoding `seq` with a draft of at most `room` tokens (worker/speculative.py);
-        False when there is none, or no free block for it (a draft never preempts)."""
+        False when there is none. A draft never preempts: it takes new blocks only if the free ones
+        left still cover the outstanding tokens of the running sequences after it, else it is cut
+        to what the sequence's blocks hold."""
+        bm = self.bm
         limit = min(room, seq.draft_len, seq.max_num_tokens - len(seq.token_ids) - 1)  # fits max_tokens
         draft = self.proposer.propose(seq.token_ids, limit) if limit > 0 else None
         if not draft:
             return False
         n = 1 + len(draft)
-        if seq.num_computed_tokens + n > len(seq.block_table) * self.bm.block_size:
-            if not self.bm.allocate(seq, n):
+        held = len(seq.block_table) * bm.block_size - seq.num_computed_tokens  # tokens its blocks hold
+        if n > held:
+            extra = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+            later = self.running[self.running.index(seq) + 1 :]
+            reserve = sum(max(0, bm.blocks_needed(len(s.token_ids)) - len(s.block_table)) for s in later)
+            if bm.num_free_blocks - extra >= reserve and bm.allocate(seq, n):
+                pass
+            elif held >= 2:  # the draft its blocks hold
+                draft, n = draft[: held - 1], held
+            else:
                 return False
         out.scheduled.append(ScheduledSeq(seq, n, tuple(draft)))
         out.drafted += 1
