@@ -233,6 +233,16 @@ class OurStack:
     def target(self, address: str) -> str:
         return f"ours={address}"
 
+    def http_url(self, timeout_s: float = 30.0) -> str:
+        """The router's OpenAI HTTP base URL (started with `--http-port 0`), once it listens."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # the router prints the address once uvicorn listens
+            match = re.search(r"OpenAI-compatible HTTP API at (\S+)", self.router.log_text())
+            if match:
+                return match.group(1).rstrip("/").removesuffix("/v1")
+            time.sleep(0.1)  # a log file of another process: no event to wait on
+        raise RuntimeError("the router announced no HTTP address:\n" + self.log_tail())
+
     def pids(self) -> list[int]:
         return [p.popen.pid for p in (self.worker, self.router) if p is not None]
 

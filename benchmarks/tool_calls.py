@@ -139,16 +139,8 @@ class _OurHttpStack:
         )
 
     def start(self) -> str:
-        import re
-
         self.stack.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the router prints the address once uvicorn listens
-            match = re.search(r"OpenAI-compatible HTTP API at (\S+)", self.stack.router.log_text())
-            if match:
-                return match.group(1).rstrip("/").removesuffix("/v1")
-            time.sleep(0.1)  # a log file of another process: no event to wait on
-        raise RuntimeError("the router announced no HTTP address:\n" + self.stack.log_tail())
+        return self.stack.http_url()
 
     def stop(self) -> None:
         self.stack.stop()
