@@ -3,18 +3,19 @@
 Contract:
 - Input: sequences (`add`), aborts (`abort`), and after each model step the sampled tokens
   (`update`).
-- Output: `schedule()` returns a `SchedulerOutput` plan: for each scheduled sequence how many of its
-  outstanding tokens to compute this step. One token budget per step (`max_num_batched_tokens`)
-  is shared by decodes (1 token) and prompt chunks (chunked prefill), so prefill and decode mix
-  freely; at most `max_num_seqs` run at once.
+- Output: `schedule()` returns a `SchedulerOutput` plan (worker/plan.py): for each scheduled
+  sequence how many of its outstanding tokens to compute this step. One token budget per step
+  (`max_num_batched_tokens`) is shared by decodes (1 token) and prompt chunks (chunked prefill),
+  so prefill and decode mix freely; at most `max_num_seqs` run at once.
 - State: `waiting` (sorted by priority, then arrival) and `running` queues; the block manager.
-- Speculative decoding (worker/speculative.py): while at most `draft_max_batch` sequences run and
-  none waits, a decoding sequence with a draft is planned for `1 + len(draft)` tokens (its
-  `ScheduledSeq.draft`; new blocks only where the free ones left cover the running sequences
-  after it, else the draft is cut to the blocks it holds: a draft never preempts); `update`
-  takes the drafts the model kept (`accepted`), then the sampled token, up to the first that ends
-  the sequence, and sets its computed tokens to those whose KV holds known tokens (what rejected
-  drafts wrote lies beyond and is overwritten). Its next draft length adapts (`draft_len`).
+- Speculative decoding (worker/speculative.py, whose `Drafting` half this class inherits):
+  while at most `draft_max_batch` sequences run and none waits, a decoding sequence with a draft
+  is planned for `1 + len(draft)` tokens (its `ScheduledSeq.draft`; new blocks only where the
+  free ones left cover the running sequences after it, else the draft is cut to the blocks it
+  holds: a draft never preempts); `update` takes the drafts the model kept (`accepted`), then
+  the sampled token, up to the first that ends the sequence, and sets its computed tokens to
+  those whose KV holds known tokens (what rejected drafts wrote lies beyond and is overwritten).
+  Its next draft length adapts (`draft_len`).
 - Fails how: when KV blocks run out, the lowest-priority, newest running sequence is preempted by
   recompute (blocks freed, it returns to the front of its priority class in `waiting`). A waiting
   sequence of higher priority may preempt a lower-priority running one.
@@ -49,64 +50,18 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from operator import attrgetter
 
 from worker.block_manager import BlockManager
+from worker.plan import ScheduledSeq, SchedulerOutput
 from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from worker.speculative import NgramProposer, draftable
+from worker.speculative import Drafting, NgramProposer, draftable
 from worker.types import FinishReason
 
 _ORDER = attrgetter("order")
 
 
-@dataclass(slots=True, init=False)
-class ScheduledSeq:
-    """One sequence's share of a step. The sequence's state at planning time is copied here (its
-    start position, block table and length), so a plan in flight stays what it was while the
-    engine thread plans the next step (async scheduling). Built per sequence per step: slots and
-    a plain __init__ (host time per sequence, `make bench-host`)."""
-
-    seq: Sequence
-    num_new_tokens: int
-    start: int  # seq.num_computed_tokens when planned
-    block_table: list[int]  # the list itself: it only grows by append
-    num_blocks: int  # its length when planned
-    samples: bool  # computes the last outstanding token, so it samples
-    # Speculative decoding (worker/speculative.py): tokens computed after the newest one, each
-    # sampled after; `num_new_tokens` counts them (1 + len(draft)). Empty for every other share.
-    draft: tuple[int, ...]
-
-    def __init__(self, seq: Sequence, num_new_tokens: int, draft: tuple[int, ...] = ()) -> None:
-        self.seq, self.num_new_tokens, self.draft = seq, num_new_tokens, draft
-        self.start = start = seq.num_computed_tokens
-        self.block_table = table = seq.block_table
-        self.num_blocks = len(table)
-        self.samples = start + num_new_tokens - len(draft) == len(seq.token_ids)
-
-    @property
-    def preempted(self) -> bool:
-        """The sequence lost this plan's blocks since (preempted: `BlockManager.free` replaces the
-        list; async scheduling, a later plan preempted it while this one was in flight)."""
-        return self.seq.block_table is not self.block_table
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    drafted: int = 0  # scheduled sequences with a draft (speculative decoding)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class Scheduler:
+class Scheduler(Drafting):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -237,32 +192,6 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, speculative)
         return out
 
-    def _schedule_draft(self, out: SchedulerOutput, seq: Sequence, room: int) -> bool:
-        """Plan a decoding `seq` with a draft of at most `room` tokens (worker/speculative.py);
-        False when there is none. A draft never preempts: it takes new blocks only if the free ones
-        left still cover the outstanding tokens of the running sequences after it, else it is cut
-        to what the sequence's blocks hold."""
-        bm = self.bm
-        limit = min(room, seq.draft_len, seq.max_num_tokens - len(seq.token_ids) - 1)  # fits max_tokens
-        draft = self.proposer.propose(seq.token_ids, limit) if limit > 0 else None
-        if not draft:
-            return False
-        n = 1 + len(draft)
-        held = len(seq.block_table) * bm.block_size - seq.num_computed_tokens  # tokens its blocks hold
-        if n > held:
-            extra = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
-            later = self.running[self.running.index(seq) + 1 :]
-            reserve = sum(max(0, bm.blocks_needed(len(s.token_ids)) - len(s.block_table)) for s in later)
-            if bm.num_free_blocks - extra >= reserve and bm.allocate(seq, n):
-                pass
-            elif held >= 2:  # the draft its blocks hold
-                draft, n = draft[: held - 1], held
-            else:
-                return False
-        out.scheduled.append(ScheduledSeq(seq, n, tuple(draft)))
-        out.drafted += 1
-        return True
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int, speculative: bool = False) -> int:
         waiting, j = self.waiting, 0
         while j < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -358,44 +287,6 @@ class Scheduler:
             touched.append(seq)
         self.num_generation_tokens += len(touched)
         return touched
-
-    def _take_drafted(
-        self,
-        seq: Sequence,
-        num_drafted: int,
-        accepted: list[tuple[int, float | None]],
-        final: tuple[int, float | None],
-        now: float,
-    ) -> None:
-        """A drafted sequence's step: the kept draft tokens, then the sampled one, up to the first
-        that ends it. The KV of its newest token and the kept drafts is valid; what the rejected
-        drafts wrote lies past the computed tokens and is overwritten by later steps."""
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += len(accepted)
-        # The next draft's length: twice as long after a draft kept whole (up to the proposer's),
-        # half after one rejected whole (down to 1): rejected rows cost compute and give nothing.
-        if len(accepted) == num_drafted:
-            seq.draft_len = min(2 * seq.draft_len, self.proposer.num_tokens)
-        elif not accepted:
-            seq.draft_len = max(seq.draft_len // 2, 1)
-        token_ids, logprobs = seq.token_ids, seq.logprobs
-        start = len(token_ids)
-        for token, logprob in (*accepted, final):
-            token_ids.append(token)
-            if logprob is not None:
-                logprobs.append(logprob)
-            if token in seq.stop_ids or len(token_ids) >= seq.max_num_tokens:
-                break
-        self.num_generation_tokens += len(token_ids) - start - 1  # `update` counts one per sequence
-        seq.num_computed_tokens = len(token_ids) - 1
-        if seq.num_computed_tokens // self.bm.block_size > len(seq.block_hashes):
-            self.bm.commit(seq)
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        reason = self._stop_reason(seq, token_ids[-1])
-        if reason is not None:
-            self.running.remove(seq)
-            self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
         """Why `token`, the sequence's `num_tokens`-th (default: its last), ends it; None if not."""

@@ -18,6 +18,8 @@ Contract:
   without drafts, and with the same random stream per position (the sampler rewinds a request's
   generator to just after the last row it kept: worker/sampler.py `RequestSampler.verify`) greedy
   and seeded requests give the same tokens as without drafts.
+- `Drafting`: the scheduler's half (worker/scheduler.py `Scheduler` inherits it): planning a
+  drafted share (`_schedule_draft`) and taking a drafted step's tokens (`_take_drafted`).
 - Not drafted: rows whose sampling reads the output so far (penalties) or follows a grammar; with
   async scheduling or tensor parallelism the engine drafts nothing (worker/engine.py).
 - Proven by tests/test_speculative.py: the proposer against a plain-Python reference, and engines
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from worker.plan import ScheduledSeq, SchedulerOutput
+from worker.sequence import Sequence
 from worker.types import SamplingParams
 
 WINDOW = 8192  # tokens searched for a match, the newest
@@ -82,3 +86,72 @@ def accepted_prefix(sampled: list[int], draft: list[int]) -> int:
             break
         a += 1
     return a
+
+
+class Drafting:
+    """worker/scheduler.py `Scheduler`'s speculative half: it reads the scheduler's `bm`,
+    `running`, `proposer`, counters, `_stop_reason` and `_finish`."""
+
+    def _schedule_draft(self, out: SchedulerOutput, seq: Sequence, room: int) -> bool:
+        """Plan a decoding `seq` with a draft of at most `room` tokens; False when there is none. A
+        draft never preempts: it takes new blocks only if the free ones left still cover the
+        outstanding tokens of the running sequences after it, else it is cut to what the
+        sequence's blocks hold."""
+        bm = self.bm
+        limit = min(room, seq.draft_len, seq.max_num_tokens - len(seq.token_ids) - 1)  # fits max_tokens
+        draft = self.proposer.propose(seq.token_ids, limit) if limit > 0 else None
+        if not draft:
+            return False
+        n = 1 + len(draft)
+        held = len(seq.block_table) * bm.block_size - seq.num_computed_tokens  # tokens its blocks hold
+        if n > held:
+            extra = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+            later = self.running[self.running.index(seq) + 1 :]
+            reserve = sum(max(0, bm.blocks_needed(len(s.token_ids)) - len(s.block_table)) for s in later)
+            if bm.num_free_blocks - extra >= reserve and bm.allocate(seq, n):
+                pass
+            elif held >= 2:  # the draft its blocks hold
+                draft, n = draft[: held - 1], held
+            else:
+                return False
+        out.scheduled.append(ScheduledSeq(seq, n, tuple(draft)))
+        out.drafted += 1
+        return True
+
+    def _take_drafted(
+        self,
+        seq: Sequence,
+        num_drafted: int,
+        accepted: list[tuple[int, float | None]],
+        final: tuple[int, float | None],
+        now: float,
+    ) -> None:
+        """A drafted sequence's step: the kept draft tokens, then the sampled one, up to the first
+        that ends it. The KV of its newest token and the kept drafts is valid; what the rejected
+        drafts wrote lies past the computed tokens and is overwritten by later steps."""
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += len(accepted)
+        # The next draft's length: twice as long after a draft kept whole (up to the proposer's),
+        # half after one rejected whole (down to 1): rejected rows cost compute and give nothing.
+        if len(accepted) == num_drafted:
+            seq.draft_len = min(2 * seq.draft_len, self.proposer.num_tokens)
+        elif not accepted:
+            seq.draft_len = max(seq.draft_len // 2, 1)
+        token_ids, logprobs = seq.token_ids, seq.logprobs
+        start = len(token_ids)
+        for token, logprob in (*accepted, final):
+            token_ids.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if token in seq.stop_ids or len(token_ids) >= seq.max_num_tokens:
+                break
+        self.num_generation_tokens += len(token_ids) - start - 1  # `update` counts one per sequence
+        seq.num_computed_tokens = len(token_ids) - 1
+        if seq.num_computed_tokens // self.bm.block_size > len(seq.block_hashes):
+            self.bm.commit(seq)
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        reason = self._stop_reason(seq, token_ids[-1])
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
