@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from worker.sampler import sample
+from worker.sampling_ops import sample
 from worker.types import SamplingParams
 
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.95

@@ -22,7 +22,8 @@ import torch
 from tests.test_async_scheduling import tiny_config, tiny_runner
 from worker.engine import LLMEngine
 from worker.kernels.triton_sampling import fused_sample, philox_noise, reference_fused_sample
-from worker.sampler import RequestSampler, sample_tokens
+from worker.sampler import RequestSampler
+from worker.sampling_ops import sample_tokens
 from worker.types import SamplingParams
 
 VOCAB = 64

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import sample
+from worker.sampling_ops import sample
 from worker.types import SamplingParams
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
@@ -102,13 +102,13 @@ def test_invalid_params_rejected(bad):
 
 # -- every sampling step against the pure-Python reference (worker/sampler_reference.py) --------
 
-from worker.sampler import adjust_logits, penalty_state, record_tokens, sampling_logits  # noqa: E402
 from worker.sampler_reference import (  # noqa: E402
     reference_adjusted,
     reference_choice,
     reference_sampling_logits,
     reference_top_logprobs,
 )
+from worker.sampling_ops import adjust_logits, penalty_state, record_tokens, sampling_logits  # noqa: E402
 from worker.types import Logprob  # noqa: E402
 
 VOCAB = 40

@@ -1,11 +1,11 @@
-"""The fused sampling kernel (worker/kernels/triton_sampling.py) against worker/sampler.py.
+"""The fused sampling kernel (worker/kernels/triton_sampling.py) against worker/sampling_ops.py.
 
 Without CUDA the kernel runs under the Triton interpreter on CPU tensors (tests/triton_device.py);
 cases stay small there (V <= 1000, a few rows; 800 one-row programs for the Philox draws, ~7 s of
 the module's ~28 s) and grow on CUDA (V up to 128,256, 20,000 draws, four distributions).
 
 Exactness: with the same uniform noise the kernel must give the tokens `reference_fused_sample`
-gives (float32 logits, worker/sampler.py `sampling_logits`, softmax, argmax p / E): no tolerance.
+gives (float32 logits, worker/sampling_ops.py `sampling_logits`, softmax, argmax p / E): no tolerance.
 The thresholds keep every value tied with them and the sort keeps exactly k, so the logits here
 have distinct values per row (float32: one normal quantile cell per token; bf16/fp16: distinct
 representable values), which `distinct` asserts. Kept sets are checked exactly with a spotlight
@@ -30,7 +30,7 @@ from worker.kernels.triton_sampling import (
     philox_noise,
     reference_fused_sample,
 )
-from worker.sampler import sampling_logits
+from worker.sampling_ops import sampling_logits
 from worker.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

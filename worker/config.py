@@ -47,6 +47,32 @@ def default_num_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory; a cgroup limit, where
+    one is set and lower, wins."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass  # no /proc/meminfo (not Linux): total physical memory below
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read().strip())
+            avail = min(avail, max(int(limit) - used, 0))
+    except OSError:
+        pass  # no cgroup v2 memory files: no container limit to apply
+    return avail
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (Llama 3.1+); `factor == 1` means none."""

@@ -37,13 +37,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.config import EngineConfig, default_num_threads, resolve_device, resolve_dtype
+from worker.config import (
+    EngineConfig,
+    available_memory_bytes,
+    default_num_threads,
+    resolve_device,
+    resolve_dtype,
+)
 from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.grammar import Grammars
@@ -51,7 +56,8 @@ from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
 from worker.prompt_logprobs import score_prompt_rows, scored_chunks
-from worker.sampler import RequestSampler, SampledTokens, on_device
+from worker.sampler import RequestSampler, SampledTokens
+from worker.sampling_ops import on_device
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -66,32 +72,6 @@ def resolved_config(config: EngineConfig) -> EngineConfig:
         dtype=resolve_dtype(config.dtype, device),
         num_threads=config.num_threads or default_num_threads(),
     )
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory; a cgroup limit, where
-    one is set and lower, wins."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass  # no /proc/meminfo (not Linux): total physical memory below
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            with open("/sys/fs/cgroup/memory.current") as f:
-                used = int(f.read().strip())
-            avail = min(avail, max(int(limit) - used, 0))
-    except OSError:
-        pass  # no cgroup v2 memory files: no container limit to apply
-    return avail
 
 
 class ModelRunner:

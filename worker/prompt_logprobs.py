@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampler import on_device
+from worker.sampling_ops import on_device
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 from worker.types import Logprob
 

@@ -1,10 +1,10 @@
-"""The slow reference of worker/sampler.py: one row at a time, plain Python floats and lists, each
-step written the obvious way (no torch, no vectorization), so that the tensor code has something
+"""The slow reference of worker/sampling_ops.py: one row at a time, plain Python floats and
+lists, each step written the obvious way (no torch, no vectorization), so that the tensor code has something
 independent to be checked against.
 
 Contract
 - `reference_adjusted(row, params, prompt, tokens) -> list[float]`: logit bias, repetition,
-  frequency and presence penalties (the same step order as worker/sampler.py documents).
+  frequency and presence penalties (the same step order as worker/sampling_ops.py documents).
 - `reference_sampling_logits(adjusted, params) -> list[float]`: temperature, min-p, top-k, top-p;
   dropped tokens are -inf.
 - `reference_choice(row, params, prompt, tokens, noise) -> int`: the token the exponential race

@@ -108,12 +108,10 @@ class Drafting:
             extra = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
             later = self.running[self.running.index(seq) + 1 :]
             reserve = sum(max(0, bm.blocks_needed(len(s.token_ids)) - len(s.block_table)) for s in later)
-            if bm.num_free_blocks - extra >= reserve and bm.allocate(seq, n):
-                pass
-            elif held >= 2:  # the draft its blocks hold
-                draft, n = draft[: held - 1], held
-            else:
-                return False
+            if bm.num_free_blocks - extra < reserve or not bm.allocate(seq, n):
+                if held < 2:
+                    return False
+                draft, n = draft[: held - 1], held  # the draft its blocks hold
         out.scheduled.append(ScheduledSeq(seq, n, tuple(draft)))
         out.drafted += 1
         return True

@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.sampler import sampling_logits
+from worker.sampling_ops import sampling_logits
 from worker.types import SamplingParams
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
