@@ -137,6 +137,12 @@ bench-tools: install protos
 bench-spec: install protos
 	$(PY) -m benchmarks.speculative $(ARGS)
 
+# POST /v1/embeddings beside llama-server --embeddings on the same GGUF and texts, pooling last and
+# mean: inputs/s, one text's latency, and the cosine of our vectors to llama.cpp's; ~3 min.
+.PHONY: bench-embed
+bench-embed: install protos
+	$(PY) -m benchmarks.embeddings $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

@@ -97,6 +97,7 @@ class Chunk:
     top_logprobs: list = ()  # worker_pb2.WorkerTopLogprobs per token when asked for
     # the first chunk, when asked for: (prompt token ids, worker_pb2.WorkerPromptLogprobs)
     prompt_logprobs: tuple[list[int], object] | None = None
+    embedding: list[float] | None = None  # the first chunk, with sampling.pooling
 
 
 @dataclass
@@ -142,6 +143,7 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
         sampling.seed = req.seed
     if req.prompt_logprobs is not None:
         sampling.prompt_logprobs = req.prompt_logprobs
+    sampling.pooling = req.pooling  # pb.Pooling and worker_pb2.WorkerPooling share their numbers
     return worker_pb2.WorkerRequest(
         request_id=f"{req.request_id}/{uuid.uuid4().hex[:12]}",
         prompt_token_ids=prompt_ids,
@@ -223,7 +225,7 @@ class Relay:
                 if finished and not stopped:
                     tail, stopped = stops.push(detok.flush())
                     text += tail if stopped else tail + stops.flush()
-                if ids or text:
+                if ids or text or msg.embedding:  # an embedding's token may be an EOS, not shown
                     placement.progress(len(ids), first=num_out == 0)
                     if first_token_s is None and ids:
                         first_token_s = time.monotonic()
@@ -231,7 +233,7 @@ class Relay:
                     prompt = None
                     if msg.HasField("prompt_logprobs"):
                         prompt = (list(wreq.prompt_token_ids), msg.prompt_logprobs)
-                    yield Chunk(ids, text, lps, tops, prompt)
+                    yield Chunk(ids, text, lps, tops, prompt, list(msg.embedding) or None)
                 if stopped or finished:
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")

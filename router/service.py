@@ -78,6 +78,8 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
             chunk.prompt_logprobs.logprobs.extend(scored.logprobs)
             for t in scored.top_logprobs:
                 chunk.prompt_logprobs.top_logprobs.add(token_ids=t.token_ids, logprobs=t.logprobs)
+        if event.embedding is not None:
+            chunk.embedding.extend(event.embedding)
         return pb.GenerateResponse(chunk=chunk)
     stop = {"stop_string": event.stop_reason} if isinstance(event.stop_reason, str) else {}
     if isinstance(event.stop_reason, int):

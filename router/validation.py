@@ -71,6 +71,7 @@ class ValidRequest:
     priority: int = 0
     grammar: str = ""  # structured output: the llguidance grammar the worker runs ("" = free text)
     prompt_logprobs: int | None = None  # None = off; N: the prompt's logprobs and N top tokens each
+    pooling: int = 0  # pb.Pooling: 0 = off; an embedding of the prompt, with one token
 
 
 def _check(ok: bool, field: str, problem: str) -> None:
@@ -169,6 +170,9 @@ def _sampling_extras(s: pb.SamplingParams, model: ModelSpec) -> dict:
             f"must be 0 to {MAX_TOP_LOGPROBS}, got {s.prompt_logprobs}",
         )
         out["prompt_logprobs"] = s.prompt_logprobs
+    if s.pooling:
+        _check(s.pooling in pb.Pooling.values(), "sampling.pooling", f"unknown value {s.pooling}")
+        out["pooling"] = s.pooling
     if s.HasField("min_p"):
         _check(
             math.isfinite(s.min_p) and 0 <= s.min_p <= 1,
@@ -279,6 +283,12 @@ def _response_format(req: pb.GenerateRequest) -> dict:
 def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, ModelSpec]) -> ValidRequest:
     """Everything that can be checked before tokenization."""
     model = _resolve_model(req.model, models)
+    _check(
+        not req.sampling.pooling or req.stopping.max_tokens <= 1,
+        "stopping.max_tokens",
+        f"must be 1 (or unset) with sampling.pooling: an embedding comes with one token, "
+        f"got {req.stopping.max_tokens}",
+    )
     return ValidRequest(
         request_id=_request_id(req.request_id, limits),
         model=model,
@@ -310,6 +320,8 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
         f"{num_prompt_tokens} tokens do not fit the model's context of {context} tokens",
     )
     room = context - num_prompt_tokens
+    if req.pooling:
+        return 1
     if req.max_tokens is None:
         return min(limits.default_max_tokens, room)
     _check(

@@ -101,6 +101,7 @@ def _merge(held: RequestOutput, out: RequestOutput) -> RequestOutput:
         new_token_ids=held.new_token_ids + out.new_token_ids,
         new_logprobs=logprobs,
         prompt_logprobs=prompt,
+        embedding=held.embedding if held.embedding is not None else out.embedding,
     )
 
 

@@ -193,7 +193,7 @@ class LLMEngine:
             return outputs
         start = time.perf_counter()
         tokens = self.runner.launch(plan)
-        self._add_prompt_logprobs(tokens)
+        self._file_prompt_reads(tokens)
         sampled = tokens.to_host()
         self._count_step(plan, time.perf_counter() - start)
         self.num_sync_steps += 1
@@ -273,7 +273,7 @@ class LLMEngine:
             raise
         self._in_flight.popleft()
         self.scheduler.in_flight.popleft()
-        self._add_prompt_logprobs(tokens)
+        self._file_prompt_reads(tokens)
         # Device time of this step: from its launch, or from the previous step's end if later.
         ready = time.perf_counter()
         self._count_step(launched.plan, ready - max(start, self._last_ready))
@@ -288,11 +288,16 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _add_prompt_logprobs(tokens: SampledTokens) -> None:
-        """The prompt logprobs a step computed, into their sequences (a preempted or aborted one's
-        too: a recomputation skips what is held; an aborted one is never output again)."""
+    def _file_prompt_reads(tokens: SampledTokens) -> None:
+        """The prompt logprobs and pooled rows a step computed, into their sequences (a preempted
+        or aborted one's too: a recomputation skips or restarts what is held; an aborted one is
+        never output again)."""
         for seq, first, entries in tokens.prompt:
             seq.add_prompt_logprobs(first, entries)
+        for seq, first, rows, total in tokens.pool_sums:
+            seq.add_pooled(first, rows, total)
+        for seq, vector in tokens.embeddings:
+            seq.embedding = vector.tolist()
 
     def _count_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """A committed step's time and size: the totals and `last_step` (the step histograms)."""
@@ -353,6 +358,7 @@ class LLMEngine:
             first_token - arrival if first_token else 0.0,
             seq.num_preemptions,
             prompt_lp,
+            seq.embedding if start == num_prompt and known > start else None,
         )
 
     def stats(self) -> EngineStats:

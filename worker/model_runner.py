@@ -17,6 +17,9 @@ Contract:
 - Output: `run(plan)` -> `{request_id: (token_id, logprob | None)}` for the sampling sequences;
   `launch(plan, prev, feeds)` -> `SampledTokens` (worker/sampler.py), the tokens left on the device
   and read there by the next step's placeholders (async scheduling), their host copy on demand.
+- Pooling (`SamplingParams.pooling`, embeddings): a "mean" sequence's chunks run eager like
+  scored ones and their row sums come to the host with the step (`SampledTokens.pool_sums`); a
+  "last" one's sampling row is its embedding (`SampledTokens.embeddings`; worker/pooling.py).
 - Speculative decoding (worker/speculative.py): a drafted sequence's newest token and draft are
   computed as one chunk, every row of it samples, and `RequestSampler.verify` keeps the drafts
   the rows confirm (`SampledTokens.accepted`, a host sync); such a step runs eager on CUDA.
@@ -55,6 +58,7 @@ from worker.grammar import Grammars
 from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.model.llama import LlamaModel
+from worker.pooling import chunk_sums, last_rows, pooled_chunks
 from worker.prompt_logprobs import score_prompt_rows, scored_chunks
 from worker.sampler import RequestSampler, SampledTokens
 from worker.sampling_ops import on_device
@@ -325,7 +329,7 @@ class ModelRunner:
             assert prev is not None, "placeholders to feed without the step that samples them"
             rows = prev.rows  # {request_id: row}, built once per step
             feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
-        hidden, sampling, prompt = self._forward(plan, feed, scored_chunks(plan))
+        hidden, sampling, (prompt, sums) = self._forward(plan, feed, scored_chunks(plan), pooled_chunks(plan))
         if not sampling:
             out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
         elif plan.drafted:  # speculative decoding: keep the drafts the sampled rows confirm
@@ -333,18 +337,21 @@ class ModelRunner:
             out = self.sampler.verify(self._sample(sampling, hidden, drafted=True), drafts)
         else:
             out = self._sample(sampling, hidden)
-        out.prompt = prompt
+        out.prompt, out.pool_sums = prompt, sums
+        out.embeddings = last_rows(hidden, sampling) if sampling else []
         return out
 
     def _forward(
-        self, plan: SchedulerOutput, feed=None, scored: list[tuple[int, ScheduledSeq]] = ()
-    ) -> tuple[torch.Tensor, list, list]:
-        """Hidden states of the sampling rows (S, C), their sequences in the same order, and the
-        prompt logprobs of the `scored` (index in the plan, share) chunks (worker/prompt_logprobs.py)."""
+        self, plan: SchedulerOutput, feed=None, scored: list[tuple[int, ScheduledSeq]] = (), pooled=()
+    ) -> tuple[torch.Tensor, list, tuple[list, list]]:
+        """Hidden states of the sampling rows (S, C), their sequences in the same order, and what
+        the step read off prompt rows: the prompt logprobs of the `scored` (index in the plan,
+        share) chunks (worker/prompt_logprobs.py) and the row sums of the `pooled` ones
+        (worker/pooling.py)."""
         batch = self.input_batch
         graphs = self.cuda_graphs
         tokens, rows = feed if feed is not None else (None, None)
-        if graphs is not None and not scored:  # scoring needs every row of a chunk: eager
+        if graphs is not None and not scored and not pooled:  # they read every row of a chunk: eager
             decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
             size = bucket_for(len(decode), graphs.sizes) if decode else None
             if size is not None and len(decode) == len(plan.scheduled):
@@ -353,7 +360,7 @@ class ModelRunner:
                 return (
                     take_rows(hidden, step.sample_seq_idx),
                     [plan.scheduled[i].seq for i in step.sample_seq_idx],
-                    [],
+                    ([], []),
                 )
             if size is not None:
                 # Mixed step: the prompt chunks in one eager launch, the decode rows in their graph
@@ -367,7 +374,7 @@ class ModelRunner:
                 h_d = take_rows(graphs.run(dstep, size, tokens), dstep.sample_seq_idx)
                 seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
                 seqs += [decode[i].seq for i in dstep.sample_seq_idx]
-                return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, []
+                return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, ([], [])
         step = batch.build(plan, feed=rows)
         input_ids, positions, meta = batch.eager_inputs(step, tokens)
         if self.cpu_compiled is not None:
@@ -376,9 +383,11 @@ class ModelRunner:
             hidden = self.cpu_layers(input_ids, positions, meta)  # (T, C), the same as self.model's
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # (T, C)
-        prompt = score_prompt_rows(self.model, hidden, step.query_start_loc, scored) if scored else []
+        starts = step.query_start_loc
+        prompt = score_prompt_rows(self.model, hidden, starts, scored) if scored else []
+        sums = chunk_sums(hidden, starts, pooled) if pooled else []
         seqs = [plan.scheduled[i].seq for i in step.sample_seq_idx]
-        return take_rows(hidden, step.logits_rows), seqs, prompt
+        return take_rows(hidden, step.logits_rows), seqs, (prompt, sums)
 
     def _sample(self, sampling: list, hidden: torch.Tensor, drafted: bool = False) -> SampledTokens:
         def logits(upcast: bool) -> torch.Tensor:

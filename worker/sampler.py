@@ -34,6 +34,10 @@ class SampledTokens:
         self.accepted: dict[str, list[tuple[int, float | None]]] = {}
         # (sequence, first entry, entries) of the prompt logprobs the step computed (on the host)
         self.prompt: list[tuple[object, int, list[float]]] = []
+        # Pooling (worker/pooling.py), on the host: (sequence, first position, rows, row sum) of
+        # "mean" chunks, (sequence, vector) of "last" sequences
+        self.pool_sums: list[tuple[object, int, int, torch.Tensor]] = []
+        self.embeddings: list[tuple[object, torch.Tensor]] = []
         self._ready = None
         if tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -201,7 +201,7 @@ class Scheduler(Drafting):
                     j += 1  # retired: that token ends it; those behind it go on
                     continue
                 break  # admitted once its token is known (next plan): none behind it before
-            if not seq.block_table and not seq.needs_prompt_logprobs:
+            if not seq.block_table and not seq.needs_whole_prompt:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
@@ -223,7 +223,7 @@ class Scheduler(Drafting):
                     seq.first_scheduled_s = time.monotonic()
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.num_prompt_tokens += seq.num_prompt_tokens
-                    if seq.sampling.prompt_logprobs is None:  # a scored prompt never looks it up
+                    if not seq.sampling.whole_prompt:  # a scored or mean-pooled prompt never looks it up
                         self.bm.num_prefix_queries += seq.num_prompt_tokens
                         self.bm.num_prefix_hits += seq.num_cached_tokens
                 seq.status = SequenceStatus.RUNNING

@@ -53,6 +53,11 @@ class Sequence:
     # sampling.prompt_logprobs set: entry i = log P(prompt[i + 1] | prompt[..i]), filled as the
     # steps computing the prompt commit (LLMEngine); a recomputation after preemption adds nothing
     prompt_logprobs: list[float] = field(default_factory=list)
+    # sampling.pooling set: the pooled prompt (worker/pooling.py), once its last chunk commits;
+    # "mean" sums its chunks' rows into `pool_sum` (a float32 tensor) up to position `pool_upto`
+    embedding: list[float] | None = None
+    pool_sum: object | None = None
+    pool_upto: int = 0
     # Stop conditions, precomputed (host time per sequence per step): the token ids that end it
     # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
     stop_ids: frozenset[int] = field(init=False)
@@ -100,6 +105,26 @@ class Sequence:
             self.sampling.prompt_logprobs is not None
             and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
         )
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Its prompt rows must all be computed (no prefix-cache hit): prompt logprobs still to
+        come, or mean pooling."""
+        return self.needs_prompt_logprobs or self.sampling.pooling == "mean"
+
+    def add_pooled(self, first: int, rows: int, total) -> None:
+        """A "mean" chunk's row sum (positions first .. first + rows - 1), in commit order. A chunk
+        at position 0 starts the sum again (a recomputation after preemption computes the whole
+        prompt again); the one that completes the prompt sets `embedding`."""
+        if first == 0:
+            self.pool_sum, self.pool_upto = total.clone(), rows
+        elif first == self.pool_upto:
+            self.pool_sum += total
+            self.pool_upto += rows
+        else:
+            return  # a chunk of a pass a recomputation has replaced
+        if self.pool_upto == len(self.prompt_token_ids):
+            self.embedding = (self.pool_sum / self.pool_upto).tolist()
 
     def add_prompt_logprobs(self, first: int, values: list[float]) -> None:
         """Entries `first`, `first + 1`, ... of `prompt_logprobs` (a step's chunk); those already

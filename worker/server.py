@@ -58,6 +58,7 @@ FINISH_REASONS = {
     FinishReason.LENGTH: wpb.WORKER_FINISH_REASON_LENGTH,
     FinishReason.ABORT: wpb.WORKER_FINISH_REASON_ABORT,
 }
+POOLINGS = {wpb.WORKER_POOLING_NONE: "", wpb.WORKER_POOLING_LAST: "last", wpb.WORKER_POOLING_MEAN: "mean"}
 
 
 def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
@@ -78,6 +79,7 @@ def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
         top_logprobs=s.top_logprobs,
         grammar=s.grammar,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        pooling=POOLINGS.get(s.pooling, f"<enum value {s.pooling}>"),  # unknown: refused
     )
 
 
@@ -100,6 +102,8 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
         msg.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no entries)
         msg.prompt_logprobs.logprobs.extend(out.prompt_logprobs)
         _add_tops(msg.prompt_logprobs.top_logprobs, out.prompt_logprobs)
+    if out.embedding is not None:
+        msg.embedding.extend(out.embedding)
     if out.finished:
         msg.finished.CopyFrom(
             wpb.WorkerFinished(

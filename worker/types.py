@@ -7,6 +7,9 @@ tokens or finished in that step. `new_token_ids` are the tokens produced since t
 `top_logprobs` N > 0 each is a `Logprob`, a float that also carries the N most likely tokens there.
 With `prompt_logprobs` set, the first output that carries tokens also carries `prompt_logprobs`:
 entry i is log P(prompt[i + 1] | prompt[..i]) (a `Logprob` with the N most likely when N > 0).
+With `pooling` set (embeddings), the output that carries the one token also carries `embedding`:
+the prompt's final hidden states (after the last norm, float32, [hidden_size]) pooled by "last"
+(the last prompt token's) or "mean" (over every prompt token), not normalized (worker/pooling.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit; b
 # penalty, a logit bias, logprobs) sends the batch through the full sampler.
 _GREEDY_NEUTRAL = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
-    | {"prompt_logprobs"}  # read off the prompt's rows, not the sampled ones
+    | {"prompt_logprobs", "pooling"}  # read off the prompt's rows, not the sampled ones
 )
+POOLINGS = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class SamplingParams:
     # None = off; N >= 0: the logprob of each prompt token after the first, and the N most likely
     # tokens at each position (the prompt is then computed whole: no prefix-cache hit)
     prompt_logprobs: int | None = None
+    # "" = off; "last" / "mean": the prompt's pooled hidden state (`RequestOutput.embedding`), with
+    # max_tokens 1 (the token is computed and returned, but an embedding caller leaves it out);
+    # "mean" computes the prompt whole (no prefix-cache hit)
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -80,6 +88,11 @@ class SamplingParams:
             )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be 0 to {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.pooling and (self.pooling not in POOLINGS or self.max_tokens != 1):
+            raise ValueError(
+                f"pooling must be one of {', '.join(POOLINGS)} with max_tokens 1, "
+                f"got {self.pooling!r} with max_tokens {self.max_tokens}"
+            )
         if self.grammar and self.ignore_eos:
             raise ValueError("a grammar ends its output with EOS: it cannot be combined with ignore_eos")
 
@@ -98,6 +111,11 @@ class SamplingParams:
             if f.name not in _GREEDY_NEUTRAL and getattr(self, f.name) != f.default:
                 return False
         return True
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Every prompt row is read (prompt logprobs, mean pooling): no prefix-cache hit."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def needs_history(self) -> bool:
@@ -131,6 +149,7 @@ class RequestOutput:
     ttft_s: float = 0.0  # arrival -> first output token (0 until then)
     num_preemptions: int = 0  # times this sequence was preempted so far
     prompt_logprobs: list[float] | None = None  # with the first tokens, when asked for (see above)
+    embedding: list[float] | None = None  # with the token, when sampling.pooling is set (see above)
 
 
 @dataclass(frozen=True, slots=True)

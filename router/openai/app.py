@@ -1,5 +1,6 @@
-"""The FastAPI application: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (and
-/v1/models/{id}), POST /tokenize and /detokenize (router/openai/tokens.py).
+"""The FastAPI application: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings
+(router/openai/embeddings.py), GET /v1/models (and /v1/models/{id}), POST /tokenize and
+/detokenize (router/openai/tokens.py).
 
 Contract
 - input: OpenAI JSON over HTTP; `Authorization: Bearer <key>` (the same tenants and keys as
@@ -48,7 +49,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
-from router.openai import tokens
+from router.openai import embeddings, tokens
 from router.openai.choices import Choices
 from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
@@ -299,6 +300,22 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            parsed = embeddings.parse_embeddings(await _read_json(request, max_body_bytes), request_id)
+            served = models()
+            name = parsed.model or (next(iter(served)) if len(served) == 1 else "")
+            ctx = HttpCallContext(request)
+            results = await until_disconnected(request, embeddings.embed(lambda r: observed(r, ctx), parsed))
+            body = embeddings.answer(parsed, name, results)
+            return JSONResponse(body, headers={"x-request-id": request_id})
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
+            return error_response(api_error(exc, None), request_id)
 
     async def unary(request: Request, read, call, answer) -> Response:
         """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""

@@ -1,0 +1,181 @@
+"""POST /v1/embeddings: OpenAI's embeddings API over the generation pipeline.
+
+Contract
+- input: `{"input": str | [str] | [ids] | [[ids]], "model"?, "encoding_format"?: "float"
+  (default) | "base64", "dimensions"?}` plus two extensions: `"pooling"?: "last" (default) |
+  "mean"` and `"normalize"?: bool (default true)`; `user` and unknown keys are ignored.
+- output: `{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [floats] |
+  base64 of little-endian float32}], "model", "usage": {"prompt_tokens", "total_tokens"}}`, the
+  vectors L2-normalized unless `normalize` is false.
+- How: each input is one pipeline call (`GenerateRequest` with `sampling.pooling`, max_tokens 1:
+  the worker pools the prompt's final hidden states and the generated token is left out), so
+  authentication, admission, the fair queue, retries and cancellation are those of generations. At
+  most `IN_FLIGHT` calls of one HTTP request run at once (a batch of 2,048 inputs is not 2,048
+  admissions at once); the first failure cancels the others and is the answer's status.
+- failure modes: `ApiError(400)` naming the parameter: no input, an empty string or token list, more
+  than MAX_INPUTS inputs, a wrong type, `dimensions` (the model's hidden size is what it is), an
+  unknown `encoding_format` or `pooling`; an input longer than the model's context is a 400 naming
+  `input[i]`; the pipeline's other errors as for completions (router/openai/app.py).
+- state: none.
+- proven by: tests/test_openai_embeddings_e2e.py (the openai SDK against real router and worker
+  processes: the vectors against gRPC's, base64, batches, token ids, usage, the 400 table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from protos.llm.v1 import generation_pb2 as pb
+from router.errors import RouterError, ValidationError
+from router.openai.requests import UINT32_MAX, ApiError
+
+MAX_INPUTS = 2048  # OpenAI's limit per request
+IN_FLIGHT = 16  # pipeline calls of one request at once (router/openai/requests.py's MAX_CHOICES)
+POOLINGS = {"last": pb.POOLING_LAST, "mean": pb.POOLING_MEAN}
+
+
+@dataclass
+class EmbeddingRequest:
+    requests: list[pb.GenerateRequest]  # one per input, in index order
+    model: str
+    base64: bool = False
+    normalize: bool = True
+
+
+def _bad(param: str, problem: str) -> ApiError:
+    return ApiError(400, f"{param}: {problem}", param=param)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _inputs(value) -> list[str | list[int]]:
+    if value is None:
+        raise _bad("input", "required: a string, a list of strings, or token ids (a list or a list of lists)")
+    if isinstance(value, str) or (_is_ids(value) and value):
+        inputs = [value]
+    elif isinstance(value, list) and value:
+        inputs = value
+    else:
+        raise _bad("input", "must not be empty")
+    if len(inputs) > MAX_INPUTS:
+        raise _bad("input", f"at most {MAX_INPUTS} inputs, got {len(inputs)}")
+    for i, one in enumerate(inputs):
+        where = f"input[{i}]" if isinstance(value, list) and not _is_ids(value) else "input"
+        problem = None
+        if isinstance(one, str):
+            problem = None if one else "must not be an empty string"
+        elif _is_ids(one):
+            if not one:
+                problem = "must not be an empty list of token ids"
+            elif not all(0 <= t <= UINT32_MAX for t in one):
+                problem = f"token ids must be in [0, {UINT32_MAX}]"
+        else:
+            problem = f"must be a string or a list of token ids, got {type(one).__name__}"
+        if problem:
+            raise ApiError(400, f"{where}: {problem}", param="input")
+    return inputs
+
+
+def parse_embeddings(body: object, request_id: str) -> EmbeddingRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    inputs = _inputs(body.get("input"))
+    model = body.get("model") or ""
+    if not isinstance(model, str):
+        raise _bad("model", "must be a string")
+    form = body.get("encoding_format") or "float"
+    if form not in ("float", "base64"):
+        raise _bad("encoding_format", f"must be float or base64, got {form!r}")
+    if body.get("dimensions") is not None:
+        raise _bad("dimensions", "not supported: embeddings have the model's hidden size")
+    pooling = body.get("pooling") or "last"
+    if pooling not in POOLINGS:
+        raise _bad("pooling", f"must be last or mean, got {pooling!r}")
+    normalize = body.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise _bad("normalize", f"must be a boolean, got {type(normalize).__name__}")
+    requests = []
+    for i, one in enumerate(inputs):
+        req = pb.GenerateRequest(
+            request_id=f"{request_id}-{i}" if len(inputs) > 1 else request_id,
+            model=model,
+            sampling=pb.SamplingParams(temperature=0, pooling=POOLINGS[pooling]),
+            stopping=pb.StoppingCriteria(max_tokens=1),
+        )
+        try:
+            if isinstance(one, str):
+                req.prompt = one
+            else:
+                req.token_ids.ids[:] = one
+        except ValueError as exc:  # a string protobuf refuses (a lone surrogate)
+            raise ApiError(400, f"input[{i}]: {exc}", param="input") from None
+        requests.append(req)
+    return EmbeddingRequest(requests, model, form == "base64", normalize)
+
+
+async def _embed_one(events: AsyncIterator, index: int) -> tuple[list[float], int]:
+    """One call's events -> (vector, prompt tokens); an input the pipeline refuses names itself."""
+    vector = None
+    try:
+        async with aclosing(events) as stream:
+            async for event in stream:
+                if isinstance(event, pb.Finished):
+                    if vector is None:
+                        raise RouterError("the worker returned no embedding")
+                    return vector, event.usage.prompt_tokens
+                if event.embedding:
+                    vector = list(event.embedding)
+    except ValidationError as exc:
+        if exc.field in ("prompt", "token_ids.ids"):
+            problem = exc.message.split(": ", 1)[1]
+            raise ApiError(400, f"input[{index}]: {problem}", param="input") from None
+        raise
+    raise RouterError("the generation stream ended without a finish")
+
+
+async def embed(call: Callable[[pb.GenerateRequest], AsyncIterator], parsed: EmbeddingRequest):
+    """[(vector, prompt tokens)] in input order; at most IN_FLIGHT calls at once, the first failure
+    cancels the rest and is raised."""
+    slots = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(index: int, req: pb.GenerateRequest):
+        async with slots:
+            return await _embed_one(call(req), index)
+
+    tasks = [asyncio.ensure_future(one(i, req)) for i, req in enumerate(parsed.requests)]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _normalized(vector: list[float]) -> list[float]:
+    norm = math.sqrt(math.fsum(v * v for v in vector))
+    return [v / norm for v in vector] if norm > 0 else vector
+
+
+def answer(parsed: EmbeddingRequest, name: str, results: list[tuple[list[float], int]]) -> dict:
+    data = []
+    for index, (vector, _) in enumerate(results):
+        if parsed.normalize:
+            vector = _normalized(vector)
+        if parsed.base64:
+            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    tokens = sum(n for _, n in results)
+    return {
+        "object": "list",
+        "data": data,
+        "model": name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
