@@ -3,7 +3,9 @@
 
 Contract
 - input: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": {...}}}`,
-  or this server's `{"type": "regex", "regex": "..."}`.
+  or this server's `{"type": "regex", "regex": "..."}`, `{"type": "choice", "choice": [str, ...]}`
+  (the output is one of the strings) and `{"type": "grammar", "grammar": "..."}` (a Lark grammar
+  in llguidance's dialect, or a GBNF one, llama.cpp's, told apart by its `::=` rules).
 - output: `grammar_for(...)` -> the llguidance grammar (JSON text) the worker runs
   (worker/grammar.py); ValueError naming the problem (a schema llguidance cannot compile, an
   unknown type, more than MAX_GRAMMAR_BYTES).
@@ -48,13 +50,45 @@ def grammar_for(response_format: dict) -> str:
             raise ValueError(f"json_schema.schema: {len(text)} bytes, more than {MAX_GRAMMAR_BYTES}")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
     elif kind == "regex":
-        regex = response_format.get("regex")
-        if not isinstance(regex, str) or not regex or len(regex) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"regex: required, a non-empty string of at most {MAX_GRAMMAR_BYTES} bytes")
-        grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+        grammar = llguidance.LLMatcher.grammar_from_regex(_text(response_format, "regex"))
+    elif kind == "choice":
+        grammar = llguidance.LLMatcher.grammar_from_lark(_choice_lark(response_format.get("choice")))
+    elif kind == "grammar":
+        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(_text(response_format, "grammar")))
     else:
-        raise ValueError(f"type: must be text, json_object, json_schema or regex, got {kind!r}")
+        raise ValueError(
+            f"type: must be text, json_object, json_schema, regex, choice or grammar, got {kind!r}"
+        )
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
         raise ValueError(problem)
     return grammar
+
+
+def _text(response_format: dict, key: str) -> str:
+    value = response_format.get(key)
+    if not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{key}: required, a non-empty string of at most {MAX_GRAMMAR_BYTES} bytes")
+    return value
+
+
+def _choice_lark(options) -> str:
+    """`start: "a" | "b" ...`: the output is exactly one of the strings (JSON escapes in the literals)."""
+    if not (isinstance(options, list) and options and all(isinstance(o, str) and o for o in options)):
+        raise ValueError("choice: required, a non-empty list of non-empty strings")
+    literals = " | ".join(json.dumps(o) for o in options)
+    if len(literals) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"choice: {len(literals)} bytes, more than {MAX_GRAMMAR_BYTES}")
+    return f"start: {literals}\n"
+
+
+def _lark(grammar: str) -> str:
+    """A Lark grammar as is; a GBNF one (llama.cpp's `root ::= ...`) converted by llguidance."""
+    if "::=" not in grammar:
+        return grammar
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except GbnfToLarkError as exc:
+        raise ValueError(f"GBNF: {exc}") from None

@@ -52,6 +52,14 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
         req.response_format.json_schema = schema
     elif a.regex:
         req.response_format.regex = a.regex
+    elif a.choice:
+        req.response_format.choice.options.extend(a.choice)
+    elif a.grammar:
+        grammar = a.grammar
+        if os.path.isfile(grammar):
+            with open(grammar, encoding="utf-8") as f:
+                grammar = f.read()
+        req.response_format.grammar = grammar
     return req
 
 
@@ -78,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
         "--json-schema", default=None, help="structured output: a JSON Schema (JSON text or a file)"
     )
     fmt.add_argument("--regex", default=None, help="structured output: text matching this regex")
+    fmt.add_argument("--choice", nargs="+", default=None, help="structured output: one of these strings")
+    fmt.add_argument(
+        "--grammar", default=None, help="structured output: a Lark or GBNF grammar (the text or a file)"
+    )
     p.add_argument("--timeout-s", type=float, default=None, help="deadline for the whole call")
     p.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA (PEM)")

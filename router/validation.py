@@ -260,7 +260,9 @@ def _grammar(kind: str, value: str) -> str:
         except (ValueError, RecursionError):
             raise ValueError("is not valid JSON") from None
         return grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
-    return grammar_for({"type": "regex", "regex": value})
+    if kind == "choice":
+        return grammar_for({"type": "choice", "choice": json.loads(value)})
+    return grammar_for({"type": kind, kind: value})  # regex, grammar
 
 
 def _response_format(req: pb.GenerateRequest) -> dict:
@@ -273,6 +275,8 @@ def _response_format(req: pb.GenerateRequest) -> dict:
     _check(not req.stopping.ignore_eos, field, "ends its output with EOS: not with stopping.ignore_eos")
     _check(kind != "json_object" or req.response_format.json_object, field, "must be true when set")
     value = getattr(req.response_format, kind) if kind != "json_object" else ""
+    if kind == "choice":  # a hashable form for the cache; its size is bounded like a schema's
+        value = json.dumps(list(value.options))
     _check(len(value) <= MAX_GRAMMAR_BYTES, field, f"{len(value)} bytes, more than {MAX_GRAMMAR_BYTES}")
     try:
         return {"grammar": _grammar(kind, value)}

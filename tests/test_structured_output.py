@@ -56,7 +56,12 @@ def schema_grammar(schema: dict) -> str:
         ({"type": "json_schema", "json_schema": {}}, "json_schema.schema: required"),
         ({"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70_000]}}}, "more than"),
         ({"type": "regex", "regex": "(unclosed"}, ""),
-        ({"type": "yaml"}, "must be text, json_object, json_schema or regex"),
+        ({"type": "yaml"}, "must be text, json_object, json_schema, regex, choice or grammar"),
+        ({"type": "choice", "choice": []}, "choice: required, a non-empty list"),
+        ({"type": "choice", "choice": ["a", ""]}, "choice: required, a non-empty list"),
+        ({"type": "grammar", "grammar": "root ::= ("}, "GBNF:"),
+        ({"type": "grammar", "grammar": "start: undefined_rule"}, "unknown name"),
+        ({"type": "grammar", "grammar": ""}, "grammar: required"),
     ],
 )
 def test_bad_formats_raise_naming_the_problem(fmt, problem):
@@ -228,4 +233,8 @@ def test_dev_client_sends_each_format(tmp_path):
     assert json.loads(parse("--json-schema", str(schema)).response_format.json_schema) == PERSON
     assert parse("--json-schema", '{"type": "integer"}').response_format.json_schema == '{"type": "integer"}'
     assert parse("--regex", "[0-9]+").response_format.regex == "[0-9]+"
+    assert list(parse("--choice", "yes", "no").response_format.choice.options) == ["yes", "no"]
+    assert parse("--grammar", 'root ::= "a"').response_format.grammar == 'root ::= "a"'
+    (tmp_path / "g.gbnf").write_text('root ::= "b"')
+    assert parse("--grammar", str(tmp_path / "g.gbnf")).response_format.grammar == 'root ::= "b"'
     assert parse().response_format.WhichOneof("kind") is None

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.openai.formats import FormatError, parse_format
 from router.openai.tools import ToolMode, ToolsError, parse_tools
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
@@ -209,25 +210,6 @@ def _unsupported(body: dict, chat: bool) -> None:
             raise _bad("best_of", "only best_of = 1 is supported")
 
 
-def _response_format(body: dict, req: pb.GenerateRequest) -> None:
-    """`{"type": "text"}` (or none), `{"type": "json_object"}`, or `{"type": "json_schema",
-    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: structured output."""
-    fmt = _get(body, "response_format", (dict,), "an object")
-    kind = (fmt or {}).get("type", "text")
-    if kind == "text":
-        return
-    if kind == "json_object":
-        req.response_format.json_object = True
-    elif kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise _bad("response_format", "json_schema.schema: required, a JSON Schema object")
-        req.response_format.json_schema = json.dumps(schema)
-    else:
-        raise _bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
-
-
 def _logprobs(body: dict, chat: bool, s: pb.SamplingParams, out: Parsed) -> None:
     if chat:
         out.logprobs = bool(_get(body, "logprobs", (bool,), "a boolean"))
@@ -325,7 +307,10 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
     _logprobs(body, chat, req.sampling, out)
     _stopping(body, chat, req.stopping, out)
     req.priority = _int(body, "priority", -INT32_MAX - 1) or 0
-    _response_format(body, req)
+    try:
+        parse_format(body, req, out.params)
+    except FormatError as exc:
+        raise _bad(exc.param, exc.problem) from None
     if chat:
         try:
             out.tools = parse_tools(body, req.chat, req)
