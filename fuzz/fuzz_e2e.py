@@ -12,7 +12,8 @@ Contract
   `ListModels`, 16 at a time. Every status must be one a client can act on (tests/test_fuzz_e2e.py
   ALLOWED): never UNKNOWN or INTERNAL; a stream that ends OK ends with exactly one Finished.
 - HTTP (the OpenAI-compatible front, router/openai): `/v1/chat/completions` and `/v1/completions`
-  (streamed or not) with bodies from valid to hostile (wrong types, huge and non-finite numbers,
+  (streamed or not; other servers' structured-output parameters among the fields), `/v1/embeddings`,
+  with bodies from valid to hostile (wrong types, huge and non-finite numbers,
   deep nesting, unknown fields, invalid JSON, non-UTF-8 bytes, huge strings), bad keys, and
   `GET /v1/models`. Every response must be below 500.
 - afterwards the worker's KV pool is whole, the router still serves, and its log holds no
@@ -149,7 +150,27 @@ PARAMS = [
     "echo",
     "suffix",
     "best_of",
+    *("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+    *("json_schema", "grammar", "regex", "ebnf"),
 ]
+HOSTILE_INPUTS = [
+    *("", "x", "é" * 50, "\x00", "word " * 9000),
+    *(["a", "b"], ["a", ""], [1, 2], [[1], [2]], [[]], [], [True], [-1], [[2**40]], [["a"]]),
+    *(["x"] * 2049, [{"a": 1}], None, 5, {"input": "x"}),
+]
+
+
+def hostile_embedding(rng: random.Random, model: str) -> bytes:
+    body: dict = {"model": model, "input": rng.choice(HOSTILE_INPUTS)}
+    for name, values in (
+        ("encoding_format", ["float", "base64", "int8", 1, None]),
+        ("pooling", ["last", "mean", "max", 0, None]),
+        ("normalize", [True, False, "yes", None]),
+        ("dimensions", [None, 8, -1, "x"]),
+    ):
+        if rng.random() < 0.3:
+            body[name] = rng.choice(values)
+    return json.dumps(body).encode()
 
 
 def hostile_body(rng: random.Random, model: str, chat: bool) -> bytes:
@@ -255,7 +276,9 @@ async def run_http(base: str, model: str, rng: random.Random, n: int) -> collect
         key = rng.choices([FUZZ_KEY, WRONG_KEY, "", "k" * 5000], weights=[90, 4, 3, 3])[0]
         if r < 0.03:
             call = ("GET", f"{base}/models", None)
-        elif r < 0.06:  # the token endpoints (vLLM's paths, beside /v1)
+        elif r < 0.1:
+            call = ("POST", f"{base}/embeddings", hostile_embedding(rng, model))
+        elif r < 0.13:  # the token endpoints (vLLM's paths, beside /v1)
             root = base.removesuffix("/v1")
             if rng.random() < 0.5:
                 call = ("POST", f"{root}/tokenize", hostile_body(rng, model, rng.random() < 0.5))
