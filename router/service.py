@@ -137,6 +137,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             obs.finish()
 
+    def tenant_of(self, context):
+        """The tenant a call's key names (AuthError otherwise): the limits a front that fans one
+        request out into several calls sizes itself to (router/openai/embeddings.py)."""
+        return self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+
     async def _generate(self, request: pb.GenerateRequest, context, obs: RequestObservation):
         arrival_s = time.monotonic()
         self._drain.enter()

@@ -23,6 +23,8 @@ from router.openai.embeddings import MAX_INPUTS
 from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker: the shared stack's fixtures
     AUTH,
     KEY,
+    LIMITED_KEY,
+    PAIR_KEY,
     client,
     http_url,
     post,
@@ -115,6 +117,8 @@ def test_batches_base64_token_ids_and_usage(client, router):
         ({"input": "a", "dimensions": 64}, "dimensions", "dimensions: not supported"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "encoding_format: must be float"),
         ({"input": "a", "pooling": "max"}, "pooling", "pooling: must be last or mean"),
+        ({"input": "a", "pooling": ["mean"]}, "pooling", "pooling: must be last or mean"),
+        ({"input": 7}, "input", "input: must be a string, a list of strings, or token ids, got int"),
         ({"input": "a", "normalize": "yes"}, "normalize", "normalize: must be a boolean"),
         ({"input": "a", "model": "gpt-9"}, "model", "model: unknown model"),
     ],
@@ -138,3 +142,15 @@ def test_bad_key_and_grpc_pooling_limits(client, router, stub):
         list(stub.Generate(request, metadata=AUTH, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("stopping.max_tokens: must be 1 (or unset) with sampling.pooling")
+
+
+def test_batches_fit_the_tenants_limits(router):
+    """Each input is one request to admission: a tenant with max_concurrency 2 gets a batch of 5
+    through two at a time; a batch larger than a tenant's request burst (1) could never be admitted
+    whole, a 400 saying so (not a 429 whose Retry-After cannot help)."""
+    url = f"{http_url(router)}/embeddings"
+    status, reply = post(url, json.dumps({"input": TEXTS + TEXTS[:2]}).encode(), PAIR_KEY)
+    assert status == 200 and [d["index"] for d in reply["data"]] == [0, 1, 2, 3, 4], reply
+    status, reply = post(url, json.dumps({"input": TEXTS[:2]}).encode(), LIMITED_KEY)
+    assert status == 400 and reply["error"]["param"] == "input", reply
+    assert "more than the 1 requests tenant limited may send at once" in reply["error"]["message"]

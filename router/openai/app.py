@@ -41,7 +41,7 @@ from contextlib import aclosing, suppress
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -309,9 +309,13 @@ def create_app(
             served = models()
             name = parsed.model or (next(iter(served)) if len(served) == 1 else "")
             ctx = HttpCallContext(request)
-            results = await until_disconnected(request, embeddings.embed(lambda r: observed(r, ctx), parsed))
-            body = embeddings.answer(parsed, name, results)
-            return JSONResponse(body, headers={"x-request-id": request_id})
+            limit = embeddings.in_flight(service.tenant_of(ctx), len(parsed.requests))
+            work = embeddings.embed(lambda r: observed(r, ctx), parsed, limit)
+            results = await until_disconnected(request, work)
+            vectors = await embeddings.checked(parsed, results)
+            body = embeddings.answer(parsed, name, vectors, sum(n for _, n in results))
+            headers = {"x-request-id": request_id}
+            return StreamingResponse(body, media_type="application/json", headers=headers)
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front

@@ -11,11 +11,14 @@ Contract
   the worker pools the prompt's final hidden states and the generated token is left out), so
   authentication, admission, the fair queue, retries and cancellation are those of generations. At
   most `IN_FLIGHT` calls of one HTTP request run at once (a batch of 2,048 inputs is not 2,048
-  admissions at once); the first failure cancels the others and is the answer's status.
-- failure modes: `ApiError(400)` naming the parameter: no input, an empty string or token list, more
-  than MAX_INPUTS inputs, a wrong type, `dimensions` (the model's hidden size is what it is), an
-  unknown `encoding_format` or `pooling`; an input longer than the model's context is a 400 naming
-  `input[i]`; the pipeline's other errors as for completions (router/openai/app.py).
+  admissions at once), fewer for a tenant whose concurrency or queue cap is lower
+  (`in_flight`); the first failure cancels the others and is the answer's status. The answer is
+  sent in pieces (`answer`), so encoding a large one does not hold the event loop.
+- failure modes: `ApiError(400)` naming the parameter: no input, an empty string or token list,
+  more than MAX_INPUTS inputs or than the tenant's request burst, a wrong type, `dimensions` (the
+  model's hidden size is what it is), an unknown `encoding_format` or `pooling`; an input longer
+  than the model's context is a 400 naming `input[i]`; a non-finite vector is a 500 before the
+  answer starts; the pipeline's other errors as for completions (router/openai/app.py).
 - state: none.
 - proven by: tests/test_openai_embeddings_e2e.py (the openai SDK against real router and worker
   processes: the vectors against gRPC's, base64, batches, token ids, usage, the 400 table).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import struct
 from collections.abc import AsyncIterator, Callable
@@ -63,8 +67,10 @@ def _inputs(value) -> list[str | list[int]]:
         inputs = [value]
     elif isinstance(value, list) and value:
         inputs = value
-    else:
+    elif isinstance(value, list):
         raise _bad("input", "must not be empty")
+    else:
+        raise _bad("input", f"must be a string, a list of strings, or token ids, got {type(value).__name__}")
     if len(inputs) > MAX_INPUTS:
         raise _bad("input", f"at most {MAX_INPUTS} inputs, got {len(inputs)}")
     for i, one in enumerate(inputs):
@@ -97,9 +103,10 @@ def parse_embeddings(body: object, request_id: str) -> EmbeddingRequest:
     if body.get("dimensions") is not None:
         raise _bad("dimensions", "not supported: embeddings have the model's hidden size")
     pooling = body.get("pooling") or "last"
-    if pooling not in POOLINGS:
+    if not isinstance(pooling, str) or pooling not in POOLINGS:
         raise _bad("pooling", f"must be last or mean, got {pooling!r}")
-    normalize = body.get("normalize", True)
+    normalize = body.get("normalize")
+    normalize = True if normalize is None else normalize
     if not isinstance(normalize, bool):
         raise _bad("normalize", f"must be a boolean, got {type(normalize).__name__}")
     requests = []
@@ -141,10 +148,29 @@ async def _embed_one(events: AsyncIterator, index: int) -> tuple[list[float], in
     raise RouterError("the generation stream ended without a finish")
 
 
-async def embed(call: Callable[[pb.GenerateRequest], AsyncIterator], parsed: EmbeddingRequest):
-    """[(vector, prompt tokens)] in input order; at most IN_FLIGHT calls at once, the first failure
+def in_flight(tenant, num_inputs: int) -> int:
+    """How many of a request's calls run at once for this tenant: IN_FLIGHT, at most its
+    concurrency and queue caps (each input is one request to admission). A batch larger than the
+    tenant's request burst could never be admitted whole: a 400 that says how many fit."""
+    burst = tenant.burst_requests
+    if burst is None and tenant.rate_requests_per_s is not None:
+        burst = max(1.0, tenant.rate_requests_per_s)  # the default burst: one second's worth
+    if burst is not None and num_inputs > burst:
+        raise _bad(
+            "input",
+            f"{num_inputs} inputs, more than the {int(burst)} requests tenant {tenant.name} may send at once "
+            "(each input counts as one request): send smaller batches",
+        )
+    caps = [c for c in (tenant.max_concurrency, tenant.max_queued) if c is not None]
+    return min([IN_FLIGHT, *caps])
+
+
+async def embed(
+    call: Callable[[pb.GenerateRequest], AsyncIterator], parsed: EmbeddingRequest, limit: int = IN_FLIGHT
+):
+    """[(vector, prompt tokens)] in input order; at most `limit` calls at once, the first failure
     cancels the rest and is raised."""
-    slots = asyncio.Semaphore(IN_FLIGHT)
+    slots = asyncio.Semaphore(limit)
 
     async def one(index: int, req: pb.GenerateRequest):
         async with slots:
@@ -159,23 +185,35 @@ async def embed(call: Callable[[pb.GenerateRequest], AsyncIterator], parsed: Emb
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _normalized(vector: list[float]) -> list[float]:
-    norm = math.sqrt(math.fsum(v * v for v in vector))
-    return [v / norm for v in vector] if norm > 0 else vector
+async def checked(parsed: EmbeddingRequest, results: list[tuple[list[float], int]]) -> list[list[float]]:
+    """The vectors, L2-normalized when asked; a non-finite value (a broken model) is an error, found
+    before the answer starts. Yields to the event loop every few vectors (pure Python: ~3 ms for
+    4,096 floats)."""
+    vectors = []
+    for k, (vector, _) in enumerate(results):
+        try:
+            norm = math.sqrt(math.fsum(v * v for v in vector))
+        except (ValueError, OverflowError):  # inf - inf, nan
+            norm = math.nan
+        if not math.isfinite(norm):
+            raise RouterError("the model returned a non-finite embedding")
+        vectors.append([v / norm for v in vector] if parsed.normalize and norm > 0 else vector)
+        if k % 16 == 15:
+            await asyncio.sleep(0)
+    return vectors
 
 
-def answer(parsed: EmbeddingRequest, name: str, results: list[tuple[list[float], int]]) -> dict:
-    data = []
-    for index, (vector, _) in enumerate(results):
-        if parsed.normalize:
-            vector = _normalized(vector)
+async def answer(
+    parsed: EmbeddingRequest, name: str, vectors: list[list[float]], prompt_tokens: int
+) -> AsyncIterator[bytes]:
+    """The response body, JSON in pieces of a few vectors: the event loop serves others between
+    them (2,048 vectors of 4,096 floats are ~175 MB of JSON, ~10 s to encode)."""
+    yield b'{"object":"list","data":['
+    for index, vector in enumerate(vectors):
+        embedding = vector
         if parsed.base64:
-            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        data.append({"object": "embedding", "index": index, "embedding": vector})
-    tokens = sum(n for _, n in results)
-    return {
-        "object": "list",
-        "data": data,
-        "model": name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+            embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        item = {"object": "embedding", "index": index, "embedding": embedding}
+        yield (b"," if index else b"") + json.dumps(item, separators=(",", ":")).encode()
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    yield f'],"model":{json.dumps(name)},"usage":{json.dumps(usage)}}}'.encode()
