@@ -9,13 +9,16 @@ Contract
   equal to the batch (it computes a request's inputs in that many slots; ours runs 16 at once).
 - protocol: TEXTS word windows of 8 to 120 words cut from PARAGRAPHS at seeded random places; a
   side is started alone, sent one unmeasured request, then (1) every text in requests of `--batch`
-  inputs, one request at a time, and (2) 16 requests of one text each (the latency of a single
-  query); encoding_format float, each vector L2-normalized by the server.
+  inputs, one request at a time, (2) the first 16 texts again, one per request (each vector
+  compared with the same text's from (1): a server's vector should not depend on the batch it
+  came in), and (3) 16 texts no side has seen (prefixed with the side, so no prefix cache helps),
+  one per request: the latency of a single query; encoding_format float, each vector
+  L2-normalized by the server.
 - output: per side and pooling: inputs/s and prompt tokens/s of (1) (usage.prompt_tokens), the
-  median latency of (2), and the agreement of our vectors with llama.cpp's (cosine per text: mean
-  and minimum): two implementations of one model, so a wrong pooling, norm or position shows as
-  a low cosine. A JSON file and a markdown table in results/ (docs/benchmarks.md, "Embeddings
-  side by side"), the CPU model and git revision with it.
+  median latency of (3), the lowest cosine of (2), and the agreement of our vectors with
+  llama.cpp's (cosine per text: mean and minimum): two implementations of one model, so a wrong
+  pooling, norm or position shows as a low cosine. A JSON file and a markdown table in results/
+  (docs/benchmarks.md, "Embeddings side by side"), the CPU model and git revision with it.
 - failure modes: a side that fails to start is reported with its log tail and the others still
   run; a failed request raises (an embedding run has no partial result worth a rate).
 - proven by: tests/test_pooling.py and tests/test_openai_embeddings_e2e.py (the vectors against
@@ -69,20 +72,25 @@ def embed(url: str, inputs: list[str], pooling: str, timeout_s: float = 600.0) -
     return vectors, answer["usage"]["prompt_tokens"], seconds
 
 
-def measure(url: str, texts: list[str], pooling: str, batch: int) -> dict:
+def measure(url: str, texts: list[str], fresh: list[str], pooling: str, batch: int) -> dict:
+    """`texts` in batches, then the first SINGLES of them alone (the same vectors?), then `fresh`
+    texts alone (the latency of a query no cache has seen)."""
     embed(url, texts[:2], pooling)  # unmeasured: first-request costs
     vectors, tokens, seconds = [], 0, 0.0
     for k in range(0, len(texts), batch):
         got, n, s = embed(url, texts[k : k + batch], pooling)
         vectors += got
         tokens, seconds = tokens + n, seconds + s
-    singles = [embed(url, [text], pooling)[2] for text in texts[:SINGLES]]
+    singles = [embed(url, [text], pooling) for text in texts[:SINGLES]]
+    latency = [embed(url, [text], pooling)[2] for text in fresh]
     return {
         "inputs_per_s": len(texts) / seconds,
         "tokens_per_s": tokens / seconds,
         "prompt_tokens": tokens,
-        "single_ms_p50": statistics.median(singles) * 1000,
+        "single_ms_p50": statistics.median(latency) * 1000,
         "dim": len(vectors[0]),
+        # the same text alone and in a batch: a server's vectors should not depend on the company
+        "alone_vs_batch_min": min(cosine(v, got[0]) for v, (got, _, _) in zip(vectors, singles)),
         "vectors": vectors,
     }
 
@@ -144,6 +152,7 @@ def summarize(raw: dict) -> dict:
             for key in ("inputs_per_s", "tokens_per_s", "single_ms_p50", "prompt_tokens")
         }
         out[side]["dim"] = runs[0]["dim"]
+        out[side]["alone_vs_batch_min"] = min(r["alone_vs_batch_min"] for r in runs)
         ours = raw.get(f"ours {pooling}")
         if ours and not side.startswith("ours"):
             cosines = [cosine(a, b) for a, b in zip(ours[0]["vectors"], runs[0]["vectors"])]
@@ -160,8 +169,8 @@ def markdown(res: dict) -> str:
         f"`{res['command']}`",
         "",
         "| side | pooling | inputs/s | prompt tok/s | one text, p50 ms | x llama.cpp (inputs/s) "
-        "| cosine to ours (mean / min) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| cosine to ours (mean / min) | alone vs in a batch (min cosine) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for side, row in s.items():
         name, pooling = side.rsplit(" ", 1)
@@ -170,7 +179,8 @@ def markdown(res: dict) -> str:
         cos = f"{row['cosine_mean']:.4f} / {row['cosine_min']:.4f}" if "cosine_mean" in row else "-"
         lines.append(
             f"| {name} | {pooling} | {row['inputs_per_s']:.1f} | {row['tokens_per_s']:.0f} | "
-            f"{row['single_ms_p50']:.0f} | {ratio if name == 'ours' else '1.00x'} | {cos} |"
+            f"{row['single_ms_p50']:.0f} | {ratio if name == 'ours' else '1.00x'} | {cos} | "
+            f"{row['alone_vs_batch_min']:.4f} |"
         )
     tokens = ", ".join(f"{side} {row['prompt_tokens']:.0f}" for side, row in s.items())
     dims = sorted({row["dim"] for row in s.values()})
@@ -223,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     for pooling in side.poolings:
                         key = f"{name.split(' ')[0]} {pooling}"
-                        res["raw"].setdefault(key, []).append(measure(url, texts, pooling, args.batch))
+                        # fresh texts per side, round and pooling: no prefix cache has seen them
+                        fresh = make_texts(SINGLES, args.seed + 1 + len(res["raw"].get(key, ())))
+                        fresh = [f"{key} {k}: {t}" for k, t in enumerate(fresh)]
+                        result = measure(url, texts, fresh, pooling, args.batch)
+                        res["raw"].setdefault(key, []).append(result)
                         rate = res["raw"][key][-1]["inputs_per_s"]
                         print(key, "round", rnd, f"{rate:.1f} inputs/s", flush=True)
                 finally:
