@@ -61,7 +61,7 @@ from worker.model.llama import LlamaModel
 from worker.pooling import chunk_sums, last_rows, pooled_chunks
 from worker.prompt_logprobs import score_prompt_rows, scored_chunks
 from worker.sampler import RequestSampler, SampledTokens
-from worker.sampling_ops import on_device
+from worker.sampling_ops import fused_sampler, take_rows
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,9 @@ class ModelRunner:
             assert prev is not None, "placeholders to feed without the step that samples them"
             rows = prev.rows  # {request_id: row}, built once per step
             feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
-        hidden, sampling, (prompt, sums) = self._forward(plan, feed, scored_chunks(plan), pooled_chunks(plan))
+        reads = [(i, s) for i, s in enumerate(plan.scheduled) if s.seq.reads_prompt]  # mostly none
+        scored, pooled = scored_chunks(reads), pooled_chunks(reads)
+        hidden, sampling, (prompt, sums) = self._forward(plan, feed, scored, pooled)
         if not sampling:
             out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))
         elif plan.drafted:  # speculative decoding: keep the drafts the sampled rows confirm
@@ -338,7 +340,7 @@ class ModelRunner:
         else:
             out = self._sample(sampling, hidden)
         out.prompt, out.pool_sums = prompt, sums
-        out.embeddings = last_rows(hidden, sampling) if sampling else []
+        out.embeddings = last_rows(hidden, sampling) if reads and sampling else []
         return out
 
     def _forward(
@@ -394,24 +396,3 @@ class ModelRunner:
             return self.model.compute_logits(hidden, upcast=upcast)
 
         return self.sampler.sample(sampling, logits, self.logits_observer, drafted)
-
-
-def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows] for increasing rows; all of them (the decode case) is a view. The index reaches
-    the device through pinned memory (`hidden[list]` copies it from pageable memory, which makes the
-    host wait for the forward)."""
-    if len(rows) == hidden.shape[0]:
-        return hidden
-    return hidden.index_select(0, on_device(rows, hidden.device, torch.int64))
-
-
-def fused_sampler(device: torch.device):
-    """The fused Triton sampling kernel on CUDA (worker/kernels/triton_sampling.py), else None."""
-    if device.type != "cuda":
-        return None
-    try:
-        from worker.kernels.triton_sampling import fused_sample
-    except ImportError:  # no triton: the torch sampler
-        log.warning("triton is not importable: sampling runs on the torch path")
-        return None
-    return fused_sample

@@ -1,8 +1,9 @@
 """Pooling: a prompt's final hidden states as one vector, an embedding (`SamplingParams.pooling`).
 
 Contract
-- `pooled_chunks(plan) -> [(index in plan.scheduled, ScheduledSeq)]`: the shares of a step that
-  compute prompt positions of a "mean" sequence (every chunk: a recomputation after preemption
+- `pooled_chunks(shares) -> [(index in plan.scheduled, ScheduledSeq)]`: of a step's (index, share)
+  pairs whose sequence reads prompt rows (`Sequence.reads_prompt`), the shares that compute prompt
+  positions of a "mean" sequence (every chunk: a recomputation after preemption
   starts again from position 0, since such a prompt takes no prefix-cache hit).
 - `chunk_sums(hidden [T, C], starts [S + 1], chunks) -> [(sequence, first position, rows, sum)]`:
   per chunk, the float32 sum [C] of its prompt rows' hidden states; one host copy for the step.
@@ -21,15 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from worker.plan import ScheduledSeq, SchedulerOutput
+from worker.plan import ScheduledSeq
 
 
-def pooled_chunks(plan: SchedulerOutput) -> list[tuple[int, ScheduledSeq]]:
-    return [
-        (i, s)
-        for i, s in enumerate(plan.scheduled)
-        if s.seq.sampling.pooling == "mean" and s.start < len(s.seq.prompt_token_ids)
-    ]
+def pooled_chunks(shares: list[tuple[int, ScheduledSeq]]) -> list[tuple[int, ScheduledSeq]]:
+    mean = [(i, s) for i, s in shares if s.seq.sampling.pooling == "mean"]
+    return [(i, s) for i, s in mean if s.start < len(s.seq.prompt_token_ids)]
 
 
 def chunk_sums(

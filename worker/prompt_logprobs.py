@@ -1,7 +1,8 @@
 """Prompt logprobs: how likely the model finds each token of a prompt (`SamplingParams.prompt_logprobs`).
 
 Contract
-- `scored_chunks(plan) -> [(index in plan.scheduled, ScheduledSeq)]`: the shares of a step that
+- `scored_chunks(shares) -> [(index in plan.scheduled, ScheduledSeq)]`: of a step's (index,
+  share) pairs whose sequence reads prompt rows (`Sequence.reads_prompt`), the shares that
   compute prompt positions still to be scored (asked for, the chunk has a position whose next
   token is in the prompt, and the sequence does not hold every entry yet: a recomputation after
   preemption scores nothing).
@@ -20,17 +21,17 @@ from __future__ import annotations
 import torch
 
 from worker.sampling_ops import on_device
-from worker.scheduler import ScheduledSeq, SchedulerOutput
+from worker.scheduler import ScheduledSeq
 from worker.types import Logprob
 
 ROWS = 256  # prompt rows whose float32 logits are held at once
 
 
-def scored_chunks(plan: SchedulerOutput) -> list[tuple[int, ScheduledSeq]]:
+def scored_chunks(shares: list[tuple[int, ScheduledSeq]]) -> list[tuple[int, ScheduledSeq]]:
     return [
         (i, s)
-        for i, s in enumerate(plan.scheduled)
-        if s.seq.sampling.prompt_logprobs is not None  # (the cheap test first: every share, every step)
+        for i, s in shares
+        if s.seq.sampling.prompt_logprobs is not None
         and s.start < len(s.seq.prompt_token_ids) - 1
         and s.seq.needs_prompt_logprobs
     ]

@@ -21,17 +21,22 @@ Order of the steps, as vLLM applies them:
 Logprobs are log-softmax of the raw logits (before bias, penalties, temperature and truncation), as
 vLLM reports them; with `top_logprobs` N each is a `worker.types.Logprob` carrying the N most
 likely tokens.
+Also the model runner's helpers around sampling: `take_rows` (the sampling rows of the hidden
+states) and `fused_sampler` (the Triton kernel on CUDA).
 Proven by tests/test_sampler.py: reproducibility and distribution tests, and every step against
 the pure-Python reference in worker/sampler_reference.py (logits, drawn tokens, top-N logprobs).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from worker.types import Logprob, SamplingParams
+
+log = logging.getLogger(__name__)
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, prompt + output ids)
 
@@ -207,3 +212,24 @@ def sample(
 ) -> tuple[list[int], list[float] | None]:
     tokens, logprobs = sample_tokens(logits, params, generators, histories)
     return tokens.tolist(), logprobs
+
+
+def take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] for increasing rows; all of them (the decode case) is a view. The index reaches
+    the device through pinned memory (`hidden[list]` copies it from pageable memory, which makes the
+    host wait for the forward)."""
+    if len(rows) == hidden.shape[0]:
+        return hidden
+    return hidden.index_select(0, on_device(rows, hidden.device, torch.int64))
+
+
+def fused_sampler(device: torch.device):
+    """The fused Triton sampling kernel on CUDA (worker/kernels/triton_sampling.py), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from worker.kernels.triton_sampling import fused_sample
+    except ImportError:  # no triton: the torch sampler
+        log.warning("triton is not importable: sampling runs on the torch path")
+        return None
+    return fused_sample

@@ -58,6 +58,9 @@ class Sequence:
     embedding: list[float] | None = None
     pool_sum: object | None = None
     pool_upto: int = 0
+    # Prompt logprobs or pooling asked for: its steps read prompt rows (one attribute the model
+    # runner checks per share per step, instead of the sampling fields)
+    reads_prompt: bool = field(init=False)
     # Stop conditions, precomputed (host time per sequence per step): the token ids that end it
     # and the length at which it ends (`Scheduler.add` adds the EOS ids and max_model_len).
     stop_ids: frozenset[int] = field(init=False)
@@ -71,6 +74,7 @@ class Sequence:
         self.stop_ids = frozenset(self.sampling.stop_token_ids)
         self.max_num_tokens = len(self.prompt_token_ids) + self.sampling.max_tokens
         self.order = (-self.priority, self.arrival_s)
+        self.reads_prompt = self.sampling.prompt_logprobs is not None or bool(self.sampling.pooling)
 
     @property
     def num_prompt_tokens(self) -> int:
