@@ -6,6 +6,10 @@ Contract
   or this server's `{"type": "regex", "regex": "..."}`, `{"type": "choice", "choice": [str, ...]}`
   (the output is one of the strings) and `{"type": "grammar", "grammar": "..."}` (a Lark grammar
   in llguidance's dialect, or a GBNF one, llama.cpp's, told apart by its `::=` rules).
+- `after_thinking(grammar, opened, open_id, close_id)`: a reasoning model's form of a grammar:
+  free text up to the `</think>` token (required when the model's template opens the think
+  block, else optional), whitespace, then the grammar's language (vLLM's structured output with a
+  reasoning parser).
 - output: `grammar_for(...)` -> the llguidance grammar (JSON text) the worker runs
   (worker/grammar.py); ValueError naming the problem (a schema llguidance cannot compile, an
   unknown type, more than MAX_GRAMMAR_BYTES).
@@ -16,6 +20,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import json
 
 try:
@@ -92,3 +97,26 @@ def _lark(grammar: str) -> str:
         return gbnf_to_lark(grammar)
     except GbnfToLarkError as exc:
         raise ValueError(f"GBNF: {exc}") from None
+
+
+# The think block's text: anything but a spelled-out "</think>" (the block ends with the token);
+# then at most 8 whitespace characters ("\n\n" after R1's block; unbounded, a model could write
+# whitespace until max_tokens).
+_THOUGHT = "THOUGHT: /(?s:.*)/ & ~/(?s:.*<\\/think>.*)/\nws: /[ \\t\\n]{0,8}/\n"
+
+
+@functools.lru_cache(maxsize=64)
+def after_thinking(grammar: str, opened: bool, open_id: int, close_id: int) -> str:
+    """`grammar` (as `grammar_for` returns it: llguidance's JSON form or Lark text) preceded by a
+    think block: its answer is the same language once the `</think>` token (`close_id`) is
+    written. With `opened` (the template opens the block: the answer starts inside it) the block
+    is required, else optional and opened by the model (the `<think>` token, `open_id`). The
+    tokens are named by id: llguidance takes `<...>` added tokens for special ones, which no text
+    matches."""
+    is_json = grammar.lstrip().startswith("{")
+    top = json.loads(grammar) if is_json else {"grammars": [{"lark_grammar": grammar}]}
+    answer = {**top["grammars"][0], "name": "answer"}
+    block = f"THOUGHT <[{close_id}]> ws"
+    start = f"start: {block} @answer\n" if opened else f"start: (<[{open_id}]> {block})? @answer\n"
+    wrapper = {"name": "think_then_answer", "lark_grammar": start + _THOUGHT}
+    return json.dumps({**top, "grammars": [wrapper, answer, *top["grammars"][1:]]})

@@ -142,6 +142,7 @@ async def serve(config: RouterConfig) -> int:
         metrics=metrics,
         queue_requests=config.queue_requests,
     )
+    service.reasoning = reasoning_modes(models).get  # logged once, here
     generation_pb2_grpc.add_GenerationServicer_to_server(service, base.server)
     http = None
     if config.http_port != -1:  # the OpenAI-compatible front, over the same servicer
@@ -150,7 +151,7 @@ async def serve(config: RouterConfig) -> int:
             registry.models,
             metrics,
             decoder=models.decoder,
-            reasoning=reasoning_modes(models).get,
+            reasoning=service.reasoning,
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             serving=lambda: base.serving,

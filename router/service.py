@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 import jinja2
 
+from common.structured import after_thinking
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.admission import AdmissionController, AdmissionError, Claim
@@ -124,6 +126,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
         self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
+        # model id -> its reasoning mode (router/openai/reasoning.py), None for most: a reasoning
+        # model's structured output holds after its think block (common.structured.after_thinking)
+        self.reasoning: Callable[[str], object | None] = lambda model: None
 
     async def Generate(self, request: pb.GenerateRequest, context):
         obs = RequestObservation(self._metrics, context.invocation_metadata())
@@ -156,6 +161,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise Unavailable("no healthy worker is connected to this router")
             self._check_model(request.model, models)
             req = validate(request, self._limits, models)
+            if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
+                wrapped = after_thinking(req.grammar, mode.opened, mode.open_id, mode.close_id)
+                req = dataclasses.replace(req, grammar=wrapped)
             req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
             tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority

@@ -238,3 +238,36 @@ def test_dev_client_sends_each_format(tmp_path):
     (tmp_path / "g.gbnf").write_text('root ::= "b"')
     assert parse("--grammar", str(tmp_path / "g.gbnf")).response_format.grammar == 'root ::= "b"'
     assert parse().response_format.WhichOneof("kind") is None
+
+
+THINKING = {  # text -> accepted with the block required (opened), optional (not opened)
+    '<o>hm, one.<c>\n\n{"name": "Ann", "age": 31}': (False, True),
+    'hm, one.<c>\n\n{"name": "Ann", "age": 31}': (True, False),
+    '<c>{"name": "Ann", "age": 31}': (True, False),
+    '{"name": "Ann", "age": 31}': (False, True),
+    'hm </think> spelled out<c>{"name": "Ann", "age": 31}': (False, False),  # only the token ends it
+    'hm<c>{"name": "Ann"}': (False, False),  # the answer still keeps the schema
+    'hm<c>{"name": "Ann", "age": 31}<c>': (False, False),
+}
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["opened", "not-opened"])
+def test_after_thinking_runs_the_format_after_the_think_block(opened):
+    """A reasoning model's grammar (common.structured.after_thinking) against llguidance matchers on a
+    vocabulary with <think> and </think> added: free text up to the </think> token, whitespace, then
+    the schema; with `opened` the block is required, else optional and opened by <think>."""
+    from common.structured import after_thinking
+    from tests.tiny_models import build_tokenizer, thinking_tokenizer
+    from worker.grammar import Grammars
+
+    tok, base = thinking_tokenizer("qwen2"), build_tokenizer("qwen2")  # base: "</think>" spelled out
+    open_id, close_id = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    grammars = Grammars(tok.to_str, (tok.token_to_id("<|im_end|>"),))
+    grammar = after_thinking(schema_grammar(PERSON), opened, open_id, close_id)
+    for text, accepted in THINKING.items():
+        ids = []
+        for part in text.replace("<o>", "\0<o>\0").replace("<c>", "\0<c>\0").split("\0"):
+            ids += {"<o>": [open_id], "<c>": [close_id]}.get(part) or (base.encode(part).ids if part else [])
+        matcher = grammars.matcher(grammar)
+        ok = all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+        assert ok == accepted[0 if opened else 1], (text, matcher.get_error()[:300])

@@ -228,13 +228,16 @@ def test_reasoning_is_found_by_the_vocabulary_and_the_template(tmp_path):
         [tokenizers.AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")]
     )
     backend.save(str(tmp_path / "tokenizer.json"))
-    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)) == PLAIN  # ChatML opens none
+    mode = reasoning_of(Tokenizer.from_pretrained_dir(tmp_path))
+    assert mode is not None and not mode.opened  # ChatML opens none
+    vocab = backend.get_vocab()
+    assert (mode.open_id, mode.close_id) == (vocab["<think>"], vocab["</think>"])
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     template = CHATML_TEMPLATE.replace(
         "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"
     )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)) == OPENED
+    assert reasoning_of(Tokenizer.from_pretrained_dir(tmp_path)).opened
 
 
 def _sse_merged(data: bytes) -> tuple[dict, str]:
@@ -287,14 +290,16 @@ def test_a_reasoning_models_answer_streams_as_it_comes_whole(tools):
         assert calls == (_calls(message["tool_calls"]) if tools else [])
 
 
-def test_a_constrained_answer_of_a_reasoning_model_is_not_split():
+def test_a_constrained_answer_of_a_reasoning_model_is_split_and_read_after_thinking():
+    """The grammar runs after the think block (common.structured.after_thinking): the calls are read
+    from the content, the thinking is reasoning_content."""
     from router.openai.responses import Responder
 
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required"}
     parsed = parse(body, chat=True, request_id="r")
     done = pb.Finished(reason=pb.FINISH_REASON_STOP)
-    text = f"[{CALL}]"  # the grammar's output: no </think>, yet a call, not reasoning
+    text = f"The weather, then.</think>\n[{CALL}]"
     [choice] = Responder(parsed, "m", str, OPENED).complete([([pb.TokenChunk(text=text)], done)])["choices"]
-    assert "reasoning_content" not in choice["message"] and _calls(choice["message"]["tool_calls"]) == [
-        ("get_weather", {"city": "Paris"})
-    ]
+    assert choice["message"]["reasoning_content"] == "The weather, then."
+    assert _calls(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]

@@ -229,18 +229,35 @@ def build_tokenizer(kind: str, vocab_size: int = 640) -> Tokenizer:
     return _spm(vocab_size) if kind == "spm" else _byte_level(kind, vocab_size)
 
 
-def write_tokenizer_dir(kind: str, directory: pathlib.Path, eos_ids: list[int] | None = None) -> Tokenizer:
+def thinking_tokenizer(kind: str) -> Tokenizer:
+    """`kind`'s tokenizer with <think> and </think> added as single, not special tokens (as
+    DeepSeek-R1's distills have them): a reasoning model's vocabulary (router/openai/reasoning.py)."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer(kind)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    return tok
+
+
+def write_tokenizer_dir(
+    kind: str,
+    directory: pathlib.Path,
+    eos_ids: list[int] | None = None,
+    tok: Tokenizer | None = None,
+    template: str | None = None,
+) -> Tokenizer:
     """tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, chat template) and a
-    generation_config.json with the eos ids and sampling defaults."""
+    generation_config.json with the eos ids and sampling defaults (`tok` and `template`: other
+    than `kind`'s)."""
     directory.mkdir(parents=True, exist_ok=True)
     spec = SPECS[kind]
-    tok = build_tokenizer(kind)
+    tok = tok or build_tokenizer(kind)
     tok.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": spec["bos"],
         "eos_token": spec["eos"],
-        "chat_template": spec["template"],
+        "chat_template": template or spec["template"],
         "model_max_length": 256,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
@@ -292,12 +309,15 @@ def write_gguf_vocab(kind: str, path: pathlib.Path, tok: Tokenizer | None = None
     return path
 
 
-def write_checkpoint(kind: str, directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """A random tiny checkpoint of `kind`'s architecture with its tokenizer files."""
+def write_checkpoint(
+    kind: str, directory: pathlib.Path, seed: int = 0, template: str | None = None, think: bool = False
+) -> pathlib.Path:
+    """A random tiny checkpoint of `kind`'s architecture with its tokenizer files (`think`: a
+    reasoning model's vocabulary, `thinking_tokenizer`; `template`: another chat template)."""
     import torch
     import transformers
 
-    tok = build_tokenizer(kind)
+    tok = thinking_tokenizer(kind) if think else build_tokenizer(kind)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     common = dict(
         vocab_size=vocab,
@@ -333,7 +353,7 @@ def write_checkpoint(kind: str, directory: pathlib.Path, seed: int = 0) -> pathl
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(directory)
-    write_tokenizer_dir(kind, directory)  # after: save_pretrained writes its own generation_config.json
+    write_tokenizer_dir(kind, directory, tok=tok, template=template)  # after: save_pretrained writes its own
     return directory
 
 

@@ -33,6 +33,8 @@ OPEN, CLOSE = "<think>", "</think>"
 @dataclass(frozen=True)
 class Reasoning:
     opened: bool  # the template opens the think block itself: the answer starts inside it
+    open_id: int = -1  # the <think> and </think> token ids (a grammar names them: after_thinking)
+    close_id: int = -1
 
 
 def reasoning_of(tokenizer) -> Reasoning | None:
@@ -46,8 +48,8 @@ def reasoning_of(tokenizer) -> Reasoning | None:
     try:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
     except Exception:  # noqa: BLE001 - a template that refuses this probe: assume it does not open one
-        return Reasoning(opened=False)
-    return Reasoning(opened=prompt.rstrip().endswith(OPEN))
+        prompt = ""
+    return Reasoning(opened=prompt.rstrip().endswith(OPEN), open_id=ids[0], close_id=ids[1])
 
 
 def reasoning_modes(models) -> dict[str, Reasoning]:

@@ -74,10 +74,9 @@ class Responder:
         reasoning: Reasoning | None = None,
     ):
         self.parsed, self.model, self._decode = parsed, model, decode
-        # a reasoning model's chat answers split, unless a grammar wrote them (response_format, a
-        # required or named tool call: the constrained text is the answer, with no think block)
-        constrained = parsed.request.HasField("response_format")
-        self._reasoning = reasoning if parsed.chat and not constrained else None
+        # a reasoning model's chat answers split at </think>, constrained ones too (the service runs
+        # their grammar after the think block: common.structured.after_thinking)
+        self._reasoning = reasoning if parsed.chat else None
         rid = parsed.request_id or parsed.request.request_id
         self.id = f"chatcmpl-{rid}" if parsed.chat else f"cmpl-{rid}"
         self.object = "chat.completion" if parsed.chat else "text_completion"
