@@ -162,7 +162,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model, models)
             req = validate(request, self._limits, models)
             if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
-                wrapped = after_thinking(req.grammar, mode.opened, mode.open_id, mode.close_id)
+                opened = mode.opened and req.chat is not None  # a raw prompt opens no block itself
+                wrapped = after_thinking(req.grammar, opened, mode.open_id, mode.close_id)
                 req = dataclasses.replace(req, grammar=wrapped)
             req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
