@@ -13,15 +13,22 @@ Contract
 - output: `grammar_for(...)` -> the llguidance grammar (JSON text) the worker runs
   (worker/grammar.py); ValueError naming the problem (a schema llguidance cannot compile, an
   unknown type, more than MAX_GRAMMAR_BYTES).
-- state: none. failure modes: ValueError as above; `available()` says why not where llguidance is
-  not installed.
+- Stack: llguidance's grammar compiler recurses once per level of a grammar (a chain of rules, of
+  `$ref`s); a deep one at the size limit overflows a default 8 MB thread stack, which kills the
+  process (SIGSEGV, not an exception). Grammars are compiled, and matchers built and run, on
+  threads with DEEP_STACK_BYTES of stack: `start_deep(thread)` (the worker's engine threads) and
+  `compile_executor()` (the router's: off its event loop, too).
+- state: the router's compile thread. failure modes: ValueError as above; `available()` says why
+  not where llguidance is not installed.
 - proven by: tests/test_structured_output.py.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
+import threading
 
 try:
     import llguidance
@@ -29,6 +36,36 @@ except ImportError:  # the GPU machine's image, say: constrained requests are re
     llguidance = None
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema larger than this is refused before any compile work
+MAX_GBNF_RULES = 500  # llguidance's GBNF conversion is quadratic in the rules (3,000: 2.4 s)
+# Thread stack for compiling grammars and running matchers: a chain of ~5,000 rules (the size limit)
+# needs well over 8 MB; this is address space, not memory (pages are touched only as used).
+DEEP_STACK_BYTES = 512 * 2**20
+
+
+_STACK_SIZE = threading.Lock()  # threading's stack size is process-wide: one setter at a time
+
+
+def start_deep(thread: threading.Thread) -> None:
+    """`thread.start()` with DEEP_STACK_BYTES of stack (the size applies when a thread starts)."""
+    with _STACK_SIZE:
+        old = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(old)
+
+
+@functools.cache
+def compile_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The router's one grammar-compiling thread, started with DEEP_STACK_BYTES of stack."""
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+    with _STACK_SIZE:
+        old = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            executor.submit(int).result()  # its one thread starts here, with that stack
+        finally:
+            threading.stack_size(old)
+    return executor
 
 
 def available() -> str | None:
@@ -91,11 +128,14 @@ def _lark(grammar: str) -> str:
     """A Lark grammar as is; a GBNF one (llama.cpp's `root ::= ...`) converted by llguidance."""
     if "::=" not in grammar:
         return grammar
-    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
+    rules = grammar.count("::=")
+    if rules > MAX_GBNF_RULES:
+        raise ValueError(f"GBNF: {rules} rules, more than {MAX_GBNF_RULES}")
     try:
         return gbnf_to_lark(grammar)
-    except GbnfToLarkError as exc:
+    except Exception as exc:  # noqa: BLE001 - its errors are plain Exceptions, IndexError, RecursionError...
         raise ValueError(f"GBNF: {exc}") from None
 
 
@@ -119,4 +159,8 @@ def after_thinking(grammar: str, opened: bool, open_id: int, close_id: int) -> s
     block = f"THOUGHT <[{close_id}]> ws"
     start = f"start: {block} @answer\n" if opened else f"start: (<[{open_id}]> {block})? @answer\n"
     wrapper = {"name": "think_then_answer", "lark_grammar": start + _THOUGHT}
-    return json.dumps({**top, "grammars": [wrapper, answer, *top["grammars"][1:]]})
+    wrapped = json.dumps({**top, "grammars": [wrapper, answer, *top["grammars"][1:]]}, ensure_ascii=False)
+    problem = llguidance.LLMatcher.validate_grammar(wrapped)
+    if problem:
+        raise ValueError(problem)
+    return wrapped

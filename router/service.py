@@ -29,6 +29,7 @@ Contract
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from contextlib import aclosing
 
 import jinja2
 
-from common.structured import after_thinking
+from common.structured import after_thinking, compile_executor
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.admission import AdmissionController, AdmissionError, Claim
@@ -147,6 +148,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request out into several calls sizes itself to (router/openai/embeddings.py)."""
         return self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
 
+    @staticmethod
+    async def _after_thinking(req: ValidRequest, mode, prompt_ids: list[int]) -> ValidRequest:
+        """A reasoning model's format holds after its think block (common.structured.after_thinking),
+        which the prompt left open (the template's `<think>`, or a raw prompt's) or the model may
+        open itself."""
+        ids = prompt_ids[::-1]
+        opened = mode.open_id in ids and ids.index(mode.open_id) < (
+            ids.index(mode.close_id) if mode.close_id in ids else len(ids)
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            grammar = await loop.run_in_executor(
+                compile_executor(), after_thinking, req.grammar, opened, mode.open_id, mode.close_id
+            )
+        except ValueError as exc:
+            raise ValidationError("response_format", f"after the think block: {exc}") from None
+        return dataclasses.replace(req, grammar=grammar)
+
     async def _generate(self, request: pb.GenerateRequest, context, obs: RequestObservation):
         arrival_s = time.monotonic()
         self._drain.enter()
@@ -160,11 +179,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not models:
                 raise Unavailable("no healthy worker is connected to this router")
             self._check_model(request.model, models)
-            req = validate(request, self._limits, models)
-            if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
-                opened = mode.opened and req.chat is not None  # a raw prompt opens no block itself
-                wrapped = after_thinking(req.grammar, opened, mode.open_id, mode.close_id)
-                req = dataclasses.replace(req, grammar=wrapped)
+            if request.HasField("response_format"):  # compiled off the loop, on a deep stack
+                loop = asyncio.get_running_loop()
+                req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
+            else:
+                req = validate(request, self._limits, models)
             req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
             tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
@@ -173,6 +192,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             try:
                 prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
                 max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+                if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
+                    req = await self._after_thinking(req, mode, prompt_ids)
             except BaseException:
                 claim.release()
                 raise

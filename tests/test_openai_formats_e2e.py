@@ -107,3 +107,32 @@ def test_grpc_choice_and_grammar(stub):
             stopping=pb.StoppingCriteria(max_tokens=16),
         )
         assert re.fullmatch(pattern, text) and finished.reason == pb.FINISH_REASON_STOP, text
+
+
+DEEP = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3500)) + 'r3500: "z"\n'  # 43 KB
+
+
+def test_a_deep_grammar_is_served_not_a_crash(client, router, worker):
+    """A chain of 3,500 rules (within the 64 KiB limit) makes llguidance recurse past a default 8 MB
+    stack (SIGSEGV); the router compiles it and the worker runs it on deep-stack threads
+    (common/structured.py), so it is an answer, and both processes live on."""
+    reply = client.completions.create(model="", prompt="Say z:", max_tokens=4, extra_body={"grammar": DEEP})
+    assert reply.choices[0].text == "z" and reply.choices[0].finish_reason == "stop"
+    assert router.popen.poll() is None and worker.popen.poll() is None
+
+
+@pytest.mark.parametrize(
+    "gbnf, problem",
+    [
+        ('x ::= "a"', "No 'root' rule found"),
+        ("root ::= foo", "Rule 'foo' not found"),
+        ('root ::= "\\', "GBNF:"),
+        ("root ::= " + "(" * 3000, "GBNF:"),
+        ("".join(f'r{i} ::= "x"\n' for i in range(501)), "501 rules, more than 500"),
+    ],
+    ids=["no-root", "unknown-rule", "cut-string", "deep-parens", "too-many-rules"],
+)
+def test_gbnf_that_does_not_convert_is_a_400(client, gbnf, problem):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="", prompt="x", max_tokens=2, extra_body={"grammar": gbnf})
+    assert info.value.param == "grammar" and problem in info.value.body["message"], info.value.body

@@ -69,16 +69,29 @@ def test_a_format_holds_after_the_think_block(stack):
         assert re.fullmatch("[0-9]{2}", choice.message.content) and choice.finish_reason == "stop", choice
 
 
-def test_grpc_gets_the_think_block_and_the_format(stack):
+@pytest.mark.parametrize(
+    "prompt, pattern",
+    [
+        (None, r"</think>\s{0,8}(red|blue)"),  # a chat: the template opened the block
+        ("Pick one.<think>\n", r"</think>\s{0,8}(red|blue)"),  # a raw prompt that leaves it open
+        ("Pick one.<think>x</think>", r"red|blue"),  # closed: optional, and the bias cannot open it
+        ("Pick one.", r"red|blue"),
+    ],
+    ids=["chat", "open-prompt", "closed-prompt", "plain-prompt"],
+)
+def test_grpc_gets_the_think_block_the_prompt_left_open(stack, prompt, pattern):
     router, close_id = stack
     with grpc.insecure_channel(router.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = pb.GenerateRequest(
             model="thinker",
-            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="Pick one.")]),
             sampling=pb.SamplingParams(temperature=0, logit_bias={close_id: 100}),
             stopping=pb.StoppingCriteria(max_tokens=24),
             response_format=pb.ResponseFormat(choice=pb.Choice(options=["red", "blue"])),
         )
+        if prompt is None:
+            request.chat.messages.add(role="user", content="Pick one.")
+        else:
+            request.prompt = prompt
         text = "".join(m.chunk.text for m in stub.Generate(request, timeout=60) if m.HasField("chunk"))
-    assert re.fullmatch(r"</think>\s{0,8}(red|blue)", text), text  # raw text: the block, then the format
+    assert re.fullmatch(pattern, text), text  # raw text: the block (if any), then the format

@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from common.structured import start_deep
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sequence import Sequence
@@ -177,7 +178,7 @@ class AsyncEngine:
         return self._stats
 
     def start(self) -> None:
-        self._thread.start()
+        start_deep(self._thread)  # llguidance's matchers recurse deeply (common/structured.py)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True

@@ -17,6 +17,8 @@ import threading
 import weakref
 from concurrent.futures import Future
 
+from common.structured import start_deep
+
 EXIT_JOIN_S = 10.0  # at interpreter exit, how long a thread's step in flight may take to end
 
 
@@ -45,7 +47,7 @@ class StepThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="engine-step", daemon=True)
-        self._thread.start()
+        start_deep(self._thread)  # llguidance's matchers recurse deeply (common/structured.py)
         stop_at_exit(self, self.shutdown, EXIT_JOIN_S)
 
     def submit(self, fn, *args) -> Future:
