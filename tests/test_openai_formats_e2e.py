@@ -77,6 +77,7 @@ def test_other_servers_format_parameters_constrain_the_answer(client, extra, che
         ),
         ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list of non-empty strings"),
         ({"guided_regex": ""}, "guided_regex", "must be a non-empty string"),
+        ({"guided_choice": ["x" * 40_000, "y" * 40_000]}, "guided_choice", "80000 characters of choices"),
         ({"structured_outputs": {"yaml": "x"}}, "structured_outputs", "must be an object with one of"),
         ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "must be true"),
         ({"grammar": "root ::= ("}, "grammar", "GBNF:"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from common.structured import MAX_GRAMMAR_BYTES
 from protos.llm.v1 import generation_pb2 as pb
 
 
@@ -76,6 +77,9 @@ def _format_param(name: str, value, req: pb.GenerateRequest, params: dict[str, s
     elif kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
             raise _bad(name, "must be a non-empty list of non-empty strings")
+        size = sum(len(v) for v in value)
+        if size > MAX_GRAMMAR_BYTES:  # checked here too: the protobuf copy would be made per choice
+            raise _bad(name, f"{size} characters of choices, more than {MAX_GRAMMAR_BYTES}")
         fmt.choice.options.extend(value)
     else:  # regex, grammar
         if not isinstance(value, str) or not value:
