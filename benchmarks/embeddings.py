@@ -38,6 +38,7 @@ import time
 import urllib.request
 
 from benchmarks.report import REPO, git_short
+from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide
 from benchmarks.speculative import PARAGRAPHS, QUESTIONS
 from benchmarks.structured_output import _cpu
 
@@ -100,45 +101,15 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b)))
 
 
-class _Ours:
-    def __init__(self, model: pathlib.Path | None, threads: int, log_dir: pathlib.Path):
-        from benchmarks.serve_sides import OurStack
-
-        http = ("--http-port", "0")
-        self.stack = OurStack(str(model) if model else None, threads, log_dir, router_extra=http)
-        self.commands = self.stack.commands()
-        self.poolings = POOLINGS  # chosen per request
-
-    def start(self) -> str:
-        self.stack.start()
-        return self.stack.http_url()
-
-    def stop(self) -> None:
-        self.stack.stop()
-
-    def log_tail(self) -> str:
-        return self.stack.log_tail()
+class _Ours(OurHttpSide):
+    poolings = POOLINGS  # chosen per request
 
 
-class _Llama:
+class _Llama(LlamaHttpSide):
     def __init__(self, model: pathlib.Path, threads: int, pooling: str, batch: int):
-        from benchmarks.llamacpp import LlamaServer, ensure_built
-
         extra = ("--embeddings", "--pooling", pooling)
-        self.server = LlamaServer(
-            ensure_built().server, model, threads, parallel=batch, ctx_size=512 * batch, extra=extra
-        )
-        self.commands = [" ".join(self.server.command(port=0)).replace("--port 0", "--port <free port>")]
+        super().__init__(model, threads, parallel=batch, ctx_size=512 * batch, extra=extra)
         self.poolings = (pooling,)
-
-    def start(self) -> str:
-        return self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def log_tail(self) -> str:
-        return self.server.log_tail()
 
 
 def summarize(raw: dict) -> dict:

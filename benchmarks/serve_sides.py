@@ -13,6 +13,9 @@ Contract
   address, `target(address)` -> a loadtest `--target`, `pids()`, `stop()` -> {process: peak RSS
   MiB} (idempotent), `log_tail()`. OurStack also keeps `kv_pool` (`parse_kv_pool`) and
   `start_log` (`worker_log_lines`) from the worker's start-up log.
+- `OurHttpSide(model, threads, log_dir, worker_extra=())` / `LlamaHttpSide(model, threads,
+  parallel, ctx_size, extra=())`: the same two over HTTP for the OpenAI-API benchmarks (bench-tools,
+  bench-spec, bench-embed): `commands`, `start()` -> base URL, `stop()`, `log_tail()`.
 - `parse_kv_pool(log_text)` -> {"blocks", "tokens", "mib"} from the model runner's
   "N KV blocks (T tokens, M MiB)" line, or None.
 - failure modes: a process that exits before it is ready -> RuntimeError with its log tail; one
@@ -291,3 +294,54 @@ class LlamaSide:
 
     def log_tail(self) -> str:
         return f"--- llama-server log ---\n{self.server.log_tail(2000)}"
+
+
+class OurHttpSide:
+    """Our worker + router (default flags, `worker_extra` added) reached over the router's
+    OpenAI-compatible HTTP API on an ephemeral port: a side of the HTTP benchmarks (bench-tools,
+    bench-spec, bench-embed). `start()` -> the base URL."""
+
+    name = "ours"
+
+    def __init__(self, model, threads: int, log_dir: pathlib.Path, worker_extra: tuple[str, ...] = ()):
+        http = ("--http-port", "0")
+        self.stack = OurStack(
+            str(model) if model else None, threads, log_dir, worker_extra=worker_extra, router_extra=http
+        )
+        self.commands = self.stack.commands()
+
+    def start(self) -> str:
+        self.stack.start()
+        return self.stack.http_url()
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+    def log_tail(self) -> str:
+        return self.stack.log_tail()
+
+
+class LlamaHttpSide:
+    """llama.cpp's llama-server (built once: benchmarks/llamacpp.py), the peer side of the HTTP
+    benchmarks. `start()` -> the base URL."""
+
+    name = "llama.cpp"
+
+    def __init__(
+        self, model: pathlib.Path, threads: int, parallel: int, ctx_size: int, extra: tuple[str, ...] = ()
+    ):
+        from benchmarks.llamacpp import LlamaServer, ensure_built
+
+        self.server = LlamaServer(
+            ensure_built().server, model, threads, parallel=parallel, ctx_size=ctx_size, extra=extra
+        )
+        self.commands = [" ".join(self.server.command(port=0)).replace("--port 0", "--port <free port>")]
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def log_tail(self) -> str:
+        return self.server.log_tail()

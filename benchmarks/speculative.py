@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 
 from benchmarks.report import REPO, git_short
+from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide
 from benchmarks.structured_output import _cpu
 
 PARAGRAPHS = [
@@ -128,26 +129,13 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-class _Ours:
+class _Ours(OurHttpSide):
     def __init__(
         self, name: str, model: pathlib.Path | None, threads: int, log_dir: pathlib.Path, k: int | None
     ):
-        from benchmarks.serve_sides import OurStack
-
-        self.name = name
         extra = () if k is None else ("--num-speculative-tokens", str(k))
-        self.stack = OurStack(
-            str(model) if model else None,
-            threads,
-            log_dir,
-            worker_extra=("--metrics-port", "0", *extra),
-            router_extra=("--http-port", "0"),
-        )
-        self.commands = self.stack.commands()
-
-    def start(self) -> str:
-        self.stack.start()
-        return self.stack.http_url()
+        super().__init__(model, threads, log_dir, worker_extra=("--metrics-port", "0", *extra))
+        self.name = name
 
     def drafts(self) -> dict:
         match = re.search(r"metrics at (http://[^\s,]+)", self.stack.worker.log_text())
@@ -160,34 +148,14 @@ class _Ours:
             "kept": _metric(text, "llm_spec_decode_accepted_tokens"),
         }
 
-    def stop(self) -> None:
-        self.stack.stop()
 
-    def log_tail(self) -> str:
-        return self.stack.log_tail()
-
-
-class _Llama:
+class _Llama(LlamaHttpSide):
     def __init__(self, name: str, model: pathlib.Path, threads: int, extra: tuple[str, ...]):
-        from benchmarks.llamacpp import LlamaServer, ensure_built
-
+        super().__init__(model, threads, parallel=1, ctx_size=4096, extra=extra)
         self.name = name
-        self.server = LlamaServer(
-            ensure_built().server, model, threads, parallel=1, ctx_size=4096, extra=extra
-        )
-        self.commands = [" ".join(self.server.command(port=0)).replace("--port 0", "--port <free port>")]
-
-    def start(self) -> str:
-        return self.server.start()
 
     def drafts(self) -> dict:
         return {}
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def log_tail(self) -> str:
-        return self.server.log_tail()
 
 
 def run_side(side, max_tokens: int) -> dict:

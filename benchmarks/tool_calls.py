@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 
 from benchmarks.report import REPO, git_short
+from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide
 from benchmarks.structured_output import _cpu
 
 
@@ -126,47 +127,6 @@ def ask_all(url: str, mode: str) -> list[dict]:
     return rows
 
 
-class _OurHttpStack:
-    """Worker + router (default flags) with the router's HTTP front on an ephemeral port."""
-
-    name = "ours"
-
-    def __init__(self, model: pathlib.Path | None, threads: int, log_dir: pathlib.Path):
-        from benchmarks.serve_sides import OurStack
-
-        self.stack = OurStack(
-            str(model) if model else None, threads, log_dir, router_extra=("--http-port", "0")
-        )
-
-    def start(self) -> str:
-        self.stack.start()
-        return self.stack.http_url()
-
-    def stop(self) -> None:
-        self.stack.stop()
-
-    def log_tail(self) -> str:
-        return self.stack.log_tail()
-
-
-class _LlamaHttp:
-    name = "llama.cpp"
-
-    def __init__(self, model: pathlib.Path, threads: int):
-        from benchmarks.llamacpp import LlamaServer, ensure_built
-
-        self.server = LlamaServer(ensure_built().server, model, threads, parallel=1, ctx_size=4096)
-
-    def start(self) -> str:
-        return self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def log_tail(self) -> str:
-        return self.server.log_tail()
-
-
 def _summary(rows: list[dict]) -> dict:
     return {
         "cases": len(rows),
@@ -216,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": {},
     }
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-tools-"))
-    sides = [lambda: _OurHttpStack(None if not args.model else model, args.threads, log_dir)]
+    sides = [lambda: OurHttpSide(None if not args.model else model, args.threads, log_dir)]
     if not args.skip_llamacpp:
-        sides.append(lambda: _LlamaHttp(model, args.threads))
+        sides.append(lambda: LlamaHttpSide(model, args.threads, parallel=1, ctx_size=4096))
     for make in sides:
         side = None
         try:

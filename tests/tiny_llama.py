@@ -76,3 +76,44 @@ def record_graph_replays(runner, sizes: list[int], stand_in: bool) -> None:
         return replay(step, size, tokens)
 
     runner.cuda_graphs.run = run
+
+
+def arrivals_on_graphs_and_eager(prompts: list[list[int]], params_for, read) -> dict[bool, dict[str, dict]]:
+    """The same arrivals through the eager runner and the decode-graph runner (its CPU stand-in) on
+    the TINY model: one request per step (`params_for(i)`), so prompt chunks keep joining running
+    decodes; `read(record, output)` files each output into its request's record ({"tokens": [...]}
+    to begin with). {graphs on: {request id: record}}; checks that the graph runner replayed a graph
+    and that every KV block came back."""
+    from worker.config import EngineConfig
+    from worker.engine import LLMEngine
+    from worker.model.llama import LlamaModel
+    from worker.model_runner import ModelRunner
+
+    results = {}
+    for graphs_on in (False, True):
+        torch.manual_seed(0)
+        model = LlamaModel(TINY).eval()
+        config = EngineConfig(kv_cache_bytes=2**20, max_num_seqs=4, max_num_batched_tokens=16)
+        runner = ModelRunner.from_model(config, model)
+        replays: list[int] = []
+        if graphs_on:
+            record_graph_replays(runner, replays, stand_in=True)
+        engine = LLMEngine(config, runner=runner)
+        out: dict[str, dict] = {}
+        pending = list(enumerate(prompts))
+        with torch.inference_mode():
+            while pending or engine.has_unfinished_requests():
+                if pending:
+                    i, prompt = pending.pop(0)
+                    engine.add_request(f"r{i}", prompt, params_for(i))
+                for o in engine.step():
+                    record = out.setdefault(o.request_id, {"tokens": []})
+                    record["tokens"] += o.new_token_ids
+                    read(record, o)
+        results[graphs_on] = out
+        if graphs_on:
+            assert replays, "no decode step replayed a graph"
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    eager, graphs = results[False], results[True]
+    assert {rid: r["tokens"] for rid, r in graphs.items()} == {rid: r["tokens"] for rid, r in eager.items()}
+    return results
