@@ -26,6 +26,7 @@ from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker:
 pytest.importorskip("llguidance")
 
 ASK = [{"role": "user", "content": "Is Paris the capital of France? Answer yes or no."}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 NUMBER = "[0-9]{2,3}"
 GBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no"'
 LARK = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
@@ -77,6 +78,11 @@ def test_other_servers_format_parameters_constrain_the_answer(client, extra, che
         ),
         ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list of non-empty strings"),
         ({"guided_regex": ""}, "guided_regex", "must be a non-empty string"),
+        (
+            {"guided_json": {"type": "object"}, "tools": [TOOL], "tool_choice": "required"},
+            "guided_json",
+            "not with tool_choice 'required'",
+        ),
         ({"guided_choice": ["x" * 40_000, "y" * 40_000]}, "guided_choice", "80000 characters of choices"),
         ({"structured_outputs": {"yaml": "x"}}, "structured_outputs", "must be an object with one of"),
         ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "must be true"),

@@ -315,7 +315,10 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
         try:
             out.tools = parse_tools(body, req.chat, req)
         except ToolsError as exc:
-            raise _bad(exc.param, exc.problem) from None
+            param = exc.param
+            if param == "response_format":  # the format may have come by another server's name
+                param = out.params.get(f"response_format.{req.response_format.WhichOneof('kind')}", param)
+            raise _bad(param, exc.problem) from None
         if out.tools and out.tools.choice != "auto":  # the schema (and its errors) come from tools
             out.params["response_format.json_schema"] = "tools"
     for i, prompt in enumerate(prompts):
