@@ -38,7 +38,7 @@ import time
 import urllib.request
 
 from benchmarks.report import REPO, git_short
-from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide
+from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide, run_rounds
 from benchmarks.speculative import PARAGRAPHS, QUESTIONS
 from benchmarks.structured_output import _cpu
 
@@ -193,30 +193,22 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {},
         "raw": {},
     }
-    order = list(makers)
-    for rnd in range(args.rounds):
-        for name in order if rnd % 2 == 0 else order[::-1]:
-            side = None
-            try:
-                side = makers[name]()
-                res["commands"][name] = side.commands
-                url = side.start()
-                try:
-                    for pooling in side.poolings:
-                        key = f"{name.split(' ')[0]} {pooling}"
-                        # fresh texts per side, round and pooling: no prefix cache has seen them
-                        fresh = make_texts(SINGLES, args.seed + 1 + len(res["raw"].get(key, ())))
-                        fresh = [f"{key} {k}: {t}" for k, t in enumerate(fresh)]
-                        result = measure(url, texts, fresh, pooling, args.batch)
-                        res["raw"].setdefault(key, []).append(result)
-                        rate = res["raw"][key][-1]["inputs_per_s"]
-                        print(key, "round", rnd, f"{rate:.1f} inputs/s", flush=True)
-                finally:
-                    side.stop()
-            except Exception as exc:  # noqa: BLE001 - one side failing must not cost the others
-                tail = side.log_tail() if side is not None else ""
-                res["errors"].setdefault(name, []).append(f"{type(exc).__name__}: {exc}\n{tail}"[:3000])
-                print(f"{name} failed: {exc}", flush=True)
+
+    def measure_side(name: str, side, rnd: int) -> None:
+        url = side.start()
+        try:
+            for pooling in side.poolings:
+                key = f"{name.split(' ')[0]} {pooling}"
+                # fresh texts per side, round and pooling: no prefix cache has seen them
+                fresh = make_texts(SINGLES, args.seed + 1 + len(res["raw"].get(key, ())))
+                fresh = [f"{key} {k}: {t}" for k, t in enumerate(fresh)]
+                result = measure(url, texts, fresh, pooling, args.batch)
+                res["raw"].setdefault(key, []).append(result)
+                print(key, "round", rnd, f"{result['inputs_per_s']:.1f} inputs/s", flush=True)
+        finally:
+            side.stop()
+
+    run_rounds(makers, args.rounds, measure_side, res)
     res["summary"] = summarize(res["raw"])
     for rounds in res["raw"].values():  # the vectors are for the cosines, not for the file
         for r in rounds:

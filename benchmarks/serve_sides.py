@@ -15,7 +15,8 @@ Contract
   `start_log` (`worker_log_lines`) from the worker's start-up log.
 - `OurHttpSide(model, threads, log_dir, worker_extra=())` / `LlamaHttpSide(model, threads,
   parallel, ctx_size, extra=())`: the same two over HTTP for the OpenAI-API benchmarks (bench-tools,
-  bench-spec, bench-embed): `commands`, `start()` -> base URL, `stop()`, `log_tail()`.
+  bench-spec, bench-embed): `commands`, `start()` -> base URL, `stop()`, `log_tail()`; and
+  `run_rounds(makers, rounds, measure, res)`, their rounds with the order reversed every other one.
 - `parse_kv_pool(log_text)` -> {"blocks", "tokens", "mib"} from the model runner's
   "N KV blocks (T tokens, M MiB)" line, or None.
 - failure modes: a process that exits before it is ready -> RuntimeError with its log tail; one
@@ -345,3 +346,23 @@ class LlamaHttpSide:
 
     def log_tail(self) -> str:
         return self.server.log_tail()
+
+
+def run_rounds(makers: dict, rounds: int, measure, res: dict) -> None:
+    """Each side of `makers` (name -> a callable that makes it) once per round, the order reversed
+    in odd rounds (drift on a shared machine falls on every side alike); `measure(name, side,
+    round)` runs a made side (its start and stop included). A side that fails is recorded in
+    `res["errors"]` with its log tail and the others still run; `res["commands"]` gets each side's
+    command lines."""
+    order = list(makers)
+    for rnd in range(rounds):
+        for name in order if rnd % 2 == 0 else order[::-1]:
+            side = None
+            try:
+                side = makers[name]()
+                res["commands"][name] = side.commands
+                measure(name, side, rnd)
+            except Exception as exc:  # noqa: BLE001 - one side failing must not cost the others
+                tail = side.log_tail() if side is not None else ""
+                res["errors"].setdefault(name, []).append(f"{type(exc).__name__}: {exc}\n{tail}"[:3000])
+                print(f"{name} failed: {exc}", flush=True)

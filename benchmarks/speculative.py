@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 
 from benchmarks.report import REPO, git_short
-from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide
+from benchmarks.serve_sides import LlamaHttpSide, OurHttpSide, run_rounds
 from benchmarks.structured_output import _cpu
 
 PARAGRAPHS = [
@@ -286,30 +286,17 @@ def main(argv: list[str] | None = None) -> int:
         "raw": {},
         "drafts": {},
     }
-    order = list(makers)
-    for rnd in range(args.rounds):
-        for name in order if rnd % 2 == 0 else order[::-1]:
-            side = None
-            try:
-                side = makers[name]()
-                res["commands"][name] = side.commands
-                result = run_side(side, args.max_tokens)
-            except Exception as exc:  # noqa: BLE001 - one side failing must not cost the others
-                tail = side.log_tail() if side is not None else ""
-                res["errors"].setdefault(name, []).append(f"{type(exc).__name__}: {exc}\n{tail}"[:3000])
-                print(f"{name} failed: {exc}", flush=True)
-                continue
-            res["raw"].setdefault(name, []).append(result)
-            drafts = res["drafts"].setdefault(name, {})
-            for key, value in result["drafts"].items():
-                drafts[key] = drafts.get(key, 0.0) + value
-            print(
-                name,
-                "round",
-                rnd,
-                {w: sum(r.get("tokens", 0) for r in rows) for w, rows in result["rows"].items()},
-                flush=True,
-            )
+
+    def measure_side(name: str, side, rnd: int) -> None:
+        result = run_side(side, args.max_tokens)
+        res["raw"].setdefault(name, []).append(result)
+        drafts = res["drafts"].setdefault(name, {})
+        for key, value in result["drafts"].items():
+            drafts[key] = drafts.get(key, 0.0) + value
+        tokens = {w: sum(r.get("tokens", 0) for r in rows) for w, rows in result["rows"].items()}
+        print(name, "round", rnd, tokens, flush=True)
+
+    run_rounds(makers, args.rounds, measure_side, res)
     res["summary"] = summarize(res["raw"], "ours, no drafts")
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
