@@ -13,7 +13,7 @@ Contract
   ALLOWED): never UNKNOWN or INTERNAL; a stream that ends OK ends with exactly one Finished.
 - HTTP (the OpenAI-compatible front, router/openai): `/v1/chat/completions` and `/v1/completions`
   (streamed or not; other servers' structured-output parameters among the fields), `/v1/embeddings`,
-  with bodies from valid to hostile (wrong types, huge and non-finite numbers,
+  `/v1/responses`, with bodies from valid to hostile (wrong types, huge and non-finite numbers,
   deep nesting, unknown fields, invalid JSON, non-UTF-8 bytes, huge strings), bad keys, and
   `GET /v1/models`. Every response must be below 500.
 - afterwards the worker's KV pool is whole, the router still serves, and its log holds no
@@ -278,7 +278,10 @@ async def run_http(base: str, model: str, rng: random.Random, n: int) -> collect
             call = ("GET", f"{base}/models", None)
         elif r < 0.1:
             call = ("POST", f"{base}/embeddings", hostile_embedding(rng, model))
-        elif r < 0.13:  # the token endpoints (vLLM's paths, beside /v1)
+        elif r < 0.14:  # the Responses API: a chat body's messages as its input
+            body = hostile_body(rng, model, True).replace(b'"messages"', b'"input"', 1)
+            call = ("POST", f"{base}/responses", body)
+        elif r < 0.17:  # the token endpoints (vLLM's paths, beside /v1)
             root = base.removesuffix("/v1")
             if rng.random() < 0.5:
                 call = ("POST", f"{root}/tokenize", hostile_body(rng, model, rng.random() < 0.5))

@@ -59,10 +59,10 @@ def test_bad_body_and_bad_prompt_in_a_batch_are_400(router):
     batch_status, batch = post(f"{url}/completions", json.dumps({"prompt": ["a", {"b": 1}]}).encode(), KEY)
     assert (bad_status, batch_status) == (400, 400)
     assert "not valid JSON" in bad["error"]["message"] and batch["error"]["param"] == "prompt"
-    missing_status, missing = post(f"{url}/responses", b"{}", KEY)  # not served: an OpenAI error too
+    missing_status, missing = post(f"{url}/assistants", b"{}", KEY)  # not served: an OpenAI error too
     method_status, method = post(f"{url}/models", b"{}", KEY)
     assert (missing_status, method_status) == (404, 405)
-    assert missing["error"]["message"].startswith("POST /v1/responses") and "message" in method["error"]
+    assert missing["error"]["message"].startswith("POST /v1/assistants") and "message" in method["error"]
 
 
 def test_bad_key_is_401_and_a_refusal_is_429_with_retry_after(router):

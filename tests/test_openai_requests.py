@@ -266,7 +266,7 @@ def test_unreadable_bodies_are_400():
 
     from starlette.requests import Request
 
-    from router.openai.app import _read_json
+    from router.openai.http import read_json as _read_json
 
     def read(body: bytes, limit: int = 1 << 20):
         parts = [body[i : i + 1000] for i in range(0, len(body), 1000)] or [b""]
@@ -303,7 +303,7 @@ def test_event_stream_closes_its_source_when_the_client_stalls_or_leaves(how):
     and closes the pipeline it reads (which closes the worker call)."""
     import asyncio
 
-    from router.openai.app import EventStream
+    from router.openai.http import EventStream
 
     async def scenario() -> tuple[bool, int]:
         closed, sent, gone = asyncio.Event(), [], asyncio.Event()

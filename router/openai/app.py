@@ -1,6 +1,6 @@
 """The FastAPI application: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings
-(router/openai/embeddings.py), GET /v1/models (and /v1/models/{id}), POST /tokenize and
-/detokenize (router/openai/tokens.py).
+(router/openai/embeddings.py), POST /v1/responses (router/openai/responses_api.py), GET /v1/models
+(and /v1/models/{id}), POST /tokenize and /detokenize (router/openai/tokens.py).
 
 Contract
 - input: OpenAI JSON over HTTP; `Authorization: Bearer <key>` (the same tenants and keys as
@@ -31,13 +31,11 @@ Contract
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 from fastapi import FastAPI, Request
@@ -49,8 +47,9 @@ from protos.llm.v1 import generation_pb2 as pb
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
-from router.openai import embeddings, tokens
+from router.openai import embeddings, responses_api, tokens
 from router.openai.choices import Choices
+from router.openai.http import ClientGone, EventStream, read_json, until_disconnected
 from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
@@ -66,10 +65,6 @@ STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 TRACE_HEADERS = ("traceparent", "tracestate")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was complete."""
 
 
 class HttpCallContext:
@@ -123,98 +118,6 @@ def error_response(err: ApiError, request_id: str | None = None) -> JSONResponse
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body is already read: only http.disconnect is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass  # another body part would be a protocol error of the server; keep waiting
-
-
-async def until_disconnected(request: Request, awaitable: Awaitable):
-    """`awaitable`'s result, unless the client disconnects first: then it is cancelled and
-    `ClientGone` raised."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone()
-    finally:
-        for t in (watcher, task):
-            if not t.done():
-                t.cancel()
-                with suppress(asyncio.CancelledError, Exception):
-                    await t
-
-
-class EventStream(Response):
-    """Server-sent events from an async iterator of bytes, cancelled when the client disconnects or
-    takes nothing for `idle_timeout_s` (a stalled reader: a write blocked that long; 0 = never).
-    The iterator is closed in every case, which closes the worker call."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        body: AsyncIterator[bytes],
-        headers: dict[str, str],
-        source: AsyncIterator,
-        idle_timeout_s: float,
-    ):
-        super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self._body, self._source = body, source  # source: what `body` reads, closed even if never started
-        self._idle_s = idle_timeout_s or None
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def write(message: dict) -> None:
-            try:
-                await asyncio.wait_for(send(message), self._idle_s)
-            except TimeoutError:
-                log.info("closing a stream whose client took nothing for %.1f s", self._idle_s)
-                raise
-
-        async def pump() -> None:
-            await write({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for data in self._body:
-                if data:
-                    await write({"type": "http.response.body", "body": data, "more_body": True})
-            await write({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass  # no request body part is expected once the response started
-
-        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is not None:
-                if not isinstance(tasks[0].exception(), OSError):  # the client went away or stalled
-                    raise tasks[0].exception()
-        finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                    with suppress(asyncio.CancelledError, Exception):
-                        await t
-            await self._body.aclose()
-            await self._source.aclose()
-
-
-async def _read_json(request: Request, limit: int):
-    size = 0
-    parts = []
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes", type_="invalid_request_error")
-        parts.append(part)
-    try:
-        return json.loads(b"".join(parts))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise ApiError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None
-
-
 def create_app(
     service,
     models: Callable[[], dict],
@@ -262,7 +165,7 @@ def create_app(
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         parsed = None
         try:
-            parsed = parse(await _read_json(request, max_body_bytes), chat, request_id)
+            parsed = parse(await read_json(request, max_body_bytes), chat, request_id)
             served = models()  # the name the answer shows when the request leaves `model` empty
             name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
             ctx = HttpCallContext(request)
@@ -305,7 +208,7 @@ def create_app(
     async def create_embeddings(request: Request) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            parsed = embeddings.parse_embeddings(await _read_json(request, max_body_bytes), request_id)
+            parsed = embeddings.parse_embeddings(await read_json(request, max_body_bytes), request_id)
             served = models()
             name = parsed.model or (next(iter(served)) if len(served) == 1 else "")
             ctx = HttpCallContext(request)
@@ -321,10 +224,39 @@ def create_app(
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, None), request_id)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API over the chat pipeline (router/openai/responses_api.py)."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        parsed = None
+        try:
+            parsed = responses_api.parse_responses(await read_json(request, max_body_bytes), request_id)
+            served = models()
+            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
+            calls = Choices([observed(one, HttpCallContext(request)) for one in parsed.requests])
+            streaming = False
+            try:
+                await until_disconnected(request, calls.start())
+                builder = responses_api.ResponseBuilder(parsed, name, reasoning(name))
+                headers = {"x-request-id": request_id}
+                if parsed.stream:
+                    streaming = True  # from here the response closes `calls`, however it ends
+                    body = builder.stream(calls.events(), lambda exc: api_error(exc, parsed))
+                    return EventStream(body, headers, calls, stream_idle_timeout_s)
+                [(chunks, done)] = await until_disconnected(request, _collected(calls))
+                return JSONResponse(builder.whole(chunks, done), headers=headers)
+            finally:
+                if not streaming:
+                    await calls.aclose()
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
+            return error_response(api_error(exc, parsed), request_id)
+
     async def unary(request: Request, read, call, answer) -> Response:
         """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""
         try:
-            message = read(await _read_json(request, max_body_bytes))
+            message = read(await read_json(request, max_body_bytes))
             return JSONResponse(answer(await call(message, HttpCallContext(request))))
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, None))
@@ -379,7 +311,8 @@ def create_app(
     return app
 
 
-async def _collect(responder: Responder, calls: Choices) -> dict:
+async def _collected(calls: Choices) -> list[tuple[list[Chunk], Done]]:
+    """Every choice's chunks and Finished, in index order."""
     chunks: list[list[Chunk]] = [[] for _ in range(len(calls))]
     dones: list[Done | None] = [None] * len(chunks)
     async with aclosing(calls.events()) as events:
@@ -390,7 +323,11 @@ async def _collect(responder: Responder, calls: Choices) -> dict:
                 chunks[i].append(event)
     if any(done is None for done in dones):
         raise RouterError("the generation stream ended without a finish")
-    return responder.complete(list(zip(chunks, dones)))
+    return list(zip(chunks, dones))
+
+
+async def _collect(responder: Responder, calls: Choices) -> dict:
+    return responder.complete(await _collected(calls))
 
 
 async def _stream(responder: Responder, calls: Choices) -> AsyncIterator[bytes]:

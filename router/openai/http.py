@@ -1,0 +1,124 @@
+"""The HTTP front's plumbing under every endpoint: reading a bounded JSON body, noticing a client
+that left, and a server-sent-events response that stops with its client.
+
+Contract
+- `read_json(request, limit)` -> the decoded body, `ApiError` 413 past `limit` bytes, 400 when it is
+  not JSON (or nested too deep).
+- `until_disconnected(request, awaitable)` -> its result, or `ClientGone` once the client
+  disconnects (the awaitable is cancelled).
+- `EventStream(body, headers, source, idle_timeout_s)`: SSE from an async iterator of bytes, closed
+  (with `source`, the worker calls under it) when the client disconnects or stops reading.
+- state: none. proven by: tests/test_openai_requests.py, the e2e modules (disconnects, idle
+  streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import suppress
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from router.openai.requests import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read: only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # another body part would be a protocol error of the server; keep waiting
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable):
+    """`awaitable`'s result, unless the client disconnects first: then it is cancelled and
+    `ClientGone` raised."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (watcher, task):
+            if not t.done():
+                t.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await t
+
+
+class EventStream(Response):
+    """Server-sent events from an async iterator of bytes, cancelled when the client disconnects or
+    takes nothing for `idle_timeout_s` (a stalled reader: a write blocked that long; 0 = never).
+    The iterator is closed in every case, which closes the worker call."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str],
+        source: AsyncIterator,
+        idle_timeout_s: float,
+    ):
+        super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._body, self._source = body, source  # source: what `body` reads, closed even if never started
+        self._idle_s = idle_timeout_s or None
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def write(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._idle_s)
+            except TimeoutError:
+                log.info("closing a stream whose client took nothing for %.1f s", self._idle_s)
+                raise
+
+        async def pump() -> None:
+            await write({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self._body:
+                if data:
+                    await write({"type": "http.response.body", "body": data, "more_body": True})
+            await write({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # no request body part is expected once the response started
+
+        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is not None:
+                if not isinstance(tasks[0].exception(), OSError):  # the client went away or stalled
+                    raise tasks[0].exception()
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                    with suppress(asyncio.CancelledError, Exception):
+                        await t
+            await self._body.aclose()
+            await self._source.aclose()
+
+
+async def read_json(request: Request, limit: int):
+    size = 0
+    parts = []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes", type_="invalid_request_error")
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise ApiError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None

@@ -1,0 +1,124 @@
+"""POST /v1/responses (router/openai/responses_api.py) through the official openai SDK's
+`client.responses.create`, against a real router and the session's worker: the text equals the
+chat endpoint's for the same greedy request (the same pipeline), a stream's deltas add up to the
+whole response and its events come in the Responses order, instructions and message lists reach
+the template, `max_output_tokens` cuts to an incomplete response, `text.format` constrains it, and
+what this server does not do is a 400 naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.openai_helpers import (  # noqa: F401 - client, router, worker: the shared stack's fixtures
+    FRANCE,
+    KEY,
+    client,
+    http_url,
+    post,
+    router,
+    worker,
+)
+
+
+def test_a_response_is_the_chat_answer(client):
+    chat = client.chat.completions.create(model="", messages=FRANCE, max_tokens=16, temperature=0)
+    response = client.responses.create(
+        model="", input=FRANCE[0]["content"], max_output_tokens=16, temperature=0
+    )
+    assert response.object == "response" and response.output_text == chat.choices[0].message.content
+    assert response.status == "completed" and response.output[0].role == "assistant"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    listed = client.responses.create(
+        model="",
+        instructions="You are a geography teacher.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": FRANCE[0]["content"]}]}],
+        max_output_tokens=16,
+        temperature=0,
+    )
+    with_system = client.chat.completions.create(
+        model="",
+        messages=[{"role": "system", "content": "You are a geography teacher."}, *FRANCE],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert listed.output_text == with_system.choices[0].message.content
+
+
+def test_a_stream_adds_up_to_the_response(client):
+    whole = client.responses.create(
+        model="", input="Name three colours.", max_output_tokens=24, temperature=0
+    )
+    kinds, text, final = [], "", None
+    with client.responses.create(
+        model="", input="Name three colours.", max_output_tokens=24, temperature=0, stream=True
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{final.status}",
+    ]
+    assert text == whole.output_text == final.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_max_output_tokens_and_text_format(client):
+    cut = client.responses.create(model="", input="Tell me a long story.", max_output_tokens=4, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    shaped = client.responses.create(
+        model="",
+        input=FRANCE[0]["content"],
+        max_output_tokens=32,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+    )
+    assert set(json.loads(shaped.output_text)) == {"capital"}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "background": True}, "background"),
+        ({}, "input"),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"input": "x", "instructions": 3}, "instructions"),
+    ],
+)
+def test_what_this_server_does_not_do_is_a_400_naming_it(router, body, param):
+    status, reply = post(f"{http_url(router)}/responses", json.dumps(body).encode(), KEY)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert reply["error"]["message"].startswith(f"{param}: ")
+
+
+def test_a_bad_key_is_401(router):
+    with openai.OpenAI(base_url=http_url(router), api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.responses.create(model="", input="x")
