@@ -110,6 +110,16 @@ def test_max_output_tokens_and_text_format(client):
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": "x", "instructions": 3}, "instructions"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "text": "abc"}, "text"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
+        # checked by the service after parsing (protobuf field names mapped back to this API's)
+        ({"input": "x", "max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"input": ""}, "input"),
+        ({"input": "word " * 9000}, "input"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 1}}}}, "text.format"),
     ],
 )
 def test_what_this_server_does_not_do_is_a_400_naming_it(router, body, param):
@@ -122,3 +132,37 @@ def test_a_bad_key_is_401(router):
     with openai.OpenAI(base_url=http_url(router), api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.responses.create(model="", input="x")
+
+
+def _builder():
+    from router.openai.responses_api import ResponseBuilder, parse_responses
+
+    return ResponseBuilder(parse_responses({"input": "x"}, "r1"), "m", None)
+
+
+def test_a_server_cancel_is_a_failed_response_and_a_stream_failure_ends_failed():
+    import asyncio
+
+    from protos.llm.v1 import generation_pb2 as pb
+    from router.errors import Unavailable
+    from router.openai.requests import ApiError
+
+    cancelled = pb.Finished(reason=pb.FINISH_REASON_CANCELLED)
+    whole = _builder().whole([pb.TokenChunk(text="Hal")], cancelled)
+    assert whole["status"] == "failed" and whole["output"][0]["status"] == "incomplete"
+
+    async def events():
+        yield 0, pb.TokenChunk(text="Hel")
+        raise Unavailable("the worker was lost")
+
+    async def collect() -> list[dict]:
+        error_of = lambda exc: ApiError(503, str(exc), type_="service_unavailable")  # noqa: E731
+        return [
+            json.loads(data.decode().split("data: ", 1)[1])
+            async for data in _builder().stream(events(), error_of)
+        ]
+
+    got = asyncio.run(collect())
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert [e["type"] for e in got][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert got[-1]["response"]["status"] == "failed" and "lost" in got[-1]["response"]["error"]["message"]

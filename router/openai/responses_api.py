@@ -18,9 +18,12 @@ Contract
 - How: the request becomes a chat completion request (router/openai/requests.py `parse`), so
   keys, validation, admission, queueing, cancellation and the chat template are the chat
   endpoint's; errors name the Responses parameter (`input`, `max_output_tokens`, `text.format`).
-- failure modes: 400 naming the parameter for what this server does not do: `tools` (use
-  /v1/chat/completions), `previous_response_id` and `conversation` (it keeps no responses),
-  `background`, input items other than messages, content parts other than text.
+- failure modes: 400 naming the parameter for what this server does not do: `tools` and
+  `tool_choice` other than none/auto (use /v1/chat/completions), `top_logprobs` and logprobs in
+  `include`, `previous_response_id` and `conversation` (it keeps no responses), `background`,
+  input items other than messages, content parts other than text. A generation the server
+  cancels is a `failed` response; a failure after a stream began an `error` event, then
+  `response.failed`.
 - state: none. proven by: tests/test_openai_responses_e2e.py (the openai SDK's
   `client.responses.create`, whole and streamed, against a real router and worker).
 """
@@ -33,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.errors import RouterError
 from router.openai.reasoning import Reasoning, ReasoningStream, split
 from router.openai.requests import ApiError, Parsed, parse
 from router.openai.responses import Chunk, Done
@@ -40,6 +44,7 @@ from router.openai.responses import Chunk, Done
 ROLES = ("user", "assistant", "system", "developer")
 REFUSED = {
     "tools": "not supported on /v1/responses: use /v1/chat/completions for tool calling",
+    "top_logprobs": "not supported on /v1/responses: use /v1/chat/completions for logprobs",
     "previous_response_id": "not supported: this server keeps no responses (send the whole input)",
     "conversation": "not supported: this server keeps no conversations (send the whole input)",
     "background": "not supported: responses run in the foreground",
@@ -91,23 +96,39 @@ def _messages(body: dict) -> list[dict]:
 def _format(text) -> dict | None:
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise _bad("text", "must be an object")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise _bad("text.format", "type must be text, json_object or json_schema")
     if fmt["type"] == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
+        if not isinstance(fmt.get("schema"), dict):
+            raise _bad("text.format", "schema: required, a JSON Schema object")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
     return {"type": fmt["type"]}
+
+
+def _refused(body: dict) -> None:
+    for name, problem in REFUSED.items():
+        if body.get(name):
+            raise _bad(name, problem)
+    include = body.get("include")
+    if isinstance(include, list) and any("logprobs" in str(i) for i in include):
+        raise _bad("include", REFUSED["top_logprobs"])
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", "there are no tools to call (tools are not supported here)")
+    limit = body.get("max_output_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit < 1:
+        raise _bad("max_output_tokens", f"must be >= 1, got {limit}")
 
 
 def parse_responses(body: object, request_id: str) -> Parsed:
     """The Responses request as a chat completion request (one choice)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, problem in REFUSED.items():
-        if body.get(name):
-            raise _bad(name, problem)
+    _refused(body)
     chat = {"messages": _messages(body), "model": body.get("model"), "stream": body.get("stream")}
     for name in ("temperature", "top_p", "seed"):
         if name in body:
@@ -118,12 +139,18 @@ def parse_responses(body: object, request_id: str) -> Parsed:
     if fmt is not None:
         chat["response_format"] = fmt
     try:
-        return parse(chat, chat=True, request_id=request_id)
+        parsed = parse(chat, chat=True, request_id=request_id)
     except ApiError as err:
         param = next((v for k, v in PARAMS.items() if (err.param or "").startswith(k)), err.param)
         if param != err.param:
             raise _bad(param, err.message.split(": ", 1)[-1]) from None
         raise
+    # the service's own checks name protobuf fields: these map them to this API's parameters
+    parsed.max_tokens_param = "max_output_tokens"
+    parsed.params["chat.messages"] = "input"
+    for kind in ("json_object", "json_schema"):
+        parsed.params[f"response_format.{kind}"] = "text.format"
+    return parsed
 
 
 class ResponseBuilder:
@@ -171,19 +198,31 @@ class ResponseBuilder:
             prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
             out["usage"] = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": done.usage.cached_prompt_tokens},
+                "input_tokens_details": {
+                    "cached_tokens": done.usage.cached_prompt_tokens,
+                    "cache_write_tokens": 0,
+                },
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + completion,
             }
             if done.reason == pb.FINISH_REASON_LENGTH:
                 out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            elif done.reason == pb.FINISH_REASON_CANCELLED:  # aborted by the server: not a whole answer
+                out["status"] = "failed"
+                out["error"] = {
+                    "code": "server_error",
+                    "message": "the generation was cancelled by the server",
+                }
         return out
+
+    @staticmethod
+    def item_status(done: Done) -> str:
+        return "completed" if done.reason == pb.FINISH_REASON_STOP else "incomplete"
 
     def whole(self, chunks: list[Chunk], done: Done) -> dict:
         text = self._text("".join(c.text for c in chunks))
-        status = "incomplete" if done.reason == pb.FINISH_REASON_LENGTH else "completed"
-        return self.response("completed", [self.item(text, status)], done)
+        return self.response("completed", [self.item(text, self.item_status(done))], done)
 
     def event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self._seq, **fields}
@@ -199,6 +238,9 @@ class ResponseBuilder:
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
             err = error_of(exc)
             yield self.event("error", code=err.code or err.type, message=err.message, param=err.param)
+            failed = self.response("failed", [])
+            failed["error"] = {"code": "server_error", "message": err.message}
+            yield self.event("response.failed", response=failed)
 
     async def _events(self, events: AsyncIterator[tuple[int, Chunk | Done]]) -> AsyncIterator[bytes]:
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -219,8 +261,8 @@ class ResponseBuilder:
                     text += piece
                     yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
         if done is None:
-            raise RuntimeError("the generation stream ended without a finish")
-        status = "incomplete" if done.reason == pb.FINISH_REASON_LENGTH else "completed"
+            raise RouterError("the generation stream ended without a finish")
+        status = self.item_status(done)
         yield self.event("response.output_text.done", **where, text=text, logprobs=[])
         yield self.event("response.content_part.done", **where, part=self.part(text))
         item = self.item(text, status)
