@@ -100,11 +100,11 @@ def test_max_output_tokens_and_text_format(client):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "background": True}, "background"),
         ({}, "input"),
-        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
@@ -166,3 +166,84 @@ def test_a_server_cancel_is_a_failed_response_and_a_stream_failure_ends_failed()
     assert [e["sequence_number"] for e in got] == list(range(len(got)))
     assert [e["type"] for e in got][-3:] == ["response.output_text.delta", "error", "response.failed"]
     assert got[-1]["response"]["status"] == "failed" and "lost" in got[-1]["response"]["error"]["message"]
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_function_tools_whole_streamed_and_in_the_history(client):
+    """Responses' flat function tools: a required call comes back as a function_call item (whole and
+    streamed: the item, its arguments, done), and a history with the call and its output renders as
+    the chat endpoint's tool_calls and tool messages do (the same greedy answer)."""
+    ask = "What is the weather in Paris?"
+    whole = client.responses.create(
+        model="", input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0
+    )
+    [call] = whole.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    assert json.loads(call.arguments)["city"] in ("Paris", "Berlin")
+    kinds, arguments, final = [], "", None
+    with client.responses.create(
+        model="",
+        input=ask,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        stream=True,
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                arguments += event.delta
+            if event.type == "response.completed":
+                final = event.response
+    assert kinds[2] == "response.output_item.added" and kinds[-1] == "response.completed"
+    assert kinds[-3:-1] == ["response.function_call_arguments.done", "response.output_item.done"]
+    [streamed] = final.output
+    assert streamed.arguments == arguments == call.arguments and streamed.name == call.name
+    history = [
+        {"role": "user", "content": ask},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 C"},
+    ]
+    answered = client.responses.create(
+        model="", input=history, tools=[WEATHER], max_output_tokens=24, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model="",
+        messages=[
+            {"role": "user", "content": ask},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert answered.output_text == (chat.choices[0].message.content or "")

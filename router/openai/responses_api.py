@@ -1,36 +1,44 @@
-"""POST /v1/responses: OpenAI's Responses API, text in and text out, over the chat pipeline.
+"""POST /v1/responses: OpenAI's Responses API over the chat pipeline: text, structured output and
+function tools.
 
 Contract
-- input: `{"input": str | [message], "instructions"?, "model"?, "max_output_tokens"?,
+- input: `{"input": str | [item], "instructions"?, "model"?, "max_output_tokens"?,
   "temperature"?, "top_p"?, "seed"?, "text"?: {"format": {"type": "text" | "json_object" |
-  "json_schema", "name", "schema", "strict"}}, "stream"?}`; a message is `{"role": "user" |
-  "assistant" | "system" | "developer", "content": str | [{"type": "input_text" | "output_text",
-  "text"}]}` (`"type": "message"` optional). `store`, `include`, `metadata`, `user`,
-  `truncation`, `reasoning`, `parallel_tool_calls` and unknown keys are ignored (nothing is stored).
-- output: a `response` object (`object: "response"`, `status` completed, or incomplete with
-  `incomplete_details.reason` "max_output_tokens"; `output`: one assistant message with one
-  `output_text` part; `usage` with input/output/total tokens), or with `stream: true` the
-  Responses event stream: response.created, response.in_progress, response.output_item.added,
-  response.content_part.added, response.output_text.delta..., response.output_text.done,
-  response.content_part.done, response.output_item.done, response.completed (or
-  response.incomplete), each `event:` + `data:` with a `sequence_number`. A reasoning model's
+  "json_schema", "name", "schema", "strict"}}, "tools"?: [{"type": "function", "name",
+  "description", "parameters"}], "tool_choice"?, "parallel_tool_calls"?, "stream"?}`; an item is a
+  message `{"role": "user" | "assistant" | "system" | "developer", "content": str | [{"type":
+  "input_text" | "output_text", "text"}]}` (`"type": "message"` optional), an earlier call
+  `{"type": "function_call", "call_id", "name", "arguments"}` or its result `{"type":
+  "function_call_output", "call_id", "output"}`. `store`, `metadata`, `user`, `truncation`,
+  `reasoning` and unknown keys are ignored (nothing is stored).
+- output: a `response` object (`object: "response"`; `status` completed, incomplete with
+  `incomplete_details.reason` "max_output_tokens", or failed when the server cancelled it;
+  `output`: an assistant message with one `output_text` part when there is text, then one
+  `function_call` item per call; `usage`), or with `stream: true` the Responses event stream:
+  response.created, response.in_progress, per item response.output_item.added, its
+  response.content_part.added + response.output_text.delta... or
+  response.function_call_arguments.delta..., and at the end each item's done events
+  (response.output_text.done + response.content_part.done, or
+  response.function_call_arguments.done) and response.output_item.done, then response.completed
+  (or .incomplete / .failed); each `event:` + `data:` with a `sequence_number`. A reasoning model's
   thinking is left out of the text (split at `</think>` as for chat).
-- How: the request becomes a chat completion request (router/openai/requests.py `parse`), so
-  keys, validation, admission, queueing, cancellation and the chat template are the chat
-  endpoint's; errors name the Responses parameter (`input`, `max_output_tokens`, `text.format`).
-- failure modes: 400 naming the parameter for what this server does not do: `tools` and
-  `tool_choice` other than none/auto (use /v1/chat/completions), `top_logprobs` and logprobs in
-  `include`, `previous_response_id` and `conversation` (it keeps no responses), `background`,
-  input items other than messages, content parts other than text. A generation the server
-  cancels is a `failed` response; a failure after a stream began an `error` event, then
+- How: the request becomes a chat completion request (router/openai/requests.py `parse`; tools and
+  calls in the chat form), so keys, validation, admission, queueing, cancellation, the chat
+  template and the reading of tool calls (router/openai/tools.py) are the chat endpoint's; errors
+  name the Responses parameter (`input`, `max_output_tokens`, `text.format`, `tools[i]...`).
+- failure modes: 400 naming the parameter for what this server does not do: tools other than
+  functions, `top_logprobs` and logprobs in `include` (use /v1/chat/completions),
+  `previous_response_id` and `conversation` (it keeps no responses), `background`, other input
+  items, content parts other than text. A failure after a stream began is an `error` event, then
   `response.failed`.
 - state: none. proven by: tests/test_openai_responses_e2e.py (the openai SDK's
-  `client.responses.create`, whole and streamed, against a real router and worker).
+  `client.responses.create`, whole and streamed, with tools, against a real router and worker).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,10 +48,10 @@ from router.errors import RouterError
 from router.openai.reasoning import Reasoning, ReasoningStream, split
 from router.openai.requests import ApiError, Parsed, parse
 from router.openai.responses import Chunk, Done
+from router.openai.tools import ToolStream, extract
 
 ROLES = ("user", "assistant", "system", "developer")
 REFUSED = {
-    "tools": "not supported on /v1/responses: use /v1/chat/completions for tool calling",
     "top_logprobs": "not supported on /v1/responses: use /v1/chat/completions for logprobs",
     "previous_response_id": "not supported: this server keeps no responses (send the whole input)",
     "conversation": "not supported: this server keeps no conversations (send the whole input)",
@@ -84,13 +92,49 @@ def _messages(body: dict) -> list[dict]:
         raise _bad("input", "required: a string or a non-empty list of messages")
     for i, item in enumerate(value):
         where = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise _bad("input", f"{where}: only messages are supported, got {kind!r}")
-        if item.get("role") not in ROLES:
-            raise _bad("input", f"{where}.role must be one of {', '.join(ROLES)}")
-        messages.append({"role": item["role"], "content": _content(item.get("content"), where)})
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "function_call":  # an earlier call: consecutive ones make one assistant turn
+            call = {"id": item.get("call_id"), "type": "function"}
+            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":  # its result
+            output = item.get("output")
+            content = output if isinstance(output, str) else _content(output, where)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
+        elif kind == "message":
+            if item.get("role") not in ROLES:
+                raise _bad("input", f"{where}.role must be one of {', '.join(ROLES)}")
+            messages.append({"role": item["role"], "content": _content(item.get("content"), where)})
+        else:
+            raise _bad("input", f"{where}: messages, function_call and function_call_output, got {kind!r}")
     return messages
+
+
+def _tools(body: dict, chat: dict) -> None:
+    """Responses' flat function tools and tool_choice in the chat form."""
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list")
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+                raise _bad("tools", f"tools[{i}]: only function tools are supported, got {kind!r}")
+            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            chat["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise _bad("tool_choice", "a function ({type: function, name}), auto, none or required")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if "parallel_tool_calls" in body:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
 
 
 def _format(text) -> dict | None:
@@ -117,8 +161,6 @@ def _refused(body: dict) -> None:
     include = body.get("include")
     if isinstance(include, list) and any("logprobs" in str(i) for i in include):
         raise _bad("include", REFUSED["top_logprobs"])
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("tool_choice", "there are no tools to call (tools are not supported here)")
     limit = body.get("max_output_tokens")
     if isinstance(limit, int) and not isinstance(limit, bool) and limit < 1:
         raise _bad("max_output_tokens", f"must be >= 1, got {limit}")
@@ -130,6 +172,7 @@ def parse_responses(body: object, request_id: str) -> Parsed:
         raise ApiError(400, "the request body must be a JSON object")
     _refused(body)
     chat = {"messages": _messages(body), "model": body.get("model"), "stream": body.get("stream")}
+    _tools(body, chat)
     for name in ("temperature", "top_p", "seed"):
         if name in body:
             chat[name] = body[name]
@@ -142,6 +185,7 @@ def parse_responses(body: object, request_id: str) -> Parsed:
         parsed = parse(chat, chat=True, request_id=request_id)
     except ApiError as err:
         param = next((v for k, v in PARAMS.items() if (err.param or "").startswith(k)), err.param)
+        param = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", param or "")
         if param != err.param:
             raise _bad(param, err.message.split(": ", 1)[-1]) from None
         raise
@@ -220,9 +264,26 @@ class ResponseBuilder:
     def item_status(done: Done) -> str:
         return "completed" if done.reason == pb.FINISH_REASON_STOP else "incomplete"
 
+    def call_item(self, call: dict, status: str) -> dict:
+        """A `function_call` output item from a chat tool call (router/openai/tools.py's form)."""
+        return {
+            "id": f"fc_{uuid.uuid4().hex}",
+            "type": "function_call",
+            "status": status,
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"].get("arguments", ""),
+        }
+
     def whole(self, chunks: list[Chunk], done: Done) -> dict:
         text = self._text("".join(c.text for c in chunks))
-        return self.response("completed", [self.item(text, self.item_status(done))], done)
+        status = self.item_status(done)
+        calls = []
+        if self.parsed.tools is not None:
+            text, calls = extract(text, self.parsed.tools)
+        output = [self.item(text or "", status)] if text or not calls else []
+        output += [self.call_item(call, "completed") for call in calls]
+        return self.response("completed", output, done)
 
     def event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self._seq, **fields}
@@ -243,29 +304,87 @@ class ResponseBuilder:
             yield self.event("response.failed", response=failed)
 
     async def _events(self, events: AsyncIterator[tuple[int, Chunk | Done]]) -> AsyncIterator[bytes]:
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        """Items as they come: the message (at once without tools; with tools when content does),
+        then each function call (its arguments as they are generated, or whole)."""
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
-        yield self.event("response.output_item.added", output_index=0, item=self.item(None, "in_progress"))
-        yield self.event("response.content_part.added", **where, part=self.part(""))
         think = ReasoningStream(self.reasoning) if self.reasoning is not None else None
-        text, done = "", None
+        tools = ToolStream(self.parsed.tools) if self.parsed.tools is not None else None
+        items: list[dict] = []  # in output order: {"item", "text"} (message) or {"item", "call"}
+        message: dict | None = None
+        calls: dict[int, dict] = {}
+
+        def open_message() -> list[bytes]:
+            nonlocal message
+            message = {"item": self.item(None, "in_progress"), "text": "", "index": len(items)}
+            items.append(message)
+            where = {"item_id": self.item_id, "output_index": message["index"], "content_index": 0}
+            return [
+                self.event("response.output_item.added", output_index=message["index"], item=message["item"]),
+                self.event("response.content_part.added", **where, part=self.part("")),
+            ]
+
+        if tools is None:
+            for data in open_message():
+                yield data
+        done = None
         async for _, event in events:
             if isinstance(event, Done):
                 done = event
                 pieces = [d.get("content") for d in think.finish()] if think is not None else []
             else:
                 pieces = [d.get("content") for d in think.feed(event.text)] if think else [event.text]
+            deltas = []
             for piece in pieces:
                 if piece:
-                    text += piece
-                    yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                    deltas += tools.feed(piece) if tools is not None else [{"content": piece}]
+            if done is not None and tools is not None:
+                deltas += tools.finish()
+            for delta in deltas:
+                if delta.get("content"):
+                    if message is None:
+                        for data in open_message():
+                            yield data
+                    message["text"] += delta["content"]
+                    where = {"item_id": self.item_id, "output_index": message["index"], "content_index": 0}
+                    yield self.event(
+                        "response.output_text.delta", **where, delta=delta["content"], logprobs=[]
+                    )
+                for call in delta.get("tool_calls", ()):
+                    entry = calls.get(call["index"])
+                    if entry is None:
+                        item = self.call_item(
+                            {**call, "function": {**call["function"], "arguments": ""}}, "in_progress"
+                        )
+                        entry = calls[call["index"]] = {"item": item, "index": len(items)}
+                        items.append(entry)
+                        yield self.event("response.output_item.added", output_index=entry["index"], item=item)
+                    arguments = call["function"].get("arguments", "")
+                    if arguments:
+                        entry["item"]["arguments"] += arguments
+                        where = {"item_id": entry["item"]["id"], "output_index": entry["index"]}
+                        yield self.event("response.function_call_arguments.delta", **where, delta=arguments)
         if done is None:
             raise RouterError("the generation stream ended without a finish")
         status = self.item_status(done)
-        yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self.event("response.content_part.done", **where, part=self.part(text))
-        item = self.item(text, status)
-        yield self.event("response.output_item.done", output_index=0, item=item)
-        final = self.response("completed", [item], done)
+        output = []
+        for entry in items:
+            if entry is message:
+                text = message["text"]
+                where = {"item_id": self.item_id, "output_index": entry["index"], "content_index": 0}
+                yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+                yield self.event("response.content_part.done", **where, part=self.part(text))
+                item = self.item(text, status)
+            else:
+                item = {**entry["item"], "status": "completed"}
+                where = {"item_id": item["id"], "output_index": entry["index"]}
+                yield self.event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            output.append(item)
+            yield self.event("response.output_item.done", output_index=entry["index"], item=item)
+        final = self.response("completed", output, done)
         yield self.event(f"response.{final['status']}", response=final)
