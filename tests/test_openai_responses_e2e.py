@@ -247,3 +247,98 @@ def test_function_tools_whole_streamed_and_in_the_history(client):
         temperature=0,
     )
     assert answered.output_text == (chat.choices[0].message.content or "")
+
+
+def _events_of(body: dict, pieces: list[str], reason=None) -> tuple[list[dict], dict]:
+    """(the stream's events, `whole()`'s response) for `pieces` of generated text."""
+    import asyncio
+
+    from protos.llm.v1 import generation_pb2 as pb
+    from router.openai.responses_api import ResponseBuilder, parse_responses
+
+    parsed = parse_responses({"input": "x", **body}, "r")
+    done = pb.Finished(reason=reason or pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3))
+
+    async def events():
+        for piece in pieces:
+            yield 0, pb.TokenChunk(text=piece)
+        yield 0, done
+
+    async def collect():
+        builder = ResponseBuilder(parsed, "m", None)
+        return [json.loads(d.decode().split("data: ", 1)[1]) async for d in builder.stream(events(), str)]
+
+    whole = ResponseBuilder(parsed, "m", None).whole([pb.TokenChunk(text="".join(pieces))], done)
+    return asyncio.run(collect()), whole
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [
+            "Let me check. ",
+            '<tool_call>{"name": "get_weather", ',
+            '"arguments": {"city": "Paris"}}</tool_call>',
+        ],
+        ["  ", "\n"],
+        ["Just text."],
+    ],
+    ids=["text-then-call", "whitespace", "text"],
+)
+def test_streamed_items_equal_whole_and_close_in_order(pieces):
+    from openai.types.responses import Response
+
+    got, whole = _events_of({"tools": [WEATHER]}, pieces)
+    final = got[-1]["response"]
+    strip = lambda items: [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]  # noqa: E731
+    assert strip(final["output"]) == strip(whole["output"])
+    Response.model_validate(final)
+    open_items = 0
+    for event in got:  # an item is closed before the next one is added
+        if event["type"] == "response.output_item.added":
+            assert open_items == 0
+            open_items += 1
+        elif event["type"] == "response.output_item.done":
+            open_items -= 1
+    assert open_items == 0
+
+
+def test_input_items_and_the_names_of_their_errors(router):
+    from router.openai.responses_input import parse_responses
+
+    turn = parse_responses(
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "Let me check."},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+            "tools": [WEATHER],
+            "tool_choice": "auto",
+        },
+        "r",
+    )
+    messages = turn.request.chat.messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]  # one assistant turn: text + calls
+    assert messages[1].content == "Let me check." and [c.id for c in messages[1].tool_calls] == ["c1", "c2"]
+    assert parse_responses({"input": "q", "tool_choice": "auto"}, "r").tools is None  # no tools: fine
+    url = f"{http_url(router)}/responses"
+    for body, param in (
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+        ({"input": "q", "tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "[1]"},
+                ],
+                "instructions": "be brief",
+                "tools": [WEATHER],
+            },
+            "input[1].arguments",
+        ),
+    ):
+        status, reply = post(url, json.dumps(body).encode(), KEY)
+        assert status == 400 and reply["error"]["param"] == param, reply
