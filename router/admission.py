@@ -150,6 +150,15 @@ class Ticket:
         self._controller._release(self, num_output_tokens)
 
 
+def request_burst(tenant: TenantPolicy) -> float | None:
+    """Requests a tenant may send at once (its request bucket's size): `burst_requests`, by default
+    one second's worth and at least one; None without a request rate."""
+    rps = tenant.rate_requests_per_s
+    if not rps:
+        return None
+    return tenant.burst_requests or max(1.0, rps)
+
+
 class AdmissionController:
     def __init__(
         self,
@@ -356,7 +365,7 @@ class AdmissionController:
         cached = self._buckets.get(tenant.name)
         if cached is None or cached[0] != key:  # new tenant or its limits changed
             rps, burst, tpm = key
-            requests = TokenBucket(rps, burst or max(1.0, rps), self._clock) if rps else None
+            requests = TokenBucket(rps, request_burst(tenant), self._clock) if rps else None
             tokens = TokenBucket(tpm / 60.0, tpm, self._clock) if tpm else None
             cached = self._buckets[tenant.name] = (key, requests, tokens)
         return cached[1], cached[2]

@@ -171,7 +171,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._drain.enter()
         try:
             obs.stage("auth")
-            tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            tenant = self.tenant_of(context)
             obs.stage("validate")
             obs.response_format = request.response_format.WhichOneof("kind")
             obs.tools = len(request.chat.tools) if request.HasField("chat") else 0

@@ -137,6 +137,11 @@ def create_app(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
 
+    def answer_name(requested: str) -> str:
+        """The model name an answer shows: the request's, or the one served when it left it empty."""
+        served = models()
+        return requested or (next(iter(served)) if len(served) == 1 else "")
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """Unknown paths (404) and methods (405) get OpenAI error objects too."""
@@ -166,8 +171,7 @@ def create_app(
         parsed = None
         try:
             parsed = parse(await read_json(request, max_body_bytes), chat, request_id)
-            served = models()  # the name the answer shows when the request leaves `model` empty
-            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
+            name = answer_name(parsed.request.model)
             ctx = HttpCallContext(request)
             calls = Choices([observed(one, ctx) for one in parsed.requests])
             streaming = False
@@ -209,8 +213,7 @@ def create_app(
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             parsed = embeddings.parse_embeddings(await read_json(request, max_body_bytes), request_id)
-            served = models()
-            name = parsed.model or (next(iter(served)) if len(served) == 1 else "")
+            name = answer_name(parsed.model)
             ctx = HttpCallContext(request)
             limit = embeddings.in_flight(service.tenant_of(ctx), len(parsed.requests))
             work = embeddings.embed(lambda r: observed(r, ctx), parsed, limit)
@@ -231,8 +234,7 @@ def create_app(
         parsed = None
         try:
             parsed = responses_api.parse_responses(await read_json(request, max_body_bytes), request_id)
-            served = models()
-            name = parsed.request.model or (next(iter(served)) if len(served) == 1 else "")
+            name = answer_name(parsed.request.model)
             calls = Choices([observed(one, HttpCallContext(request)) for one in parsed.requests])
             streaming = False
             try:

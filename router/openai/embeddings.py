@@ -36,6 +36,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.admission import request_burst
 from router.errors import RouterError, ValidationError
 from router.openai.requests import UINT32_MAX, ApiError
 
@@ -152,9 +153,7 @@ def in_flight(tenant, num_inputs: int) -> int:
     """How many of a request's calls run at once for this tenant: IN_FLIGHT, at most its
     concurrency and queue caps (each input is one request to admission). A batch larger than the
     tenant's request burst could never be admitted whole: a 400 that says how many fit."""
-    burst = tenant.burst_requests
-    if burst is None and tenant.rate_requests_per_s is not None:
-        burst = max(1.0, tenant.rate_requests_per_s)  # the default burst: one second's worth
+    burst = request_burst(tenant)
     if burst is not None and num_inputs > burst:
         raise _bad(
             "input",
