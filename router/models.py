@@ -8,11 +8,13 @@ Contract
 - output: `ModelTable`: `ids()`, `get(id)` -> `ServedModel` (tokenizer, fingerprint, defaults);
   `check(WorkerInfo)` -> "" when the router may route to that worker, else the reason it may not
   (a model it does not serve, no fingerprint, or a fingerprint that differs from the router's
-  tokenizer for that model); `apply_defaults(req, sampling)` fills the sampling fields a request
+  tokenizer for that model; a worker's LoRA adapters, WorkerInfo.adapters, become ids `get` resolves
+  to their base model, unless one collides with a served model or another base's adapter);
+  `apply_defaults(req, sampling)` fills the sampling fields a request
   left unset from the model's generation defaults (generation_config.json, or a GGUF's documented
   defaults: `common.model_files.generation_defaults`); `worker_states(registry)` -> the JSON the
   router serves at /workers (each worker's model, health and why it is refused).
-- state: read-only after construction.
+- state: the models are read-only after construction; the adapter ids grow as workers are vetted.
 - failure modes: a SOURCE that does not resolve or a vocabulary the router cannot build ->
   `SystemExit` at start-up naming the entry; two entries with one id -> `SystemExit`.
 - proven by: tests/test_models_e2e.py (three models behind one router, a worker with a
@@ -78,6 +80,7 @@ def fingerprint_of(info: worker_pb2.WorkerInfo) -> Fingerprint | None:
 class ModelTable:
     def __init__(self, models: Iterable[ServedModel]):
         self._models: dict[str, ServedModel] = {}
+        self._adapters: dict[str, str] = {}  # LoRA adapter -> its base model's id, from vetted workers
         for m in models:
             if m.id in self._models:
                 raise SystemExit(f"--model: two entries serve the id {m.id!r}; give one of them ID=...")
@@ -100,10 +103,18 @@ class ModelTable:
         return sorted(self._models)
 
     def get(self, model: str) -> ServedModel | None:
-        return self._models.get(model)
+        """The served model `model` names: a base model, or a LoRA adapter's base (its tokenizer,
+        template and defaults are the base model's)."""
+        served = self._models.get(model)
+        if served is None and model in self._adapters:
+            served = self._models.get(self._adapters[model])
+        return served
 
     def tokenizer(self, model: str) -> Tokenizer:
-        return self._models[model].tokenizer
+        served = self.get(model)
+        if served is None:
+            raise KeyError(model)
+        return served.tokenizer
 
     def decoder(self, model: str):
         """token ids -> their text in `model`'s vocabulary (the OpenAI front's logprobs and echo)."""
@@ -122,11 +133,18 @@ class ModelTable:
                 f"tokenizer fingerprint for model {info.model!r} differs from the router's "
                 f"(worker: {theirs.describe()}; router: {served.fingerprint.describe()})"
             )
+        for adapter in info.adapters:  # LoRA adapters: served as models of their own
+            if adapter in self._models:
+                return f"serves a LoRA adapter under the id of a served model, {adapter!r}"
+            known = self._adapters.get(adapter, info.model)
+            if known != info.model:
+                return f"serves LoRA adapter {adapter!r} of {info.model!r}; other workers, of {known!r}"
+        self._adapters.update(dict.fromkeys(info.adapters, info.model))
         return ""
 
     def apply_defaults(self, req: ValidRequest, sampling: pb.SamplingParams) -> ValidRequest:
         """The model's generation defaults for every sampling field the request left unset."""
-        served = self._models.get(req.model.name)
+        served = self.get(req.model.name)
         if served is None or not served.defaults:
             return req
         changes = {}

@@ -125,7 +125,7 @@ class WorkerRegistry(abc.ABC):
             and h.info is not None
             and not h.refused
             and h.breaker.allows()
-            and (model is None or h.info.model == model)
+            and (model is None or h.info.model == model or model in h.info.adapters)
         ]
 
     def models(self) -> dict[str, ModelSpec]:
@@ -133,9 +133,11 @@ class WorkerRegistry(abc.ABC):
         than one worker's context may still fit another's (placement picks one that holds it)."""
         specs: dict[str, ModelSpec] = {}
         for h in self.healthy():
-            known = specs.get(h.info.model)
-            if known is None or h.info.max_model_len > known.max_model_len:
-                specs[h.info.model] = ModelSpec(h.info.model, h.info.max_model_len, h.info.vocab_size)
+            names = [(h.info.model, "")] + [(a, h.info.model) for a in h.info.adapters]  # LoRA: its base
+            for name, base in names:
+                known = specs.get(name)
+                if known is None or h.info.max_model_len > known.max_model_len:
+                    specs[name] = ModelSpec(name, h.info.max_model_len, h.info.vocab_size, base)
         return specs
 
     def mark_failed(self, handle: WorkerHandle, reason: str) -> None:

@@ -150,6 +150,7 @@ def _worker_request(req: ValidRequest, prompt_ids: list[int], max_tokens: int, t
         sampling=sampling,
         priority=req.priority,
         cache_salt=tenant.name,
+        adapter=req.model.name if req.model.base else "",
     )
 
 

@@ -207,7 +207,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 req.top_p,
             )
             deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
-            pending = Pending(req.model.name, prefix_hashes(prompt_ids, tenant.name))
+            salt = f"{tenant.name}\x1f{req.model.name}" if req.model.base else tenant.name  # LoRA: its own KV
+            pending = Pending(req.model.name, prefix_hashes(prompt_ids, salt))
             obs.stage("admission")
             try:
                 ticket = self._admission.admit(
@@ -272,6 +273,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         id=name,
                         max_model_len=spec.max_model_len,
                         num_workers=len(self._registry.healthy(name)),
+                        parent=spec.base,
                     )
                 )
             return pb.ListModelsResponse(models=cards)

@@ -42,6 +42,7 @@ class ModelSpec:
     name: str
     max_model_len: int
     vocab_size: int
+    base: str = ""  # a LoRA adapter's base model (its workers' WorkerInfo.model); "" = a base model
 
 
 @dataclass(frozen=True)

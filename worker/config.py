@@ -318,6 +318,15 @@ class EngineConfig:
         ),
     )
 
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "LoRA adapters served beside the base model, NAME=PATH,...: PEFT adapter directories; a "
+            "request picks one by naming it as its model (docs/lora.md)",
+            metavar="NAME=PATH,...",
+        ),
+    )
+
     tensor_parallel_size: int = field(
         default=1,
         metadata=option(
@@ -330,6 +339,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError("lora_modules: LoRA adapters are not served with tensor parallelism")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -109,6 +109,7 @@ class LLMEngine:
             vocab_size=mc.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
+            adapters=self.runner.adapters.names if self.runner.adapters else (),
         )
         self._aborted: list[Sequence] = []
         self.num_steps = 0
@@ -155,6 +156,11 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if sampling.adapter:
+            if sampling.adapter not in self.info.adapters:
+                served = ", ".join(self.info.adapters) or "none"
+                raise ValueError(f"adapter {sampling.adapter!r} is not served here (adapters: {served})")
+            salt = f"{salt}\x1flora:{sampling.adapter}"  # its KV differs from the base model's
         seq = Sequence(request_id, list(prompt_token_ids), sampling, priority, salt)
         if sampling.grammar:
             self.scheduler.check(seq)  # the cheap refusals before compiling the grammar

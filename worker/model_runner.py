@@ -57,6 +57,7 @@ from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.grammar import Grammars
 from worker.input_batch import InputBatch
 from worker.kernels.cpu_layers import CpuLayerStack
+from worker.lora import Adapters
 from worker.model.llama import LlamaModel
 from worker.pooling import chunk_sums, last_rows, pooled_chunks
 from worker.prompt_logprobs import score_prompt_rows, scored_chunks
@@ -138,6 +139,8 @@ class ModelRunner:
             # Before the KV pool is sized (the timing's weight copies are freed) and graph capture.
             log.info("triton gemv: %d linear layers swapped", use_triton_gemv(model))
         self.model, self.model_config = model, model.config
+        # LoRA adapters (worker/lora.py): wrapped last, around whatever form the linears now have.
+        self.adapters = Adapters.attach(model, config.lora_modules, self.device, log)
         self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
         self.backend = get_attention_backend(config.attention_backend, self.device, model.dtype)
         if self.kv_cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
@@ -353,7 +356,8 @@ class ModelRunner:
         batch = self.input_batch
         graphs = self.cuda_graphs
         tokens, rows = feed if feed is not None else (None, None)
-        if graphs is not None and not scored and not pooled:  # they read every row of a chunk: eager
+        lora = self.adapters.slots(plan) if self.adapters is not None else None  # None: no adapter row
+        if graphs is not None and not scored and not pooled and lora is None:  # these run eager
             decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
             size = bucket_for(len(decode), graphs.sizes) if decode else None
             if size is not None and len(decode) == len(plan.scheduled):
@@ -379,7 +383,10 @@ class ModelRunner:
                 return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, ([], [])
         step = batch.build(plan, feed=rows)
         input_ids, positions, meta = batch.eager_inputs(step, tokens)
-        if self.cpu_compiled is not None:
+        if lora is not None:
+            with self.adapters.active(lora, step.query_start_loc):
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        elif self.cpu_compiled is not None:
             hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
         elif self.cpu_layers is not None:
             hidden = self.cpu_layers(input_ids, positions, meta)  # (T, C), the same as self.model's

@@ -61,8 +61,9 @@ FINISH_REASONS = {
 POOLINGS = {wpb.WORKER_POOLING_NONE: "", wpb.WORKER_POOLING_LAST: "last", wpb.WORKER_POOLING_MEAN: "mean"}
 
 
-def to_sampling(s: wpb.WorkerSampling) -> SamplingParams:
+def to_sampling(s: wpb.WorkerSampling, adapter: str = "") -> SamplingParams:
     return SamplingParams(
+        adapter=adapter,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
@@ -142,7 +143,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
         try:
             try:
-                sampling = to_sampling(request.sampling)
+                sampling = to_sampling(request.sampling, request.adapter)
             except ValueError as exc:
                 obs.fail("invalid_argument", str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
@@ -196,6 +197,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=i.eos_token_ids,
             metrics_address=self.metrics_address,
             max_num_seqs=i.max_num_seqs,
+            adapters=i.adapters,
         )
         if self.fingerprint is not None:
             f = self.fingerprint

@@ -62,6 +62,7 @@ class SamplingParams:
     # max_tokens 1 (the token is computed and returned, but an embedding caller leaves it out);
     # "mean" computes the prompt whole (no prefix-cache hit)
     pooling: str = ""
+    adapter: str = ""  # a LoRA adapter the worker serves (--lora-modules); "" = the base model
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -192,3 +193,4 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     max_num_seqs: int = 0  # sequences one step runs at most (0: unknown)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules)

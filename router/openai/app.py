@@ -286,6 +286,7 @@ def create_app(
                 "created": 0,
                 "owned_by": "llm-serve",
                 "max_model_len": card.max_model_len,
+                **({"parent": card.parent, "root": card.parent} if card.parent else {}),  # a LoRA adapter
             }
             for card in reply.models
         ]

@@ -14,9 +14,10 @@ Contract:
   (contiguous), every q|k|v, o, gate|up and down linear an Int4Linear or Int8Linear (any of their
   CPU paths: W4A8 / W8A8 with int8 activations; torch's weight-only kernels or
   dequantize-then-GEMM with bfloat16 activations; with or without a bias) with no dense copy, no
-  tensor parallel all-reduce. Else None and the first reason it is not (the model runner logs it and
-  keeps the Python layer loop). The modules' paths are read when the stack is built: built after
-  `apply_cpu_paths`, as the model runner does.
+  tensor parallel all-reduce (a LoRA wrapper, worker/lora.py, is looked through: the op serves the
+  steps without an adapter row, where the wrapper adds nothing). Else None and the first reason it
+  is not (the model runner logs it and keeps the Python layer loop). The modules' paths are read
+  when the stack is built: built after `apply_cpu_paths`, as the model runner does.
 - `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
   what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
   tokens' K/V written into the caches the same way. T = 0, or a backend whose fused ops were
@@ -101,7 +102,7 @@ class CpuLayerStack:
                 if isinstance(module, RMSNorm):
                     weights.append(module.weight)
                     continue
-                parts, why = _linear_parts(module)
+                parts, why = _linear_parts(getattr(module, "base", module))  # a LoraLinear's own
                 if parts is None:
                     return None, why
                 weights += parts

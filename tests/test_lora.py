@@ -1,0 +1,251 @@
+"""LoRA adapters in the engine (worker/lora.py) against PEFT's own model over transformers.
+
+The adapters are made and saved by PEFT itself (`get_peft_model(...).save_pretrained`) on a tiny
+random float32 Llama, with random A and B (PEFT starts B at zero, which would hide every error):
+- `wide`: every one of the seven projections, rank 4.
+- `narrow`: q, v and down only, rank 8 with a rank_pattern (q: 2), an alpha_pattern (down: 4) and
+  rsLoRA scaling.
+Checks: each adapter's logits and the base model's equal PEFT's to 1e-4 with all three in one batch
+(chunked prefill), their tokens equal their runs alone (speculative drafts on, async scheduling on),
+the prefix cache never serves one adapter's blocks to another or to the base model, every KV block
+comes back, and the refusals (unknown adapter, what PEFT can save that we do not serve, shapes of
+another model). The quantized CPU path (int4 SmolLM2, the C++ layer op) is checked in
+test_quantized_base_keeps_the_layer_op.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.tiny_llama import save_tiny
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.lora import load_adapter
+from worker.types import SamplingParams
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = [
+    [5, 9, 17, 33, 2, 8, 100, 41, 7, 3, 66, 12, 90, 14, 1, 6, 77, 23, 19],
+    [44, 12, 9],
+    [3, 4, 5, 6] * 6,
+]
+ADAPTERS = {
+    "wide": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "narrow": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"q_proj": 2},
+        alpha_pattern={"down_proj": 4},
+        use_rslora=True,
+    ),
+}
+
+
+def _peft_model(hf, settings: dict, seed: int):
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**settings))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(base checkpoint path, {name: (adapter dir, PEFT model)}, the transformers base model)."""
+    root = tmp_path_factory.mktemp("lora")
+    path, hf = save_tiny(root, "llama")
+    adapters = {}
+    for seed, (name, settings) in enumerate(ADAPTERS.items()):
+        model = _peft_model(hf, settings, seed)
+        model.save_pretrained(root / name)
+        adapters[name] = (root / name, model)
+    return path, adapters, hf
+
+
+def _engine(tiny, **overrides) -> LLMEngine:
+    path, adapters, _ = tiny
+    entries = tuple(f"{name}={directory}" for name, (directory, _) in adapters.items())
+    settings = dict(model=str(path), dtype="float32", kv_cache_bytes=2**20, lora_modules=entries)
+    return LLMEngine(EngineConfig(**(settings | overrides)))
+
+
+def _greedy(n: int, adapter: str = "") -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, adapter=adapter)
+
+
+def test_logits_equal_peft_with_adapters_and_base_in_one_batch(tiny):
+    _, adapters, hf = tiny
+    engine = _engine(tiny, max_num_batched_tokens=8, num_speculative_tokens=0)  # chunked prefill
+    captured: dict[str, list[torch.Tensor]] = {}
+
+    def observe(ids, logits):
+        for rid, row in zip(ids, logits):
+            captured.setdefault(rid, []).append(row.clone())
+
+    engine.runner.logits_observer = observe
+    names = ["wide", "", "narrow"]
+    outs = engine.generate(PROMPTS, [_greedy(5, name) for name in names])
+    refs = {"": hf} | {name: model for name, (_, model) in adapters.items()}
+    for i, (name, prompt, out) in enumerate(zip(names, PROMPTS, outs)):
+        with torch.no_grad():
+            ref = refs[name](torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
+        ours = torch.stack(captured[f"offline-0-{i}"])
+        err = float((ours - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-4, (name, err)
+    # the adapters matter: each one's logits differ from the base model's
+    with torch.no_grad():
+        base = hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert float((captured["offline-0-0"][0] - base).abs().max()) > 0.1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["drafts", "async"])
+def test_a_mixed_batch_gives_each_request_its_tokens_alone(tiny, mode):
+    settings = dict(num_speculative_tokens=4) if mode == "drafts" else dict(async_scheduling=True)
+    engine = _engine(tiny, max_num_batched_tokens=16, **settings)
+    names = ["narrow", "", "wide", "narrow", "wide", ""]
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    params = [_greedy(12, name) for name in names]
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert len({tuple(t) for t in together[:3]}) == 3  # adapters change what is generated
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_never_crosses_adapters(tiny):
+    engine = _engine(tiny, enable_prefix_caching=True)
+    prompt = list(range(1, 50))  # three full blocks of 16
+
+    def run(adapter: str) -> tuple[list[int], int]:
+        rid = f"r{engine.num_steps}-{adapter}"
+        engine.add_request(rid, prompt, _greedy(4, adapter))
+        tokens, cached = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                cached = max(cached, out.num_cached_tokens)
+        return tokens, cached
+
+    base, cached = run("")
+    assert cached == 0
+    wide, cached = run("wide")
+    assert cached == 0 and wide != base  # the base model's blocks are not the adapter's
+    again, cached = run("wide")
+    assert cached == 48 and again == wide  # its own blocks are
+    narrow, cached = run("narrow")
+    assert cached == 0
+    fresh = _engine(tiny, enable_prefix_caching=True)
+    assert fresh.generate([prompt], _greedy(4, "narrow")) == [narrow]
+
+
+def test_unknown_adapter_is_refused(tiny):
+    engine = _engine(tiny)
+    with pytest.raises(ValueError, match=r"adapter 'nope' is not served here \(adapters: wide, narrow\)"):
+        engine.add_request("x", [1, 2, 3], _greedy(2, "nope"))
+    assert engine.info.adapters == ("wide", "narrow")
+
+
+def _saved(tmp_path, hf, name: str, **settings):
+    model = _peft_model(hf, settings, 7)
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(target_modules=["q_proj"], use_dora=True), "DoRA"),
+        (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(target_modules=["q_proj", "lm_head"]), "embeddings and lm_head are not supported"),
+        (dict(target_modules=["q_proj"], lora_bias=True), "LoRA biases"),
+    ],
+    ids=["dora", "modules-to-save", "lm-head", "bias"],
+)
+def test_what_peft_saves_that_is_not_served_is_refused(tiny, tmp_path, settings, message):
+    _, _, hf = tiny
+    directory = _saved(tmp_path, hf, "bad", r=4, **settings)
+    with pytest.raises(ValueError, match=message):
+        _engine(tiny, lora_modules=(f"bad={directory}",))
+
+
+def test_bad_entries_and_other_models_are_refused(tiny, tmp_path):
+    path, adapters, _ = tiny
+    with pytest.raises(ValueError, match="expected NAME=PATH"):
+        _engine(tiny, lora_modules=("just-a-path",))
+    with pytest.raises(ValueError, match="cannot read .*adapter_config.json"):
+        _engine(tiny, lora_modules=(f"gone={tmp_path / 'missing'}",))
+    wide = adapters["wide"][0]
+    with pytest.raises(ValueError, match="two adapters named 'a'"):
+        _engine(tiny, lora_modules=(f"a={wide}", f"a={wide}"))
+    other, other_hf = save_tiny(tmp_path, "llama", num_heads=8, num_kv_heads=8)  # q/k/v of other shapes
+    directory = _saved(tmp_path, other_hf, "other", r=4, target_modules=["k_proj"])
+    with pytest.raises(ValueError, match="k_proj: A .* do not fit the base model"):
+        _engine(tiny, lora_modules=(f"other={directory}",))
+    config = json.loads((wide / "adapter_config.json").read_text())
+    (tmp_path / "ia3").mkdir()
+    (tmp_path / "ia3" / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "IA3"}))
+    with pytest.raises(ValueError, match="peft_type 'IA3'"):
+        load_adapter("ia3", tmp_path / "ia3", None, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="not served with tensor parallelism"):
+        EngineConfig(model=str(path), lora_modules=(f"wide={wide}",), tensor_parallel_size=2)
+
+
+def write_adapter(
+    directory, num_layers: int, shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float
+):
+    """A PEFT-format adapter written by hand: `shapes` maps a projection to its (in, out) features;
+    every layer gets one, random (scale 0: B = 0, PEFT's initial adapter)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for proj, (fan_in, fan_out) in shapes.items():
+            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.1
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=sorted(shapes), bias="none")
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_quantized_base_keeps_the_layer_op(tmp_path):
+    """The embedded int4 SmolLM2 with adapters loaded: steps without an adapter row still run the
+    C++ layer op and give the tokens of a worker without adapters; a zero adapter (the eager layer
+    loop through the wrappers) gives the base model's tokens too; a random one changes them."""
+    shapes = {"q_proj": (576, 576), "v_proj": (576, 192), "down_proj": (1536, 576)}
+    zero = write_adapter(tmp_path / "zero", 30, shapes, 8, 0, 0.0)
+    rand = write_adapter(tmp_path / "rand", 30, shapes, 8, 1, 0.05)
+    common = dict(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=32, num_threads=1)
+    plain = LLMEngine(EngineConfig(**common))
+    served = LLMEngine(EngineConfig(**common, lora_modules=(f"zero={zero}", f"rand={rand}")))
+    if plain.runner.cpu_layers is None:
+        pytest.skip("the C++ layer op does not build here (worker/kernels/cpu_layers.py logs why)")
+    assert served.runner.cpu_layers is not None
+    prompts = [[1, 504, 3458, 282, 4649, 314, 216], [1, 19, 25, 31, 33, 42] * 3, [1, 7788, 29]]
+    base = plain.generate(prompts, _greedy(10))
+    names = ["zero", "", "rand"]
+    mixed = served.generate(prompts, [_greedy(10, n) for n in names])
+    assert mixed[:2] == base[:2]  # the zero adapter and the base model: the base model's tokens
+    assert mixed[2] != base[2]
+    op, calls = served.runner.cpu_layers, []
+    served.runner.cpu_layers = lambda *args: calls.append(1) or op(*args)
+    assert served.generate(prompts, _greedy(10)) == base  # base-only steps: the op, unchanged
+    assert calls
+    assert served.block_manager.num_free_blocks == served.block_manager.num_blocks

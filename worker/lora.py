@@ -1,0 +1,292 @@
+"""LoRA adapters served beside the base model: several per worker, chosen per request.
+
+Contract
+- input: `--lora-modules NAME=PATH,...` (EngineConfig.lora_modules); PATH is a PEFT adapter
+  directory (adapter_config.json with peft_type LORA, and adapter_model.safetensors or .bin)
+  trained on this worker's base model. The targets may be any of q/k/v/o_proj and
+  gate/up/down_proj of any layers; each module's rank is its tensors' (rank_pattern), its alpha
+  `lora_alpha` or the alpha_pattern entry matching it; the scale is alpha / rank (alpha / sqrt(rank)
+  with use_rslora). A request names one by `SamplingParams.adapter` ("" = the base model).
+- `Adapters(model, entries)` loads every adapter and wraps each targeted linear in a `LoraLinear`
+  (its own module kept as `.base`): `y = base(x) + (x @ A^T) @ (scale B)^T` for the rows of the
+  adapters that target it, nothing for the others. q|k|v and gate|up are fused linears here
+  (worker/model/llama.py): an adapter's A matrices of one fused linear are stacked and its B
+  matrices placed block-diagonally at their shard's output rows. A and B are kept in the model's
+  activation dtype (bfloat16 beside int4 / int8 base weights: the adapter is not quantized).
+- per step: `slots(plan)` -> each scheduled sequence's adapter slot (1..N), or None when no
+  sequence of the step has one; `active(slots, query_start_loc)` is the context inside which the
+  model's forward adds the deltas (the rows of each adapter as one slice or one index tensor,
+  shared by every wrapped linear of the step). Outside it the wrappers add nothing, so CUDA
+  graphs, the compiled CPU step and the C++ layer op (which looks through the wrapper:
+  worker/kernels/cpu_layers.py) keep serving the steps without an adapter row; a step with one runs
+  the eager model (worker/model_runner.py).
+- prefix cache: an adapter's KV differs from the base model's for the same tokens, so its
+  sequences hash their blocks under their own salt (worker/engine.py `add_request`).
+- failure modes (at start-up, ValueError naming the adapter and what is wrong): a missing or
+  unreadable directory, another peft_type, DoRA, LoRA biases, modules_to_save, trainable tokens,
+  layer replication, a target that is not one of those seven linears (embeddings, lm_head), a
+  layer the model lacks, shapes that do not match the base model. Tensor parallelism and adapters
+  together are refused by EngineConfig.
+- proven by tests/test_lora.py: logits equal PEFT's own model over transformers on the same
+  adapter, several adapters and the base model in one batch equal their runs alone, prefix-cache
+  hits never cross adapters, the refusals; end to end through a router: tests/test_lora_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+# PEFT's module name -> (our module under a decoder layer, its shard of a fused linear or None)
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+# adapter_config.json settings that change what an adapter computes beyond y += s B A x: refused
+UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
+    "trainable_token_indices": "trainable_token_indices",
+    "layer_replication": "layer_replication",
+    "target_parameters": "target_parameters",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+}
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+
+
+def parse_entry(entry: str) -> tuple[str, Path]:
+    name, sep, path = entry.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules entry {entry!r}: expected NAME=PATH")
+    return name.strip(), Path(path.strip()).expanduser()
+
+
+def _read_config(name: str, path: Path) -> dict:
+    file = path / "adapter_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"adapter {name!r}: cannot read {file}: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise ValueError(f"adapter {name!r}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"adapter {name!r}: fan_in_fan_out (GPT-2 style Conv1D weights) is not supported")
+    return config
+
+
+def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+    st, pt = path / "adapter_model.safetensors", path / "adapter_model.bin"
+    try:
+        if st.exists():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if pt.exists():
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a corrupt file: safetensors / pickle errors of many types
+        raise ValueError(f"adapter {name!r}: cannot read its weights: {exc}") from None
+    raise ValueError(f"adapter {name!r}: {path} has no adapter_model.safetensors or adapter_model.bin")
+
+
+def _alpha(config: dict, module: str) -> float:
+    """`module` ("layers.3.self_attn.q_proj")'s alpha: PEFT's alpha_pattern match, else lora_alpha."""
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return float(alpha)
+    return float(config.get("lora_alpha", 8))
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: Path
+    # our module ("layers.0.self_attn.qkv_proj") -> (A [R, in], B [out, R]) with the scale in B
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    max_rank: int
+
+
+def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
+    """One PEFT adapter as per-module (A, B) pairs for `model` (a LlamaModel): the contract's checks."""
+    config = _read_config(name, path)
+    tensors = _read_tensors(name, path)
+    cfg = model.config
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(
+                f"adapter {name!r}: weight {key!r} is not a LoRA A/B of one of {sorted(TARGETS)} "
+                "(embeddings and lm_head are not supported)"
+            )
+        layer, proj, ab = int(m[1]), m[2], m[3]
+        if proj not in TARGETS:
+            raise ValueError(f"adapter {name!r}: target {proj!r} is not one of {sorted(TARGETS)}")
+        if layer >= cfg.num_layers:
+            raise ValueError(f"adapter {name!r}: {key!r} names layer {layer}; the model has {cfg.num_layers}")
+        pairs.setdefault((layer, proj), {})[ab] = tensor
+    if not pairs:
+        raise ValueError(f"adapter {name!r}: no LoRA weights in {path}")
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shards = {0: (0, q), 1: (q, kv), 2: (q + kv, kv)}  # qkv_proj's output rows per shard
+    gate_up = {0: (0, inter), 1: (inter, inter)}
+    parts: dict[str, list] = {}
+    max_rank = 0
+    for (layer, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} only")
+        a, b = ab["A"].float(), ab["B"].float()
+        target, shard = TARGETS[proj]
+        module = model.get_submodule(f"layers.{layer}.{target}")
+        out_rows = _out_features(module)
+        offset, size = (0, out_rows) if shard is None else (shards if "qkv" in target else gate_up)[shard]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape != (size, rank) or a.shape[1] != _in_features(module):
+            raise ValueError(
+                f"adapter {name!r}: layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not "
+                f"fit the base model (expected A (r, {_in_features(module)}) and B ({size}, r))"
+            )
+        alpha = _alpha(config, f"layers.{layer}.{proj}")
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        parts.setdefault(f"layers.{layer}.{target}", []).append((a, b * scale, offset, out_rows))
+        max_rank = max(max_rank, rank)
+    weights = {}
+    for module_name, items in parts.items():
+        a_cat = torch.cat([a for a, _, _, _ in items])  # (R, in)
+        b_full = torch.zeros(items[0][3], a_cat.shape[0])  # (out, R): each shard's B at its rows
+        col = 0
+        for a, b, offset, _ in items:
+            b_full[offset : offset + b.shape[0], col : col + a.shape[0]] = b
+            col += a.shape[0]
+        weights[module_name] = (a_cat.to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous())
+    return Adapter(name, path, weights, max_rank)
+
+
+def _out_features(module: nn.Module) -> int:
+    return int(getattr(module, "out_features"))
+
+
+def _in_features(module: nn.Module) -> int:
+    return int(getattr(module, "in_features"))
+
+
+class _StepRows:
+    """The rows of each adapter in the running step: [(slot, slice | index tensor)]; empty outside
+    `Adapters.active`."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, slice | torch.Tensor]] = []
+
+
+class LoraLinear(nn.Module):
+    """A base linear plus the deltas of the adapters that target it, for their rows of the step."""
+
+    def __init__(self, base: nn.Module, step: _StepRows):
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = _in_features(base), _out_features(base)
+        self._step = step
+        self.deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A, B), scale in B
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        for slot, rows in self._step.rows:
+            ab = self.deltas.get(slot)
+            if ab is None:
+                continue
+            a, b = ab
+            if isinstance(rows, slice):
+                out[rows] += (x[rows] @ a.t()) @ b.t()
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        return out
+
+
+class Adapters:
+    def __init__(self, model: nn.Module, entries: tuple[str, ...], dtype: torch.dtype, device):
+        self.by_name: dict[str, Adapter] = {}
+        self.slot: dict[str, int] = {}
+        self._step = _StepRows()
+        self._device = device
+        for entry in entries:
+            name, path = parse_entry(entry)
+            if name in self.by_name:
+                raise ValueError(f"--lora-modules: two adapters named {name!r}")
+            self.by_name[name] = load_adapter(name, path, model, dtype, device)
+            self.slot[name] = len(self.slot) + 1
+        wrapped: dict[str, LoraLinear] = {}
+        for name, adapter in self.by_name.items():
+            for module_name, ab in adapter.weights.items():
+                if module_name not in wrapped:
+                    parent_name, _, child = module_name.rpartition(".")
+                    parent = model.get_submodule(parent_name)
+                    wrapped[module_name] = LoraLinear(getattr(parent, child), self._step)
+                    setattr(parent, child, wrapped[module_name])
+                wrapped[module_name].deltas[self.slot[name]] = ab
+        self.num_wrapped = len(wrapped)
+
+    @classmethod
+    def attach(cls, model: nn.Module, entries: tuple[str, ...], device, log) -> Adapters | None:
+        """The adapters of `entries` wrapped into `model` (None when there are none), logged."""
+        if not entries:
+            return None
+        adapters = cls(model, entries, model.dtype, device)
+        log.info(
+            "LoRA adapters %s: %d linears wrapped, %.1f MiB",
+            ", ".join(adapters.names),
+            adapters.num_wrapped,
+            adapters.bytes() / 2**20,
+        )
+        return adapters
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.by_name)
+
+    def bytes(self) -> int:
+        pairs = [p for a in self.by_name.values() for p in a.weights.values()]
+        return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
+
+    def slots(self, plan) -> list[int] | None:
+        """Each scheduled sequence's adapter slot (0 = base), or None when the step has no adapter row."""
+        slots = [self.slot.get(s.seq.sampling.adapter, 0) for s in plan.scheduled]
+        return slots if any(slots) else None
+
+    @contextlib.contextmanager
+    def active(self, slots: list[int], query_start_loc: np.ndarray):
+        """The wrapped linears add each adapter's delta to its sequences' rows inside this context."""
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for i, slot in enumerate(slots):
+            if slot and query_start_loc[i + 1] > query_start_loc[i]:
+                by_slot.setdefault(slot, []).append((int(query_start_loc[i]), int(query_start_loc[i + 1])))
+        rows: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, ranges in by_slot.items():
+            if all(ranges[k][1] == ranges[k + 1][0] for k in range(len(ranges) - 1)):
+                rows.append((slot, slice(ranges[0][0], ranges[-1][1])))  # one contiguous run
+            else:
+                index = np.concatenate([np.arange(s, e) for s, e in ranges])
+                rows.append((slot, torch.from_numpy(index).to(self._device)))
+        self._step.rows = rows
+        try:
+            yield
+        finally:
+            self._step.rows = []
