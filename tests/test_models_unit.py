@@ -59,3 +59,23 @@ def test_bad_entries_stop_the_router_with_the_entry_named(tmp_path: pathlib.Path
         ModelTable.from_entries([str(tmp_path / "missing.gguf")])
     with pytest.raises(SystemExit, match="two entries serve the id 'a'"):
         ModelTable([table.get("a"), table.get("a")])
+
+
+def test_lora_adapters_resolve_to_their_base_model(tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp("lora-vocabs")
+    write_tokenizer_dir("llama3", root / "llama3")
+    write_tokenizer_dir("qwen2", root / "qwen2")
+    table = ModelTable.from_entries([f"a={root / 'llama3'}", f"b={root / 'qwen2'}"])
+    assert table.get("sql") is None  # no worker has said it serves one yet
+    info = _info(table, "a", "a")
+    info.adapters.extend(["sql", "chat"])
+    assert table.check(info) == ""
+    assert table.get("sql") is table.get("a") and table.tokenizer("chat") is table.tokenizer("a")
+    assert table.ids() == ["a", "b"]  # the base models: a request without a model names one of them
+    other = _info(table, "b", "b")
+    other.adapters.append("sql")  # the same adapter name over another base model
+    assert "serves LoRA adapter 'sql' of 'b'; other workers, of 'a'" in table.check(other)
+    clash = _info(table, "a", "a")
+    clash.adapters.append("b")  # an adapter under a served model's id
+    assert "under the id of a served model, 'b'" in table.check(clash)
+    assert table.get("sql") is table.get("a")

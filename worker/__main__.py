@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import pathlib
 import sys
 
 from common.config_cli import Flags, new_parser, parse_or_exit
@@ -31,6 +32,16 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
             from worker.tp.shard import check_size, read_model_config
 
             check_size(read_model_config(config.engine.model), config.engine.tensor_parallel_size)
+        for entry in config.engine.lora_modules:  # before loading anything (worker/lora.py reads them)
+            name, sep, path = entry.partition("=")
+            if not (
+                sep
+                and name.strip()
+                and (pathlib.Path(path.strip()).expanduser() / "adapter_config.json").is_file()
+            ):
+                raise ValueError(
+                    f"--lora-modules {entry!r}: expected NAME=PATH, PATH a PEFT adapter directory"
+                )
         return config
 
     return parse_or_exit(p, argv, build)

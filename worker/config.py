@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from common.config_cli import MIB, option
+from common.config_cli import MIB, comma_list, option
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp8",)  # fp8: float8_e4m3fn, triton backend only
@@ -323,6 +323,8 @@ class EngineConfig:
         metadata=option(
             "LoRA adapters served beside the base model, NAME=PATH,...: PEFT adapter directories; a "
             "request picks one by naming it as its model (docs/lora.md)",
+            parse=comma_list,
+            format=",".join,
             metavar="NAME=PATH,...",
         ),
     )
