@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.model_files import generation_defaults, model_id, resolve_model_source
 from common.tokenizer import Fingerprint, Tokenizer
@@ -80,7 +80,11 @@ def fingerprint_of(info: worker_pb2.WorkerInfo) -> Fingerprint | None:
 class ModelTable:
     def __init__(self, models: Iterable[ServedModel]):
         self._models: dict[str, ServedModel] = {}
-        self._adapters: dict[str, str] = {}  # LoRA adapter -> its base model's id, from vetted workers
+        # LoRA adapter -> its base model's id: `live()` (the registry's healthy workers' models, set
+        # by the router) first, else the last vetted worker's word (the adapter's workers are down:
+        # the request then waits or gets UNAVAILABLE, as a base model's would)
+        self._adapters: dict[str, str] = {}
+        self.live: Callable[[], dict] = dict
         for m in models:
             if m.id in self._models:
                 raise SystemExit(f"--model: two entries serve the id {m.id!r}; give one of them ID=...")
@@ -106,9 +110,16 @@ class ModelTable:
         """The served model `model` names: a base model, or a LoRA adapter's base (its tokenizer,
         template and defaults are the base model's)."""
         served = self._models.get(model)
-        if served is None and model in self._adapters:
-            served = self._models.get(self._adapters[model])
+        if served is None:
+            spec = self.live().get(model)
+            base = spec.base if spec is not None and spec.base else self._adapters.get(model)
+            served = self._models.get(base) if base else None
         return served
+
+    def base_id(self, model: str) -> str:
+        """The id of the base model `model` names (itself for a base model or an unknown id)."""
+        served = self.get(model)
+        return served.id if served is not None else model
 
     def tokenizer(self, model: str) -> Tokenizer:
         served = self.get(model)
@@ -136,7 +147,8 @@ class ModelTable:
         for adapter in info.adapters:  # LoRA adapters: served as models of their own
             if adapter in self._models:
                 return f"serves a LoRA adapter under the id of a served model, {adapter!r}"
-            known = self._adapters.get(adapter, info.model)
+            spec = self.live().get(adapter)  # the healthy workers serving it now, if any
+            known = spec.base if spec is not None and spec.base else info.model
             if known != info.model:
                 return f"serves LoRA adapter {adapter!r} of {info.model!r}; other workers, of {known!r}"
         self._adapters.update(dict.fromkeys(info.adapters, info.model))

@@ -212,7 +212,9 @@ class WorkerRegistry(abc.ABC):
             reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError("worker reports NOT_SERVING")
-            if h.info is None or h.refused:  # a refused worker may have been restarted with another model
+            # A refused worker may have been restarted with another model; one coming back may have
+            # been restarted with other LoRA adapters.
+            if h.info is None or h.refused or not h.healthy:
                 h.info = await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
                 self._vet(h)
             h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)

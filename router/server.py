@@ -99,6 +99,7 @@ async def serve(config: RouterConfig) -> int:
         )
     else:
         registry = StaticRegistry(config.workers, **registry_args)
+    models.live = registry.models  # LoRA adapters resolve through the workers that serve them
     drain = Drain()
     queue = FairQueue(mode=config.fair_queue)
     budget = config.max_tokens_in_flight and -(-config.max_tokens_in_flight // replicas)
@@ -142,7 +143,8 @@ async def serve(config: RouterConfig) -> int:
         metrics=metrics,
         queue_requests=config.queue_requests,
     )
-    service.reasoning = reasoning_modes(models).get  # logged once, here
+    modes = reasoning_modes(models)  # logged once, here; a LoRA adapter reasons as its base model
+    service.reasoning = lambda name: modes.get(models.base_id(name))
     generation_pb2_grpc.add_GenerationServicer_to_server(service, base.server)
     http = None
     if config.http_port != -1:  # the OpenAI-compatible front, over the same servicer

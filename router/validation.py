@@ -84,8 +84,9 @@ def _resolve_model(name: str, models: Mapping[str, ModelSpec]) -> ModelSpec:
     if name:
         _check(name in models, "model", f"unknown model {name!r}; served: {sorted(models)}")
         return models[name]
-    _check(len(models) == 1, "model", f"required when several models are served: {sorted(models)}")
-    return next(iter(models.values()))
+    bases = [spec for spec in models.values() if not spec.base]  # a LoRA adapter is named, never implied
+    _check(len(bases) == 1, "model", f"required when several models are served: {sorted(models)}")
+    return bases[0]
 
 
 def _request_id(rid: str, limits: Limits) -> str:

@@ -3,8 +3,8 @@
 The adapters are made and saved by PEFT itself (`get_peft_model(...).save_pretrained`) on a tiny
 random float32 Llama, with random A and B (PEFT starts B at zero, which would hide every error):
 - `wide`: every one of the seven projections, rank 4.
-- `narrow`: q, v and down only, rank 8 with a rank_pattern (q: 2), an alpha_pattern (down: 4) and
-  rsLoRA scaling.
+- `narrow`: q, v and down only, rank 8 with a rank_pattern (q: 2), an alpha_pattern on PEFT's
+  module keys (layer 1's down: 4, v: 32) and rsLoRA scaling.
 Checks: each adapter's logits and the base model's equal PEFT's to 1e-4 with all three in one batch
 (chunked prefill), their tokens equal their runs alone (speculative drafts on, async scheduling on),
 the prefix cache never serves one adapter's blocks to another or to the base model, every KV block
@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 
+from benchmarks.lora import write_adapter
 from tests.tiny_llama import save_tiny
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -45,7 +46,7 @@ ADAPTERS = {
         lora_alpha=16,
         target_modules=["q_proj", "v_proj", "down_proj"],
         rank_pattern={"q_proj": 2},
-        alpha_pattern={"down_proj": 4},
+        alpha_pattern={"layers.1.mlp.down_proj": 4, "self_attn.v_proj": 32},  # PEFT's module keys
         use_rslora=True,
     ),
 }
@@ -171,8 +172,9 @@ def _saved(tmp_path, hf, name: str, **settings):
         (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
         (dict(target_modules=["q_proj", "lm_head"]), "embeddings and lm_head are not supported"),
         (dict(target_modules=["q_proj"], lora_bias=True), "LoRA biases"),
+        (dict(target_modules=["q_proj"], init_lora_weights="olora"), "trains against a changed base"),
     ],
-    ids=["dora", "modules-to-save", "lm-head", "bias"],
+    ids=["dora", "modules-to-save", "lm-head", "bias", "olora"],
 )
 def test_what_peft_saves_that_is_not_served_is_refused(tiny, tmp_path, settings, message):
     _, _, hf = tiny
@@ -203,32 +205,50 @@ def test_bad_entries_and_other_models_are_refused(tiny, tmp_path):
         EngineConfig(model=str(path), lora_modules=(f"wide={wide}",), tensor_parallel_size=2)
 
 
-def write_adapter(
-    directory, num_layers: int, shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float
-):
-    """A PEFT-format adapter written by hand: `shapes` maps a projection to its (in, out) features;
-    every layer gets one, random (scale 0: B = 0, PEFT's initial adapter)."""
-    from safetensors.torch import save_file
+def test_the_op_s_lora_add_is_the_wrappers_sum():
+    """worker/kernels/cpu_layers.cpp lora_add against LoraLinear's float32 formula: at most one
+    bfloat16 ulp apart (another summation order), on the rows named only."""
+    from worker.kernels import cpu_attention
 
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(num_layers):
-        for proj, (fan_in, fan_out) in shapes.items():
-            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.1
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
-    directory.mkdir(parents=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=sorted(shapes), bias="none")
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return directory
+    if not cpu_attention.available():
+        pytest.skip("the llm_cpu extension did not build here (no compiler?)")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 576, generator=gen).bfloat16()
+    out = torch.randn(9, 960, generator=gen).bfloat16()
+    a = (torch.randn(48, 576, generator=gen) * 0.1).bfloat16()
+    bt = (torch.randn(48, 960, generator=gen) * 0.1).bfloat16()
+    rows = torch.tensor([0, 3, 4, 8])
+    ref = out.clone()
+    ref[rows] = (out[rows].float() + (x[rows].float() @ a.float().t()) @ bt.float()).bfloat16()
+    ours = out.clone()
+    torch.ops.llm_cpu.lora_add_(ours, x, a, bt, rows)
+    assert torch.equal(ours[[1, 2, 5, 6, 7]], out[[1, 2, 5, 6, 7]])
+    ulp = (ref[rows].float().abs() * 2**-7).clamp_min(1e-30)
+    assert bool(((ours[rows].float() - ref[rows].float()).abs() <= ulp).all())
+    assert float((ours[rows] != ref[rows]).float().mean()) < 0.01
+    with pytest.raises(ValueError, match="out of range"):
+        torch.ops.llm_cpu.lora_add_(ours, x, a, bt, torch.tensor([9]))
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        torch.ops.llm_cpu.lora_add_(ours, x, a.float(), bt, rows)
+
+
+def _prompt_logprobs(engine: LLMEngine, seqs: list[list[int]], adapters: list[str]) -> list[float]:
+    for i, (seq, adapter) in enumerate(zip(seqs, adapters)):
+        sampling = SamplingParams(max_tokens=1, prompt_logprobs=0, adapter=adapter)
+        engine.add_request(f"score-{engine.num_steps}-{i}", seq, sampling)
+    found: dict[str, list[float]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                found[out.request_id] = [float(lp) for lp in out.prompt_logprobs]
+    return [lp for rid in sorted(found) for lp in found[rid]]
 
 
 def test_quantized_base_keeps_the_layer_op(tmp_path):
-    """The embedded int4 SmolLM2 with adapters loaded: steps without an adapter row still run the
-    C++ layer op and give the tokens of a worker without adapters; a zero adapter (the eager layer
-    loop through the wrappers) gives the base model's tokens too; a random one changes them."""
+    """The embedded int4 SmolLM2 with adapters loaded: steps without an adapter row run the C++
+    layer op as before and give the tokens of a worker without adapters; a zero adapter gives the
+    base model's tokens too, a random one changes them; with the op's LoRA deltas or the Python
+    layer loop's wrappers, the same logprobs."""
     shapes = {"q_proj": (576, 576), "v_proj": (576, 192), "down_proj": (1536, 576)}
     zero = write_adapter(tmp_path / "zero", 30, shapes, 8, 0, 0.0)
     rand = write_adapter(tmp_path / "rand", 30, shapes, 8, 1, 0.05)
@@ -244,6 +264,21 @@ def test_quantized_base_keeps_the_layer_op(tmp_path):
     mixed = served.generate(prompts, [_greedy(10, n) for n in names])
     assert mixed[:2] == base[:2]  # the zero adapter and the base model: the base model's tokens
     assert mixed[2] != base[2]
+    # The op's LoRA deltas (C++ lora_add) against the wrappers' (the Python layer loop): the
+    # logprob of every token of each generated sequence, teacher-forced. (Not greedy tokens: a
+    # random adapter saturates the logits into exact bfloat16 ties, broken either way.)
+    loop = LLMEngine(
+        EngineConfig(**common, cpu_layer_op=False, lora_modules=(f"zero={zero}", f"rand={rand}"))
+    )
+    assert loop.runner.cpu_layers is None
+    seqs = [p + out for p, out in zip(prompts, mixed)]
+    ours, ref = _prompt_logprobs(served, seqs, names), _prompt_logprobs(loop, seqs, names)
+    # Two float32 sums of one delta, rounded to bfloat16, differ by an ulp now and then, which this
+    # random adapter amplifies: measured mean 0.05-0.07 nats, max 0.6 (the same as between the
+    # wrappers' float32 sum and a float64 one); a delta on wrong rows or linears is nats.
+    diffs = [abs(a - b) for a, b in zip(ours, ref)]
+    assert sum(diffs) / len(diffs) <= 0.15 and max(diffs) <= 1.5, diffs
+    assert ours != _prompt_logprobs(served, seqs, [""] * 3)
     op, calls = served.runner.cpu_layers, []
     served.runner.cpu_layers = lambda *args: calls.append(1) or op(*args)
     assert served.generate(prompts, _greedy(10)) == base  # base-only steps: the op, unchanged

@@ -115,6 +115,8 @@ def test_adapters_are_listed_and_served_over_http(stack):
         assert reply.usage.prompt_tokens == base.usage.prompt_tokens
         text = client.completions.create(model="poet", prompt="Hello", max_tokens=3, stream=True)
         assert [c.model for c in text] and all(c.model == "poet" for c in text)
+        implied = client.completions.create(model="", prompt="Hello", max_tokens=3, temperature=0)
+        assert implied.model == "tiny"  # no model named: the base model, adapters aside
         with pytest.raises(openai.BadRequestError, match="unknown model 'nope'"):
             client.completions.create(model="nope", prompt="Hello", max_tokens=3)
 

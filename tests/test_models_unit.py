@@ -66,16 +66,21 @@ def test_lora_adapters_resolve_to_their_base_model(tmp_path_factory) -> None:
     write_tokenizer_dir("llama3", root / "llama3")
     write_tokenizer_dir("qwen2", root / "qwen2")
     table = ModelTable.from_entries([f"a={root / 'llama3'}", f"b={root / 'qwen2'}"])
-    assert table.get("sql") is None  # no worker has said it serves one yet
+    assert table.get("sql") is None and table.base_id("sql") == "sql"  # no worker serves one yet
     info = _info(table, "a", "a")
     info.adapters.extend(["sql", "chat"])
     assert table.check(info) == ""
     assert table.get("sql") is table.get("a") and table.tokenizer("chat") is table.tokenizer("a")
+    assert table.base_id("chat") == "a" and table.base_id("b") == "b"
     assert table.ids() == ["a", "b"]  # the base models: a request without a model names one of them
+    # while healthy workers serve "sql" over "a" (the registry's models), "sql" over "b" is refused
+    table.live = lambda: {"a": ModelSpec("a", 256, 620), "sql": ModelSpec("sql", 256, 620, base="a")}
     other = _info(table, "b", "b")
-    other.adapters.append("sql")  # the same adapter name over another base model
+    other.adapters.append("sql")
     assert "serves LoRA adapter 'sql' of 'b'; other workers, of 'a'" in table.check(other)
     clash = _info(table, "a", "a")
     clash.adapters.append("b")  # an adapter under a served model's id
     assert "under the id of a served model, 'b'" in table.check(clash)
-    assert table.get("sql") is table.get("a")
+    # once those workers are gone, a worker may serve "sql" over "b"
+    table.live = dict
+    assert table.check(other) == "" and table.get("sql") is table.get("b")

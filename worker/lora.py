@@ -9,17 +9,20 @@ Contract
   with use_rslora). A request names one by `SamplingParams.adapter` ("" = the base model).
 - `Adapters(model, entries)` loads every adapter and wraps each targeted linear in a `LoraLinear`
   (its own module kept as `.base`): `y = base(x) + (x @ A^T) @ (scale B)^T` for the rows of the
-  adapters that target it, nothing for the others. q|k|v and gate|up are fused linears here
+  adapters that target it, nothing for the others; the delta in float32, added to the output
+  widened to float32 and rounded once. q|k|v and gate|up are fused linears here
   (worker/model/llama.py): an adapter's A matrices of one fused linear are stacked and its B
   matrices placed block-diagonally at their shard's output rows. A and B are kept in the model's
-  activation dtype (bfloat16 beside int4 / int8 base weights: the adapter is not quantized).
+  activation dtype (bfloat16 beside int4 / int8 weights: the adapter is not quantized; rank x (in +
+  out) per linear, read every step with its rows: float32 would double those bytes).
 - per step: `slots(plan)` -> each scheduled sequence's adapter slot (1..N), or None when no
   sequence of the step has one; `active(slots, query_start_loc)` is the context inside which the
   model's forward adds the deltas (the rows of each adapter as one slice or one index tensor,
   shared by every wrapped linear of the step). Outside it the wrappers add nothing, so CUDA
-  graphs, the compiled CPU step and the C++ layer op (which looks through the wrapper:
-  worker/kernels/cpu_layers.py) keep serving the steps without an adapter row; a step with one runs
-  the eager model (worker/model_runner.py).
+  graphs and the compiled CPU step keep serving the steps without an adapter row; a step with one
+  runs the eager model (worker/model_runner.py), or on CPU the C++ layer op with the adapters'
+  deltas added in C++ (`op_inputs`; worker/kernels/cpu_layers.cpp `lora_add`, tested against
+  the wrappers).
 - prefix cache: an adapter's KV differs from the base model's for the same tokens, so its
   sequences hash their blocks under their own salt (worker/engine.py `add_request`).
 - failure modes (at start-up, ValueError naming the adapter and what is wrong): a missing or
@@ -66,7 +69,7 @@ UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
 }
-_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+_KEY = re.compile(r"((?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.[^.]+)?\.weight")
 
 
 def parse_entry(entry: str) -> tuple[str, Path]:
@@ -87,6 +90,12 @@ def _read_config(name: str, path: Path) -> dict:
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {what} is not supported")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq", "eva")):
+        raise ValueError(
+            f"adapter {name!r}: init_lora_weights {init!r} trains against a changed base model; "
+            "convert it to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)"
+        )
     if config.get("bias", "none") != "none":
         raise ValueError(f"adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
@@ -109,7 +118,8 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _alpha(config: dict, module: str) -> float:
-    """`module` ("layers.3.self_attn.q_proj")'s alpha: PEFT's alpha_pattern match, else lora_alpha."""
+    """`module`'s alpha (PEFT's module key, "model.layers.3.self_attn.q_proj"): the first
+    alpha_pattern entry matching its end, as PEFT matches them, else lora_alpha."""
     for pattern, alpha in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module):
             return float(alpha)
@@ -120,7 +130,8 @@ def _alpha(config: dict, module: str) -> float:
 class Adapter:
     name: str
     path: Path
-    # our module ("layers.0.self_attn.qkv_proj") -> (A [R, in], B [out, R]) with the scale in B
+    # our module ("layers.0.self_attn.qkv_proj") -> (A [R, in], B^T [R, out]) in the model's dtype,
+    # the scale in B
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     max_rank: int
 
@@ -131,6 +142,7 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
     tensors = _read_tensors(name, path)
     cfg = model.config
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[int, str], str] = {}  # PEFT's module key, for alpha_pattern
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
         if m is None:
@@ -138,7 +150,8 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
                 f"adapter {name!r}: weight {key!r} is not a LoRA A/B of one of {sorted(TARGETS)} "
                 "(embeddings and lm_head are not supported)"
             )
-        layer, proj, ab = int(m[1]), m[2], m[3]
+        layer, proj, ab = int(m[2]), m[3], m[4]
+        keys[(layer, proj)] = m[1].removeprefix("base_model.model.")
         if proj not in TARGETS:
             raise ValueError(f"adapter {name!r}: target {proj!r} is not one of {sorted(TARGETS)}")
         if layer >= cfg.num_layers:
@@ -165,7 +178,7 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
                 f"adapter {name!r}: layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not "
                 f"fit the base model (expected A (r, {_in_features(module)}) and B ({size}, r))"
             )
-        alpha = _alpha(config, f"layers.{layer}.{proj}")
+        alpha = _alpha(config, keys[(layer, proj)])
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         parts.setdefault(f"layers.{layer}.{target}", []).append((a, b * scale, offset, out_rows))
         max_rank = max(max_rank, rank)
@@ -177,7 +190,10 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
         for a, b, offset, _ in items:
             b_full[offset : offset + b.shape[0], col : col + a.shape[0]] = b
             col += a.shape[0]
-        weights[module_name] = (a_cat.to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous())
+        weights[module_name] = (
+            a_cat.to(device, dtype).contiguous(),
+            b_full.t().to(device, dtype).contiguous(),
+        )
     return Adapter(name, path, weights, max_rank)
 
 
@@ -205,7 +221,7 @@ class LoraLinear(nn.Module):
         self.base = base
         self.in_features, self.out_features = _in_features(base), _out_features(base)
         self._step = step
-        self.deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A, B), scale in B
+        self.deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A, B^T), scale in B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -213,11 +229,12 @@ class LoraLinear(nn.Module):
             ab = self.deltas.get(slot)
             if ab is None:
                 continue
-            a, b = ab
+            a, bt = (t.float() for t in ab)  # the delta summed in float32, added, rounded once
             if isinstance(rows, slice):
-                out[rows] += (x[rows] @ a.t()) @ b.t()
+                out[rows] = (out[rows].float() + (x[rows].float() @ a.t()) @ bt).to(out.dtype)
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                mine = out.index_select(0, rows).float() + (x.index_select(0, rows).float() @ a.t()) @ bt
+                out.index_copy_(0, rows, mine.to(out.dtype))
         return out
 
 
@@ -243,6 +260,19 @@ class Adapters:
                     setattr(parent, child, wrapped[module_name])
                 wrapped[module_name].deltas[self.slot[name]] = ab
         self.num_wrapped = len(wrapped)
+        # The C++ layer op's inputs per slot (worker/kernels/cpu_layers.cpp): (A, B^T) of each
+        # layer's q|k|v, o, gate|up and down, two empty tensors where the adapter has none.
+        empty = torch.empty(0)
+        self._op_weights = {
+            self.slot[name]: [
+                t
+                for layer in range(len(model.layers))
+                for target in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+                for t in adapter.weights.get(f"layers.{layer}.{target}", (empty, empty))
+            ]
+            for name, adapter in self.by_name.items()
+        }
+        self._op_rows: list[torch.Tensor] = []
 
     @classmethod
     def attach(cls, model: nn.Module, entries: tuple[str, ...], device, log) -> Adapters | None:
@@ -279,14 +309,23 @@ class Adapters:
             if slot and query_start_loc[i + 1] > query_start_loc[i]:
                 by_slot.setdefault(slot, []).append((int(query_start_loc[i]), int(query_start_loc[i + 1])))
         rows: list[tuple[int, slice | torch.Tensor]] = []
+        self._op_rows = []
         for slot, ranges in by_slot.items():
+            index = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in ranges]))
+            if index.device != torch.device(self._device):  # CUDA: no sync with the step in flight
+                index = index.pin_memory().to(self._device, non_blocking=True)
+            self._op_rows.append(index)
             if all(ranges[k][1] == ranges[k + 1][0] for k in range(len(ranges) - 1)):
                 rows.append((slot, slice(ranges[0][0], ranges[-1][1])))  # one contiguous run
             else:
-                index = np.concatenate([np.arange(s, e) for s, e in ranges])
-                rows.append((slot, torch.from_numpy(index).to(self._device)))
+                rows.append((slot, index))
         self._step.rows = rows
         try:
             yield
         finally:
-            self._step.rows = []
+            self._step.rows, self._op_rows = [], []
+
+    def op_inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Inside `active`: the C++ layer op's (lora, lora_rows) for the step's adapters."""
+        slots = [slot for slot, _ in self._step.rows]
+        return [t for slot in slots for t in self._op_weights[slot]], self._op_rows

@@ -383,9 +383,12 @@ class ModelRunner:
                 return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, ([], [])
         step = batch.build(plan, feed=rows)
         input_ids, positions, meta = batch.eager_inputs(step, tokens)
-        if lora is not None:
+        if lora is not None:  # LoRA rows: the C++ op adds their deltas, else the wrappers (eager)
             with self.adapters.active(lora, step.query_start_loc):
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+                if self.cpu_layers is not None:
+                    hidden = self.cpu_layers(input_ids, positions, meta, self.adapters.op_inputs())
+                else:
+                    hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         elif self.cpu_compiled is not None:
             hidden = self.cpu_compiled(input_ids, positions, meta)  # (T, C)
         elif self.cpu_layers is not None:

@@ -34,6 +34,7 @@ MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit; b
 _GREEDY_NEUTRAL = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "stop"}
     | {"prompt_logprobs", "pooling"}  # read off the prompt's rows, not the sampled ones
+    | {"adapter"}  # changes the logits, not how they are sampled
 )
 POOLINGS = ("last", "mean")
 

@@ -139,8 +139,8 @@ def create_app(
 
     def answer_name(requested: str) -> str:
         """The model name an answer shows: the request's, or the one served when it left it empty."""
-        served = models()
-        return requested or (next(iter(served)) if len(served) == 1 else "")
+        bases = [name for name, spec in models().items() if not spec.base]  # LoRA adapters are named
+        return requested or (bases[0] if len(bases) == 1 else "")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -286,7 +286,7 @@ def create_app(
                 "created": 0,
                 "owned_by": "llm-serve",
                 "max_model_len": card.max_model_len,
-                **({"parent": card.parent, "root": card.parent} if card.parent else {}),  # a LoRA adapter
+                **({"parent": card.parent} if card.parent else {}),  # a LoRA adapter: its base model
             }
             for card in reply.models
         ]

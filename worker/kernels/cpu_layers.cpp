@@ -11,8 +11,8 @@
 //   decoder_layers(x bf16 [T, C], positions int64 [T], k_caches[L], v_caches[L] (contiguous
 //     [blocks, block_size, Hkv, D], x's dtype), slot_mapping int64 [T], block_tables int32 [S, W],
 //     seq_lens int32 [S], query_start_loc int32 [S + 1], cos, sin float32 [P, D/2],
-//     weights[18 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len)
-//     -> (h [T, C], residual [T, C])
+//     weights[18 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len,
+//     lora[8 L S], lora_rows[S]) -> (h [T, C], residual [T, C])
 //   per layer l, weights[18 l ..]: input norm weight [C]; q|k|v linear (4 tensors); o linear (4);
 //   post-attention norm weight [C]; gate|up linear (4); down linear (4). A linear is three tensors
 //   and its bias (bf16 [N], or an empty tensor for none); the three are one of
@@ -30,6 +30,13 @@
 //   the new tokens are written into the caches as the Python path writes them.
 //   Every op is the one the Python path calls, in the same order on the same inputs: the outputs
 //   are bit-identical to it.
+//   LoRA (worker/lora.py): S adapters in the step (S = 0: none); lora_rows[s] int64 [n_s] the
+//   token rows of adapter s; lora[8 (L s + l) + 2 j ..] for linear j (0 q|k|v, 1 o, 2 gate|up,
+//   3 down) of layer l: A bfloat16 [R, K] and B^T bfloat16 [R, N], or two empty tensors where the
+//   adapter does not target it. `lora_add` adds x[rows] A^T B^T to the linear's output rows in
+//   float32, rounded once to bfloat16, as LoraLinear.forward does (same math, another summation
+//   order: close to it, not bit-identical; tests/test_lora.py). `lora_add_(out, x, A, B^T, rows)`
+//   is that op alone (tests).
 // Fails how: the ops' own checks (shapes, dtypes, slots, block tables) raise ValueError /
 //   RuntimeError; a weights list of the wrong length or a T=0 input raises ValueError.
 // Build: included at the end of cpu_attention.cpp (one translation unit).
@@ -72,17 +79,76 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
   return w[3].numel() ? at::add(out, w[3]) : out;
 }
 
+// out[rows] += x[rows] A^T B^T: per row, x and the weights widened to float32, x A^T (R dots of K),
+// then R axpys of N into the output row widened to float32, rounded once. Rows split over the pool only when many.
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              const at::Tensor& rows) {
+  const int64_t r_ = a.size(0), k_ = a.size(1), n_ = bt.size(1), n_rows = rows.numel();
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16 &&
+                        a.is_contiguous() && bt.is_contiguous() && bt.size(0) == r_,
+                    "lora: A [R, K] and B^T [R, N] must be contiguous bfloat16");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                        x.stride(1) == 1 && out.stride(1) == 1 && x.size(1) == k_ && out.size(1) == n_,
+                    "lora: x [T, ", k_, "] and out [T, ", n_, "] must be bfloat16 with contiguous rows");
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.is_contiguous(), "lora: rows must be int64");
+  const int64_t* idx = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_rows; ++i)
+    TORCH_CHECK_VALUE(idx[i] >= 0 && idx[i] < x.size(0), "lora: row ", idx[i], " out of range");
+  const at::BFloat16* ap = a.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bt.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t sx = x.stride(0), so = out.stride(0);
+  at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(k_), xa(r_), acc(n_);
+    for (int64_t i = begin; i < end; ++i) {
+      const at::BFloat16* xr = xp + idx[i] * sx;
+      at::BFloat16* orow = op + idx[i] * so;
+      for (int64_t k = 0; k < k_; ++k) xf[k] = static_cast<float>(xr[k]);
+      for (int64_t r = 0; r < r_; ++r) {
+        const at::BFloat16* ar = ap + r * k_;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = 0; k < k_; ++k) s += xf[k] * static_cast<float>(ar[k]);
+        xa[r] = s;
+      }
+      for (int64_t n = 0; n < n_; ++n) acc[n] = static_cast<float>(orow[n]);
+      for (int64_t r = 0; r < r_; ++r) {
+        const float c = xa[r];
+        const at::BFloat16* br = bp + r * n_;
+#pragma omp simd
+        for (int64_t n = 0; n < n_; ++n) acc[n] += c * static_cast<float>(br[n]);
+      }
+      for (int64_t n = 0; n < n_; ++n) orow[n] = static_cast<at::BFloat16>(acc[n]);
+    }
+  });
+}
+
+// Linear j of layer l with every adapter of the step that targets it.
+at::Tensor linear_lora(const at::Tensor& x, const at::Tensor* w, at::TensorList lora, at::TensorList rows,
+                       int64_t layers, int64_t l, int64_t j) {
+  at::Tensor out = linear(x, w);
+  for (int64_t s = 0; s < int64_t(rows.size()); ++s) {
+    const int64_t at_ = 8 * (layers * s + l) + 2 * j;
+    if (lora[at_].numel()) lora_add(out, x, lora[at_], lora[at_ + 1], rows[s]);
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& x, const at::Tensor& positions, at::TensorList k_caches, at::TensorList v_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
     double eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t sdpa_min_query_len) {
+    int64_t sdpa_min_query_len, at::TensorList lora, at::TensorList lora_rows) {
   const int64_t layers = int64_t(k_caches.size());
   TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers, "one K and one V cache per layer");
   TORCH_CHECK_VALUE(int64_t(weights.size()) == kPerLayer * layers, "expected ", kPerLayer * layers,
                     " weight tensors for ", layers, " layers, got ", weights.size());
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) > 0, "x must be a non-empty [T, C] tensor");
+  TORCH_CHECK_VALUE(int64_t(lora.size()) == 8 * layers * int64_t(lora_rows.size()), "expected ",
+                    8 * layers * int64_t(lora_rows.size()), " LoRA tensors for ", lora_rows.size(),
+                    " adapters, got ", lora.size());
   const int64_t t = x.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
   at::Tensor h, residual, cur = x;
   for (int64_t l = 0; l < layers; ++l) {
@@ -93,7 +159,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     } else {
       std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(cur, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(h, w + 1);  // [T, qs + 2 kvs]; the linears at w + 1, 5, 10, 14
+    // [T, qs + 2 kvs]; the linears at w + 1, 5, 10, 14
+    const at::Tensor qkv = linear_lora(h, w + 1, lora, lora_rows, layers, l, 0);
     const at::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, qs, kvs).view({t, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, num_kv_heads, head_dim});
@@ -101,12 +168,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor qr = llm_cpu_fused::rope_store_kv(positions, q, k, v, cos, sin, kc, vc, slot_mapping);
     const at::Tensor attn = paged_attention(qr, kc, vc, block_tables, seq_lens, query_start_loc, scale,
                                             sdpa_min_query_len);
-    const at::Tensor o = linear(attn.reshape({t, qs}), w + 1 + kPerLinear);
+    const at::Tensor o = linear_lora(attn.reshape({t, qs}), w + 1 + kPerLinear, lora, lora_rows, layers, l, 1);
     std::tie(h, residual) = llm_cpu_fused::rms_norm_residual(o, residual, w[1 + 2 * kPerLinear], eps);
     const at::Tensor* mlp = w + 2 + 2 * kPerLinear;
-    cur = linear(llm_cpu_fused::silu_and_mul(linear(h, mlp)), mlp + kPerLinear);
+    const at::Tensor gate_up = linear_lora(h, mlp, lora, lora_rows, layers, l, 2);
+    cur = linear_lora(llm_cpu_fused::silu_and_mul(gate_up), mlp + kPerLinear, lora, lora_rows, layers, l, 3);
   }
   return {cur, residual};
+}
+
+void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                 const at::Tensor& rows) {
+  lora_add(out, x, a, bt, rows);
 }
 
 }  // namespace llm_cpu_layers
@@ -115,9 +188,11 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor cos, "
         "Tensor sin, Tensor[] weights, float eps, float scale, int num_heads, int num_kv_heads, "
-        "int head_dim, int sdpa_min_query_len) -> (Tensor, Tensor)");
+        "int head_dim, int sdpa_min_query_len, Tensor[] lora, Tensor[] lora_rows) -> (Tensor, Tensor)");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("decoder_layers", &llm_cpu_layers::decoder_layers);
+  m.impl("lora_add_", &llm_cpu_layers::lora_add_op);
 }

@@ -18,9 +18,11 @@ Contract:
   steps without an adapter row, where the wrapper adds nothing). Else None and the first reason it
   is not (the model runner logs it and keeps the Python layer loop). The modules' paths are read
   when the stack is built: built after `apply_cpu_paths`, as the model runner does.
-- `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata) -> hidden [T, C]`:
-  what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with the new
-  tokens' K/V written into the caches the same way. T = 0, or a backend whose fused ops were
+- `stack(input_ids [T] int64, positions [T] int64, meta: AttentionMetadata, lora=None) -> hidden
+  [T, C]`: what `model(input_ids, positions, kv_caches, meta, backend)` returns, bit for bit, with
+  the new tokens' K/V written into the caches the same way; with `lora` (a step with LoRA rows,
+  worker/lora.py `Adapters.op_inputs`), the adapters' deltas added in the op (close to the
+  wrappers' float32 sums, not bit-identical). T = 0, or a backend whose fused ops were
   switched off since, goes to the Python loop. Other changes after the build (a module's path,
   its row thresholds, dense copies) are not seen: build a new stack.
 Fails how: the ops' checks raise ValueError / RuntimeError (the same conditions as the Python
@@ -112,7 +114,8 @@ class CpuLayerStack:
             return None, str(exc)
         return cls(model, backend, kv_caches, [w.detach() for w in weights]), ""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """`lora`: the step's (lora, lora_rows) from worker/lora.py `Adapters.op_inputs`, or None."""
         if (
             input_ids.shape[0] == 0
             or self.backend.fused is not cpu_fused
@@ -140,6 +143,7 @@ class CpuLayerStack:
             kv_heads,
             head_dim,
             cpu_attention.SDPA_MIN_QUERY_LEN,
+            *(lora or ([], [])),
         )
         norm = self.model.norm
         return cpu_fused.rms_norm(h, norm.weight, norm.eps, residual)[0]  # the backend's fused norm
