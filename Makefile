@@ -143,6 +143,12 @@ bench-spec: install protos
 bench-embed: install protos
 	$(PY) -m benchmarks.embeddings $(ARGS)
 
+# LoRA adapters beside llama-server --lora on the same GGUF and adapter (converted by llama.cpp's own
+# script): tok/s of the base model and the adapter, ours / llama.cpp; ~4 min. docs/lora.md.
+.PHONY: bench-lora
+bench-lora: install protos
+	$(PY) -m benchmarks.lora $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

@@ -17,6 +17,7 @@ import grpc
 import openai
 import pytest
 
+from benchmarks.lora import write_adapter
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from tests.openai_helpers import http_url
@@ -33,7 +34,12 @@ OPENING = CHATML_TEMPLATE.replace(
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, logs):
     path = write_checkpoint("qwen2", tmp_path_factory.mktemp("thinker"), seed=3, template=OPENING, think=True)
-    worker = start_worker(logs, "--model", str(path), "--served-model-name", "thinker")
+    # a LoRA adapter of the thinker (docs/lora.md) reasons as its base model does
+    shapes = {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (128, 64)}
+    adapter = write_adapter(path.parent / "deep", 2, shapes, 4, 0, 0.1)
+    worker = start_worker(
+        logs, "--model", str(path), "--served-model-name", "thinker", "--lora-modules", f"deep={adapter}"
+    )
     procs = [worker]
     try:
         ready(worker)
@@ -47,9 +53,9 @@ def stack(tmp_path_factory, logs):
         stop_all(*procs)
 
 
-def chat(client, close_id: int, **extra):
+def chat(client, close_id: int, model: str = "thinker", **extra):
     return client.chat.completions.create(
-        model="thinker",
+        model=model,
         messages=[{"role": "user", "content": "Pick one."}],
         max_tokens=24,
         temperature=0,
@@ -67,6 +73,8 @@ def test_a_format_holds_after_the_think_block(stack):
         assert not getattr(choice.message, "reasoning_content", None)  # thinking ended at once
         [choice] = chat(client, close_id, extra_body={"guided_regex": "[0-9]{2}"}).choices
         assert re.fullmatch("[0-9]{2}", choice.message.content) and choice.finish_reason == "stop", choice
+        [choice] = chat(client, close_id, "deep", extra_body={"guided_choice": ["yes", "no"]}).choices
+        assert choice.message.content in ("yes", "no") and choice.finish_reason == "stop", choice
 
 
 @pytest.mark.parametrize(
