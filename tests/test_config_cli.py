@@ -143,6 +143,17 @@ ENGINE_SAMPLES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def lora_sample(tmp_path_factory):
+    """--lora-modules' sample names a directory with an adapter_config.json (python -m worker
+    checks that before anything loads)."""
+    adapter = tmp_path_factory.mktemp("lora-sample")
+    (adapter / "adapter_config.json").write_text("{}")
+    ENGINE_SAMPLES["lora_modules"] = f"tuned={adapter}"
+    yield
+    del ENGINE_SAMPLES["lora_modules"]
+
+
 def non_default(s) -> list[str]:
     """Flags that set the option `s` to a valid value other than its default."""
     name = s.path[-1]

@@ -227,6 +227,8 @@ def test_bad_arguments_are_value_errors_naming_the_problem():
         num_kv_heads=stack.shape[1],
         head_dim=stack.shape[2],
         sdpa_min_query_len=0,
+        lora=[],
+        lora_rows=[],
     )
     op = torch.ops.llm_cpu.decoder_layers
     h, residual = op(**args)  # well-formed: one token at position 0
@@ -235,5 +237,7 @@ def test_bad_arguments_are_value_errors_naming_the_problem():
         op(**{**args, "weights": stack.weights[:-1]})
     with pytest.raises(ValueError, match="non-empty"):
         op(**{**args, "x": x[:0]})
+    with pytest.raises(ValueError, match="LoRA tensors for 1 adapters"):
+        op(**{**args, "lora_rows": [torch.tensor([0])]})
     with pytest.raises(ValueError, match="outside"):
         op(**{**args, "slot_mapping": torch.tensor([10**9])})

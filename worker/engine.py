@@ -109,7 +109,7 @@ class LLMEngine:
             vocab_size=mc.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
-            adapters=self.runner.adapters.names if self.runner.adapters else (),
+            adapters=adapters.names if (adapters := getattr(self.runner, "adapters", None)) else (),
         )
         self._aborted: list[Sequence] = []
         self.num_steps = 0
