@@ -21,8 +21,9 @@ Contract:
   numpy gather.
 - Fails how: more live rows than `max_rows` or a table wider than `max_blocks` grow the buffers;
   once a CUDA graph holds them they cannot move: RuntimeError / ValueError instead.
-- Proven by tests/test_input_batch.py: inputs equal `ModelRunner.prepare_reference` (the plain
-  rebuild-everything path) step by step through preemption, prefix hits, aborts and reused ids.
+- Proven by tests/test_input_batch.py: inputs equal `reference_inputs` (below; the runner's
+  `prepare_reference`: the plain rebuild-everything path) step by step through preemption, prefix
+  hits, aborts and reused ids.
 """
 
 from __future__ import annotations
@@ -325,3 +326,48 @@ class InputBatch:
         dst[:, :batch_size].copy_(dev[: 5 * batch_size].view(5, batch_size))
         fo = 5 * batch_size + 2 * n
         self._feed(dst[0], dev[fo : fo + f], dev[fo + f : fo + 2 * f], tokens)
+
+
+def reference_inputs(
+    plan: SchedulerOutput, block_size: int, device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """The slow reference of `InputBatch.build` + `eager_inputs` (ModelRunner.prepare_reference):
+    every input of `plan` rebuilt from Python lists."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    starts = [0]
+    logits_rows: list[int] = []
+    max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
+    tables = []
+    for s in plan.scheduled:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = seq.block_table
+        input_ids.extend((seq.token_ids + list(s.draft))[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        seq_lens.append(end)
+        starts.append(starts[-1] + s.num_new_tokens)
+        tables.append(table + [0] * (max_blocks - len(table)))
+        if s.draft:
+            logits_rows.extend(range(starts[-2], starts[-1]))
+        elif s.samples:
+            logits_rows.append(starts[-1] - 1)
+    dev = device
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        max_query_len=max(s.num_new_tokens for s in plan.scheduled),
+        max_seq_len=max(seq_lens),
+    )
+    return (
+        torch.tensor(input_ids, dtype=torch.int64, device=dev),
+        torch.tensor(positions, dtype=torch.int64, device=dev),
+        meta,
+        logits_rows,
+    )

@@ -55,7 +55,7 @@ from worker.config import (
 from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.grammar import Grammars
-from worker.input_batch import InputBatch
+from worker.input_batch import InputBatch, reference_inputs
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.lora import Adapters
 from worker.model.llama import LlamaModel
@@ -268,44 +268,7 @@ class ModelRunner:
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The slow reference of `prepare`: every input rebuilt from Python lists."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        logits_rows: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
-        tables = []
-        for s in plan.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = seq.block_table
-            input_ids.extend((seq.token_ids + list(s.draft))[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            starts.append(starts[-1] + s.num_new_tokens)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            if s.draft:
-                logits_rows.extend(range(starts[-2], starts[-1]))
-            elif s.samples:
-                logits_rows.append(starts[-1] - 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_new_tokens for s in plan.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            logits_rows,
-        )
+        return reference_inputs(plan, self.block_size, self.device)
 
     def run(self, plan: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
         """One step: {request_id: (token, logprob | None)} of the sampling sequences (a plan without
