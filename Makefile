@@ -149,6 +149,12 @@ bench-embed: install protos
 bench-lora: install protos
 	$(PY) -m benchmarks.lora $(ARGS)
 
+# A LoRA adapter's cost inside one engine step (base vs adapter decode steps at 1/8/32 rows, and
+# the C++ lora_add alone), in process (~3 min).
+.PHONY: bench-lora-steps
+bench-lora-steps: install protos
+	$(PY) -m benchmarks.lora_steps $(ARGS)
+
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, then a
 # storm of 1,000 cancelled streams over two workers (~6 min). Prints PASS/MISS per target and
 # writes docs/reliability/{overload,cancel_storm}.json. `make test` runs short versions

@@ -134,6 +134,9 @@ class Adapter:
     # the scale in B
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     max_rank: int
+    # our module -> int64 [Q, 4]: rank rows r0:r1 of its B^T write output columns n0:n1 (one row per
+    # shard: a fused linear's B^T is zero elsewhere; the C++ op reads only these blocks)
+    shards: dict[str, torch.Tensor]
 
 
 def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
@@ -182,19 +185,21 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         parts.setdefault(f"layers.{layer}.{target}", []).append((a, b * scale, offset, out_rows))
         max_rank = max(max_rank, rank)
-    weights = {}
+    weights, shards = {}, {}
     for module_name, items in parts.items():
         a_cat = torch.cat([a for a, _, _, _ in items])  # (R, in)
         b_full = torch.zeros(items[0][3], a_cat.shape[0])  # (out, R): each shard's B at its rows
-        col = 0
+        col, blocks = 0, []
         for a, b, offset, _ in items:
             b_full[offset : offset + b.shape[0], col : col + a.shape[0]] = b
+            blocks.append((col, col + a.shape[0], offset, offset + b.shape[0]))
             col += a.shape[0]
         weights[module_name] = (
             a_cat.to(device, dtype).contiguous(),
             b_full.t().to(device, dtype).contiguous(),
         )
-    return Adapter(name, path, weights, max_rank)
+        shards[module_name] = torch.tensor(blocks, dtype=torch.int64)
+    return Adapter(name, path, weights, max_rank, shards)
 
 
 def _out_features(module: nn.Module) -> int:
@@ -260,18 +265,18 @@ class Adapters:
                     setattr(parent, child, wrapped[module_name])
                 wrapped[module_name].deltas[self.slot[name]] = ab
         self.num_wrapped = len(wrapped)
-        # The C++ layer op's inputs per slot (worker/kernels/cpu_layers.cpp): (A, B^T) of each
-        # layer's q|k|v, o, gate|up and down, two empty tensors where the adapter has none.
+        # The C++ layer op's inputs per slot (worker/kernels/cpu_layers.cpp): (A, B^T, shards) of
+        # each layer's q|k|v, o, gate|up and down, three empty tensors where the adapter has none.
         empty = torch.empty(0)
-        self._op_weights = {
-            self.slot[name]: [
-                t
-                for layer in range(len(model.layers))
-                for target in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-                for t in adapter.weights.get(f"layers.{layer}.{target}", (empty, empty))
-            ]
-            for name, adapter in self.by_name.items()
-        }
+        self._op_weights = {}
+        for name, adapter in self.by_name.items():
+            tensors = []
+            for layer in range(len(model.layers)):
+                for target in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                    key = f"layers.{layer}.{target}"
+                    found = key in adapter.weights
+                    tensors += [*adapter.weights[key], adapter.shards[key]] if found else [empty] * 3
+            self._op_weights[self.slot[name]] = tensors
         self._op_rows: list[torch.Tensor] = []
 
     @classmethod

@@ -12,7 +12,7 @@
 //     [blocks, block_size, Hkv, D], x's dtype), slot_mapping int64 [T], block_tables int32 [S, W],
 //     seq_lens int32 [S], query_start_loc int32 [S + 1], cos, sin float32 [P, D/2],
 //     weights[18 L], eps, scale, num_heads, num_kv_heads, head_dim, sdpa_min_query_len,
-//     lora[8 L S], lora_rows[S]) -> (h [T, C], residual [T, C])
+//     lora[12 L S], lora_rows[S]) -> (h [T, C], residual [T, C])
 //   per layer l, weights[18 l ..]: input norm weight [C]; q|k|v linear (4 tensors); o linear (4);
 //   post-attention norm weight [C]; gate|up linear (4); down linear (4). A linear is three tensors
 //   and its bias (bf16 [N], or an empty tensor for none); the three are one of
@@ -31,12 +31,13 @@
 //   Every op is the one the Python path calls, in the same order on the same inputs: the outputs
 //   are bit-identical to it.
 //   LoRA (worker/lora.py): S adapters in the step (S = 0: none); lora_rows[s] int64 [n_s] the
-//   token rows of adapter s; lora[8 (L s + l) + 2 j ..] for linear j (0 q|k|v, 1 o, 2 gate|up,
-//   3 down) of layer l: A bfloat16 [R, K] and B^T bfloat16 [R, N], or two empty tensors where the
-//   adapter does not target it. `lora_add` adds x[rows] A^T B^T to the linear's output rows in
-//   float32, rounded once to bfloat16, as LoraLinear.forward does (same math, another summation
-//   order: close to it, not bit-identical; tests/test_lora.py). `lora_add_(out, x, A, B^T, rows)`
-//   is that op alone (tests).
+//   token rows of adapter s; lora[12 (L s + l) + 3 j ..] for linear j (0 q|k|v, 1 o, 2 gate|up,
+//   3 down) of layer l: A bfloat16 [R, K], B^T bfloat16 [R, N] and its shards int64 [Q, 4] (rank
+//   rows r0:r1 write output columns n0:n1; B^T is zero elsewhere; empty: all of it), or three
+//   empty tensors where the adapter does not target it. `lora_add` adds x[rows] A^T B^T to the
+//   linear's output rows in float32, rounded once to bfloat16, as LoraLinear.forward does (same
+//   math, another summation order: close to it, not bit-identical; tests/test_lora.py).
+//   `lora_add_(out, x, A, B^T, shards, rows)` is that op alone (tests, benchmarks/lora.py).
 // Fails how: the ops' own checks (shapes, dtypes, slots, block tables) raise ValueError /
 //   RuntimeError; a weights list of the wrong length or a T=0 input raises ValueError.
 // Build: included at the end of cpu_attention.cpp (one translation unit).
@@ -51,6 +52,8 @@
 namespace llm_cpu_layers {
 
 constexpr int64_t kPerLinear = 4, kPerLayer = 2 + 4 * kPerLinear;
+// LoRA tensors per layer and adapter: (A, B^T, shards) of q|k|v, o, gate|up, down
+constexpr int64_t kLoraPerLayer = 12;
 
 // One quantized linear, as Int4Linear._matmul / Int8Linear._matmul would run it (same ATen calls),
 // then its bias, as _QuantLinearBase.forward adds it (out + bias, rounded to bfloat16).
@@ -79,10 +82,94 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
   return w[3].numel() ? at::add(out, w[3]) : out;
 }
 
-// out[rows] += x[rows] A^T B^T: per row, x and the weights widened to float32, x A^T (R dots of K),
-// then R axpys of N into the output row widened to float32, rounded once. Rows split over the pool only when many.
+// out[rows] += x[rows] A^T B^T in float32, rounded once. Rows go in tiles of up to kLoraTile: each
+// weight vector read serves every row of the tile. xa = x A^T (R dots of K per row), then per shard
+// (r0, r1, n0, n1) and block of output columns, the tile's accumulators stay in registers over the
+// shard's rank rows: out[:, n0:n1] += xa[:, r0:r1] B^T[r0:r1, n0:n1]. A fused linear's B is
+// block-diagonal (each shard's rank rows are zero outside its output columns): the shards skip the
+// zeros. No shards: one, (0, R, 0, N). Tiles split over the pool when the work is large. GCC/Clang
+// vector extensions: AVX-512 registers where built for them, two AVX2 halves or scalars elsewhere.
+constexpr int64_t kLoraTile = 4;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_f32x16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load_bf16x16(const at::BFloat16* p) {
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const u32x16 bits = __builtin_convertvector(raw, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// M rows of a tile; V = 4 / M independent accumulators per row (vectors of 16 columns in B, partial
+// sums along K in A), so that four FMA chains are in flight whatever M is.
+template <int M>
+void lora_tile(const at::BFloat16* ap, const at::BFloat16* bp, const int64_t* sh, int64_t n_sh, int64_t r_,
+               int64_t k_, int64_t n_, const float* xf, float* xa, float* acc) {
+  constexpr int V = M >= 4 ? 1 : 4 / M;
+  for (int64_t r = 0; r < r_; ++r) {
+    const at::BFloat16* ar = ap + r * k_;
+    f32x16 s[M][V] = {};
+    int64_t k = 0;
+    for (; k + 16 * V <= k_; k += 16 * V)
+      for (int v = 0; v < V; ++v) {
+        const f32x16 w = load_bf16x16(ar + k + 16 * v);
+        for (int t = 0; t < M; ++t) s[t][v] += load_f32x16(xf + t * k_ + k + 16 * v) * w;
+      }
+    for (; k + 16 <= k_; k += 16) {
+      const f32x16 w = load_bf16x16(ar + k);
+      for (int t = 0; t < M; ++t) s[t][0] += load_f32x16(xf + t * k_ + k) * w;
+    }
+    for (int t = 0; t < M; ++t) {
+      f32x16 sum = s[t][0];
+      for (int v = 1; v < V; ++v) sum += s[t][v];
+      float total = 0.f;
+      for (int e = 0; e < 16; ++e) total += sum[e];
+      for (int64_t kk = k; kk < k_; ++kk) total += xf[t * k_ + kk] * static_cast<float>(ar[kk]);
+      xa[t * r_ + r] = total;
+    }
+  }
+  for (int64_t q = 0; q < n_sh; ++q) {
+    const int64_t r0 = sh[4 * q], r1 = sh[4 * q + 1], n0 = sh[4 * q + 2], n1 = sh[4 * q + 3];
+    int64_t n = n0;
+    for (; n + 16 * V <= n1; n += 16 * V) {
+      f32x16 o[M][V];
+      for (int t = 0; t < M; ++t)
+        for (int v = 0; v < V; ++v) o[t][v] = load_f32x16(acc + t * n_ + n + 16 * v);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int v = 0; v < V; ++v) {
+          const f32x16 w = load_bf16x16(bp + r * n_ + n + 16 * v);
+          for (int t = 0; t < M; ++t) o[t][v] += xa[t * r_ + r] * w;
+        }
+      for (int t = 0; t < M; ++t) std::memcpy(acc + t * n_ + n, o[t], sizeof o[t]);
+    }
+    for (; n + 16 <= n1; n += 16) {
+      f32x16 o[M];
+      for (int t = 0; t < M; ++t) o[t] = load_f32x16(acc + t * n_ + n);
+      for (int64_t r = r0; r < r1; ++r) {
+        const f32x16 w = load_bf16x16(bp + r * n_ + n);
+        for (int t = 0; t < M; ++t) o[t] += xa[t * r_ + r] * w;
+      }
+      for (int t = 0; t < M; ++t) std::memcpy(acc + t * n_ + n, &o[t], sizeof o[t]);
+    }
+    for (; n < n1; ++n)
+      for (int t = 0; t < M; ++t) {
+        float v = acc[t * n_ + n];
+        for (int64_t r = r0; r < r1; ++r) v += xa[t * r_ + r] * static_cast<float>(bp[r * n_ + n]);
+        acc[t * n_ + n] = v;
+      }
+  }
+}
+
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-              const at::Tensor& rows) {
+              const at::Tensor& shards, const at::Tensor& rows) {
   const int64_t r_ = a.size(0), k_ = a.size(1), n_ = bt.size(1), n_rows = rows.numel();
   TORCH_CHECK_VALUE(a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16 &&
                         a.is_contiguous() && bt.is_contiguous() && bt.size(0) == r_,
@@ -93,33 +180,51 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.is_contiguous(), "lora: rows must be int64");
   const int64_t* idx = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n_rows; ++i)
-    TORCH_CHECK_VALUE(idx[i] >= 0 && idx[i] < x.size(0), "lora: row ", idx[i], " out of range");
+    TORCH_CHECK_VALUE(idx[i] >= 0 && idx[i] < x.size(0) && idx[i] < out.size(0), "lora: row ", idx[i],
+                      " out of range");
+  std::vector<int64_t> whole{0, r_, 0, n_};
+  const int64_t* sh = whole.data();
+  int64_t n_sh = 1;
+  if (shards.numel()) {
+    TORCH_CHECK_VALUE(shards.scalar_type() == at::kLong && shards.is_contiguous() && shards.dim() == 2 &&
+                          shards.size(1) == 4,
+                      "lora: shards must be int64 [S, 4] (r0, r1, n0, n1)");
+    sh = shards.data_ptr<int64_t>();
+    n_sh = shards.size(0);
+    for (int64_t q = 0; q < n_sh; ++q)
+      TORCH_CHECK_VALUE(0 <= sh[4 * q] && sh[4 * q] <= sh[4 * q + 1] && sh[4 * q + 1] <= r_ &&
+                            0 <= sh[4 * q + 2] && sh[4 * q + 2] <= sh[4 * q + 3] && sh[4 * q + 3] <= n_,
+                        "lora: shard ", q, " out of range for A [", r_, ", ", k_, "] and B^T [", r_, ", ", n_, "]");
+  }
+  int64_t elems = r_ * k_;
+  for (int64_t q = 0; q < n_sh; ++q) elems += (sh[4 * q + 1] - sh[4 * q]) * (sh[4 * q + 3] - sh[4 * q + 2]);
   const at::BFloat16* ap = a.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bt.data_ptr<at::BFloat16>();
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t sx = x.stride(0), so = out.stride(0);
-  at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(k_), xa(r_), acc(n_);
-    for (int64_t i = begin; i < end; ++i) {
-      const at::BFloat16* xr = xp + idx[i] * sx;
-      at::BFloat16* orow = op + idx[i] * so;
-      for (int64_t k = 0; k < k_; ++k) xf[k] = static_cast<float>(xr[k]);
-      for (int64_t r = 0; r < r_; ++r) {
-        const at::BFloat16* ar = ap + r * k_;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < k_; ++k) s += xf[k] * static_cast<float>(ar[k]);
-        xa[r] = s;
+  const int64_t n_tiles = (n_rows + kLoraTile - 1) / kLoraTile;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, kLoraTile * elems));
+  at::parallel_for(0, n_tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(kLoraTile * k_), xa(kLoraTile * r_), acc(kLoraTile * n_);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t i0 = tile * kLoraTile, m = std::min(kLoraTile, n_rows - i0);
+      for (int64_t t = 0; t < m; ++t) {
+        const at::BFloat16* xr = xp + idx[i0 + t] * sx;
+        const at::BFloat16* orow = op + idx[i0 + t] * so;
+        for (int64_t k = 0; k < k_; ++k) xf[t * k_ + k] = static_cast<float>(xr[k]);
+        for (int64_t n = 0; n < n_; ++n) acc[t * n_ + n] = static_cast<float>(orow[n]);
       }
-      for (int64_t n = 0; n < n_; ++n) acc[n] = static_cast<float>(orow[n]);
-      for (int64_t r = 0; r < r_; ++r) {
-        const float c = xa[r];
-        const at::BFloat16* br = bp + r * n_;
-#pragma omp simd
-        for (int64_t n = 0; n < n_; ++n) acc[n] += c * static_cast<float>(br[n]);
+      switch (m) {
+        case 1: lora_tile<1>(ap, bp, sh, n_sh, r_, k_, n_, xf.data(), xa.data(), acc.data()); break;
+        case 2: lora_tile<2>(ap, bp, sh, n_sh, r_, k_, n_, xf.data(), xa.data(), acc.data()); break;
+        case 3: lora_tile<3>(ap, bp, sh, n_sh, r_, k_, n_, xf.data(), xa.data(), acc.data()); break;
+        default: lora_tile<4>(ap, bp, sh, n_sh, r_, k_, n_, xf.data(), xa.data(), acc.data()); break;
       }
-      for (int64_t n = 0; n < n_; ++n) orow[n] = static_cast<at::BFloat16>(acc[n]);
+      for (int64_t t = 0; t < m; ++t) {
+        at::BFloat16* orow = op + idx[i0 + t] * so;
+        for (int64_t n = 0; n < n_; ++n) orow[n] = static_cast<at::BFloat16>(acc[t * n_ + n]);
+      }
     }
   });
 }
@@ -129,8 +234,8 @@ at::Tensor linear_lora(const at::Tensor& x, const at::Tensor* w, at::TensorList 
                        int64_t layers, int64_t l, int64_t j) {
   at::Tensor out = linear(x, w);
   for (int64_t s = 0; s < int64_t(rows.size()); ++s) {
-    const int64_t at_ = 8 * (layers * s + l) + 2 * j;
-    if (lora[at_].numel()) lora_add(out, x, lora[at_], lora[at_ + 1], rows[s]);
+    const int64_t at_ = kLoraPerLayer * (layers * s + l) + 3 * j;
+    if (lora[at_].numel()) lora_add(out, x, lora[at_], lora[at_ + 1], lora[at_ + 2], rows[s]);
   }
   return out;
 }
@@ -146,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK_VALUE(int64_t(weights.size()) == kPerLayer * layers, "expected ", kPerLayer * layers,
                     " weight tensors for ", layers, " layers, got ", weights.size());
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) > 0, "x must be a non-empty [T, C] tensor");
-  TORCH_CHECK_VALUE(int64_t(lora.size()) == 8 * layers * int64_t(lora_rows.size()), "expected ",
-                    8 * layers * int64_t(lora_rows.size()), " LoRA tensors for ", lora_rows.size(),
+  TORCH_CHECK_VALUE(int64_t(lora.size()) == kLoraPerLayer * layers * int64_t(lora_rows.size()), "expected ",
+                    kLoraPerLayer * layers * int64_t(lora_rows.size()), " LoRA tensors for ", lora_rows.size(),
                     " adapters, got ", lora.size());
   const int64_t t = x.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
   at::Tensor h, residual, cur = x;
@@ -178,8 +283,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 }
 
 void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-                 const at::Tensor& rows) {
-  lora_add(out, x, a, bt, rows);
+                 const at::Tensor& shards, const at::Tensor& rows) {
+  lora_add(out, x, a, bt, shards, rows);
 }
 
 }  // namespace llm_cpu_layers
@@ -189,7 +294,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor cos, "
         "Tensor sin, Tensor[] weights, float eps, float scale, int num_heads, int num_kv_heads, "
         "int head_dim, int sdpa_min_query_len, Tensor[] lora, Tensor[] lora_rows) -> (Tensor, Tensor)");
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor rows) -> ()");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor shards, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
