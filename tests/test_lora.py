@@ -306,3 +306,65 @@ def test_quantized_base_keeps_the_layer_op(tmp_path):
     assert served.generate(prompts, _greedy(10)) == base  # base-only steps: the op, unchanged
     assert calls
     assert served.block_manager.num_free_blocks == served.block_manager.num_blocks
+
+
+def test_adapters_load_and_unload_at_run_time(tiny):
+    """--lora-dir: adapters loaded between steps give the tokens of the same adapters loaded at
+    start-up; unloading waits for their requests; a name loaded again with other weights never
+    hits the prefix-cache blocks of its earlier load; every refusal names its reason."""
+    from worker.lora import AdapterError
+
+    path, adapters, _ = tiny
+    root = adapters["wide"][0].parent
+    prompts = [PROMPTS[0] * 3, PROMPTS[1]]  # the first spans three full blocks: cached
+    ref = _engine(tiny, enable_prefix_caching=True)
+    want = {name: ref.generate(prompts, [_greedy(6, name)] * 2) for name in ("wide", "narrow", "")}
+    engine = _engine(
+        tiny,
+        lora_modules=(),
+        lora_dir=str(root),
+        max_lora_adapters=2,
+        enable_prefix_caching=True,
+        async_scheduling=True,
+    )
+    assert engine.info.adapters == ()
+    assert engine.generate(prompts, [_greedy(6)] * 2) == want[""]
+    engine.load_adapter("wide", "wide")  # relative to --lora-dir
+    engine.load_adapter("other", str(adapters["narrow"][0]))  # absolute, inside it
+    assert engine.info.adapters == ("wide", "other")
+    assert engine.generate(prompts, [_greedy(6, "wide")] * 2) == want["wide"]
+    assert engine.generate(prompts, [_greedy(6, "other")] * 2) == want["narrow"]
+    refusals = [
+        ("wide", "narrow", "invalid", "loaded already"),
+        ("x", "narrow", "full", "max-lora-adapters"),
+    ]
+    for name, where, kind, message in refusals:
+        with pytest.raises(AdapterError, match=message) as caught:
+            engine.load_adapter(name, where)
+        assert caught.value.kind == kind
+    engine.add_request("busy", prompts[1], _greedy(8, "wide"))
+    engine.step()
+    with pytest.raises(AdapterError, match="1 request"):
+        engine.unload_adapter("wide")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.unload_adapter("wide")
+    with pytest.raises(ValueError, match="not served here"):
+        engine.add_request("gone", prompts[1], _greedy(2, "wide"))
+    with pytest.raises(AdapterError, match="not loaded"):
+        engine.unload_adapter("wide")
+    for name, where, message in [
+        ("a", "../" + path.name, "not a directory inside"),
+        ("a", "/etc", "not a directory inside"),
+        ("a", "missing", "no adapter_config.json"),
+        ("bad name!", "narrow", "adapter name"),
+    ]:
+        with pytest.raises(AdapterError, match=message):
+            engine.load_adapter(name, where)
+    # "wide" again, with narrow's weights: the same tokens as narrow, not wide's cached blocks
+    engine.load_adapter("wide", "narrow")
+    assert engine.generate(prompts, [_greedy(6, "wide")] * 2) == want["narrow"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(AdapterError, match="run-time LoRA loading is off") as caught:
+        ref.load_adapter("x", "wide")
+    assert caught.value.kind == "off"

@@ -20,6 +20,8 @@ Contract:
   while it is full the sequence is left out of the engine's steps (it keeps its KV blocks), so a
   reader that stops reading stops its generation instead of growing a queue.
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
+- `call(fn)` runs fn(engine) on the engine thread between steps and returns its result (LoRA
+  loads and unloads, worker/server.py).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
   them, and the loop goes on serving new requests.
 - Async scheduling (EngineConfig.async_scheduling): a parked sequence may still finish, from the
@@ -110,6 +112,12 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     """Event loop: one step's outputs into their streams' queues."""
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """Event loop: an engine-thread call's outcome into its future (unless the caller gave up)."""
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def on_new_thread(fn: Callable[[], T], name: str = "engine-build") -> T:
@@ -225,6 +233,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) run on the engine thread between steps (LoRA loads and unloads); its result,
+        or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._post(("call", fn, loop, future))
+        return await future
+
     def _post(self, command: tuple) -> None:
         self._commands.append(command)
         self._wakeup.set()
@@ -326,6 +342,13 @@ class AsyncEngine:
                     stream = self._streams.get(request_id)
                     if stream is not None:
                         stream.put(exc)
+            elif command[0] == "call":
+                _, fn, loop, future = command
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result, error = None, exc
+                loop.call_soon_threadsafe(_settle, future, result, error)
             else:
                 self.engine.abort(command[1])
         self._stats = self.engine.stats()

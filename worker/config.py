@@ -328,6 +328,18 @@ class EngineConfig:
             metavar="NAME=PATH,...",
         ),
     )
+    lora_dir: str = field(
+        default="",
+        metadata=option(
+            "a directory of PEFT adapters the router may load and unload at run time "
+            "(POST /v1/load_lora_adapter; the path must lie inside it); empty: no run-time loading",
+            metavar="DIR",
+        ),
+    )
+    max_lora_adapters: int = field(
+        default=16,
+        metadata=option("LoRA adapters a worker holds at once, start-up and run-time loaded together"),
+    )
 
     tensor_parallel_size: int = field(
         default=1,
@@ -341,8 +353,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.lora_modules and self.tensor_parallel_size > 1:
-            raise ValueError("lora_modules: LoRA adapters are not served with tensor parallelism")
+        if (self.lora_modules or self.lora_dir) and self.tensor_parallel_size > 1:
+            raise ValueError("lora_modules / lora_dir: LoRA adapters are not served with tensor parallelism")
+        if self.max_lora_adapters < len(self.lora_modules):
+            raise ValueError(
+                f"max_lora_adapters ({self.max_lora_adapters}) is below the {len(self.lora_modules)} "
+                "--lora-modules adapters"
+            )
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

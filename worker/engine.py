@@ -49,6 +49,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -58,6 +59,7 @@ from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
 from worker.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
+from worker.lora import AdapterError, runtime_adapter_path
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
@@ -160,12 +162,32 @@ class LLMEngine:
             if sampling.adapter not in self.info.adapters:
                 served = ", ".join(self.info.adapters) or "none"
                 raise ValueError(f"adapter {sampling.adapter!r} is not served here (adapters: {served})")
-            salt = f"{salt}\x1flora:{sampling.adapter}"  # its KV differs from the base model's
+            # Its KV differs from the base model's, and from an earlier load of the same name's.
+            salt = f"{salt}\x1flora:{sampling.adapter}#{self.runner.adapters.slot[sampling.adapter]}"
         seq = Sequence(request_id, list(prompt_token_ids), sampling, priority, salt)
         if sampling.grammar:
             self.scheduler.check(seq)  # the cheap refusals before compiling the grammar
             seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
         self.scheduler.add(seq)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Loads a LoRA adapter between steps (worker/lora.py; docs/lora.md, "Loading at run time").
+        AdapterError: run-time loading is off, `path` is outside --lora-dir, the name is taken, the
+        worker holds --max-lora-adapters already; ValueError: the adapter fails the loader's checks."""
+        where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
+        self.runner.adapters.load(name, where)
+        self.info = dataclasses.replace(self.info, adapters=self.runner.adapters.names)
+
+    def unload_adapter(self, name: str) -> None:
+        """Drops a LoRA adapter; ValueError when it is not loaded or requests still use it."""
+        adapters = getattr(self.runner, "adapters", None)
+        if adapters is None or name not in adapters.slot:
+            raise AdapterError("missing", f"adapter {name!r} is not loaded here")
+        users = sum(1 for seq in self.scheduler.requests.values() if seq.sampling.adapter == name)
+        if users:
+            raise AdapterError("busy", f"adapter {name!r} has {users} request(s) in flight; unload it after")
+        adapters.unload(name)
+        self.info = dataclasses.replace(self.info, adapters=adapters.names)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

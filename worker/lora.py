@@ -126,6 +126,39 @@ def _alpha(config: dict, module: str) -> float:
     return float(config.get("lora_alpha", 8))
 
 
+class AdapterError(ValueError):
+    """A refused run-time load or unload; `kind` is one of "invalid", "off", "full", "missing",
+    "busy" (worker/server.py maps them to gRPC codes)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
+
+
+def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) -> Path:
+    """The directory to load adapter `name` from at run time: `path` (absolute, or relative to
+    config.lora_dir) resolved, symbolic links included, and inside config.lora_dir. AdapterError
+    when run-time loading is off, the name is malformed or taken, or the worker is full."""
+    if not config.lora_dir:
+        raise AdapterError("off", "run-time LoRA loading is off on this worker (start it with --lora-dir)")
+    if not NAME.fullmatch(name):
+        raise AdapterError("invalid", f"adapter name {name!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -")
+    if name in loaded:
+        raise AdapterError("invalid", f"adapter {name!r} is loaded already (unload it first)")
+    if len(loaded) >= config.max_lora_adapters:
+        raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
+    root = Path(config.lora_dir).expanduser().resolve()
+    where = (root / path).resolve()  # an absolute `path` replaces root
+    if not path or not where.is_relative_to(root):
+        raise AdapterError("invalid", f"adapter {name!r}: {path!r} is not a directory inside --lora-dir")
+    if not (where / "adapter_config.json").is_file():
+        raise AdapterError("invalid", f"adapter {name!r}: {path!r} has no adapter_config.json")
+    return where
+
+
 @dataclass
 class Adapter:
     name: str
@@ -243,53 +276,87 @@ class LoraLinear(nn.Module):
         return out
 
 
+FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # the op's order
+
+
 class Adapters:
-    def __init__(self, model: nn.Module, entries: tuple[str, ...], dtype: torch.dtype, device):
+    """The adapters of a worker by name and slot (1, 2, ...: never reused, so a slot names one load
+    of one adapter). `runtime`: every linear of `FUSED` is wrapped up front, so that `load` and
+    `unload` between steps only add or drop dict entries (no module changes under a compiled or
+    captured model, nor under a step in flight)."""
+
+    def __init__(self, model: nn.Module, entries: tuple[str, ...], dtype, device, runtime: bool = False):
         self.by_name: dict[str, Adapter] = {}
         self.slot: dict[str, int] = {}
         self._step = _StepRows()
-        self._device = device
+        self._model, self._dtype, self._device = model, dtype, device
+        self._wrapped: dict[str, LoraLinear] = {}
+        self._op_weights: dict[int, list[torch.Tensor]] = {}
+        self._op_rows: list[torch.Tensor] = []
+        self._next_slot = 1
+        if runtime:
+            for layer in range(len(model.layers)):
+                for target in FUSED:
+                    self._wrap(f"layers.{layer}.{target}")
         for entry in entries:
             name, path = parse_entry(entry)
             if name in self.by_name:
                 raise ValueError(f"--lora-modules: two adapters named {name!r}")
-            self.by_name[name] = load_adapter(name, path, model, dtype, device)
-            self.slot[name] = len(self.slot) + 1
-        wrapped: dict[str, LoraLinear] = {}
-        for name, adapter in self.by_name.items():
-            for module_name, ab in adapter.weights.items():
-                if module_name not in wrapped:
-                    parent_name, _, child = module_name.rpartition(".")
-                    parent = model.get_submodule(parent_name)
-                    wrapped[module_name] = LoraLinear(getattr(parent, child), self._step)
-                    setattr(parent, child, wrapped[module_name])
-                wrapped[module_name].deltas[self.slot[name]] = ab
-        self.num_wrapped = len(wrapped)
-        # The C++ layer op's inputs per slot (worker/kernels/cpu_layers.cpp): (A, B^T, shards) of
-        # each layer's q|k|v, o, gate|up and down, three empty tensors where the adapter has none.
-        empty = torch.empty(0)
-        self._op_weights = {}
-        for name, adapter in self.by_name.items():
-            tensors = []
-            for layer in range(len(model.layers)):
-                for target in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-                    key = f"layers.{layer}.{target}"
-                    found = key in adapter.weights
-                    tensors += [*adapter.weights[key], adapter.shards[key]] if found else [empty] * 3
-            self._op_weights[self.slot[name]] = tensors
-        self._op_rows: list[torch.Tensor] = []
+            self.load(name, path)
+
+    def _wrap(self, module_name: str) -> LoraLinear:
+        if module_name not in self._wrapped:
+            parent_name, _, child = module_name.rpartition(".")
+            parent = self._model.get_submodule(parent_name)
+            self._wrapped[module_name] = LoraLinear(getattr(parent, child), self._step)
+            setattr(parent, child, self._wrapped[module_name])
+        return self._wrapped[module_name]
+
+    @property
+    def num_wrapped(self) -> int:
+        return len(self._wrapped)
+
+    def load(self, name: str, path: Path) -> int:
+        """Loads adapter `name` from `path` (the contract's checks, ValueError) into a new slot."""
+        adapter = load_adapter(name, path, self._model, self._dtype, self._device)
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        for module_name, ab in adapter.weights.items():
+            self._wrap(module_name).deltas[slot] = ab
+        # The C++ layer op's inputs (worker/kernels/cpu_layers.cpp): (A, B^T, shards) of each
+        # layer's q|k|v, o, gate|up and down, three empty tensors where the adapter has none.
+        empty, tensors = torch.empty(0), []
+        for layer in range(len(self._model.layers)):
+            for target in FUSED:
+                key = f"layers.{layer}.{target}"
+                found = key in adapter.weights
+                tensors += [*adapter.weights[key], adapter.shards[key]] if found else [empty] * 3
+        self._op_weights[slot] = tensors
+        self.by_name[name], self.slot[name] = adapter, slot
+        return slot
+
+    def unload(self, name: str) -> None:
+        """Drops adapter `name`; the caller has checked that no unfinished sequence uses it. A step
+        already in flight may still hold rows of its finished sequences: they get no delta (their
+        tokens are discarded)."""
+        slot = self.slot.pop(name)
+        del self.by_name[name]
+        self._op_weights.pop(slot, None)
+        for wrapper in self._wrapped.values():
+            wrapper.deltas.pop(slot, None)
 
     @classmethod
-    def attach(cls, model: nn.Module, entries: tuple[str, ...], device, log) -> Adapters | None:
-        """The adapters of `entries` wrapped into `model` (None when there are none), logged."""
-        if not entries:
+    def attach(cls, model: nn.Module, config, device, log) -> Adapters | None:
+        """`config`'s adapters (EngineConfig: lora_modules, lora_dir) wrapped into `model`; None when
+        it has none and no run-time loading. Logged."""
+        if not config.lora_modules and not config.lora_dir:
             return None
-        adapters = cls(model, entries, model.dtype, device)
+        adapters = cls(model, config.lora_modules, model.dtype, device, runtime=bool(config.lora_dir))
         log.info(
-            "LoRA adapters %s: %d linears wrapped, %.1f MiB",
-            ", ".join(adapters.names),
+            "LoRA adapters %s: %d linears wrapped, %.1f MiB%s",
+            ", ".join(adapters.names) or "(none yet)",
             adapters.num_wrapped,
             adapters.bytes() / 2**20,
+            f"; run-time loading from {config.lora_dir}" if config.lora_dir else "",
         )
         return adapters
 
@@ -331,6 +398,11 @@ class Adapters:
             self._step.rows, self._op_rows = [], []
 
     def op_inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Inside `active`: the C++ layer op's (lora, lora_rows) for the step's adapters."""
-        slots = [slot for slot, _ in self._step.rows]
-        return [t for slot in slots for t in self._op_weights[slot]], self._op_rows
+        """Inside `active`: the C++ layer op's (lora, lora_rows) for the step's adapters (an adapter
+        unloaded since the step was planned is left out, as the wrappers leave it out)."""
+        weights, rows = [], []
+        for (slot, _), index in zip(self._step.rows, self._op_rows):
+            if (tensors := self._op_weights.get(slot)) is not None:
+                weights += tensors
+                rows.append(index)
+        return weights, rows

@@ -140,7 +140,7 @@ class ModelRunner:
             log.info("triton gemv: %d linear layers swapped", use_triton_gemv(model))
         self.model, self.model_config = model, model.config
         # LoRA adapters (worker/lora.py): wrapped last, around whatever form the linears now have.
-        self.adapters = Adapters.attach(model, config.lora_modules, self.device, log)
+        self.adapters = Adapters.attach(model, config, self.device, log)
         self.model_name, self.eos_token_ids, self.load_s = name, eos_token_ids, load_s
         self.backend = get_attention_backend(config.attention_backend, self.device, model.dtype)
         if self.kv_cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":

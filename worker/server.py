@@ -45,6 +45,7 @@ from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.lora import AdapterError
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
 from worker.server_config import WorkerServerConfig
@@ -117,6 +118,15 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
     return msg
 
 
+ADAPTER_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "off": grpc.StatusCode.FAILED_PRECONDITION,
+    "busy": grpc.StatusCode.FAILED_PRECONDITION,
+    "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "missing": grpc.StatusCode.NOT_FOUND,
+}
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self, engine: AsyncEngine, metrics: WorkerMetrics | None = None, stream_idle_timeout_s: float = 0.0
@@ -186,6 +196,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks,
         )
+
+    async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
+        name, path = request.name, request.path
+        await self._adapter_call(lambda engine: engine.load_adapter(name, path), context)
+        log.info("LoRA adapter %s loaded from %s", name, path)
+        return await self.GetInfo(None, context)
+
+    async def UnloadAdapter(self, request: wpb.UnloadAdapterRequest, context) -> wpb.WorkerInfo:
+        name = request.name
+        await self._adapter_call(lambda engine: engine.unload_adapter(name), context)
+        log.info("LoRA adapter %s unloaded", name)
+        return await self.GetInfo(None, context)
+
+    async def _adapter_call(self, fn, context) -> None:
+        """fn(engine) on the engine thread; its refusals as gRPC statuses (their messages name the
+        adapter and the problem, nothing else of this process)."""
+        try:
+            await self._engine.call(fn)
+        except AdapterError as exc:
+            await context.abort(ADAPTER_CODES[exc.kind], str(exc))
+        except ValueError as exc:  # the loader's checks (worker/lora.py)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
