@@ -80,11 +80,13 @@ def fingerprint_of(info: worker_pb2.WorkerInfo) -> Fingerprint | None:
 class ModelTable:
     def __init__(self, models: Iterable[ServedModel]):
         self._models: dict[str, ServedModel] = {}
-        # LoRA adapter -> its base model's id: `live()` (the registry's healthy workers' models, set
-        # by the router) first, else the last vetted worker's word (the adapter's workers are down:
-        # the request then waits or gets UNAVAILABLE, as a base model's would)
-        self._adapters: dict[str, str] = {}
+        # LoRA adapters, set by the router (router/server.py): `live()` the registry's healthy
+        # workers' models (a ModelSpec per id, an adapter's with its base), `claimed()` adapter ->
+        # the base models of every vetted worker that reports it, healthy or not (its workers down:
+        # the request waits or gets UNAVAILABLE, as a base model's would; no worker reports it
+        # any more: an unknown model)
         self.live: Callable[[], dict] = dict
+        self.claimed: Callable[[], dict[str, set[str]]] = dict
         for m in models:
             if m.id in self._models:
                 raise SystemExit(f"--model: two entries serve the id {m.id!r}; give one of them ID=...")
@@ -112,8 +114,10 @@ class ModelTable:
         served = self._models.get(model)
         if served is None:
             spec = self.live().get(model)
-            base = spec.base if spec is not None and spec.base else self._adapters.get(model)
-            served = self._models.get(base) if base else None
+            if spec is not None and spec.base:
+                return self._models.get(spec.base)
+            bases = self.claimed().get(model, ())
+            served = self._models.get(next(iter(bases))) if len(bases) == 1 else None
         return served
 
     def base_id(self, model: str) -> str:
@@ -147,11 +151,9 @@ class ModelTable:
         for adapter in info.adapters:  # LoRA adapters: served as models of their own
             if adapter in self._models:
                 return f"serves a LoRA adapter under the id of a served model, {adapter!r}"
-            spec = self.live().get(adapter)  # the healthy workers serving it now, if any
-            known = spec.base if spec is not None and spec.base else info.model
-            if known != info.model:
-                return f"serves LoRA adapter {adapter!r} of {info.model!r}; other workers, of {known!r}"
-        self._adapters.update(dict.fromkeys(info.adapters, info.model))
+            others = sorted(self.claimed().get(adapter, set()) - {info.model})  # any worker's, up or down
+            if others:
+                return f"serves LoRA adapter {adapter!r} of {info.model!r}; other workers, of {others[0]!r}"
         return ""
 
     def apply_defaults(self, req: ValidRequest, sampling: pb.SamplingParams) -> ValidRequest:

@@ -6,7 +6,8 @@ Contract
 - output: `healthy(model)` -> `WorkerHandle`s with a channel, stub, model info and load counters;
   `models()` -> served models as `ModelSpec`s.
 - state: one `WorkerHandle` per address; a probe task refreshes health (grpc.health.v1 Check),
-  info (once) and load (`Worker.GetLoad`) every `poll_s`, each probe call bounded by
+  info (once, again when the worker comes back or its LoadReport.info_version moves: LoRA
+  adapters loaded at run time) and load (`Worker.GetLoad`) every `poll_s`, each probe call bounded by
   `probe_timeout_s`. With `check_info` (router.models.ModelTable.check) each worker's
   `WorkerInfo` is vetted: a worker serving a model the router has no tokenizer for, or whose
   tokenizer fingerprint differs from the router's, is never routed to (`refused` says why, logged
@@ -96,6 +97,9 @@ class WorkerRegistry(abc.ABC):
         self._task: asyncio.Task | None = None
         self._listeners: list[Callable[[bool], None]] = []
         self._any_healthy = False
+        # called after each WorkerInfo read (router/lora_admin.py: run-time adapters a worker that
+        # joined or came back lacks are loaded onto it)
+        self.on_info: Callable[[WorkerHandle], None] | None = None
 
     @abc.abstractmethod
     async def discover(self) -> list[str]:
@@ -118,9 +122,10 @@ class WorkerRegistry(abc.ABC):
         return list(self._handles.values())
 
     def healthy(self, model: str | None = None) -> list[WorkerHandle]:
+        # a snapshot: the tokenize pool's threads resolve adapters through here (router/models.py)
         return [
             h
-            for h in self._handles.values()
+            for h in tuple(self._handles.values())
             if h.healthy
             and h.info is not None
             and not h.refused
@@ -139,6 +144,16 @@ class WorkerRegistry(abc.ABC):
                 if known is None or h.info.max_model_len > known.max_model_len:
                     specs[name] = ModelSpec(name, h.info.max_model_len, h.info.vocab_size, base)
         return specs
+
+    def adapter_bases(self) -> dict[str, set[str]]:
+        """LoRA adapter -> the base models of the vetted (not refused) workers reporting it, healthy
+        or not: what a new worker's adapters must not contradict (router/models.py check)."""
+        bases: dict[str, set[str]] = {}
+        for h in tuple(self._handles.values()):
+            if h.info is not None and not h.refused:
+                for adapter in h.info.adapters:
+                    bases.setdefault(adapter, set()).add(h.info.model)
+        return bases
 
     def mark_failed(self, handle: WorkerHandle, reason: str) -> None:
         if handle.healthy:
@@ -215,9 +230,10 @@ class WorkerRegistry(abc.ABC):
             # A refused worker may have been restarted with another model; one coming back may have
             # been restarted with other LoRA adapters.
             if h.info is None or h.refused or not h.healthy:
-                h.info = await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
-                self._vet(h)
+                await self._read_info(h)
             h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+            if h.load.info_version != h.info.info_version:  # adapters loaded or unloaded since
+                await self._read_info(h)
         except (grpc.aio.AioRpcError, ConnectionError) as exc:
             reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             if h.healthy:
@@ -243,6 +259,12 @@ class WorkerRegistry(abc.ABC):
         if not h.healthy:
             log.info("worker %s healthy (model %s)", h.address, h.info.model)
         h.healthy, h.last_error = True, ""
+
+    async def _read_info(self, h: WorkerHandle) -> None:
+        h.info = await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self._probe_timeout_s)
+        self._vet(h)
+        if self.on_info is not None:
+            self.on_info(h)
 
     def _vet(self, h: WorkerHandle) -> None:
         refused = self._check_info(h.info) if self._check_info is not None else ""

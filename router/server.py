@@ -100,6 +100,7 @@ async def serve(config: RouterConfig) -> int:
     else:
         registry = StaticRegistry(config.workers, **registry_args)
     models.live = registry.models  # LoRA adapters resolve through the workers that serve them
+    models.claimed = registry.adapter_bases
     drain = Drain()
     queue = FairQueue(mode=config.fair_queue)
     budget = config.max_tokens_in_flight and -(-config.max_tokens_in_flight // replicas)

@@ -2,7 +2,8 @@
 
 Contract
 - input: `GenerateRequest` + call metadata (API key) + deadline; `ListModelsRequest`;
-  `TokenizeRequest` / `DetokenizeRequest` (router/token_api.py); the served models
+  `TokenizeRequest` / `DetokenizeRequest` (router/token_api.py); `LoraAdapterRequest`
+  (router/lora_admin.py: LoRA adapters loaded / unloaded at run time); the served models
   (`router.models.ModelTable`: tokenizer, chat template and generation defaults per id).
 - output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`;
   `TokenizeResponse` / `DetokenizeResponse`.
@@ -47,6 +48,7 @@ from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
 from router.errors import Overloaded, Unavailable, ValidationError
 from router.fair_queue import OUTPUT_COST
+from router.lora_admin import AdapterAdmin
 from router.metrics import RouterMetrics
 from router.models import ModelTable
 from router.observe import RequestObservation
@@ -127,6 +129,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
         self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
+        self.adapters = AdapterAdmin(registry, models, tenants)  # LoRA adapters loaded at run time
         # model id -> its reasoning mode (router/openai/reasoning.py), None for most: a reasoning
         # model's structured output holds after its think block (common.structured.after_thinking)
         self.reasoning: Callable[[str], object | None] = lambda model: None
@@ -277,6 +280,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     )
                 )
             return pb.ListModelsResponse(models=cards)
+        finally:
+            self._drain.exit()
+
+    async def LoadLoraAdapter(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
+        return await self._admin_call(self.adapters.load, request, context)
+
+    async def UnloadLoraAdapter(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
+        return await self._admin_call(self.adapters.unload, request, context)
+
+    async def _admin_call(self, call, request, context):
+        self._drain.enter()
+        try:
+            return await call(request, context)
         finally:
             self._drain.exit()
 

@@ -23,6 +23,8 @@ Contract
                                     # higher); priority preempts other tenants' work
           default_deadline_s: 300   # optional: the deadline of a call that sets none
           max_deadline_s: 600       # optional: no call runs longer (client deadlines are capped)
+          admin: false              # optional: may load / unload LoRA adapters at run time
+                                    # (router/lora_admin.py; without a file: loopback clients)
 
   With `--router-replicas R` the table holds each tenant's share for one of R routers
   (`Tenant.share`: rates divided by R, caps divided and rounded up).
@@ -75,6 +77,7 @@ class Tenant:
     max_priority: int | None = None  # highest priority it may ask for; None: 0, or default_priority
     default_deadline_s: float | None = None  # a call without a deadline gets this one
     max_deadline_s: float | None = None  # no call of the tenant runs longer
+    admin: bool = False  # may load and unload LoRA adapters at run time (router/lora_admin.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -110,6 +113,8 @@ class Tenant:
             value = getattr(self, field)
             if value is not None and (not _is_number(value) or not 0 < value < math.inf):
                 raise ValueError(f"tenant {self.name}: {field} must be a number > 0, got {value!r}")
+        if not isinstance(self.admin, bool):
+            raise ValueError(f"tenant {self.name}: admin must be true or false, got {self.admin!r}")
         if None not in (self.default_deadline_s, self.max_deadline_s):
             if self.default_deadline_s > self.max_deadline_s:
                 raise ValueError(f"tenant {self.name}: default_deadline_s is above max_deadline_s")

@@ -145,13 +145,14 @@ ENGINE_SAMPLES = {
 
 @pytest.fixture(autouse=True, scope="module")
 def lora_sample(tmp_path_factory):
-    """--lora-modules' sample names a directory with an adapter_config.json (python -m worker
-    checks that before anything loads)."""
+    """--lora-modules' sample names a directory with an adapter_config.json, --lora-dir's a
+    directory (python -m worker checks both before anything loads)."""
     adapter = tmp_path_factory.mktemp("lora-sample")
     (adapter / "adapter_config.json").write_text("{}")
     ENGINE_SAMPLES["lora_modules"] = f"tuned={adapter}"
+    ENGINE_SAMPLES["lora_dir"] = str(adapter.parent)
     yield
-    del ENGINE_SAMPLES["lora_modules"]
+    del ENGINE_SAMPLES["lora_modules"], ENGINE_SAMPLES["lora_dir"]
 
 
 def non_default(s) -> list[str]:

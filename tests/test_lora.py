@@ -201,6 +201,12 @@ def test_bad_entries_and_other_models_are_refused(tiny, tmp_path):
     (tmp_path / "ia3" / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "IA3"}))
     with pytest.raises(ValueError, match="peft_type 'IA3'"):
         load_adapter("ia3", tmp_path / "ia3", None, torch.float32, "cpu")
+    (tmp_path / "ga").mkdir()  # LoRA-GA subtracts its initial B A from the base weights it trains
+    (tmp_path / "ga" / "adapter_config.json").write_text(
+        json.dumps(config | {"init_lora_weights": "lora_ga"})
+    )
+    with pytest.raises(ValueError, match="'lora_ga' trains against a changed base"):
+        load_adapter("ga", tmp_path / "ga", None, torch.float32, "cpu")
     with pytest.raises(ValueError, match="not served with tensor parallelism"):
         EngineConfig(model=str(path), lora_modules=(f"wide={wide}",), tensor_parallel_size=2)
 

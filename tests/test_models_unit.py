@@ -7,6 +7,7 @@ import pytest
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import worker_pb2
 from router.models import ModelTable, entries_for, parse_entry
+from router.registry import StaticRegistry, WorkerHandle
 from router.validation import ModelSpec, ValidRequest
 from tests.tiny_models import write_tokenizer_dir
 
@@ -66,21 +67,34 @@ def test_lora_adapters_resolve_to_their_base_model(tmp_path_factory) -> None:
     write_tokenizer_dir("llama3", root / "llama3")
     write_tokenizer_dir("qwen2", root / "qwen2")
     table = ModelTable.from_entries([f"a={root / 'llama3'}", f"b={root / 'qwen2'}"])
+    registry = StaticRegistry(("wa", "wb"))
+    table.live, table.claimed = registry.models, registry.adapter_bases  # as router/server.py does
     assert table.get("sql") is None and table.base_id("sql") == "sql"  # no worker serves one yet
-    info = _info(table, "a", "a")
-    info.adapters.extend(["sql", "chat"])
-    assert table.check(info) == ""
+    wa, wb = (WorkerHandle(address, None, None) for address in ("wa", "wb"))
+    registry._handles = {"wa": wa, "wb": wb}
+    wa.info = _info(table, "a", "a")
+    wa.info.adapters.extend(["sql", "chat"])
+    assert table.check(wa.info) == ""
+    # vetted, not healthy yet (its first probe is still running): its adapters resolve already
     assert table.get("sql") is table.get("a") and table.tokenizer("chat") is table.tokenizer("a")
     assert table.base_id("chat") == "a" and table.base_id("b") == "b"
     assert table.ids() == ["a", "b"]  # the base models: a request without a model names one of them
-    # while healthy workers serve "sql" over "a" (the registry's models), "sql" over "b" is refused
-    table.live = lambda: {"a": ModelSpec("a", 256, 620), "sql": ModelSpec("sql", 256, 620, base="a")}
-    other = _info(table, "b", "b")
-    other.adapters.append("sql")
-    assert "serves LoRA adapter 'sql' of 'b'; other workers, of 'a'" in table.check(other)
+    # another base model's worker serving "sql" is refused, whether wa is healthy or not (its
+    # breaker open, probes in flight: never two bases under one adapter name)
+    wb.info = _info(table, "b", "b")
+    wb.info.adapters.append("sql")
+    assert "serves LoRA adapter 'sql' of 'b'; other workers, of 'a'" in table.check(wb.info)
+    wa.healthy = True
+    assert "other workers, of 'a'" in table.check(wb.info)
+    wb.refused = table.check(wb.info)
+    assert table.get("sql") is table.get("a")  # the refused worker's word does not count
     clash = _info(table, "a", "a")
     clash.adapters.append("b")  # an adapter under a served model's id
     assert "under the id of a served model, 'b'" in table.check(clash)
-    # once those workers are gone, a worker may serve "sql" over "b"
-    table.live = dict
-    assert table.check(other) == "" and table.get("sql") is table.get("b")
+    # once no worker reports "sql" over "a" (wa restarted without it), it is unknown, and a
+    # worker may serve it over "b"
+    wa.info = _info(table, "a", "a")
+    assert table.get("sql") is None
+    assert table.check(wb.info) == ""
+    wb.refused = ""
+    assert table.get("sql") is table.get("b")

@@ -118,6 +118,7 @@ def test_default_tenant_only_on_loopback():
         + "a" * 64
         + "\n    rate_tokens_per_s: 5\n",  # renamed: per_min
         "tenants:\n  - name: a\n    key_sha256: " + "1" * 64 + "\n",  # unquoted digits: YAML reads a number
+        "tenants:\n  - name: a\n    key_sha256: " + "a" * 64 + "\n    admin: 'yes'\n",  # a string
     ],
 )
 def test_malformed_files_are_rejected(text):

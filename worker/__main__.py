@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
                 raise ValueError(
                     f"--lora-modules {entry!r}: expected NAME=PATH, PATH a PEFT adapter directory"
                 )
+        lora_dir = config.engine.lora_dir
+        if lora_dir and not pathlib.Path(lora_dir).expanduser().is_dir():
+            raise ValueError(f"--lora-dir {lora_dir!r}: not a directory")
         return config
 
     return parse_or_exit(p, argv, build)

@@ -112,6 +112,8 @@ class LLMEngine:
             eos_token_ids=self.runner.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
             adapters=adapters.names if (adapters := getattr(self.runner, "adapters", None)) else (),
+            # random at start: a router sees a restarted worker's info as new even between probes
+            info_version=int.from_bytes(os.urandom(7), "big"),
         )
         self._aborted: list[Sequence] = []
         self.num_steps = 0
@@ -176,7 +178,7 @@ class LLMEngine:
         worker holds --max-lora-adapters already; ValueError: the adapter fails the loader's checks."""
         where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
         self.runner.adapters.load(name, where)
-        self.info = dataclasses.replace(self.info, adapters=self.runner.adapters.names)
+        self._adapters_changed()
 
     def unload_adapter(self, name: str) -> None:
         """Drops a LoRA adapter; ValueError when it is not loaded or requests still use it."""
@@ -187,7 +189,11 @@ class LLMEngine:
         if users:
             raise AdapterError("busy", f"adapter {name!r} has {users} request(s) in flight; unload it after")
         adapters.unload(name)
-        self.info = dataclasses.replace(self.info, adapters=adapters.names)
+        self._adapters_changed()
+
+    def _adapters_changed(self) -> None:
+        names, version = self.runner.adapters.names, self.info.info_version + 1
+        self.info = dataclasses.replace(self.info, adapters=names, info_version=version)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

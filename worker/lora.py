@@ -91,7 +91,9 @@ def _read_config(name: str, path: Path) -> dict:
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {what} is not supported")
     init = config.get("init_lora_weights")
-    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq", "eva")):
+    if isinstance(init, str) and init.lower().startswith(
+        ("pissa", "olora", "corda", "loftq", "eva", "lora_ga")
+    ):
         raise ValueError(
             f"adapter {name!r}: init_lora_weights {init!r} trains against a changed base model; "
             "convert it to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)"

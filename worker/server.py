@@ -195,6 +195,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_waiting=s.num_waiting,
             num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks,
+            info_version=self._engine.info.info_version,
         )
 
     async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
@@ -230,6 +231,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             metrics_address=self.metrics_address,
             max_num_seqs=i.max_num_seqs,
             adapters=i.adapters,
+            info_version=i.info_version,
         )
         if self.fingerprint is not None:
             f = self.fingerprint

@@ -195,3 +195,4 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     max_num_seqs: int = 0  # sequences one step runs at most (0: unknown)
     adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules)
+    info_version: int = 0  # random at start, bumped when `adapters` changes (engine.load_adapter)

@@ -60,6 +60,7 @@ STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -270,6 +271,15 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await unary(request, tokens.detokenize_request, service.Detokenize, tokens.detokenize_answer)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's body, {"lora_name", "lora_path"} (+ "base_model" when several are served)."""
+        return await unary(request, tokens.lora_request, service.LoadLoraAdapter, tokens.lora_answer)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await unary(request, tokens.lora_request, service.UnloadLoraAdapter, tokens.lora_answer)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize bodies <-> the router's `Tokenize` / `Detokenize` protobufs, in
-vLLM's form (llama.cpp's field names accepted too).
+vLLM's form (llama.cpp's field names accepted too); POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter <-> `LoadLoraAdapter` / `UnloadLoraAdapter` (vLLM's bodies).
 
 Contract
 - input: /tokenize `{"model"?, "prompt": str, "add_special_tokens"?: bool (default true)}`
@@ -97,3 +98,27 @@ def detokenize_request(body: dict) -> pb.DetokenizeRequest:
 
 def detokenize_answer(reply: pb.DetokenizeResponse) -> dict:
     return {"model": reply.model, "prompt": reply.text, "content": reply.text}
+
+
+@_request
+def lora_request(body: dict) -> pb.LoraAdapterRequest:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: vLLM's {"lora_name", "lora_path"}
+    (the path only to load), and "base_model" where the router serves several."""
+    fields = {}
+    for param, key in (("lora_name", "name"), ("lora_path", "path"), ("base_model", "base_model")):
+        value = body.get(param, "")
+        if not isinstance(value, str):
+            raise _bad(param, "must be a string")
+        fields[key] = value
+    if not fields["name"]:
+        raise _bad("lora_name", "required: the model id requests will name the adapter by")
+    return pb.LoraAdapterRequest(**fields)
+
+
+def lora_answer(reply: pb.LoraAdapterReply) -> dict:
+    return {
+        "object": "lora_adapter",
+        "lora_name": reply.name,
+        "base_model": reply.base_model,
+        "num_workers": reply.num_workers,
+    }

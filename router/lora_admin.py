@@ -1,0 +1,182 @@
+"""LoRA adapters loaded and unloaded at run time through the router: `Generation.LoadLoraAdapter` /
+`UnloadLoraAdapter` (gRPC) and POST /v1/load_lora_adapter, /v1/unload_lora_adapter (HTTP, vLLM's
+bodies; router/openai/app.py).
+
+Contract
+- who: a tenant with `admin: true` in the tenants file; without a tenants file, loopback clients
+  only. Anyone else: PERMISSION_DENIED. The workers must run with --lora-dir (the adapter's path
+  must lie inside it: the router forwards the path, the worker checks it).
+- load(name, path, base_model): `name` as the workers take it (worker/lora.py NAME) and not a
+  model id this router serves already; `base_model` a served base model (optional when one is
+  served). Every healthy, routed worker of that base model gets `Worker.LoadAdapter` at once, each
+  call bounded by `call_timeout_s`. All succeed: the adapter is remembered and the workers' info
+  updated (routable as soon as the call returns). One fails: the workers that loaded it unload it
+  again and the call fails with that worker's reason: INVALID_ARGUMENT (name, path or adapter),
+  FAILED_PRECONDITION (no --lora-dir there, or the worker is full), UNAVAILABLE (no worker, or one
+  did not answer).
+- unload(name): every worker that serves it gets `Worker.UnloadAdapter` (NOT_FOUND there counts
+  as done); when all succeed it is forgotten. A worker still running requests with it refuses:
+  FAILED_PRECONDITION, and it stays served there (retry when they end).
+- restore: when the registry reads a worker's info (a worker that joined, or came back after a
+  restart), each remembered adapter of its base model it lacks is loaded onto it: one attempt per
+  read, a failure logged (that worker then does not serve it).
+- state: the adapters loaded through this router, name -> (base model, path). Not persisted: a
+  restarted router forgets them (the workers keep theirs); with several routers, the one that
+  loaded an adapter is the one that restores it.
+- proven by: tests/test_lora_runtime_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import worker_pb2
+from router.errors import PermissionDenied, RouterError, Unavailable, ValidationError
+from router.models import ModelTable
+from router.registry import WorkerHandle, WorkerRegistry
+from router.tenants import TenantsFile, is_loopback_peer
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 120.0  # one worker's load: reading and checking the adapter's files
+
+
+class AdapterRefused(RouterError):
+    """A worker's refusal of a load or unload, with the status the router answers."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# the worker's status -> the router's (worker/server.py ADAPTER_CODES)
+CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    base: str
+    path: str
+
+
+class AdapterAdmin:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        models: ModelTable,
+        tenants: TenantsFile,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ):
+        self._registry = registry
+        self._models = models
+        self._tenants = tenants
+        self._timeout = call_timeout_s
+        self.loaded: dict[str, Loaded] = {}
+        self._restoring: set[tuple[str, str]] = set()  # (worker address, adapter) being loaded
+        self._tasks: set[asyncio.Task] = set()
+        registry.on_info = self.restore
+
+    def _authorize(self, context) -> None:
+        tenants = self._tenants.current
+        tenant = tenants.authenticate(context.invocation_metadata() or (), context.peer())
+        allowed = tenant.admin if tenants.require_key else is_loopback_peer(context.peer())
+        if not allowed:
+            raise PermissionDenied(
+                "loading LoRA adapters needs an admin tenant (admin: true in the tenants file; "
+                "without one, a loopback client)"
+            )
+
+    async def load(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
+        self._authorize(context)
+        name, path = request.name, request.path
+        if not name:
+            raise ValidationError("name", "required: the model id requests will name the adapter by")
+        if not path:
+            raise ValidationError("path", "required: a PEFT adapter directory inside the workers' --lora-dir")
+        anywhere = any(h.info is not None and name in h.info.adapters for h in self._registry.all())
+        if self._models.get(name) is not None or anywhere:
+            raise ValidationError("name", f"{name!r} is served already (unload it first)")
+        bases = sorted(n for n, spec in self._registry.models().items() if not spec.base)
+        base = request.base_model or (bases[0] if len(bases) == 1 else "")
+        if base not in bases:
+            wanted = "required: this router serves several" if not request.base_model else "not a served"
+            raise ValidationError("base_model", f"{wanted} base model; served: {bases}")
+        workers = [h for h in self._registry.healthy(base) if h.info.model == base]
+        results = await asyncio.gather(
+            *(
+                self._call(h, h.stub.LoadAdapter, worker_pb2.LoadAdapterRequest(name=name, path=path))
+                for h in workers
+            )
+        )
+        failed = [r for r in results if isinstance(r, AdapterRefused)]
+        if failed or not workers:
+            done = [h for h, r in zip(workers, results) if not isinstance(r, AdapterRefused)]
+            await asyncio.gather(
+                *(
+                    self._call(h, h.stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(name=name))
+                    for h in done
+                )
+            )
+            raise failed[0] if failed else Unavailable(f"no healthy worker serves base model {base!r}")
+        self.loaded[name] = Loaded(base, path)
+        log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
+        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
+
+    async def unload(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
+        self._authorize(context)
+        name = request.name
+        workers = [h for h in self._registry.all() if h.info is not None and name in h.info.adapters]
+        if not workers and name not in self.loaded:
+            raise AdapterRefused(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not loaded")
+        results = await asyncio.gather(
+            *(
+                self._call(h, h.stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(name=name))
+                for h in workers
+            )
+        )
+        failed = [r for r in results if isinstance(r, AdapterRefused) and r.code != grpc.StatusCode.NOT_FOUND]
+        if failed:
+            raise failed[0]
+        known = self.loaded.pop(name, None)
+        base = known.base if known else workers[0].info.model
+        log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(workers))
+        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
+
+    async def _call(self, h: WorkerHandle, method, message) -> worker_pb2.WorkerInfo | AdapterRefused:
+        """One worker's load or unload; its new info kept (routable at once), or its refusal."""
+        try:
+            h.info = await method(message, timeout=self._timeout)
+            return h.info
+        except grpc.aio.AioRpcError as exc:
+            code = CODES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
+            log.warning("worker %s: LoRA adapter %s: %s", h.address, message.name, exc.details())
+            return AdapterRefused(code, f"a worker refused: {exc.details()}")
+
+    def restore(self, h: WorkerHandle) -> None:
+        """Registry hook after `h.info` was read: loads the remembered adapters it lacks."""
+        for name, known in self.loaded.items():
+            key = (h.address, name)
+            if known.base == h.info.model and name not in h.info.adapters and key not in self._restoring:
+                self._restoring.add(key)
+                task = asyncio.get_running_loop().create_task(self._restore(h, name, known))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _restore(self, h: WorkerHandle, name: str, known: Loaded) -> None:
+        try:
+            result = await self._call(
+                h, h.stub.LoadAdapter, worker_pb2.LoadAdapterRequest(name=name, path=known.path)
+            )
+            if not isinstance(result, AdapterRefused):
+                log.info("LoRA adapter %s loaded again on worker %s", name, h.address)
+        finally:
+            self._restoring.discard((h.address, name))
