@@ -58,7 +58,7 @@ def stack(tmp_path_factory, logs):
         stop_all(*procs)
 
 
-def _generate(router, model: str) -> list[int]:
+def _generate(router, model: str, metadata=()) -> list[int]:
     request = pb.GenerateRequest(
         model=model,
         token_ids=pb.TokenIds(ids=PROMPT),
@@ -69,7 +69,7 @@ def _generate(router, model: str) -> list[int]:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return [
             t
-            for msg in stub.Generate(request, timeout=60)
+            for msg in stub.Generate(request, timeout=60, metadata=metadata)
             if msg.HasField("chunk")
             for t in msg.chunk.token_ids
         ]

@@ -12,12 +12,11 @@ import grpc
 import openai
 import pytest
 
-from protos.llm.v1 import generation_pb2 as pb
-from protos.llm.v1 import generation_pb2_grpc
 from router.tenants import hash_key
 from tests.openai_helpers import http_url, post
-from tests.procs import open_channel, ready, running_router, start_worker, wait_all_blocks_free, wait_until
-from tests.test_lora_e2e import NUM_TOKENS, PROMPT, _adapter, _peft_greedy
+from tests.procs import ready, running_router, start_worker, wait_all_blocks_free, wait_until
+from tests.test_lora_e2e import _adapter, _peft_greedy
+from tests.test_lora_e2e import _generate as _generate_as
 from tests.tiny_models import write_checkpoint
 
 peft = pytest.importorskip("peft")
@@ -58,22 +57,13 @@ def _post(router, route: str, key: str, body: dict) -> tuple[int, dict]:
     return post(f"{http_url(router)}/{route}", json.dumps(body).encode(), key)
 
 
+def _generate(router, model: str) -> list[int]:
+    return _generate_as(router, model, (("authorization", f"Bearer {USER}"),))
+
+
 def _models(router) -> dict[str, dict]:
     with openai.OpenAI(base_url=http_url(router), api_key=USER, max_retries=0, timeout=30) as client:
         return {m.id: m.model_extra for m in client.models.list().data}
-
-
-def _generate(router, model: str) -> list[int]:
-    request = pb.GenerateRequest(
-        model=model,
-        token_ids=pb.TokenIds(ids=PROMPT),
-        sampling=pb.SamplingParams(temperature=0),
-        stopping=pb.StoppingCriteria(max_tokens=NUM_TOKENS, ignore_eos=True),
-    )
-    with open_channel(router.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        replies = stub.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {USER}"),))
-        return [t for msg in replies if msg.HasField("chunk") for t in msg.chunk.token_ids]
 
 
 def test_an_admin_loads_and_unloads_an_adapter_at_run_time(stack, logs):
