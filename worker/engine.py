@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
 from worker.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
-from worker.lora import AdapterError, runtime_adapter_path
+from worker.lora_files import AdapterError, runtime_adapter_path
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput

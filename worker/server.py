@@ -45,7 +45,7 @@ from protos.llm.v1 import worker_pb2 as wpb
 from protos.llm.v1 import worker_pb2_grpc
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.lora import AdapterError
+from worker.lora_files import AdapterError
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
 from worker.server_config import WorkerServerConfig
