@@ -63,16 +63,12 @@ from worker.lora_files import AdapterError, runtime_adapter_path
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
-from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from worker.sequence import PLACEHOLDER, Sequence, SequenceStatus, next_output
 from worker.speculative import NgramProposer
 from worker.step_thread import StepThread
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams, StepRecord
 
 log = logging.getLogger(__name__)
-
-
-def _omp_passive() -> bool:
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
 @dataclass
@@ -119,7 +115,8 @@ class LLMEngine:
         self.num_steps = 0
         self.step_s_total = 0.0
         self.last_step: StepRecord | None = None  # the latest committed step (worker/metrics.py)
-        if self.async_scheduling and self.runner.device.type == "cpu" and not _omp_passive():
+        passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+        if self.async_scheduling and self.runner.device.type == "cpu" and not passive:
             log.warning(
                 "async scheduling on CPU without OMP_WAIT_POLICY=PASSIVE: libgomp's spinning team "
                 "beside the engine thread made steps up to 10x slower (docs/benchmarks.md)"
@@ -181,7 +178,7 @@ class LLMEngine:
         self._adapters_changed()
 
     def unload_adapter(self, name: str) -> None:
-        """Drops a LoRA adapter; ValueError when it is not loaded or requests still use it."""
+        """Drops a LoRA adapter; AdapterError when it is not loaded or requests still use it."""
         adapters = getattr(self.runner, "adapters", None)
         if adapters is None or name not in adapters.slot:
             raise AdapterError("missing", f"adapter {name!r} is not loaded here")
@@ -220,7 +217,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
             return self._step_overlapped()
-        outputs = [self._output(seq) for seq in self._aborted]
+        outputs = [next_output(seq) for seq in self._aborted]
         self._aborted.clear()
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -231,7 +228,7 @@ class LLMEngine:
         sampled = tokens.to_host()
         self._count_step(plan, time.perf_counter() - start)
         self.num_sync_steps += 1
-        output = self._output
+        output = next_output
         for seq in self.scheduler.update(plan, sampled, tokens.accepted):
             if seq.status is SequenceStatus.FINISHED:
                 self.runner.release(seq.request_id)
@@ -241,7 +238,7 @@ class LLMEngine:
     # -- async scheduling -----------------------------------------------------------------
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch the next step if it can be planned now, then return the oldest one's outputs."""
-        outputs = [self._output(seq) for seq in self._aborted]
+        outputs = [next_output(seq) for seq in self._aborted]
         self._aborted.clear()
         if not self._in_flight:
             plan = self.scheduler.schedule()
@@ -314,7 +311,7 @@ class LLMEngine:
         self._last_ready = ready
         touched = self.scheduler.commit(launched.plan, sampled)
         self._release_pending()
-        outputs, output = [], self._output
+        outputs, output = [], next_output
         for seq in touched:
             if seq.status is SequenceStatus.FINISHED:
                 self._release(seq.request_id)
@@ -366,34 +363,6 @@ class LLMEngine:
             self._pending_releases.append(request_id)
         else:
             self.runner.release(request_id)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        # Slices of the tail only: no copy of the whole output per step. Attributes read once and
-        # no properties: this runs for every sequence every step (`make bench-host`).
-        token_ids, num_prompt = seq.token_ids, len(seq.prompt_token_ids)
-        start = num_prompt + seq.num_emitted_tokens
-        known = len(token_ids) - seq.num_placeholders  # placeholders are not output
-        new_lp = seq.logprobs[start - num_prompt :] if seq.sampling.logprobs else None
-        seq.num_emitted_tokens = emitted = known - num_prompt
-        arrival, first_scheduled, first_token = seq.arrival_s, seq.first_scheduled_s, seq.first_token_s
-        prompt_lp = None  # with the first tokens only
-        if start == num_prompt and known > start and seq.sampling.prompt_logprobs is not None:
-            prompt_lp = seq.prompt_logprobs
-        return RequestOutput(
-            seq.request_id,
-            token_ids[start:known],
-            new_lp,
-            seq.status is SequenceStatus.FINISHED,
-            seq.finish_reason,
-            num_prompt,
-            emitted,
-            seq.num_cached_tokens,
-            first_scheduled - arrival if first_scheduled else 0.0,
-            first_token - arrival if first_token else 0.0,
-            seq.num_preemptions,
-            prompt_lp,
-            seq.embedding if start == num_prompt and known > start else None,
-        )
 
     def stats(self) -> EngineStats:
         s = self.scheduler
