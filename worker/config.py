@@ -356,7 +356,7 @@ class EngineConfig:
         if (self.lora_modules or self.lora_dir) and self.tensor_parallel_size > 1:
             raise ValueError("lora_modules / lora_dir: LoRA adapters are not served with tensor parallelism")
         if not max(1, len(self.lora_modules)) <= self.max_lora_adapters:
-            raise ValueError(f"max_lora_adapters must be >= 1 and >= the {len(self.lora_modules)} lora_modules")
+            raise ValueError(f"max_lora_adapters must be >= 1, >= the {len(self.lora_modules)} lora_modules")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
