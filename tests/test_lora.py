@@ -312,6 +312,12 @@ def test_quantized_base_keeps_the_layer_op(tmp_path):
     assert served.generate(prompts, _greedy(10)) == base  # base-only steps: the op, unchanged
     assert calls
     assert served.block_manager.num_free_blocks == served.block_manager.num_blocks
+    # --lora-dir: every linear wrapped up front, the adapter loaded at run time into the op's inputs
+    runtime = LLMEngine(EngineConfig(**common, lora_dir=str(tmp_path)))
+    assert runtime.runner.cpu_layers is not None
+    assert runtime.generate(prompts, _greedy(10)) == base
+    runtime.load_adapter("rand", "rand")
+    assert runtime.generate(prompts, [_greedy(10, n) for n in ("", "", "rand")]) == [*base[:2], mixed[2]]
 
 
 def test_adapters_load_and_unload_at_run_time(tiny):
