@@ -29,7 +29,9 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -43,6 +45,8 @@ from router.tenants import TenantsFile, is_loopback_peer
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # one worker's load: reading and checking the adapter's files
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")  # the workers' rule (worker/lora_files.py)
+MAX_PATH = 4096
 
 
 class AdapterRefused(RouterError):
@@ -80,8 +84,9 @@ class AdapterAdmin:
         self._models = models
         self._tenants = tenants
         self._timeout = call_timeout_s
-        self.loaded: dict[str, Loaded] = {}
-        self._restoring: set[tuple[str, str]] = set()  # (worker address, adapter) being loaded
+        self.loaded: dict[str, Loaded] = {}  # loaded through this router: restored where missing
+        self.dropped: set[str] = set()  # unloaded through it: unloaded where a worker still has them
+        self._busy: set[str] = set()  # names with a load, unload or restore in progress
         self._tasks: set[asyncio.Task] = set()
         registry.on_info = self.restore
 
@@ -95,88 +100,117 @@ class AdapterAdmin:
                 "without one, a loopback client)"
             )
 
+    @contextlib.contextmanager
+    def _claim(self, name: str):
+        if name in self._busy:
+            raise AdapterRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"adapter {name!r}: another load or unload is in progress",
+            )
+        self._busy.add(name)
+        try:
+            yield
+        finally:
+            self._busy.discard(name)
+
     async def load(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
         self._authorize(context)
         name, path = request.name, request.path
-        if not name:
-            raise ValidationError("name", "required: the model id requests will name the adapter by")
-        if not path:
-            raise ValidationError("path", "required: a PEFT adapter directory inside the workers' --lora-dir")
-        anywhere = any(h.info is not None and name in h.info.adapters for h in self._registry.all())
-        if self._models.get(name) is not None or anywhere:
+        if not NAME.fullmatch(name):
+            raise ValidationError(
+                "name",
+                f"adapter name {name[:128]!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -, first a letter or digit",
+            )
+        if not path or len(path) > MAX_PATH:
+            raise ValidationError(
+                "path",
+                f"required: a PEFT adapter directory inside the workers' --lora-dir (<= {MAX_PATH} chars)",
+            )
+        bases = self._models.ids()
+        if name in bases or name in self._registry.models():
             raise ValidationError("name", f"{name!r} is served already (unload it first)")
-        bases = sorted(n for n, spec in self._registry.models().items() if not spec.base)
         base = request.base_model or (bases[0] if len(bases) == 1 else "")
         if base not in bases:
-            wanted = "required: this router serves several" if not request.base_model else "not a served"
+            wanted = "not a served" if request.base_model else "required: this router serves several"
             raise ValidationError("base_model", f"{wanted} base model; served: {bases}")
-        workers = [h for h in self._registry.healthy(base) if h.info.model == base]
-        results = await asyncio.gather(
-            *(
-                self._call(h, h.stub.LoadAdapter, worker_pb2.LoadAdapterRequest(name=name, path=path))
-                for h in workers
-            )
-        )
-        failed = [r for r in results if isinstance(r, AdapterRefused)]
-        if failed or not workers:
-            done = [h for h, r in zip(workers, results) if not isinstance(r, AdapterRefused)]
-            await asyncio.gather(
-                *(
-                    self._call(h, h.stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(name=name))
-                    for h in done
-                )
-            )
-            raise failed[0] if failed else Unavailable(f"no healthy worker serves base model {base!r}")
-        self.loaded[name] = Loaded(base, path)
+        with self._claim(name):
+            workers = [h for h in self._registry.healthy(base) if h.info.model == base]
+            if not workers:
+                raise Unavailable(f"no healthy worker serves base model {base!r}")
+            message = worker_pb2.LoadAdapterRequest(name=name, path=path)
+            results = await asyncio.gather(*(self._call(h, h.stub.LoadAdapter, message) for h in workers))
+            failed = [r for r in results if isinstance(r, AdapterRefused)]
+            if failed:  # every targeted worker unloads it: one may have loaded it and timed out
+                await self._unload_from(workers, name)
+                raise failed[0]
+            for h, info in zip(workers, results):
+                h.info = info  # routable at once, on all of them together
+            self.loaded[name] = Loaded(base, path)
+            self.dropped.discard(name)
         log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
         return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
 
     async def unload(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
         self._authorize(context)
         name = request.name
-        workers = [h for h in self._registry.all() if h.info is not None and name in h.info.adapters]
-        if not workers and name not in self.loaded:
-            raise AdapterRefused(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not loaded")
-        results = await asyncio.gather(
-            *(
-                self._call(h, h.stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(name=name))
-                for h in workers
-            )
-        )
-        failed = [r for r in results if isinstance(r, AdapterRefused) and r.code != grpc.StatusCode.NOT_FOUND]
-        if failed:
-            raise failed[0]
-        known = self.loaded.pop(name, None)
-        base = known.base if known else workers[0].info.model
-        log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(workers))
-        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
+        with self._claim(name):
+            having = [h for h in self._registry.all() if h.info is not None and name in h.info.adapters]
+            if not having and name not in self.loaded:
+                raise AdapterRefused(grpc.StatusCode.NOT_FOUND, f"adapter {name[:128]!r} is not loaded")
+            reachable = [h for h in having if h.healthy]
+            await self._unload_from(reachable, name, strict=True)
+            known = self.loaded.pop(name, None)
+            self.dropped.add(name)  # the unreachable ones unload it when they come back (restore)
+        base = known.base if known else having[0].info.model
+        log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(reachable))
+        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(reachable))
+
+    async def _unload_from(self, workers: list[WorkerHandle], name: str, strict: bool = False) -> None:
+        """Worker.UnloadAdapter on each (NOT_FOUND there: done). `strict`: the first refusal is
+        raised; else refusals are logged, and the name is left for `restore` to unload later."""
+        message = worker_pb2.UnloadAdapterRequest(name=name)
+        results = await asyncio.gather(*(self._call(h, h.stub.UnloadAdapter, message) for h in workers))
+        for h, result in zip(workers, results):
+            if isinstance(result, AdapterRefused):
+                if result.code != grpc.StatusCode.NOT_FOUND and strict:
+                    raise result
+            else:
+                h.info = result
 
     async def _call(self, h: WorkerHandle, method, message) -> worker_pb2.WorkerInfo | AdapterRefused:
-        """One worker's load or unload; its new info kept (routable at once), or its refusal."""
+        """One worker's load or unload: its new info, or its refusal."""
         try:
-            h.info = await method(message, timeout=self._timeout)
-            return h.info
+            return await method(message, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             code = CODES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
-            log.warning("worker %s: LoRA adapter %s: %s", h.address, message.name, exc.details())
-            return AdapterRefused(code, f"a worker refused: {exc.details()}")
+            details = (exc.details() or "")[:2000]
+            log.warning("worker %s: LoRA adapter %s: %s", h.address, message.name[:128], details)
+            return AdapterRefused(code, f"a worker refused: {details}")
 
     def restore(self, h: WorkerHandle) -> None:
-        """Registry hook after `h.info` was read: loads the remembered adapters it lacks."""
-        for name, known in self.loaded.items():
-            key = (h.address, name)
-            if known.base == h.info.model and name not in h.info.adapters and key not in self._restoring:
-                self._restoring.add(key)
+        """Registry hook after `h.info` was read: the adapters loaded through this router that it
+        lacks are loaded onto it, those unloaded through it that it still has are unloaded (one
+        attempt per read; names with a load or unload in progress are left alone)."""
+        for name in [*self.loaded, *self.dropped]:
+            known, has = self.loaded.get(name), name in h.info.adapters
+            wanted = known is not None and known.base == h.info.model and not has
+            unwanted = known is None and has
+            if (wanted or unwanted) and name not in self._busy:
+                self._busy.add(name)
                 task = asyncio.get_running_loop().create_task(self._restore(h, name, known))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _restore(self, h: WorkerHandle, name: str, known: Loaded) -> None:
+    async def _restore(self, h: WorkerHandle, name: str, known: Loaded | None) -> None:
         try:
+            if known is None:
+                await self._unload_from([h], name)
+                return
             result = await self._call(
                 h, h.stub.LoadAdapter, worker_pb2.LoadAdapterRequest(name=name, path=known.path)
             )
             if not isinstance(result, AdapterRefused):
+                h.info = result
                 log.info("LoRA adapter %s loaded again on worker %s", name, h.address)
         finally:
-            self._restoring.discard((h.address, name))
+            self._busy.discard(name)

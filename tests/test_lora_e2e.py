@@ -6,6 +6,8 @@ base model's stay the base model's; an unknown name is refused naming the served
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import openai
 import pytest
@@ -14,7 +16,7 @@ import transformers
 
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
-from tests.openai_helpers import http_url
+from tests.openai_helpers import http_url, post
 from tests.procs import open_channel, ready, start_router, start_worker, stop_all, wait_all_blocks_free
 from tests.tiny_models import write_checkpoint
 
@@ -127,3 +129,15 @@ def test_unknown_adapter_over_grpc_names_the_served_ids(stack):
         _generate(router, "nope")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown model 'nope'" in err.value.details()
+
+
+def test_run_time_loading_needs_the_worker_s_lora_dir(stack):
+    """This worker has start-up adapters and no --lora-dir: a run-time load is refused as a
+    conflict (409) naming the flag, and nothing changes."""
+    router, _, _, adapters = stack
+    url = http_url(router)
+    body = json.dumps({"lora_name": "extra", "lora_path": str(adapters["sql"])}).encode()
+    status, reply = post(f"{url}/load_lora_adapter", body, "x")  # no tenants file: loopback is admin
+    assert status == 409 and "run-time LoRA loading is off" in reply["error"]["message"], reply
+    with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
+        assert {m.id for m in client.models.list().data} == {"tiny", "sql", "poet"}

@@ -7,14 +7,16 @@ frees the name; a worker restarted without the adapter gets it back from the rou
 from __future__ import annotations
 
 import json
+import signal
 
 import grpc
 import openai
 import pytest
 
+from protos.llm.v1 import worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
 from tests.openai_helpers import http_url, post
-from tests.procs import ready, running_router, start_worker, wait_all_blocks_free, wait_until
+from tests.procs import open_channel, ready, running_router, start_worker, wait_all_blocks_free, wait_until
 from tests.test_lora_e2e import _adapter, _peft_greedy
 from tests.test_lora_e2e import _generate as _generate_as
 from tests.tiny_models import write_checkpoint
@@ -33,6 +35,12 @@ def stack(tmp_path_factory, logs):
     path = write_checkpoint("llama3", root / "base", seed=5)
     lora_dir = root / "adapters"
     _adapter(path, lora_dir / "sql", 1, ["q_proj", "v_proj", "down_proj"])
+    (lora_dir / "loop").symlink_to(lora_dir / "loop")  # resolving it raises
+    (lora_dir / "linked").mkdir()  # its weights a link to a file outside --lora-dir
+    (lora_dir / "linked" / "adapter_config.json").write_bytes(
+        (lora_dir / "sql" / "adapter_config.json").read_bytes()
+    )
+    (lora_dir / "linked" / "adapter_model.safetensors").symlink_to(path / "model.safetensors")
     args = ("--model", str(path), "--served-model-name", "tiny", "--lora-dir", str(lora_dir))
     worker = start_worker(logs, *args)
     try:
@@ -57,8 +65,11 @@ def _post(router, route: str, key: str, body: dict) -> tuple[int, dict]:
     return post(f"{http_url(router)}/{route}", json.dumps(body).encode(), key)
 
 
+USER_KEY = (("authorization", f"Bearer {USER}"),)
+
+
 def _generate(router, model: str) -> list[int]:
-    return _generate_as(router, model, (("authorization", f"Bearer {USER}"),))
+    return _generate_as(router, model, USER_KEY)
 
 
 def _models(router) -> dict[str, dict]:
@@ -99,6 +110,10 @@ def _load_and_unload(router, other, worker, path, lora_dir) -> None:
         ({"lora_name": "x", "lora_path": "../base"}, 400, "not a directory inside --lora-dir"),
         ({"lora_name": "x", "lora_path": "nothing-here"}, 400, "no adapter_config.json"),
         ({"lora_name": "x y", "lora_path": "sql"}, 400, "adapter name"),
+        ({"lora_name": "x" * 20000, "lora_path": "sql"}, 400, "adapter name"),
+        ({"lora_name": "x", "lora_path": "a" * 5000}, 400, "4096"),
+        ({"lora_name": "x", "lora_path": "loop"}, 400, "not a directory inside --lora-dir"),
+        ({"lora_name": "x", "lora_path": "linked"}, 400, "not a directory inside --lora-dir"),
         ({"lora_name": "x", "lora_path": "sql", "base_model": "other"}, 400, "base_model"),
         ({"lora_name": "x"}, 400, "path: required"),
         ({"lora_path": "sql"}, 400, "lora_name: required"),
@@ -134,6 +149,21 @@ def test_a_restarted_worker_gets_the_router_s_adapters_back(stack, logs):
         ready(restarted)
         wait_until(lambda: "again" in _models(router), 30, "the router to load the adapter again")
         assert _generate(router, "again") == _peft_greedy(path, lora_dir / "sql")
-        assert _post(router, "unload_lora_adapter", ADMIN, {"lora_name": "again"})[0] == 200
+        # Unloaded while the worker hangs (SIGSTOP: unreachable, adapters kept): the router drops
+        # it at once and unloads it from the worker when that answers again.
+        restarted.signal(signal.SIGSTOP)
+        wait_until(lambda: "again" not in _models(router), 30, "the router to take the hung worker out")
+        status, gone = _post(router, "unload_lora_adapter", ADMIN, {"lora_name": "again"})
+        assert status == 200 and gone["num_workers"] == 0, gone
+        restarted.signal(signal.SIGCONT)
+        wait_until(lambda: not _worker_adapters(restarted), 30, "the router to unload it from the worker")
+        assert set(_models(router)) == {"tiny"}
     finally:
+        restarted.signal(signal.SIGCONT)
         restarted.stop()
+
+
+def _worker_adapters(worker) -> list[str]:
+    with open_channel(worker.address) as channel:
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    return list(info.adapters)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -344,11 +345,14 @@ class AsyncEngine:
                         stream.put(exc)
             elif command[0] == "call":
                 _, fn, loop, future = command
+                if future.cancelled():  # the caller gave up before it ran (a racy read: a hint)
+                    continue
                 try:
                     result, error = fn(self.engine), None
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     result, error = None, exc
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                with contextlib.suppress(RuntimeError):  # its event loop closed (shutting down)
+                    loop.call_soon_threadsafe(_settle, future, result, error)
             else:
                 self.engine.abort(command[1])
         self._stats = self.engine.stats()

@@ -338,7 +338,10 @@ class EngineConfig:
     )
     max_lora_adapters: int = field(
         default=16,
-        metadata=option("LoRA adapters a worker holds at once, start-up and run-time loaded together"),
+        metadata=option(
+            "LoRA adapters a worker holds at once, start-up and run-time loaded together (run-time "
+            "loads stop there; more --lora-modules than this raise the cap to their count)"
+        ),
     )
 
     tensor_parallel_size: int = field(
@@ -355,8 +358,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (self.lora_modules or self.lora_dir) and self.tensor_parallel_size > 1:
             raise ValueError("lora_modules / lora_dir: LoRA adapters are not served with tensor parallelism")
-        if not max(1, len(self.lora_modules)) <= self.max_lora_adapters:
-            raise ValueError(f"max_lora_adapters must be >= 1, >= the {len(self.lora_modules)} lora_modules")
+        if self.max_lora_adapters < 1:
+            raise ValueError(f"max_lora_adapters must be >= 1, got {self.max_lora_adapters}")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

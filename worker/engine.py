@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
 from worker.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
-from worker.lora_files import AdapterError, runtime_adapter_path
+from worker.lora_files import AdapterError, check_runtime_name, runtime_adapter_path
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
@@ -169,13 +169,21 @@ class LLMEngine:
             seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
         self.scheduler.add(seq)
 
-    def load_adapter(self, name: str, path: str) -> None:
-        """Loads a LoRA adapter between steps (worker/lora.py; docs/lora.md, "Loading at run time").
-        AdapterError: run-time loading is off, `path` is outside --lora-dir, the name is taken, the
-        worker holds --max-lora-adapters already; ValueError: the adapter fails the loader's checks."""
+    def read_adapter(self, name: str, path: str):
+        """A LoRA adapter read for `install_adapter`: any thread (docs/lora.md, "Loading at run
+        time"). AdapterError: loading is off, `path` is not inside --lora-dir, the name is taken, the
+        worker is full; ValueError: the adapter fails the loader's checks."""
         where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
-        self.runner.adapters.load(name, where)
+        return self.runner.adapters.read(name, where)
+
+    def install_adapter(self, name: str, adapter) -> None:
+        """Between steps: serves a read adapter (the name and room checked again)."""
+        check_runtime_name(self.config, self.info.adapters, name)
+        self.runner.adapters.install(name, adapter)
         self._adapters_changed()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.install_adapter(name, self.read_adapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """Drops a LoRA adapter; AdapterError when it is not loaded or requests still use it."""

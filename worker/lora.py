@@ -116,9 +116,17 @@ class Adapters:
     def num_wrapped(self) -> int:
         return len(self._wrapped)
 
+    def read(self, name: str, path: Path) -> Adapter:
+        """Adapter `name` read from `path` and checked against the model (ValueError): reads only
+        the model's shapes, so it may run beside steps, off the engine thread."""
+        return load_adapter(name, path, self._model, self._dtype, self._device)
+
     def load(self, name: str, path: Path) -> int:
-        """Loads adapter `name` from `path` (the contract's checks, ValueError) into a new slot."""
-        adapter = load_adapter(name, path, self._model, self._dtype, self._device)
+        """Loads adapter `name` from `path` into a new slot (`read`, then `install`)."""
+        return self.install(name, self.read(name, path))
+
+    def install(self, name: str, adapter: Adapter) -> int:
+        """A read adapter into a new slot: dict entries only (between steps, on the engine thread)."""
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         for module_name, ab in adapter.weights.items():
             self._wrap(module_name).deltas[slot] = ab

@@ -119,24 +119,39 @@ class AdapterError(ValueError):
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
 
 
-def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) -> Path:
-    """The directory to load adapter `name` from at run time: `path` (absolute, or relative to
-    config.lora_dir) resolved, symbolic links included, and inside config.lora_dir. AdapterError
-    when run-time loading is off, the name is malformed or taken, or the worker is full."""
+def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
+    """AdapterError unless run-time loading is on, `name` is well formed and free, and the worker
+    has room (--max-lora-adapters, or its start-up adapters if they are more)."""
     if not config.lora_dir:
         raise AdapterError("off", "run-time LoRA loading is off on this worker (start it with --lora-dir)")
     if not NAME.fullmatch(name):
-        raise AdapterError("invalid", f"adapter name {name!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -")
+        raise AdapterError("invalid", f"adapter name {name[:128]!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -")
     if name in loaded:
         raise AdapterError("invalid", f"adapter {name!r} is loaded already (unload it first)")
-    if len(loaded) >= config.max_lora_adapters:
+    if len(loaded) >= max(config.max_lora_adapters, len(config.lora_modules)):
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
-    root = Path(config.lora_dir).expanduser().resolve()
-    where = (root / path).resolve()  # an absolute `path` replaces root
-    if not path or not where.is_relative_to(root):
-        raise AdapterError("invalid", f"adapter {name!r}: {path!r} is not a directory inside --lora-dir")
-    if not (where / "adapter_config.json").is_file():
-        raise AdapterError("invalid", f"adapter {name!r}: {path!r} has no adapter_config.json")
+
+
+def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) -> Path:
+    """The directory to load adapter `name` from at run time: `path` (absolute, or relative to
+    config.lora_dir) resolved, symbolic links included, inside config.lora_dir, and so are the
+    adapter's files. AdapterError as `check_runtime_name`, or naming `path` (never the directory
+    it resolved to) when it is not such a directory."""
+    check_runtime_name(config, loaded, name)
+    shown = path if len(path) <= 256 else path[:256] + "..."
+    outside = AdapterError("invalid", f"adapter {name!r}: {shown!r} is not a directory inside --lora-dir")
+    try:
+        root = Path(config.lora_dir).expanduser().resolve()
+        where = (root / path).resolve()  # an absolute `path` replaces root
+        if not path or not where.is_relative_to(root):
+            raise outside
+        if not (where / "adapter_config.json").is_file():
+            raise AdapterError("invalid", f"adapter {name!r}: {shown!r} has no adapter_config.json")
+        files = [where / f for f in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")]
+        if any(f.exists() and not f.resolve().is_relative_to(root) for f in files):
+            raise outside  # a file linked from elsewhere
+    except (OSError, RuntimeError):  # a symlink loop, a name too long, no permission
+        raise outside from None
     return where
 
 

@@ -199,26 +199,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
     async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
-        name, path = request.name, request.path
-        await self._adapter_call(lambda engine: engine.load_adapter(name, path), context)
+        name, path, engine = request.name, request.path, self._engine.engine
+        # Read and checked beside the steps (seconds for a large adapter), served between two.
+        adapter = await self._adapter_call(asyncio.to_thread(engine.read_adapter, name, path), context)
+        await self._adapter_call(self._engine.call(lambda e: e.install_adapter(name, adapter)), context)
         log.info("LoRA adapter %s loaded from %s", name, path)
         return await self.GetInfo(None, context)
 
     async def UnloadAdapter(self, request: wpb.UnloadAdapterRequest, context) -> wpb.WorkerInfo:
         name = request.name
-        await self._adapter_call(lambda engine: engine.unload_adapter(name), context)
+        await self._adapter_call(self._engine.call(lambda engine: engine.unload_adapter(name)), context)
         log.info("LoRA adapter %s unloaded", name)
         return await self.GetInfo(None, context)
 
-    async def _adapter_call(self, fn, context) -> None:
-        """fn(engine) on the engine thread; its refusals as gRPC statuses (their messages name the
-        adapter and the problem, nothing else of this process)."""
+    async def _adapter_call(self, work, context):
+        """`work`'s result; its refusals as gRPC statuses (their messages name the adapter and the
+        problem, nothing else of this process), anything else INTERNAL, logged."""
         try:
-            await self._engine.call(fn)
+            return await work
         except AdapterError as exc:
-            await context.abort(ADAPTER_CODES[exc.kind], str(exc))
-        except ValueError as exc:  # the loader's checks (worker/lora.py)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(ADAPTER_CODES[exc.kind], str(exc)[:2000])
+        except ValueError as exc:  # the loader's checks (worker/lora_files.py)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)[:2000])
+        except Exception:  # out of memory, a bug: not the caller's business beyond that it failed
+            log.exception("LoRA adapter load / unload failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "the worker failed to load or unload the adapter")
 
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
