@@ -49,7 +49,6 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -59,7 +58,7 @@ from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
 from worker.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
-from worker.lora_files import AdapterError, check_runtime_name, runtime_adapter_path
+from worker.lora import EngineAdapters
 from worker.model_runner import ModelRunner
 from worker.sampler import SampledTokens
 from worker.scheduler import Scheduler, SchedulerOutput
@@ -79,7 +78,7 @@ class _Launched:
     future: Future
 
 
-class LLMEngine:
+class LLMEngine(EngineAdapters):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
         self.runner = runner or ModelRunner(config)
@@ -168,37 +167,6 @@ class LLMEngine:
             self.scheduler.check(seq)  # the cheap refusals before compiling the grammar
             seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
         self.scheduler.add(seq)
-
-    def read_adapter(self, name: str, path: str):
-        """A LoRA adapter read for `install_adapter`: any thread (docs/lora.md, "Loading at run
-        time"). AdapterError: loading is off, `path` is not inside --lora-dir, the name is taken, the
-        worker is full; ValueError: the adapter fails the loader's checks."""
-        where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
-        return self.runner.adapters.read(name, where)
-
-    def install_adapter(self, name: str, adapter) -> None:
-        """Between steps: serves a read adapter (the name and room checked again)."""
-        check_runtime_name(self.config, self.info.adapters, name)
-        self.runner.adapters.install(name, adapter)
-        self._adapters_changed()
-
-    def load_adapter(self, name: str, path: str) -> None:
-        self.install_adapter(name, self.read_adapter(name, path))
-
-    def unload_adapter(self, name: str) -> None:
-        """Drops a LoRA adapter; AdapterError when it is not loaded or requests still use it."""
-        adapters = getattr(self.runner, "adapters", None)
-        if adapters is None or name not in adapters.slot:
-            raise AdapterError("missing", f"adapter {name!r} is not loaded here")
-        users = sum(1 for seq in self.scheduler.requests.values() if seq.sampling.adapter == name)
-        if users:
-            raise AdapterError("busy", f"adapter {name!r} has {users} request(s) in flight; unload it after")
-        adapters.unload(name)
-        self._adapters_changed()
-
-    def _adapters_changed(self) -> None:
-        names, version = self.runner.adapters.names, self.info.info_version + 1
-        self.info = dataclasses.replace(self.info, adapters=names, info_version=version)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

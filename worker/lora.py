@@ -34,13 +34,23 @@ Contract
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from worker.lora_files import Adapter, in_features_of, load_adapter, out_features_of, parse_entry
+from worker.lora_files import (
+    Adapter,
+    AdapterError,
+    check_runtime_name,
+    in_features_of,
+    load_adapter,
+    out_features_of,
+    parse_entry,
+    runtime_adapter_path,
+)
 
 
 class _StepRows:
@@ -214,3 +224,39 @@ class Adapters:
                 weights += tensors
                 rows.append(index)
         return weights, rows
+
+
+class EngineAdapters:
+    """LLMEngine's run-time LoRA loads and unloads (docs/lora.md, "Loading at run time"); uses its
+    config, info, runner and scheduler."""
+
+    def read_adapter(self, name: str, path: str):
+        """A LoRA adapter read for `install_adapter`: any thread (docs/lora.md, "Loading at run
+        time"). AdapterError: loading is off, `path` is not inside --lora-dir, the name is taken, the
+        worker is full; ValueError: the adapter fails the loader's checks."""
+        where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
+        return self.runner.adapters.read(name, where)
+
+    def install_adapter(self, name: str, adapter) -> None:
+        """Between steps: serves a read adapter (the name and room checked again)."""
+        check_runtime_name(self.config, self.info.adapters, name)
+        self.runner.adapters.install(name, adapter)
+        self._adapters_changed()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.install_adapter(name, self.read_adapter(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Drops a LoRA adapter; AdapterError when it is not loaded or requests still use it."""
+        adapters = getattr(self.runner, "adapters", None)
+        if adapters is None or name not in adapters.slot:
+            raise AdapterError("missing", f"adapter {name!r} is not loaded here")
+        users = sum(1 for seq in self.scheduler.requests.values() if seq.sampling.adapter == name)
+        if users:
+            raise AdapterError("busy", f"adapter {name!r} has {users} request(s) in flight; unload it after")
+        adapters.unload(name)
+        self._adapters_changed()
+
+    def _adapters_changed(self) -> None:
+        names, version = self.runner.adapters.names, self.info.info_version + 1
+        self.info = dataclasses.replace(self.info, adapters=names, info_version=version)
