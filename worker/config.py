@@ -338,10 +338,7 @@ class EngineConfig:
     )
     max_lora_adapters: int = field(
         default=16,
-        metadata=option(
-            "LoRA adapters a worker holds at once, start-up and run-time loaded together (run-time "
-            "loads stop there; more --lora-modules than this raise the cap to their count)"
-        ),
+        metadata=option("LoRA adapters a worker holds at once (run-time loads stop there; docs/lora.md)"),
     )
 
     tensor_parallel_size: int = field(
