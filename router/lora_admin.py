@@ -6,21 +6,27 @@ Contract
 - who: a tenant with `admin: true` in the tenants file; without a tenants file, loopback clients
   only. Anyone else: PERMISSION_DENIED. The workers must run with --lora-dir (the adapter's path
   must lie inside it: the router forwards the path, the worker checks it).
-- load(name, path, base_model): `name` as the workers take it (worker/lora.py NAME) and not a
-  model id this router serves already; `base_model` a served base model (optional when one is
-  served). Every healthy, routed worker of that base model gets `Worker.LoadAdapter` at once, each
-  call bounded by `call_timeout_s`. All succeed: the adapter is remembered and the workers' info
-  updated (routable as soon as the call returns). One fails: the workers that loaded it unload it
-  again and the call fails with that worker's reason: INVALID_ARGUMENT (name, path or adapter),
-  FAILED_PRECONDITION (no --lora-dir there, or the worker is full), UNAVAILABLE (no worker, or one
-  did not answer).
-- unload(name): every worker that serves it gets `Worker.UnloadAdapter` (NOT_FOUND there counts
-  as done); when all succeed it is forgotten. A worker still running requests with it refuses:
-  FAILED_PRECONDITION, and it stays served there (retry when they end).
+- load(name, path, base_model): `name` as the workers take it (NAME, at most 128 characters) and
+  not a model id this router serves already, `path` at most MAX_PATH characters; `base_model` a
+  served base model (optional when one is served). One load or unload per name at a time (else
+  FAILED_PRECONDITION). Every healthy worker of that base model gets `Worker.LoadAdapter` at once,
+  each call bounded by `call_timeout_s`. All succeed: the adapter is remembered and the workers'
+  info updated together (routable as soon as the call returns). One fails: every worker asked
+  unloads it again (one may have loaded it after its call timed out) and the call fails with that
+  worker's reason: INVALID_ARGUMENT (name, path or adapter), FAILED_PRECONDITION (no --lora-dir
+  there, or the worker is full), INTERNAL (the worker's own failure), UNAVAILABLE (no healthy
+  worker of the base, or one did not answer).
+- unload(name): every healthy worker that reports it gets `Worker.UnloadAdapter` (NOT_FOUND there
+  counts as done); then it is forgotten and remembered as unloaded (the unreachable workers drop
+  it when they answer again: restore). A worker still running requests with it refuses:
+  FAILED_PRECONDITION, and it stays served (retry when they end). Unknown: NOT_FOUND.
 - restore: when the registry reads a worker's info (a worker that joined, or came back after a
-  restart), each remembered adapter of its base model it lacks is loaded onto it: one attempt per
-  read, a failure logged (that worker then does not serve it).
-- state: the adapters loaded through this router, name -> (base model, path). Not persisted: a
+  restart or a hang), each remembered adapter of its base model it lacks is loaded onto it, and
+  each adapter unloaded through this router it still has is unloaded: one attempt per read, a
+  failure logged (that worker then does not serve it). After a load, the healthy workers the load
+  left out (joined meanwhile, or their circuit open) get the same treatment at once.
+- state: the adapters loaded through this router, name -> (base model, path), and the names
+  unloaded through it; the names with an operation in progress. Not persisted: a
   restarted router forgets them (the workers keep theirs); with several routers, the one that
   loaded an adapter is the one that restores it.
 - proven by: tests/test_lora_runtime_e2e.py.
@@ -147,6 +153,9 @@ class AdapterAdmin:
                 h.info = info  # routable at once, on all of them together
             self.loaded[name] = Loaded(base, path)
             self.dropped.discard(name)
+        for h in self._registry.all():  # joined during the load, or left out with an open breaker
+            if h.healthy and h.info is not None and h not in workers:
+                self.restore(h)
         log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
         return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
 
