@@ -199,7 +199,10 @@ class AdapterAdmin:
     def restore(self, h: WorkerHandle) -> None:
         """Registry hook after `h.info` was read: the adapters loaded through this router that it
         lacks are loaded onto it, those unloaded through it that it still has are unloaded (one
-        attempt per read; names with a load or unload in progress are left alone)."""
+        attempt per read; names with a load or unload in progress are left alone). Not for a
+        worker the router refuses: it is not routed to, and its info is read at every probe."""
+        if h.refused:
+            return
         for name in [*self.loaded, *self.dropped]:
             known, has = self.loaded.get(name), name in h.info.adapters
             wanted = known is not None and known.base == h.info.model and not has
