@@ -69,6 +69,7 @@ CODES = {
     grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 
@@ -92,7 +93,8 @@ class AdapterAdmin:
         self._timeout = call_timeout_s
         self.loaded: dict[str, Loaded] = {}  # loaded through this router: restored where missing
         self.dropped: set[str] = set()  # unloaded through it: unloaded where a worker still has them
-        self._busy: set[str] = set()  # names with a load, unload or restore in progress
+        self._busy: set[str] = set()  # names with a load or unload in progress
+        self._restoring: set[tuple[str, str]] = set()  # (worker address, name) being restored
         self._tasks: set[asyncio.Task] = set()
         registry.on_info = self.restore
 
@@ -108,7 +110,7 @@ class AdapterAdmin:
 
     @contextlib.contextmanager
     def _claim(self, name: str):
-        if name in self._busy:
+        if name in self._busy or any(n == name for _, n in self._restoring):
             raise AdapterRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"adapter {name!r}: another load or unload is in progress",
@@ -144,7 +146,11 @@ class AdapterAdmin:
             if not workers:
                 raise Unavailable(f"no healthy worker serves base model {base!r}")
             message = worker_pb2.LoadAdapterRequest(name=name, path=path)
-            results = await asyncio.gather(*(self._call(h, h.stub.LoadAdapter, message) for h in workers))
+            try:
+                results = await asyncio.gather(*(self._call(h, h.stub.LoadAdapter, message) for h in workers))
+            except asyncio.CancelledError:  # the client left: what loaded is unloaded again
+                await asyncio.shield(self._unload_from(workers, name))
+                raise
             failed = [r for r in results if isinstance(r, AdapterRefused)]
             if failed:  # every targeted worker unloads it: one may have loaded it and timed out
                 await self._unload_from(workers, name)
@@ -153,9 +159,7 @@ class AdapterAdmin:
                 h.info = info  # routable at once, on all of them together
             self.loaded[name] = Loaded(base, path)
             self.dropped.discard(name)
-        for h in self._registry.all():  # joined during the load, or left out with an open breaker
-            if h.healthy and h.info is not None and h not in workers:
-                self.restore(h)
+        self._sweep(workers)  # workers that joined during the load, or were left out (circuit open)
         log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
         return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
 
@@ -169,7 +173,9 @@ class AdapterAdmin:
             reachable = [h for h in having if h.healthy]
             await self._unload_from(reachable, name, strict=True)
             known = self.loaded.pop(name, None)
-            self.dropped.add(name)  # the unreachable ones unload it when they come back (restore)
+            if known is not None:  # loaded through this router: unreachable workers drop it later
+                self.dropped.add(name)
+        self._sweep(reachable)
         base = known.base if known else having[0].info.model
         log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(reachable))
         return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(reachable))
@@ -180,11 +186,19 @@ class AdapterAdmin:
         message = worker_pb2.UnloadAdapterRequest(name=name)
         results = await asyncio.gather(*(self._call(h, h.stub.UnloadAdapter, message) for h in workers))
         for h, result in zip(workers, results):
-            if isinstance(result, AdapterRefused):
-                if result.code != grpc.StatusCode.NOT_FOUND and strict:
-                    raise result
-            else:
+            if not isinstance(result, AdapterRefused):
                 h.info = result
+        refused = [
+            r for r in results if isinstance(r, AdapterRefused) and r.code != grpc.StatusCode.NOT_FOUND
+        ]
+        if strict and refused:
+            raise refused[0]
+
+    def _sweep(self, done: list[WorkerHandle]) -> None:
+        """`restore` for the workers an operation did not reach (skipped as busy meanwhile)."""
+        for h in self._registry.all():
+            if h.info is not None and h not in done:
+                self.restore(h)
 
     async def _call(self, h: WorkerHandle, method, message) -> worker_pb2.WorkerInfo | AdapterRefused:
         """One worker's load or unload: its new info, or its refusal."""
@@ -207,8 +221,9 @@ class AdapterAdmin:
             known, has = self.loaded.get(name), name in h.info.adapters
             wanted = known is not None and known.base == h.info.model and not has
             unwanted = known is None and has
-            if (wanted or unwanted) and name not in self._busy:
-                self._busy.add(name)
+            key = (h.address, name)
+            if (wanted or unwanted) and name not in self._busy and key not in self._restoring:
+                self._restoring.add(key)
                 task = asyncio.get_running_loop().create_task(self._restore(h, name, known))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -225,4 +240,4 @@ class AdapterAdmin:
                 h.info = result
                 log.info("LoRA adapter %s loaded again on worker %s", name, h.address)
         finally:
-            self._busy.discard(name)
+            self._restoring.discard((h.address, name))

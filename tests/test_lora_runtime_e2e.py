@@ -157,7 +157,7 @@ def test_a_restarted_worker_gets_the_router_s_adapters_back(stack, logs):
         assert status == 200 and gone["num_workers"] == 0, gone
         restarted.signal(signal.SIGCONT)
         wait_until(lambda: not _worker_adapters(restarted), 30, "the router to unload it from the worker")
-        assert set(_models(router)) == {"tiny"}
+        wait_until(lambda: set(_models(router)) == {"tiny"}, 30, "the worker to be routed to again")
     finally:
         restarted.signal(signal.SIGCONT)
         restarted.stop()

@@ -62,8 +62,12 @@ def _read_config(name: str, path: Path) -> dict:
     file = path / "adapter_config.json"
     try:
         config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"adapter {name!r}: cannot read {file}: {exc}") from None
+    except OSError as exc:  # its message would name the path: only the reason
+        raise ValueError(f"adapter {name!r}: cannot read adapter_config.json: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"adapter {name!r}: adapter_config.json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
     for key, what in UNSUPPORTED.items():
@@ -94,8 +98,8 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
         if pt.exists():
             return torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as exc:  # a corrupt file: safetensors / pickle errors of many types
-        raise ValueError(f"adapter {name!r}: cannot read its weights: {exc}") from None
-    raise ValueError(f"adapter {name!r}: {path} has no adapter_model.safetensors or adapter_model.bin")
+        raise ValueError(f"adapter {name!r}: cannot read its weights ({type(exc).__name__})") from None
+    raise ValueError(f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin")
 
 
 def _alpha(config: dict, module: str) -> float:
@@ -169,7 +173,15 @@ class Adapter:
 
 
 def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
-    """One PEFT adapter as per-module (A, B) pairs for `model` (a LlamaModel): the contract's checks."""
+    """One PEFT adapter as per-module (A, B) pairs for `model` (a LlamaModel): the contract's checks;
+    a config of the wrong types (an alpha that is no number, a pattern that is no regex) too."""
+    try:
+        return _load(name, path, model, dtype, device)
+    except (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, re.error) as exc:
+        raise ValueError(f"adapter {name!r}: malformed config ({type(exc).__name__}: {exc})") from None
+
+
+def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
     config = _read_config(name, path)
     tensors = _read_tensors(name, path)
     cfg = model.config
@@ -190,7 +202,7 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
             raise ValueError(f"adapter {name!r}: {key!r} names layer {layer}; the model has {cfg.num_layers}")
         pairs.setdefault((layer, proj), {})[ab] = tensor
     if not pairs:
-        raise ValueError(f"adapter {name!r}: no LoRA weights in {path}")
+        raise ValueError(f"adapter {name!r}: no LoRA weights in its files")
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shards = {0: (0, q), 1: (q, kv), 2: (q + kv, kv)}  # qkv_proj's output rows per shard
     gate_up = {0: (0, inter), 1: (inter, inter)}
@@ -204,8 +216,8 @@ def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, de
         module = model.get_submodule(f"layers.{layer}.{target}")
         out_rows = out_features_of(module)
         offset, size = (0, out_rows) if shard is None else (shards if "qkv" in target else gate_up)[shard]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape != (size, rank) or a.shape[1] != in_features_of(module):
+        rank = a.shape[0] if a.dim() == 2 else 0
+        if rank < 1 or b.dim() != 2 or b.shape != (size, rank) or a.shape[1] != in_features_of(module):
             raise ValueError(
                 f"adapter {name!r}: layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not "
                 f"fit the base model (expected A (r, {in_features_of(module)}) and B ({size}, r))"

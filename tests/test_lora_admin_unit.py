@@ -1,0 +1,110 @@
+"""router/lora_admin.py's bookkeeping over several workers, with in-memory worker stubs (the gRPC
+path, processes and HTTP are tests/test_lora_runtime_e2e.py's): workers restarted together all
+get a remembered adapter back, an unload reaches a worker that had it again, and two routers
+managing one adapter settle instead of undoing each other forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+from protos.llm.v1 import generation_pb2 as pb
+from protos.llm.v1 import worker_pb2
+from router.lora_admin import AdapterAdmin
+from router.registry import StaticRegistry, WorkerHandle
+from router.tenants import Tenants
+
+
+class Worker:
+    """A worker's adapter list behind Worker.LoadAdapter / UnloadAdapter (each call yields once)."""
+
+    def __init__(self):
+        self.adapters: list[str] = []
+        self.calls = 0
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(model="base", adapters=self.adapters)
+
+    async def LoadAdapter(self, request, timeout):
+        self.calls += 1
+        await asyncio.sleep(0)
+        self.adapters.append(request.name)
+        return self.info()
+
+    async def UnloadAdapter(self, request, timeout):
+        self.calls += 1
+        await asyncio.sleep(0)
+        self.adapters.remove(request.name)
+        return self.info()
+
+
+class Models:
+    def ids(self) -> list[str]:
+        return ["base"]
+
+
+class TenantsFile:
+    current = Tenants.default()
+
+
+class Context:
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+
+def _router(workers: dict[str, Worker]) -> tuple[AdapterAdmin, StaticRegistry]:
+    registry = StaticRegistry(tuple(workers))
+    registry._handles = {
+        address: WorkerHandle(address, None, stub, info=stub.info(), healthy=True)
+        for address, stub in workers.items()
+    }
+    return AdapterAdmin(registry, Models(), TenantsFile()), registry
+
+
+async def _probe(admin: AdapterAdmin, registry: StaticRegistry) -> None:
+    """What the registry does when it reads each worker's info, then the restores it started."""
+    for h in registry.all():
+        h.info = h.stub.info()
+        admin.restore(h)
+    await asyncio.gather(*admin._tasks)
+
+
+def test_restarted_workers_all_get_it_back_and_unloads_reach_returning_ones():
+    async def scenario():
+        workers = {"w1": Worker(), "w2": Worker()}
+        admin, registry = _router(workers)
+        reply = await admin.load(pb.LoraAdapterRequest(name="x", path="x"), Context())
+        assert reply.num_workers == 2 and all(w.adapters == ["x"] for w in workers.values())
+        for w in workers.values():  # both restart together: their run-time adapters are gone
+            w.adapters = []
+        await _probe(admin, registry)
+        assert all(w.adapters == ["x"] for w in workers.values())
+        registry._handles["w2"].healthy = False  # hung: the unload cannot reach it
+        reply = await admin.unload(pb.LoraAdapterRequest(name="x"), Context())
+        assert reply.num_workers == 1 and workers["w1"].adapters == [] and workers["w2"].adapters == ["x"]
+        registry._handles["w2"].healthy = True
+        await _probe(admin, registry)  # w2 answers again: x is unloaded there
+        assert workers["w2"].adapters == []
+
+    asyncio.run(scenario())
+
+
+def test_two_routers_settle():
+    async def scenario():
+        worker = Worker()
+        a, registry_a = _router({"w": worker})
+        b, registry_b = _router({"w": worker})
+        await a.load(pb.LoraAdapterRequest(name="x", path="x"), Context())
+        await _probe(b, registry_b)  # b learns of x from the worker
+        await b.unload(pb.LoraAdapterRequest(name="x"), Context())
+        for _ in range(4):  # a restores what it loaded; b does not fight it: no more calls after
+            await _probe(a, registry_a)
+            await _probe(b, registry_b)
+        calls = worker.calls
+        await _probe(a, registry_a)
+        await _probe(b, registry_b)
+        assert worker.calls == calls and worker.adapters == ["x"]
+
+    asyncio.run(scenario())
