@@ -6,7 +6,7 @@ Contract
 - who: a tenant with `admin: true` in the tenants file; without a tenants file, loopback clients
   only. Anyone else: PERMISSION_DENIED. The workers must run with --lora-dir (the adapter's path
   must lie inside it: the router forwards the path, the worker checks it).
-- load(name, path, base_model): `name` as the workers take it (NAME, at most 128 characters) and
+- load(name, path, base_model): `name` as the workers take it (common/adapter_names.py) and
   not a model id this router serves already, `path` at most MAX_PATH characters; `base_model` a
   served base model (optional when one is served). One load or unload per name at a time (else
   FAILED_PRECONDITION). Every healthy worker of that base model gets `Worker.LoadAdapter` at once,
@@ -37,11 +37,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from dataclasses import dataclass
 
 import grpc
 
+from common.adapter_names import name_problem
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import worker_pb2
 from router.errors import PermissionDenied, RouterError, Unavailable, ValidationError
@@ -51,7 +51,6 @@ from router.tenants import TenantsFile, is_loopback_peer
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # one worker's load: reading and checking the adapter's files
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")  # the workers' rule (worker/lora_files.py)
 MAX_PATH = 4096
 
 
@@ -124,11 +123,8 @@ class AdapterAdmin:
     async def load(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
         self._authorize(context)
         name, path = request.name, request.path
-        if not NAME.fullmatch(name):
-            raise ValidationError(
-                "name",
-                f"adapter name {name[:128]!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -, first a letter or digit",
-            )
+        if problem := name_problem(name):
+            raise ValidationError("name", problem)
         if not path or len(path) > MAX_PATH:
             raise ValidationError(
                 "path",

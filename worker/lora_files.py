@@ -5,7 +5,7 @@ Contract
 - `load_adapter(name, path, model, dtype, device) -> Adapter`: adapter_config.json (peft_type
   LORA) and adapter_model.safetensors (or .bin) checked against `model` (a LlamaModel) and turned
   into per-module (A [R, in], scale x B^T [R, out]) pairs of our fused linears, with each fused
-  linear's shards (q|k|v, gate|up: A stacked, B^T block-diagonal) and the largest rank. Ranks come
+  linear's shards (q|k|v, gate|up: A stacked, B^T block-diagonal). Ranks come
   from the tensors (rank_pattern), alpha from lora_alpha or the first alpha_pattern entry matching
   PEFT's module key, the scale alpha / rank (alpha / sqrt(rank) with use_rslora).
 - `runtime_adapter_path(config, loaded, name, path)`: where a run-time load reads from, inside
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from common.adapter_names import name_problem
 
 # PEFT's module name -> (our module under a decoder layer, its shard of a fused linear or None)
 TARGETS = {
@@ -120,16 +122,13 @@ class AdapterError(ValueError):
         self.kind = kind
 
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
-
-
 def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
     """AdapterError unless run-time loading is on, `name` is well formed and free, and the worker
     has room (--max-lora-adapters, or its start-up adapters if they are more)."""
     if not config.lora_dir:
         raise AdapterError("off", "run-time LoRA loading is off on this worker (start it with --lora-dir)")
-    if not NAME.fullmatch(name):
-        raise AdapterError("invalid", f"adapter name {name[:128]!r}: 1-128 of A-Z a-z 0-9 . _ : @ + / -")
+    if problem := name_problem(name):
+        raise AdapterError("invalid", problem)
     if name in loaded:
         raise AdapterError("invalid", f"adapter {name!r} is loaded already (unload it first)")
     if len(loaded) >= max(config.max_lora_adapters, len(config.lora_modules)):
@@ -166,7 +165,6 @@ class Adapter:
     # our module ("layers.0.self_attn.qkv_proj") -> (A [R, in], B^T [R, out]) in the model's dtype,
     # the scale in B
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    max_rank: int
     # our module -> int64 [Q, 4]: rank rows r0:r1 of its B^T write output columns n0:n1 (one row per
     # shard: a fused linear's B^T is zero elsewhere; the C++ op reads only these blocks)
     shards: dict[str, torch.Tensor]
@@ -207,7 +205,6 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
     shards = {0: (0, q), 1: (q, kv), 2: (q + kv, kv)}  # qkv_proj's output rows per shard
     gate_up = {0: (0, inter), 1: (inter, inter)}
     parts: dict[str, list] = {}
-    max_rank = 0
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} only")
@@ -225,7 +222,6 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
         alpha = _alpha(config, keys[(layer, proj)])
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         parts.setdefault(f"layers.{layer}.{target}", []).append((a, b * scale, offset, out_rows))
-        max_rank = max(max_rank, rank)
     weights, shards = {}, {}
     for module_name, items in parts.items():
         a_cat = torch.cat([a for a, _, _, _ in items])  # (R, in)
@@ -240,7 +236,7 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
             b_full.t().to(device, dtype).contiguous(),
         )
         shards[module_name] = torch.tensor(blocks, dtype=torch.int64)
-    return Adapter(name, path, weights, max_rank, shards)
+    return Adapter(name, path, weights, shards)
 
 
 def out_features_of(module: nn.Module) -> int:
