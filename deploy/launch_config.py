@@ -16,7 +16,7 @@ Contract
   for a CPU worker, server_options that set a LaunchConfig field, half a TLS pair, a non-loopback
   host (node-ip) without mutual TLS, a worker token or --allow-insecure-public (common.public_bind);
   `check()` raises what `construct(WorkerServerConfig, ...)` raises.
-- proven by: tests/test_config_cli.py (every worker flag and variable reaches the actors' config),
+- proven by: tests/test_config_launchers.py (every worker flag and variable reaches the actors' config),
   tests/test_deploy_manifests.py (the manifests' launch settings, the public-bind refusals).
 """
 

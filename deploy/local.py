@@ -23,7 +23,7 @@ Contract
   cannot start -> the error is printed, everything is torn down, exit status 1. A signal during
   start-up tears down what was started.
 - proven by: tests/test_ray_serve.py (a streamed answer, spans from router and worker actor,
-  LLM_* variables reaching the engine, the worker token, the clean stop), tests/test_config_cli.py
+  LLM_* variables reaching the engine, the worker token, the clean stop), tests/test_config_launchers.py
   (flags and defaults).
 """
 

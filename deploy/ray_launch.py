@@ -38,7 +38,7 @@ Contract
   `ready_timeout_s` -> TimeoutError naming the bundle, the strategy and the cluster's resources.
 - proven by: tests/test_ray_cluster.py (placement 2 per node on fake GPUs, restart, discovery),
   tests/test_tp_ray.py (TP=2 groups on fake GPUs: each group on one node, two groups on two nodes),
-  tests/test_config_cli.py (every worker flag and variable reaches the actors' config),
+  tests/test_config_launchers.py (every worker flag and variable reaches the actors' config),
   tests/test_ray_serve.py (actors export spans from the launcher's OTEL_* environment).
 
 Only the actor process imports torch; the launching driver (and a router in the same process, as
