@@ -340,6 +340,13 @@ class EngineConfig:
         default=16,
         metadata=option("LoRA adapters a worker holds at once (run-time loads stop there; docs/lora.md)"),
     )
+    max_lora_rank: int = field(
+        default=16,
+        metadata=option(
+            "the highest rank of an adapter loaded at run time; with --lora-dir the KV cache leaves "
+            "room for the run-time slots at this rank on every projection (docs/lora.md)"
+        ),
+    )
 
     tensor_parallel_size: int = field(
         default=1,
@@ -357,6 +364,8 @@ class EngineConfig:
             raise ValueError("lora_modules / lora_dir: LoRA adapters are not served with tensor parallelism")
         if self.max_lora_adapters < 1:
             raise ValueError(f"max_lora_adapters must be >= 1, got {self.max_lora_adapters}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"dtype must be one of {('auto',) + DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -44,7 +44,9 @@ import torch.nn as nn
 from worker.lora_files import (
     Adapter,
     AdapterError,
+    bytes_at_rank,
     check_runtime_name,
+    check_runtime_rank,
     in_features_of,
     load_adapter,
     out_features_of,
@@ -186,6 +188,14 @@ class Adapters:
         pairs = [p for a in self.by_name.values() for p in a.weights.values()]
         return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
+    def reserve_bytes(self, config) -> int:
+        """Memory the KV pool leaves for run-time loads (with --lora-dir): each free slot of
+        --max-lora-adapters holds an adapter of --max-lora-rank on every projection at most."""
+        if not config.lora_dir:
+            return 0
+        free = max(config.max_lora_adapters, len(config.lora_modules)) - len(self.by_name)
+        return max(free, 0) * bytes_at_rank(self._model, config.max_lora_rank, self._dtype)
+
     def slots(self, plan) -> list[int] | None:
         """Each scheduled sequence's adapter slot (0 = base), or None when the step has no adapter row."""
         slots = [self.slot.get(s.seq.sampling.adapter, 0) for s in plan.scheduled]
@@ -233,9 +243,12 @@ class EngineAdapters:
     def read_adapter(self, name: str, path: str):
         """A LoRA adapter read for `install_adapter`: any thread (docs/lora.md, "Loading at run
         time"). AdapterError: loading is off, `path` is not inside --lora-dir, the name is taken, the
-        worker is full; ValueError: the adapter fails the loader's checks."""
+        worker is full, the rank is above --max-lora-rank; ValueError: the adapter fails the
+        loader's checks."""
         where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
-        return self.runner.adapters.read(name, where)
+        adapter = self.runner.adapters.read(name, where)
+        check_runtime_rank(self.config, adapter)
+        return adapter
 
     def install_adapter(self, name: str, adapter) -> None:
         """Between steps: serves a read adapter (the name and room checked again)."""

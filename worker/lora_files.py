@@ -9,7 +9,9 @@ Contract
   from the tensors (rank_pattern), alpha from lora_alpha or the first alpha_pattern entry matching
   PEFT's module key, the scale alpha / rank (alpha / sqrt(rank) with use_rslora).
 - `runtime_adapter_path(config, loaded, name, path)`: where a run-time load reads from, inside
-  --lora-dir, or AdapterError (kind "off", "invalid", "full").
+  --lora-dir, or AdapterError (kind "off", "invalid", "full"); `check_runtime_rank` refuses a read
+  adapter above --max-lora-rank. `bytes_at_rank(model, rank, dtype)`: one adapter's most bytes at
+  that rank (the KV pool leaves room for the run-time slots: worker/model_runner.py).
 - failure modes: ValueError naming the adapter and the problem (docs/lora.md lists what is
   refused: DoRA, biases, modules_to_save, trainable tokens, layer replication, embeddings or
   lm_head, base-changing initializations, shapes that do not fit, other peft types).
@@ -135,6 +137,17 @@ def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
 
 
+def check_runtime_rank(config, adapter: Adapter) -> None:
+    """AdapterError ("invalid") when a run-time adapter's rank is above --max-lora-rank: the memory
+    set aside for run-time adapters holds --max-lora-adapters of that rank."""
+    if adapter.rank > config.max_lora_rank:
+        raise AdapterError(
+            "invalid",
+            f"adapter {adapter.name!r} has rank {adapter.rank}; this worker's --max-lora-rank is "
+            f"{config.max_lora_rank}",
+        )
+
+
 def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) -> Path:
     """The directory to load adapter `name` from at run time: `path` (absolute, or relative to
     config.lora_dir) resolved, symbolic links included, inside config.lora_dir, and so are the
@@ -168,6 +181,22 @@ class Adapter:
     # our module -> int64 [Q, 4]: rank rows r0:r1 of its B^T write output columns n0:n1 (one row per
     # shard: a fused linear's B^T is zero elsewhere; the C++ op reads only these blocks)
     shards: dict[str, torch.Tensor]
+    rank: int = 0  # the highest rank of its modules (rank_pattern may vary it)
+
+
+def bytes_at_rank(model: nn.Module, rank: int, dtype: torch.dtype) -> int:
+    """The bytes `load_adapter` allocates for an adapter of `rank` on all seven projections of every
+    layer of `model` (A and the block-diagonal B^T of each fused linear): the most one adapter of at
+    most that rank takes."""
+    shards: dict[str, int] = {}
+    for target, _ in TARGETS.values():
+        shards[target] = shards.get(target, 0) + 1
+    elements = 0
+    for layer in range(model.config.num_layers):
+        for target, count in shards.items():
+            module = model.get_submodule(f"layers.{layer}.{target}")
+            elements += count * rank * (in_features_of(module) + out_features_of(module))
+    return elements * torch.empty((), dtype=dtype).element_size()
 
 
 def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
@@ -236,7 +265,8 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
             b_full.t().to(device, dtype).contiguous(),
         )
         shards[module_name] = torch.tensor(blocks, dtype=torch.int64)
-    return Adapter(name, path, weights, shards)
+    rank = max(a.shape[0] for items in parts.values() for a, _, _, _ in items)
+    return Adapter(name, path, weights, shards, rank)
 
 
 def out_features_of(module: nn.Module) -> int:

@@ -29,7 +29,9 @@ Contract:
 - Sampling on CUDA: rows without logprobs, logit bias or penalties go through the fused Triton
   kernel (worker/kernels/triton_sampling.py) over the model-dtype logits; elsewhere worker/sampler.py.
 - Memory: the KV pool is sized once from `kv_cache_bytes` (CPU) or from free device memory
-  after loading the weights times `gpu_memory_utilization` (CUDA).
+  after loading the weights times `gpu_memory_utilization` (CUDA; CPU without `kv_cache_bytes`:
+  available memory times `kv_cache_memory_fraction`), less, with `lora_dir`, the run-time LoRA
+  adapters' room (`Adapters.reserve_bytes`).
 - CUDA: decode rows replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`; a mixed
   step runs its prompt chunks in one eager launch, then the decode graph.
 - Proven by tests/test_engine_hf.py (logits vs transformers), tests/test_engine_batching.py,
@@ -232,16 +234,23 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elt
 
     def _num_kv_blocks(self) -> int:
-        budget = self.config.kv_cache_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        elif budget is None:
-            budget = int(available_memory_bytes() * self.config.kv_cache_memory_fraction)
-        num_blocks = budget // self.kv_bytes_per_block
+        budget, reserve = self.config.kv_cache_bytes, 0
+        if self.device.type == "cuda" or budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = int(available_memory_bytes() * self.config.kv_cache_memory_fraction)
+            # --lora-dir: room for the run-time adapters, allocated after the pool (an explicit
+            # --kv-cache-bytes on CPU is the pool's size as given)
+            if self.adapters is not None and (reserve := self.adapters.reserve_bytes(self.config)):
+                log.info("KV budget leaves %.1f MiB for run-time LoRA adapters", reserve / 2**20)
+        num_blocks = (budget - reserve) // self.kv_bytes_per_block
         if num_blocks < 1:
+            less = f" less {reserve} for run-time LoRA adapters (--max-lora-adapters x --max-lora-rank)"
             raise ValueError(
-                f"KV budget of {budget} bytes is smaller than one block ({self.kv_bytes_per_block} bytes)"
+                f"KV budget of {budget} bytes{less if reserve else ''} is smaller than one block "
+                f"({self.kv_bytes_per_block} bytes)"
             )
         return int(num_blocks)
 
