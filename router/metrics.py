@@ -22,7 +22,9 @@ Contract
   `llm_router_requests_by_protocol_total{protocol,status}`: `llm_requests_total` split by the front
   (grpc | http) the request came in by; `llm_router_structured_requests_total{format,status}`: the
   requests with a response_format (json_object | json_schema | regex; a format llguidance cannot
-  compile ends as invalid_argument).
+  compile ends as invalid_argument); `llm_router_requests_by_model_total{model,status}` and
+  `llm_router_tokens_by_model_total{model,kind}` (prompt | generation): the same per served model
+  (a base model or a LoRA adapter; requests refused before validation carry no model).
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
@@ -132,6 +134,18 @@ class RouterMetrics:
             "llm_router_requests_by_protocol",
             "Requests by the front they came in by (grpc | http) and final status",
             ["protocol", "status"],
+            registry=self.registry,
+        )
+        self.by_model = Counter(
+            "llm_router_requests_by_model",
+            "Validated requests by the served model they named (base model or LoRA adapter) and status",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.tokens_by_model = Counter(
+            "llm_router_tokens_by_model",
+            "Tokens of requests placed on a worker by served model (base or adapter): prompt | generation",
+            ["model", "kind"],
             registry=self.registry,
         )
         self.structured = Counter(

@@ -11,7 +11,9 @@ Contract
   gRPC metadata that makes the worker's span a child of the `route` span (W3C traceparent);
   the `common.request_metrics` families, the running / waiting gauges; one "request finished" log
   line with the trace id. `protocol` (grpc | http, the front the request came in by) is a span
-  attribute, a log field and the label of `llm_router_requests_by_protocol_total{protocol,status}`.
+  attribute, a log field and the label of `llm_router_requests_by_protocol_total{protocol,status}`;
+  `model` (set once the request is validated: a served base model or LoRA adapter) labels
+  `llm_router_requests_by_model_total{model,status}` and `llm_router_tokens_by_model_total{model,kind}`.
 - state: per request only. Spans are started with explicit parents (never attached as the
   "current" context), so nothing leaks across the servicer's async generator boundaries.
 - status vocabulary (label and log): stop | length | cancelled, or the gRPC status code in lower
@@ -135,6 +137,7 @@ class RequestObservation:
         self.num_output_tokens = 0
         self._done: Done | None = None
         self._status: str | None = None
+        self.model = ""  # the served model (base or LoRA adapter) the request named, once validated
         self.response_format: str | None = None  # the request's format kind (structured output)
         self.tools = 0  # tools the chat shows the model
 
@@ -212,6 +215,12 @@ class RequestObservation:
         if self._clock is not None:
             self._clock.finish(status, self.num_prompt_tokens if served else None, time.monotonic())
             self._metrics.by_protocol.labels(self.protocol, status).inc()
+            if self.model:
+                self._metrics.by_model.labels(self.model, status).inc()
+                if served:
+                    tokens = self._metrics.tokens_by_model
+                    tokens.labels(self.model, "prompt").inc(self.num_prompt_tokens or 0)
+                    tokens.labels(self.model, "generation").inc(self.num_output_tokens)
             if self.response_format:
                 self._metrics.structured.labels(self.response_format, status).inc()
         trace_id = trace_id_of(self.span)

@@ -187,6 +187,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
             else:
                 req = validate(request, self._limits, models)
+            obs.model = req.model.name
             req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
             req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
             tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority

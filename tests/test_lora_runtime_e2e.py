@@ -16,7 +16,15 @@ import pytest
 from protos.llm.v1 import worker_pb2, worker_pb2_grpc
 from router.tenants import hash_key
 from tests.openai_helpers import http_url, post
-from tests.procs import open_channel, ready, running_router, start_worker, wait_all_blocks_free, wait_until
+from tests.procs import (
+    open_channel,
+    ready,
+    running_router,
+    scrape,
+    start_worker,
+    wait_all_blocks_free,
+    wait_until,
+)
 from tests.test_lora_e2e import _adapter, _peft_greedy
 from tests.test_lora_e2e import _generate as _generate_as
 from tests.tiny_models import write_checkpoint
@@ -41,7 +49,16 @@ def stack(tmp_path_factory, logs):
         (lora_dir / "sql" / "adapter_config.json").read_bytes()
     )
     (lora_dir / "linked" / "adapter_model.safetensors").symlink_to(path / "model.safetensors")
-    args = ("--model", str(path), "--served-model-name", "tiny", "--lora-dir", str(lora_dir))
+    args = (
+        "--model",
+        str(path),
+        "--served-model-name",
+        "tiny",
+        "--lora-dir",
+        str(lora_dir),
+        "--metrics-port",
+        "0",
+    )
     worker = start_worker(logs, *args)
     try:
         ready(worker)
@@ -52,6 +69,8 @@ def stack(tmp_path_factory, logs):
             "--model",
             f"tiny={path}",
             "--http-port",
+            "0",
+            "--metrics-port",
             "0",
             tenants=TENANTS,
             metadata=user,
@@ -123,6 +142,7 @@ def _load_and_unload(router, other, worker, path, lora_dir) -> None:
         assert got == status and message in reply["error"]["message"], (body, reply)
         assert "127.0.0.1" not in json.dumps(reply)
     assert set(_models(router)) == {"tiny", "sql"}  # the refused loads left nothing behind
+    loaded = scrape(worker)
     status, gone = _post(router, "unload_lora_adapter", ADMIN, {"lora_name": "sql"})
     assert status == 200 and gone["num_workers"] == 1, gone
     assert set(_models(router)) == {"tiny"}
@@ -136,6 +156,43 @@ def _load_and_unload(router, other, worker, path, lora_dir) -> None:
     status, again = _post(router, "unload_lora_adapter", ADMIN, {"lora_name": "sql"})
     assert status == 404 and "not loaded" in again["error"]["message"]
     wait_all_blocks_free(worker.address)
+    _check_metrics(router, worker, loaded)
+
+
+def _check_metrics(router, worker, loaded: dict) -> None:
+    """The worker's LoRA gauges with the adapter loaded (`loaded`) and after the unload, its
+    operations by result (the five path refusals reached it, each rolled back), the router's
+    requests and tokens by served model (the refused request for the unloaded name carries none)."""
+    unloaded = scrape(worker)
+    ops = {
+        labels: value
+        for (name, labels), value in unloaded.items()
+        if name == "llm_lora_adapter_operations_total"
+    }
+    assert ops == {
+        (("operation", "load"), ("result", "ok")): 1,
+        (("operation", "load"), ("result", "invalid")): 5,
+        (("operation", "unload"), ("result", "missing")): 5,  # the router's rollback of each refusal
+        (("operation", "unload"), ("result", "ok")): 1,
+    }, ops
+    gauges = [
+        {n: v for (n, _), v in page.items() if n.startswith("llm_lora_")} for page in (loaded, unloaded)
+    ]
+    assert gauges[0]["llm_lora_adapters"] == 1 and gauges[1]["llm_lora_adapters"] == 0
+    assert gauges[0]["llm_lora_adapters_max"] == gauges[1]["llm_lora_adapters_max"] == 16
+    assert gauges[0]["llm_lora_adapter_memory_bytes"] > 0 == gauges[1]["llm_lora_adapter_memory_bytes"]
+    slot = gauges[1]["llm_lora_reserved_memory_bytes"] / 16  # one slot: rank 16 on every projection
+    assert gauges[0]["llm_lora_reserved_memory_bytes"] == 15 * slot > 0
+    assert gauges[0]["llm_lora_adapter_memory_bytes"] < slot  # rank 1, three projections
+    page = scrape(router)
+    by_model = {labels: v for (n, labels), v in page.items() if n == "llm_router_requests_by_model_total"}
+    assert by_model == {
+        (("model", "sql"), ("status", "length")): 1,
+        (("model", "tiny"), ("status", "length")): 1,
+    }
+    tokens = {labels: v for (n, labels), v in page.items() if n == "llm_router_tokens_by_model_total"}
+    assert tokens[(("kind", "generation"), ("model", "sql"))] == 6
+    assert tokens[(("kind", "prompt"), ("model", "sql"))] == 10
 
 
 def test_a_restarted_worker_gets_the_router_s_adapters_back(stack, logs):

@@ -270,6 +270,13 @@ class EngineAdapters:
         adapters.unload(name)
         self._adapters_changed()
 
+    def adapter_memory(self) -> tuple[int, int] | None:
+        """(bytes the adapters hold, bytes still set aside for run-time loads), None without LoRA;
+        computed on the engine thread, read by scrapes as one tuple (worker/metrics.py)."""
+        adapters = getattr(self.runner, "adapters", None)
+        return None if adapters is None else (adapters.bytes(), adapters.reserve_bytes(self.config))
+
     def _adapters_changed(self) -> None:
         names, version = self.runner.adapters.names, self.info.info_version + 1
         self.info = dataclasses.replace(self.info, adapters=names, info_version=version)
+        self.lora_memory = self.adapter_memory()

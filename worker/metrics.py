@@ -10,17 +10,20 @@ Contract
   `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
   `llm_structured_output_failures_total` (grammars that failed mid-generation),
   `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
-  ran, async scheduling / with none in flight); and, observed on the engine thread after each
-  committed step (`LLMEngine.last_step`, a step observer of the AsyncEngine), histograms
-  `llm_engine_step_duration_seconds`, `llm_engine_step_tokens` (tokens computed) and
-  `llm_engine_step_sequences`.
+  ran, async scheduling / with none in flight); with LoRA (`LLMEngine.lora_memory`, replaced on
+  each load / unload): gauges `llm_lora_adapters`, `llm_lora_adapters_max`,
+  `llm_lora_adapter_memory_bytes`, `llm_lora_reserved_memory_bytes`; the counter
+  `llm_lora_adapter_operations_total{operation,result}` (fed by worker/server.py); and, observed
+  on the engine thread after each committed step (`LLMEngine.last_step`, a step observer of the
+  AsyncEngine), histograms `llm_engine_step_duration_seconds`, `llm_engine_step_tokens` (tokens
+  computed) and `llm_engine_step_sequences`.
 - state: the registry (one per worker process).
 - proven by: tests/test_observability_e2e.py (counters equal a known workload).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.request_metrics import RequestMetrics
@@ -89,6 +92,29 @@ class EngineCollector:
         steps.add_metric(["overlapped"], s.num_overlapped_steps)
         steps.add_metric(["synchronous"], s.num_sync_steps)
         yield steps
+        yield from self._lora()
+
+    def _lora(self):
+        """LoRA gauges, on workers serving adapters or loading them at run time (docs/lora.md)."""
+        engine = getattr(self._engine, "engine", None)
+        memory = getattr(engine, "lora_memory", None)
+        if memory is None:
+            return
+        config = engine.config
+        yield GaugeMetricFamily("llm_lora_adapters", "LoRA adapters served", value=len(engine.info.adapters))
+        yield GaugeMetricFamily(
+            "llm_lora_adapters_max",
+            "LoRA adapters this worker may hold (--max-lora-adapters, or its start-up adapters if more)",
+            value=max(config.max_lora_adapters, len(config.lora_modules)),
+        )
+        yield GaugeMetricFamily(
+            "llm_lora_adapter_memory_bytes", "Memory the served LoRA adapters' weights take", value=memory[0]
+        )
+        yield GaugeMetricFamily(
+            "llm_lora_reserved_memory_bytes",
+            "Memory set aside beside the KV cache for the free run-time adapter slots (--lora-dir)",
+            value=memory[1],
+        )
 
 
 class WorkerMetrics:
@@ -112,6 +138,13 @@ class WorkerMetrics:
             "llm_engine_step_sequences",
             "Sequences in each engine step",
             buckets=POWERS_OF_TWO[:10],
+            registry=self.registry,
+        )
+        self.lora_operations = Counter(
+            "llm_lora_adapter_operations",
+            "Run-time LoRA loads and unloads by result: ok, or the refusal's kind (invalid, off, full, "
+            "busy, missing) or internal",
+            ["operation", "result"],
             registry=self.registry,
         )
         self._seen_step = 0

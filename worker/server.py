@@ -201,29 +201,43 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
         name, path, engine = request.name, request.path, self._engine.engine
         # Read and checked beside the steps (seconds for a large adapter), served between two.
-        adapter = await self._adapter_call(asyncio.to_thread(engine.read_adapter, name, path), context)
-        await self._adapter_call(self._engine.call(lambda e: e.install_adapter(name, adapter)), context)
+        read = asyncio.to_thread(engine.read_adapter, name, path)
+        adapter = await self._adapter_call("load", read, context, last=False)
+        install = self._engine.call(lambda e: e.install_adapter(name, adapter))
+        await self._adapter_call("load", install, context)
         log.info("LoRA adapter %s loaded from %s", name, path)
         return await self.GetInfo(None, context)
 
     async def UnloadAdapter(self, request: wpb.UnloadAdapterRequest, context) -> wpb.WorkerInfo:
         name = request.name
-        await self._adapter_call(self._engine.call(lambda engine: engine.unload_adapter(name)), context)
+        unload = self._engine.call(lambda engine: engine.unload_adapter(name))
+        await self._adapter_call("unload", unload, context)
         log.info("LoRA adapter %s unloaded", name)
         return await self.GetInfo(None, context)
 
-    async def _adapter_call(self, work, context):
+    async def _adapter_call(self, operation: str, work, context, last: bool = True):
         """`work`'s result; its refusals as gRPC statuses (their messages name the adapter and the
-        problem, nothing else of this process), anything else INTERNAL, logged."""
+        problem, nothing else of this process), anything else INTERNAL, logged. Counted in
+        `llm_lora_adapter_operations_total` when it fails or is the operation's `last` part."""
         try:
-            return await work
+            value = await work
         except AdapterError as exc:
+            self._count_adapter_call(operation, exc.kind)
             await context.abort(ADAPTER_CODES[exc.kind], str(exc)[:2000])
         except ValueError as exc:  # the loader's checks (worker/lora_files.py)
+            self._count_adapter_call(operation, "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)[:2000])
         except Exception:  # out of memory, a bug: not the caller's business beyond that it failed
+            self._count_adapter_call(operation, "internal")
             log.exception("LoRA adapter load / unload failed")
             await context.abort(grpc.StatusCode.INTERNAL, "the worker failed to load or unload the adapter")
+        if last:
+            self._count_adapter_call(operation, "ok")
+        return value
+
+    def _count_adapter_call(self, operation: str, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.lora_operations.labels(operation, result).inc()
 
     async def GetInfo(self, request, context) -> wpb.WorkerInfo:
         i = self._engine.info
