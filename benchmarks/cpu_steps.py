@@ -146,7 +146,7 @@ def run_config(overrides: dict, batches: list[int], tokens: int, threads: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from worker.config import default_num_threads
+    from worker.host import default_num_threads
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_steps", description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=default_num_threads())

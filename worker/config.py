@@ -7,7 +7,6 @@ the byte budget) live on `CacheLayout`, computed by the model runner, not here.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from common.config_cli import MIB, comma_list, option
@@ -36,41 +35,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16"
-
-
-def default_num_threads() -> int:
-    """The cores this process is given: OMP_NUM_THREADS when set (Ray sets it to an actor's
-    num_cpus), else the CPU affinity mask."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0))
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory; a cgroup limit, where
-    one is set and lower, wins."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass  # no /proc/meminfo (not Linux): total physical memory below
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            with open("/sys/fs/cgroup/memory.current") as f:
-                used = int(f.read().strip())
-            avail = min(avail, max(int(limit) - used, 0))
-    except OSError:
-        pass  # no cgroup v2 memory files: no container limit to apply
-    return avail
 
 
 @dataclass(frozen=True)

@@ -47,16 +47,11 @@ from collections.abc import Callable
 import torch
 
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.config import (
-    EngineConfig,
-    available_memory_bytes,
-    default_num_threads,
-    resolve_device,
-    resolve_dtype,
-)
+from worker.config import EngineConfig, resolve_device, resolve_dtype
 from worker.cpu_compile import CompiledCpuForward
 from worker.cuda_graphs import CudaGraphRunner, bucket_for, capture_sizes
 from worker.grammar import Grammars
+from worker.host import available_memory_bytes, default_num_threads
 from worker.input_batch import InputBatch, reference_inputs
 from worker.kernels.cpu_layers import CpuLayerStack
 from worker.lora import Adapters

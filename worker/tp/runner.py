@@ -37,7 +37,8 @@ import time
 import torch
 import torch.nn as nn
 
-from worker.config import EngineConfig, default_num_threads
+from worker.config import EngineConfig
+from worker.host import default_num_threads
 from worker.tp.errors import GroupFailed
 from worker.tp.group import (
     JOIN_TIMEOUT_S,
