@@ -4,7 +4,8 @@ that keeps run-time adapters inside it (`--max-lora-rank`).
 
 The reserve is checked against real allocations: an adapter of the cap's rank on every
 projection, written in PEFT's format and loaded, takes exactly one slot's share, in float32 and in
-bfloat16; an adapter of a higher rank is refused with its rank and the cap named.
+bfloat16; an adapter of a higher rank is refused with its rank and the cap named; a start-up
+adapter's slot, unloaded and filled at run time, stays inside what the pool left.
 """
 
 from __future__ import annotations
@@ -57,26 +58,35 @@ def test_the_pool_leaves_each_run_time_slot_a_full_adapter_of_the_cap(model_and_
         served.load_adapter("b", "r8")
     assert caught.value.kind == "invalid"
     assert served.info.adapters == ("a",)
-    # the same adapter at start-up (any rank: measured before the pool is sized) and the cap raised
+    assert served.lora.reserved_bytes == reserve and served.lora.memory_bytes == reserve // 3
+    # a start-up adapter (any rank: measured before the pool is sized) may be unloaded and its slot
+    # filled at run time: the pool leaves what a full slot needs beyond it too
+    unit = reserve // 3  # rank 4 on all seven projections; rank 8 takes twice that
     started = _engine(
         model_and_adapters,
         monkeypatch,
         dtype=dtype,
-        lora_modules=(f"s={adapters / 'r8'}",),
+        lora_modules=(f"s={adapters / 'r4'}",),
         max_lora_rank=8,
         **room,
     )
-    started.load_adapter("b", "r8")
-    assert started.runner.adapters.bytes() == 2 * (reserve // 3) * 2  # rank 8: twice rank 4's bytes
-    assert started.runner.num_blocks == (MEMORY // 2 - (reserve // 3) * 2 * 2) // per_block
+    assert started.runner.lora_reserve == 2 * (2 * unit) + (2 * unit - unit)
+    assert started.runner.num_blocks == (MEMORY // 2 - 5 * unit) // per_block
+    started.unload_adapter("s")
+    for name in ("b", "c", "d"):
+        started.load_adapter(name, "r8")
+    assert started.runner.adapters.bytes() == 3 * 2 * unit <= unit + started.runner.lora_reserve
 
 
 def test_no_reserve_without_lora_dir_or_with_an_explicit_pool(model_and_adapters, monkeypatch):
     _, adapters = model_and_adapters
     explicit = _engine(model_and_adapters, monkeypatch, lora_dir=str(adapters), kv_cache_bytes=2**20)
     assert explicit.runner.num_blocks == 2**20 // explicit.runner.kv_bytes_per_block  # the size given
+    assert explicit.lora.reserved_bytes == 0 and explicit.lora.max_adapters == 16
     start_only = _engine(model_and_adapters, monkeypatch, lora_modules=(f"s={adapters / 'r4'}",))
     assert start_only.runner.adapters.reserve_bytes(start_only.config) == 0
+    figures = start_only.lora
+    assert (figures.adapters, figures.max_adapters, figures.reserved_bytes) == (1, 1, 0)
     with pytest.raises(ValueError, match="less .* for run-time LoRA adapters"):
         _engine(model_and_adapters, monkeypatch, lora_dir=str(adapters), max_lora_adapters=10**6)
     with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):

@@ -110,7 +110,7 @@ class LLMEngine(EngineAdapters):
             # random at start: a router sees a restarted worker's info as new even between probes
             info_version=int.from_bytes(os.urandom(7), "big"),
         )
-        self.lora_memory = self.adapter_memory()  # (bytes held, bytes set aside): worker/metrics.py
+        self.lora = self.lora_figures()  # worker/metrics.py's LoRA gauges
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.step_s_total = 0.0

@@ -46,7 +46,6 @@ from worker.lora_files import (
     AdapterError,
     bytes_at_rank,
     check_runtime_name,
-    check_runtime_rank,
     in_features_of,
     load_adapter,
     out_features_of,
@@ -128,10 +127,10 @@ class Adapters:
     def num_wrapped(self) -> int:
         return len(self._wrapped)
 
-    def read(self, name: str, path: Path) -> Adapter:
+    def read(self, name: str, path: Path, max_rank: int | None = None) -> Adapter:
         """Adapter `name` read from `path` and checked against the model (ValueError): reads only
         the model's shapes, so it may run beside steps, off the engine thread."""
-        return load_adapter(name, path, self._model, self._dtype, self._device)
+        return load_adapter(name, path, self._model, self._dtype, self._device, max_rank)
 
     def load(self, name: str, path: Path) -> int:
         """Loads adapter `name` from `path` into a new slot (`read`, then `install`)."""
@@ -184,17 +183,21 @@ class Adapters:
     def names(self) -> tuple[str, ...]:
         return tuple(self.by_name)
 
-    def bytes(self) -> int:
-        pairs = [p for a in self.by_name.values() for p in a.weights.values()]
+    def bytes(self, adapter: Adapter | None = None) -> int:
+        """The weights' bytes of `adapter`, or of every served adapter."""
+        pairs = [p for a in ([adapter] if adapter else self.by_name.values()) for p in a.weights.values()]
         return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
     def reserve_bytes(self, config) -> int:
-        """Memory the KV pool leaves for run-time loads (with --lora-dir): each free slot of
-        --max-lora-adapters holds an adapter of --max-lora-rank on every projection at most."""
+        """Memory the KV pool leaves for run-time loads (with --lora-dir; before any): each free slot
+        of --max-lora-adapters holds an adapter of --max-lora-rank on every projection at most, and
+        each start-up adapter's slot what such an adapter needs beyond it (it may be unloaded and
+        its slot filled at run time)."""
         if not config.lora_dir:
             return 0
+        slot = bytes_at_rank(self._model, config.max_lora_rank, self._dtype)
         free = max(config.max_lora_adapters, len(config.lora_modules)) - len(self.by_name)
-        return max(free, 0) * bytes_at_rank(self._model, config.max_lora_rank, self._dtype)
+        return max(free, 0) * slot + sum(max(0, slot - self.bytes(a)) for a in self.by_name.values())
 
     def slots(self, plan) -> list[int] | None:
         """Each scheduled sequence's adapter slot (0 = base), or None when the step has no adapter row."""
@@ -236,6 +239,14 @@ class Adapters:
         return weights, rows
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraFigures:
+    adapters: int  # served now
+    max_adapters: int  # --max-lora-adapters (or the start-up adapters, if more); without --lora-dir: those
+    memory_bytes: int  # the served adapters' weights
+    reserved_bytes: int  # what the KV pool left for run-time adapters when it was sized
+
+
 class EngineAdapters:
     """LLMEngine's run-time LoRA loads and unloads (docs/lora.md, "Loading at run time"); uses its
     config, info, runner and scheduler."""
@@ -246,9 +257,7 @@ class EngineAdapters:
         worker is full, the rank is above --max-lora-rank; ValueError: the adapter fails the
         loader's checks."""
         where = runtime_adapter_path(self.config, self.info.adapters, name, path)  # lora_dir is set
-        adapter = self.runner.adapters.read(name, where)
-        check_runtime_rank(self.config, adapter)
-        return adapter
+        return self.runner.adapters.read(name, where, self.config.max_lora_rank)
 
     def install_adapter(self, name: str, adapter) -> None:
         """Between steps: serves a read adapter (the name and room checked again)."""
@@ -270,13 +279,17 @@ class EngineAdapters:
         adapters.unload(name)
         self._adapters_changed()
 
-    def adapter_memory(self) -> tuple[int, int] | None:
-        """(bytes the adapters hold, bytes still set aside for run-time loads), None without LoRA;
-        computed on the engine thread, read by scrapes as one tuple (worker/metrics.py)."""
+    def lora_figures(self) -> LoraFigures | None:
+        """The LoRA gauges' figures, None without LoRA; computed on the engine thread, read by
+        scrapes as one object (worker/metrics.py)."""
         adapters = getattr(self.runner, "adapters", None)
-        return None if adapters is None else (adapters.bytes(), adapters.reserve_bytes(self.config))
+        if adapters is None:
+            return None
+        cap = max(self.config.max_lora_adapters, len(self.config.lora_modules)) if self.config.lora_dir else 0
+        reserved = getattr(self.runner, "lora_reserve", 0)
+        return LoraFigures(len(adapters.by_name), cap or len(adapters.by_name), adapters.bytes(), reserved)
 
     def _adapters_changed(self) -> None:
         names, version = self.runner.adapters.names, self.info.info_version + 1
         self.info = dataclasses.replace(self.info, adapters=names, info_version=version)
-        self.lora_memory = self.adapter_memory()
+        self.lora = self.lora_figures()

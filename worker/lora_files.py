@@ -9,9 +9,9 @@ Contract
   from the tensors (rank_pattern), alpha from lora_alpha or the first alpha_pattern entry matching
   PEFT's module key, the scale alpha / rank (alpha / sqrt(rank) with use_rslora).
 - `runtime_adapter_path(config, loaded, name, path)`: where a run-time load reads from, inside
-  --lora-dir, or AdapterError (kind "off", "invalid", "full"); `check_runtime_rank` refuses a read
-  adapter above --max-lora-rank. `bytes_at_rank(model, rank, dtype)`: one adapter's most bytes at
-  that rank (the KV pool leaves room for the run-time slots: worker/model_runner.py).
+  --lora-dir, or AdapterError (kind "off", "invalid", "full"); `load_adapter(..., max_rank)`
+  refuses a higher rank before allocating. `bytes_at_rank(model, rank, dtype)`: one adapter's most
+  bytes at that rank (the KV pool leaves room for the run-time slots: worker/model_runner.py).
 - failure modes: ValueError naming the adapter and the problem (docs/lora.md lists what is
   refused: DoRA, biases, modules_to_save, trainable tokens, layer replication, embeddings or
   lm_head, base-changing initializations, shapes that do not fit, other peft types).
@@ -137,17 +137,6 @@ def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
 
 
-def check_runtime_rank(config, adapter: Adapter) -> None:
-    """AdapterError ("invalid") when a run-time adapter's rank is above --max-lora-rank: the memory
-    set aside for run-time adapters holds --max-lora-adapters of that rank."""
-    if adapter.rank > config.max_lora_rank:
-        raise AdapterError(
-            "invalid",
-            f"adapter {adapter.name!r} has rank {adapter.rank}; this worker's --max-lora-rank is "
-            f"{config.max_lora_rank}",
-        )
-
-
 def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) -> Path:
     """The directory to load adapter `name` from at run time: `path` (absolute, or relative to
     config.lora_dir) resolved, symbolic links included, inside config.lora_dir, and so are the
@@ -199,16 +188,22 @@ def bytes_at_rank(model: nn.Module, rank: int, dtype: torch.dtype) -> int:
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
-def load_adapter(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
+def load_adapter(
+    name: str, path: Path, model: nn.Module, dtype: torch.dtype, device, max_rank: int | None = None
+) -> Adapter:
     """One PEFT adapter as per-module (A, B) pairs for `model` (a LlamaModel): the contract's checks;
-    a config of the wrong types (an alpha that is no number, a pattern that is no regex) too."""
+    a config of the wrong types (an alpha that is no number, a pattern that is no regex) too.
+    `max_rank` (run-time loads, --max-lora-rank): a higher rank is refused (AdapterError "invalid")
+    before anything reaches the device."""
     try:
-        return _load(name, path, model, dtype, device)
+        return _load(name, path, model, dtype, device, max_rank)
     except (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, re.error) as exc:
         raise ValueError(f"adapter {name!r}: malformed config ({type(exc).__name__}: {exc})") from None
 
 
-def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -> Adapter:
+def _load(
+    name: str, path: Path, model: nn.Module, dtype: torch.dtype, device, max_rank: int | None
+) -> Adapter:
     config = _read_config(name, path)
     tensors = _read_tensors(name, path)
     cfg = model.config
@@ -251,6 +246,11 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
         alpha = _alpha(config, keys[(layer, proj)])
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         parts.setdefault(f"layers.{layer}.{target}", []).append((a, b * scale, offset, out_rows))
+    rank = max(a.shape[0] for items in parts.values() for a, _, _, _ in items)
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(
+            "invalid", f"adapter {name!r} has rank {rank}; this worker's --max-lora-rank is {max_rank}"
+        )
     weights, shards = {}, {}
     for module_name, items in parts.items():
         a_cat = torch.cat([a for a, _, _, _ in items])  # (R, in)
@@ -265,7 +265,6 @@ def _load(name: str, path: Path, model: nn.Module, dtype: torch.dtype, device) -
             b_full.t().to(device, dtype).contiguous(),
         )
         shards[module_name] = torch.tensor(blocks, dtype=torch.int64)
-    rank = max(a.shape[0] for items in parts.values() for a, _, _, _ in items)
     return Adapter(name, path, weights, shards, rank)
 
 

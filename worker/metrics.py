@@ -10,7 +10,7 @@ Contract
   `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
   `llm_structured_output_failures_total` (grammars that failed mid-generation),
   `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
-  ran, async scheduling / with none in flight); with LoRA (`LLMEngine.lora_memory`, replaced on
+  ran, async scheduling / with none in flight); with LoRA (`LLMEngine.lora`, replaced on
   each load / unload): gauges `llm_lora_adapters`, `llm_lora_adapters_max`,
   `llm_lora_adapter_memory_bytes`, `llm_lora_reserved_memory_bytes`; the counter
   `llm_lora_adapter_operations_total{operation,result}` (fed by worker/server.py); and, observed
@@ -96,24 +96,24 @@ class EngineCollector:
 
     def _lora(self):
         """LoRA gauges, on workers serving adapters or loading them at run time (docs/lora.md)."""
-        engine = getattr(self._engine, "engine", None)
-        memory = getattr(engine, "lora_memory", None)
-        if memory is None:
+        figures = getattr(getattr(self._engine, "engine", None), "lora", None)
+        if figures is None:
             return
-        config = engine.config
-        yield GaugeMetricFamily("llm_lora_adapters", "LoRA adapters served", value=len(engine.info.adapters))
+        yield GaugeMetricFamily("llm_lora_adapters", "LoRA adapters served", value=figures.adapters)
         yield GaugeMetricFamily(
             "llm_lora_adapters_max",
-            "LoRA adapters this worker may hold (--max-lora-adapters, or its start-up adapters if more)",
-            value=max(config.max_lora_adapters, len(config.lora_modules)),
+            "LoRA adapters this worker may hold (--max-lora-adapters with --lora-dir, else its start-ups)",
+            value=figures.max_adapters,
         )
         yield GaugeMetricFamily(
-            "llm_lora_adapter_memory_bytes", "Memory the served LoRA adapters' weights take", value=memory[0]
+            "llm_lora_adapter_memory_bytes",
+            "Memory the served LoRA adapters' weights take",
+            value=figures.memory_bytes,
         )
         yield GaugeMetricFamily(
             "llm_lora_reserved_memory_bytes",
-            "Memory set aside beside the KV cache for the free run-time adapter slots (--lora-dir)",
-            value=memory[1],
+            "Memory the KV pool left for run-time LoRA adapters when it was sized (--lora-dir)",
+            value=figures.reserved_bytes,
         )
 
 

@@ -240,6 +240,7 @@ class ModelRunner:
             # --kv-cache-bytes on CPU is the pool's size as given)
             if self.adapters is not None and (reserve := self.adapters.reserve_bytes(self.config)):
                 log.info("KV budget leaves %.1f MiB for run-time LoRA adapters", reserve / 2**20)
+        self.lora_reserve = reserve
         num_blocks = (budget - reserve) // self.kv_bytes_per_block
         if num_blocks < 1:
             less = f" less {reserve} for run-time LoRA adapters (--max-lora-adapters x --max-lora-rank)"

@@ -133,6 +133,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ):
         self._engine = engine
         self._metrics = metrics
+        self._load_lock = asyncio.Lock()  # run-time LoRA loads, one at a time
         self._idle_s = stream_idle_timeout_s or None  # None: a reader may take any time
         self.worker_id = ""  # this worker's gRPC address, once bound
         self.metrics_address = ""  # host:port of /metrics, reported in WorkerInfo
@@ -200,11 +201,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
         name, path, engine = request.name, request.path, self._engine.engine
-        # Read and checked beside the steps (seconds for a large adapter), served between two.
-        read = asyncio.to_thread(engine.read_adapter, name, path)
-        adapter = await self._adapter_call("load", read, context, last=False)
-        install = self._engine.call(lambda e: e.install_adapter(name, adapter))
-        await self._adapter_call("load", install, context)
+        # Read and checked beside the steps (seconds for a large adapter), served between two. One
+        # load at a time: a second one for the last free slot is refused before it allocates.
+        async with self._load_lock:
+            read = asyncio.to_thread(engine.read_adapter, name, path)
+            adapter = await self._adapter_call("load", read, context, last=False)
+            install = self._engine.call(lambda e: e.install_adapter(name, adapter))
+            await self._adapter_call("load", install, context)
         log.info("LoRA adapter %s loaded from %s", name, path)
         return await self.GetInfo(None, context)
 
@@ -221,6 +224,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         `llm_lora_adapter_operations_total` when it fails or is the operation's `last` part."""
         try:
             value = await work
+        except asyncio.CancelledError:  # the caller went away; an install under way still completes
+            self._count_adapter_call(operation, "cancelled")
+            raise
         except AdapterError as exc:
             self._count_adapter_call(operation, exc.kind)
             await context.abort(ADAPTER_CODES[exc.kind], str(exc)[:2000])
