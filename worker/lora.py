@@ -17,9 +17,11 @@ Contract
   the step has one; `active(slots, query_start_loc)` is the context inside which the model's
   forward adds the deltas (the rows of each adapter as one slice or one index tensor, shared by
   every wrapped linear of the step). Outside it the wrappers add nothing, so CUDA graphs and the
-  compiled CPU step keep serving the steps without an adapter row; a step with one runs the eager
-  model (worker/model_runner.py), or on CPU the C++ layer op with the adapters' deltas added in
-  C++ (`op_inputs`; worker/kernels/cpu_layers.cpp `lora_add`, tested against the wrappers).
+  compiled CPU step keep serving the steps without an adapter row; in a step with one, the adapter
+  rows run in an eager launch (on CUDA the base model's decode rows of the same step still replay
+  their graph: worker/model_runner.py `_forward`), or on CPU the C++ layer op with the adapters'
+  deltas added in C++ (`op_inputs`; worker/kernels/cpu_layers.cpp `lora_add`, tested against the
+  wrappers).
 - prefix cache: an adapter's KV differs from the base model's for the same tokens, and from an
   earlier load's of the same name, so its sequences hash their blocks under a salt of its name and
   slot (worker/engine.py `add_request`).

@@ -33,13 +33,15 @@ Contract:
   available memory times `kv_cache_memory_fraction`), less, with `lora_dir`, the run-time LoRA
   adapters' room (`Adapters.reserve_bytes`).
 - CUDA: decode rows replay CUDA graphs (worker/cuda_graphs.py) unless `enforce_eager`; a mixed
-  step runs its prompt chunks in one eager launch, then the decode graph.
+  step runs its prompt chunks and LoRA adapter rows in one eager launch, then the decode graph of
+  the base model's decode rows.
 - Proven by tests/test_engine_hf.py (logits vs transformers), tests/test_engine_batching.py,
   tests/test_input_batch.py and tests/test_cuda_graphs.py (graph path with mixed steps on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -325,8 +327,11 @@ class ModelRunner:
         graphs = self.cuda_graphs
         tokens, rows = feed if feed is not None else (None, None)
         lora = self.adapters.slots(plan) if self.adapters is not None else None  # None: no adapter row
-        if graphs is not None and not scored and not pooled and lora is None:  # these run eager
-            decode = [s for s in plan.scheduled if s.num_new_tokens == 1]
+        if graphs is not None and not scored and not pooled:  # these run eager
+            # decode rows of the base model replay their graph (captured without adapter deltas)
+            decode = [
+                s for i, s in enumerate(plan.scheduled) if s.num_new_tokens == 1 and not (lora and lora[i])
+            ]
             size = bucket_for(len(decode), graphs.sizes) if decode else None
             if size is not None and len(decode) == len(plan.scheduled):
                 step = batch.build(plan, feed=rows)
@@ -337,16 +342,21 @@ class ModelRunner:
                     ([], []),
                 )
             if size is not None:
-                # Mixed step: the prompt chunks in one eager launch, the decode rows in their graph
-                # (distinct sequences: neither reads what the other writes).
+                # Mixed step: the prompt chunks and the LoRA rows in one eager launch, the base
+                # decode rows in their graph (distinct sequences: neither reads what the other writes).
                 live = {s.seq.request_id for s in plan.scheduled}
-                chunks = [s for s in plan.scheduled if s.num_new_tokens != 1]
-                pstep = batch.build(SchedulerOutput(chunks), live)
-                input_ids, positions, meta = batch.eager_inputs(pstep)
-                h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+                graphed = {id(s) for s in decode}
+                eager = SchedulerOutput([s for s in plan.scheduled if id(s) not in graphed])
+                pstep = batch.build(eager, live, feed=rows)
+                input_ids, positions, meta = batch.eager_inputs(pstep, tokens)
+                slots = self.adapters.slots(eager) if lora is not None else None
+                with (
+                    self.adapters.active(slots, pstep.query_start_loc) if slots else contextlib.nullcontext()
+                ):
+                    h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
                 dstep = batch.build(SchedulerOutput(decode), live, feed=rows)
                 h_d = take_rows(graphs.run(dstep, size, tokens), dstep.sample_seq_idx)
-                seqs = [chunks[i].seq for i in pstep.sample_seq_idx]
+                seqs = [eager.scheduled[i].seq for i in pstep.sample_seq_idx]
                 seqs += [decode[i].seq for i in dstep.sample_seq_idx]
                 return torch.cat([take_rows(h_p, pstep.logits_rows), h_d]), seqs, ([], [])
         step = batch.build(plan, feed=rows)
