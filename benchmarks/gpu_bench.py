@@ -20,7 +20,8 @@ filling `res[...]` and `<name>_markdown(res)`:
    measured read bandwidth, per batch size).
 5. Steady serving (Poisson arrivals): benchmarks/gpu_steady.py; FP8 speed and accuracy:
    benchmarks/gpu_fp8.py; the decode step's Triton GEMV and fused sampling, alone and in the
-   engine (right after the bandwidth): benchmarks/gpu_decode.py.
+   engine (right after the bandwidth): benchmarks/gpu_decode.py; LoRA adapter rows against base
+   rows (after FP8): benchmarks/gpu_lora.py.
 Results go to `$OUT` (else results/) as gpu_bench.json and gpu_bench.md, rewritten after every
 case so a run cut short keeps what it measured; a case or section that fails is recorded (and
 printed) and the rest still runs. `--smoke` runs tiny sizes (on CPU with Triton interpreted) so CI
@@ -53,6 +54,7 @@ from benchmarks.gpu_decode import decode_markdown, decode_section
 from benchmarks.gpu_engine import engine_markdown, engine_section, roofline_section
 from benchmarks.gpu_fp8 import fp8_markdown, fp8_section
 from benchmarks.gpu_fused import fused_markdown, fused_section
+from benchmarks.gpu_lora import lora_markdown, lora_section
 from benchmarks.gpu_mixed import mixed_checkpoint_markdown, mixed_checkpoint_section
 from benchmarks.gpu_steady import steady_markdown, steady_section
 from benchmarks.report import git_short
@@ -236,6 +238,7 @@ def markdown(res: dict) -> str:
     lines += engine_markdown(res)
     lines += steady_markdown(res)
     lines += fp8_markdown(res)
+    lines += lora_markdown(res)
     lines += decode_markdown(res)
     return "\n".join(lines) + "\n"
 
@@ -306,7 +309,7 @@ def main() -> None:
     if hot:
         sections.append(("decode", decode_section))
         if not args.skip_engine:
-            sections += [("steady", steady_section), ("fp8", fp8_section)]
+            sections += [("steady", steady_section), ("fp8", fp8_section), ("lora", lora_section)]
     sections += [
         ("fused", lambda *a: fused_section(*a, time_ms)),
         ("attention", attention_section),

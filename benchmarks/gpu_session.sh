@@ -18,7 +18,7 @@
 # and without --triton-gemv, each also with async scheduling, sampled torch vs fused;
 # benchmarks/gpu_decode.py, with Triton compiles); steady serving with Poisson arrivals ~50 s (its highest load twice: synchronous and
 # async scheduling) and FP8 speed + checkpoint accuracy ~50 s (benchmarks/gpu_steady.py,
-# benchmarks/gpu_fp8.py); then, measured in earlier sessions: fused kernels ~5 s, attention
+# benchmarks/gpu_fp8.py), LoRA rows vs base rows ~20 s (benchmarks/gpu_lora.py); then, measured in earlier sessions: fused kernels ~5 s, attention
 # ~25 s, real checkpoint ~30 s (+ ~15 s with staggered arrivals: benchmarks/gpu_mixed.py), engine
 # + transformers eager ~90 s, roofline 0 s (from the engine's timings). The transformers static
 # cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here

@@ -150,6 +150,13 @@ def test_smoke_run_writes_tables(tmp_path):
     assert all(r["t_n_s"] > 0 for r in speed)
     assert "gguf" in res["fp8"]["checkpoint"]["skipped"]
     assert "| variant | batch | decode step ms | decode tok/s | speedup vs bf16 |" in table
+    # LoRA (benchmarks/gpu_lora.py): base, adapter and half-and-half rows timed; nothing leaked.
+    lora = res["lora"]
+    assert [r["batch_size"] for r in lora["rows"]] == [2] and lora["kv_blocks_leaked"] == 0
+    assert lora["adapter_mib"] > 0 and not lora["cuda_graphs"]  # CPU: eager
+    for work in ("base", "adapter", "half"):
+        assert lora["rows"][0][work]["graph_replays_per_step"] == 0, lora
+    assert "**LoRA**" in table and "| adapter / base | half / base |" in table
     # Decode-step kernels (benchmarks/gpu_decode.py): GEMV and fused sampling alone, then in the engine.
     decode = res["decode"]
     assert [(r["shape"], r["rows"]) for r in decode["gemv"]] == [
