@@ -108,3 +108,55 @@ def test_two_routers_settle():
         assert worker.calls == calls and worker.adapters == ["x"]
 
     asyncio.run(scenario())
+
+
+class _Engine:
+    """What WorkerService.LoadAdapter uses of an AsyncEngine: reads block until released."""
+
+    def __init__(self):
+        import threading
+
+        self.engine, self.reading, self.release, self.installed = self, [], threading.Event(), []
+
+    def read_adapter(self, name, path):
+        self.reading.append(name)
+        if not self.release.wait(10):
+            raise TimeoutError("the test never released the read")
+        return name
+
+    async def call(self, fn):
+        return fn(self)
+
+    def install_adapter(self, name, adapter):
+        self.installed.append(name)
+
+
+def test_a_worker_runs_one_load_at_a_time_even_when_its_caller_gives_up():
+    """A load whose caller is cancelled mid-read keeps the worker's load lock until its work ends:
+    the next load's read starts only then (so it sees the first adapter's slot taken); the
+    cancelled call is counted as such."""
+    from worker.server import WorkerService
+
+    async def main():
+        engine = _Engine()
+        service = WorkerService(engine)
+        service.GetInfo = lambda request, context: asyncio.sleep(0)
+        first = asyncio.create_task(
+            service.LoadAdapter(worker_pb2.LoadAdapterRequest(name="a", path="a"), None)
+        )
+        deadline = asyncio.get_running_loop().time() + 10
+        while not engine.reading:  # the read thread started
+            assert asyncio.get_running_loop().time() < deadline, "the first read never started"
+            await asyncio.sleep(0.001)
+        first.cancel()  # the router's deadline ran out
+        second = asyncio.create_task(
+            service.LoadAdapter(worker_pb2.LoadAdapterRequest(name="b", path="b"), None)
+        )
+        for _ in range(50):  # give b every chance to start reading (it must not)
+            await asyncio.sleep(0.001)
+        assert engine.reading == ["a"], engine.reading  # b waits for a's read and install
+        engine.release.set()
+        await asyncio.wait_for(second, 10)
+        assert first.cancelled() and engine.installed == ["a", "b"] and engine.reading == ["a", "b"]
+
+    asyncio.run(main())

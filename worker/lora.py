@@ -30,7 +30,9 @@ Contract
 - proven by tests/test_lora.py: logits equal PEFT's own model over transformers on the same
   adapter, several adapters and the base model in one batch equal their runs alone, prefix-cache
   hits never cross adapters or loads, run-time loads equal start-up ones, the refusals; end to
-  end through a router: tests/test_lora_e2e.py, tests/test_lora_runtime_e2e.py.
+  end through a router: tests/test_lora_e2e.py, tests/test_lora_runtime_e2e.py; base rows on CUDA
+  graphs beside adapter rows: tests/test_lora_graphs.py; the memory reserve:
+  tests/test_lora_memory.py.
 """
 
 from __future__ import annotations

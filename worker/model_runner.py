@@ -36,7 +36,8 @@ Contract:
   step runs its prompt chunks and LoRA adapter rows in one eager launch, then the decode graph of
   the base model's decode rows.
 - Proven by tests/test_engine_hf.py (logits vs transformers), tests/test_engine_batching.py,
-  tests/test_input_batch.py and tests/test_cuda_graphs.py (graph path with mixed steps on CPU).
+  tests/test_input_batch.py, tests/test_cuda_graphs.py (graph path with mixed steps on CPU) and
+  tests/test_lora_graphs.py (base rows on graphs beside LoRA rows).
 """
 
 from __future__ import annotations
@@ -346,12 +347,15 @@ class ModelRunner:
                 # decode rows in their graph (distinct sequences: neither reads what the other writes).
                 live = {s.seq.request_id for s in plan.scheduled}
                 graphed = {id(s) for s in decode}
-                eager = SchedulerOutput([s for s in plan.scheduled if id(s) not in graphed])
+                kept = [i for i, s in enumerate(plan.scheduled) if id(s) not in graphed]
+                eager = SchedulerOutput([plan.scheduled[i] for i in kept])
                 pstep = batch.build(eager, live, feed=rows)
                 input_ids, positions, meta = batch.eager_inputs(pstep, tokens)
-                slots = self.adapters.slots(eager) if lora is not None else None
+                slots = [lora[i] for i in kept] if lora is not None else []
                 with (
-                    self.adapters.active(slots, pstep.query_start_loc) if slots else contextlib.nullcontext()
+                    self.adapters.active(slots, pstep.query_start_loc)
+                    if any(slots)
+                    else contextlib.nullcontext()
                 ):
                     h_p = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
                 dstep = batch.build(SchedulerOutput(decode), live, feed=rows)

@@ -200,16 +200,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
     async def LoadAdapter(self, request: wpb.LoadAdapterRequest, context) -> wpb.WorkerInfo:
-        name, path, engine = request.name, request.path, self._engine.engine
-        # Read and checked beside the steps (seconds for a large adapter), served between two. One
-        # load at a time: a second one for the last free slot is refused before it allocates.
-        async with self._load_lock:
-            read = asyncio.to_thread(engine.read_adapter, name, path)
-            adapter = await self._adapter_call("load", read, context, last=False)
-            install = self._engine.call(lambda e: e.install_adapter(name, adapter))
-            await self._adapter_call("load", install, context)
+        name, path = request.name, request.path
+        # One load at a time, until its work is done even when the caller gives up: a second one
+        # for the last free slot is then refused before it allocates.
+        await self._load_lock.acquire()
+        load = asyncio.create_task(self._load_adapter(name, path))
+        load.add_done_callback(self._load_done)
+        await self._adapter_call("load", asyncio.shield(load), context)
         log.info("LoRA adapter %s loaded from %s", name, path)
         return await self.GetInfo(None, context)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        # Read and checked beside the steps (seconds for a large adapter), served between two.
+        adapter = await asyncio.to_thread(self._engine.engine.read_adapter, name, path)
+        await self._engine.call(lambda e: e.install_adapter(name, adapter))
+
+    def _load_done(self, load: asyncio.Task) -> None:
+        self._load_lock.release()
+        if not load.cancelled() and load.exception() is not None:  # read here if its caller left
+            log.debug("LoRA adapter load ended with %r", load.exception())
 
     async def UnloadAdapter(self, request: wpb.UnloadAdapterRequest, context) -> wpb.WorkerInfo:
         name = request.name
@@ -218,13 +227,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         log.info("LoRA adapter %s unloaded", name)
         return await self.GetInfo(None, context)
 
-    async def _adapter_call(self, operation: str, work, context, last: bool = True):
-        """`work`'s result; its refusals as gRPC statuses (their messages name the adapter and the
+    async def _adapter_call(self, operation: str, work, context) -> None:
+        """Awaits `work`; its refusals as gRPC statuses (their messages name the adapter and the
         problem, nothing else of this process), anything else INTERNAL, logged. Counted in
-        `llm_lora_adapter_operations_total` when it fails or is the operation's `last` part."""
+        `llm_lora_adapter_operations_total`."""
         try:
-            value = await work
-        except asyncio.CancelledError:  # the caller went away; an install under way still completes
+            await work
+        except asyncio.CancelledError:  # the caller went away; work under way may still complete
             self._count_adapter_call(operation, "cancelled")
             raise
         except AdapterError as exc:
@@ -237,9 +246,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self._count_adapter_call(operation, "internal")
             log.exception("LoRA adapter load / unload failed")
             await context.abort(grpc.StatusCode.INTERNAL, "the worker failed to load or unload the adapter")
-        if last:
-            self._count_adapter_call(operation, "ok")
-        return value
+        self._count_adapter_call(operation, "ok")
 
     def _count_adapter_call(self, operation: str, result: str) -> None:
         if self._metrics is not None:
