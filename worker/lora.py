@@ -48,6 +48,7 @@ import torch.nn as nn
 from worker.lora_files import (
     Adapter,
     AdapterError,
+    adapter_capacity,
     bytes_at_rank,
     check_runtime_name,
     in_features_of,
@@ -200,7 +201,7 @@ class Adapters:
         if not config.lora_dir:
             return 0
         slot = bytes_at_rank(self._model, config.max_lora_rank, self._dtype)
-        free = max(config.max_lora_adapters, len(config.lora_modules)) - len(self.by_name)
+        free = adapter_capacity(config) - len(self.by_name)
         return max(free, 0) * slot + sum(max(0, slot - self.bytes(a)) for a in self.by_name.values())
 
     def slots(self, plan) -> list[int] | None:
@@ -289,9 +290,10 @@ class EngineAdapters:
         adapters = getattr(self.runner, "adapters", None)
         if adapters is None:
             return None
-        cap = max(self.config.max_lora_adapters, len(self.config.lora_modules)) if self.config.lora_dir else 0
+        held = len(adapters.by_name)
+        cap = adapter_capacity(self.config) if self.config.lora_dir else held  # no run-time loads
         reserved = getattr(self.runner, "lora_reserve", 0)
-        return LoraFigures(len(adapters.by_name), cap or len(adapters.by_name), adapters.bytes(), reserved)
+        return LoraFigures(held, cap, adapters.bytes(), reserved)
 
     def _adapters_changed(self) -> None:
         names, version = self.runner.adapters.names, self.info.info_version + 1

@@ -124,6 +124,11 @@ class AdapterError(ValueError):
         self.kind = kind
 
 
+def adapter_capacity(config) -> int:
+    """Adapters a worker may hold: --max-lora-adapters, or its start-up adapters if they are more."""
+    return max(config.max_lora_adapters, len(config.lora_modules))
+
+
 def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
     """AdapterError unless run-time loading is on, `name` is well formed and free, and the worker
     has room (--max-lora-adapters, or its start-up adapters if they are more)."""
@@ -133,7 +138,7 @@ def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
         raise AdapterError("invalid", problem)
     if name in loaded:
         raise AdapterError("invalid", f"adapter {name!r} is loaded already (unload it first)")
-    if len(loaded) >= max(config.max_lora_adapters, len(config.lora_modules)):
+    if len(loaded) >= adapter_capacity(config):
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
 
 
@@ -170,7 +175,6 @@ class Adapter:
     # our module -> int64 [Q, 4]: rank rows r0:r1 of its B^T write output columns n0:n1 (one row per
     # shard: a fused linear's B^T is zero elsewhere; the C++ op reads only these blocks)
     shards: dict[str, torch.Tensor]
-    rank: int = 0  # the highest rank of its modules (rank_pattern may vary it)
 
 
 def bytes_at_rank(model: nn.Module, rank: int, dtype: torch.dtype) -> int:
@@ -265,7 +269,7 @@ def _load(
             b_full.t().to(device, dtype).contiguous(),
         )
         shards[module_name] = torch.tensor(blocks, dtype=torch.int64)
-    return Adapter(name, path, weights, shards, rank)
+    return Adapter(name, path, weights, shards)
 
 
 def out_features_of(module: nn.Module) -> int:
