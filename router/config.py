@@ -202,6 +202,16 @@ class RouterConfig:
             "--max-tokens-in-flight and of each worker's KV room and sequence slots"
         ),
     )
+    lora_autoload: bool = field(
+        default=False,
+        metadata=option(
+            "a request naming an adapter not served loads it from the workers' --lora-dir (one base "
+            "model), unloading the least recently used autoloaded adapter when they are full"
+        ),
+    )
+    lora_autoload_retry_s: float = field(
+        default=30.0, metadata=option("a name whose on-demand load failed is not tried again for this long")
+    )
     telemetry: TelemetryConfig = field(default=TelemetryConfig(), metadata=section("observability"))
     tls_cert: str | None = field(
         default=None, metadata=option("PEM: TLS certificate chain of the client port", metavar="FILE")
@@ -262,6 +272,8 @@ class RouterConfig:
             raise ValueError("tenants_poll_s must be >= 0")
         if self.fair_queue not in ("vtc", "fcfs"):
             raise ValueError(f"fair_queue must be vtc or fcfs, got {self.fair_queue!r}")
+        if self.lora_autoload_retry_s < 0:
+            raise ValueError(f"lora_autoload_retry_s must be >= 0, got {self.lora_autoload_retry_s}")
         if not isinstance(self.router_replicas, int) or self.router_replicas < 1:
             raise ValueError(f"router_replicas must be an integer >= 1, got {self.router_replicas!r}")
         for name in ("max_queued", "max_tokens_in_flight"):

@@ -57,9 +57,10 @@ MAX_PATH = 4096
 class AdapterRefused(RouterError):
     """A worker's refusal of a load or unload, with the status the router answers."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, worker_code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+        self.worker_code = worker_code  # the worker's own status (RESOURCE_EXHAUSTED: it is full)
 
 
 # the worker's status -> the router's (worker/server.py ADAPTER_CODES)
@@ -96,6 +97,9 @@ class AdapterAdmin:
         self._restoring: set[tuple[str, str]] = set()  # (worker address, name) being restored
         self._tasks: set[asyncio.Task] = set()
         registry.on_info = self.restore
+
+    def served_bases(self) -> list[str]:
+        return self._models.ids()
 
     def _authorize(self, context) -> None:
         tenants = self._tenants.current
@@ -137,6 +141,10 @@ class AdapterAdmin:
         if base not in bases:
             wanted = "not a served" if request.base_model else "required: this router serves several"
             raise ValidationError("base_model", f"{wanted} base model; served: {bases}")
+        return await self.load_core(name, path, base)
+
+    async def load_core(self, name: str, path: str, base: str) -> pb.LoraAdapterReply:
+        """`load` after its checks (also the autoloader's, router/lora_autoload.py)."""
         with self._claim(name):
             workers = [h for h in self._registry.healthy(base) if h.info.model == base]
             if not workers:
@@ -161,7 +169,10 @@ class AdapterAdmin:
 
     async def unload(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
         self._authorize(context)
-        name = request.name
+        return await self.unload_core(request.name)
+
+    async def unload_core(self, name: str) -> pb.LoraAdapterReply:
+        """`unload` after its check (also the autoloader's eviction)."""
         with self._claim(name):
             having = [h for h in self._registry.all() if h.info is not None and name in h.info.adapters]
             if not having and name not in self.loaded:
@@ -204,7 +215,7 @@ class AdapterAdmin:
             code = CODES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
             details = (exc.details() or "")[:2000]
             log.warning("worker %s: LoRA adapter %s: %s", h.address, message.name[:128], details)
-            return AdapterRefused(code, f"a worker refused: {details}")
+            return AdapterRefused(code, f"a worker refused: {details}", worker_code=exc.code())
 
     def restore(self, h: WorkerHandle) -> None:
         """Registry hook after `h.info` was read: the adapters loaded through this router that it

@@ -148,6 +148,13 @@ class RouterMetrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        self.lora_autoloads = Counter(
+            "llm_router_lora_autoloads",
+            "LoRA adapters loaded on demand (--lora-autoload) by result: loaded | evicted | full | "
+            "failed | cached_failure | unavailable",
+            ["result"],
+            registry=self.registry,
+        )
         self.structured = Counter(
             "llm_router_structured_requests",
             "Requests with a response_format (json_object | json_schema | regex) by final status",

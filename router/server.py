@@ -143,6 +143,7 @@ async def serve(config: RouterConfig) -> int:
         dispatcher,
         metrics=metrics,
         queue_requests=config.queue_requests,
+        lora_autoload_retry_s=config.lora_autoload_retry_s if config.lora_autoload else None,
     )
     modes = reasoning_modes(models)  # logged once, here; a LoRA adapter reasons as its base model
     service.reasoning = lambda name: modes.get(models.base_id(name))

@@ -31,6 +31,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from router.drain import Drain
 from router.errors import Overloaded, Unavailable, ValidationError
 from router.fair_queue import OUTPUT_COST
 from router.lora_admin import AdapterAdmin
+from router.lora_autoload import Autoloader
 from router.metrics import RouterMetrics
 from router.models import ModelTable
 from router.observe import RequestObservation
@@ -116,6 +118,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         dispatcher: Dispatcher,
         metrics: RouterMetrics | None = None,
         queue_requests: bool = True,
+        lora_autoload_retry_s: float | None = None,
     ):
         self._registry = registry
         self._metrics = metrics
@@ -130,6 +133,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
         self.adapters = AdapterAdmin(registry, models, tenants)  # LoRA adapters loaded at run time
+        self.autoload = None  # --lora-autoload: adapters loaded on demand (router/lora_autoload.py)
+        if lora_autoload_retry_s is not None:
+            counter = metrics.lora_autoloads if metrics else None
+            self.autoload = Autoloader(self.adapters, lora_autoload_retry_s, counter)
         # model id -> its reasoning mode (router/openai/reasoning.py), None for most: a reasoning
         # model's structured output holds after its think block (common.structured.after_thinking)
         self.reasoning: Callable[[str], object | None] = lambda model: None
@@ -173,98 +180,107 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         arrival_s = time.monotonic()
         self._drain.enter()
         try:
-            obs.stage("auth")
-            tenant = self.tenant_of(context)
-            obs.stage("validate")
-            obs.response_format = request.response_format.WhichOneof("kind")
-            obs.tools = len(request.chat.tools) if request.HasField("chat") else 0
-            models = self._registry.models()
-            if not models:
-                raise Unavailable("no healthy worker is connected to this router")
-            self._check_model(request.model, models)
-            if request.HasField("response_format"):  # compiled off the loop, on a deep stack
-                loop = asyncio.get_running_loop()
-                req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
-            else:
-                req = validate(request, self._limits, models)
-            obs.model = req.model.name
-            req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
-            req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
-            tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
-            self._refuse_hopeless_text(req)
-            claim = self._shed_early(tenant, req)  # rate and concurrency counted before tokenizing
-            try:
-                prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
-                max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
-                if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
-                    req = await self._after_thinking(req, mode, prompt_ids)
-            except BaseException:
-                claim.release()
-                raise
-            obs.request(
-                req.request_id,
-                tenant.name,
-                req.model.name,
-                len(prompt_ids),
-                max_tokens,
-                req.temperature,
-                req.top_p,
-            )
-            deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
-            salt = f"{tenant.name}\x1f{req.model.name}" if req.model.base else tenant.name  # LoRA: its own KV
-            pending = Pending(req.model.name, prefix_hashes(prompt_ids, salt))
-            obs.stage("admission")
-            try:
-                ticket = self._admission.admit(
-                    tenant,
-                    len(prompt_ids),
-                    max_tokens,
-                    priority=req.priority,
-                    deadline_s=deadline_s,
-                    payload=pending,
-                    claim=claim,
-                )
-            except AdmissionError as err:  # DEADLINE_EXCEEDED for a deadline it cannot meet
-                raise err.router_error() from None
-            if not self._queue_requests:
-                self._dispatcher.dispatch_ready()
-                if not pending.future.done():  # no worker has room for it now: refuse, do not queue
-                    pending.discard()
-                    ticket.release()
-                    err = self._admission.refuse(
-                        tenant,
-                        "no_capacity",
-                        ticket.item.max_cost,
-                        "no worker has room for this request now (the router does not queue: --no-queue)",
-                    )
-                    raise Overloaded(err.message, err.retry_after_ms)
-            num_out = 0
-            try:
-                obs.stage("queue")
-                placement = await self._dispatcher.wait_placed(pending, deadline_s, time.monotonic())
-                obs.stage("route", worker=placement.worker.address if placement else None)
-                events = self._relay.run(
-                    req,
-                    prompt_ids,
-                    max_tokens,
-                    tenant,
-                    arrival_s,
-                    deadline_s,
-                    placement,
-                    retry=lambda tried: self._dispatcher.place_retry(ticket.item, tried),
-                    metadata=obs.metadata,
-                )
-                async with aclosing(events):  # closing the call closes the worker stream at once
-                    async for event in events:
-                        if isinstance(event, Chunk):
-                            num_out += len(event.token_ids)
-                        obs.event(event)
-                        yield _to_pb(event)
-            finally:
-                pending.discard()
-                ticket.release(num_output_tokens=num_out)
+            naming = self.autoload.naming(request.model) if self.autoload else contextlib.nullcontext()
+            with naming:
+                async with aclosing(self._generate_inner(request, context, obs, arrival_s)) as inner:
+                    async for response in inner:
+                        yield response
         finally:
             self._drain.exit()
+
+    async def _generate_inner(self, request: pb.GenerateRequest, context, obs, arrival_s: float):
+        obs.stage("auth")
+        tenant = self.tenant_of(context)
+        obs.stage("validate")
+        obs.response_format = request.response_format.WhichOneof("kind")
+        obs.tools = len(request.chat.tools) if request.HasField("chat") else 0
+        models = self._registry.models()
+        if not models:
+            raise Unavailable("no healthy worker is connected to this router")
+        if self.autoload and await self.autoload.ensure(request.model, models):
+            models = self._registry.models()
+        self._check_model(request.model, models)
+        if request.HasField("response_format"):  # compiled off the loop, on a deep stack
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
+        else:
+            req = validate(request, self._limits, models)
+        obs.model = req.model.name
+        req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
+        req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+        tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
+        self._refuse_hopeless_text(req)
+        claim = self._shed_early(tenant, req)  # rate and concurrency counted before tokenizing
+        try:
+            prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
+            max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+            if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
+                req = await self._after_thinking(req, mode, prompt_ids)
+        except BaseException:
+            claim.release()
+            raise
+        obs.request(
+            req.request_id,
+            tenant.name,
+            req.model.name,
+            len(prompt_ids),
+            max_tokens,
+            req.temperature,
+            req.top_p,
+        )
+        deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
+        salt = f"{tenant.name}\x1f{req.model.name}" if req.model.base else tenant.name  # LoRA: its own KV
+        pending = Pending(req.model.name, prefix_hashes(prompt_ids, salt))
+        obs.stage("admission")
+        try:
+            ticket = self._admission.admit(
+                tenant,
+                len(prompt_ids),
+                max_tokens,
+                priority=req.priority,
+                deadline_s=deadline_s,
+                payload=pending,
+                claim=claim,
+            )
+        except AdmissionError as err:  # DEADLINE_EXCEEDED for a deadline it cannot meet
+            raise err.router_error() from None
+        if not self._queue_requests:
+            self._dispatcher.dispatch_ready()
+            if not pending.future.done():  # no worker has room for it now: refuse, do not queue
+                pending.discard()
+                ticket.release()
+                err = self._admission.refuse(
+                    tenant,
+                    "no_capacity",
+                    ticket.item.max_cost,
+                    "no worker has room for this request now (the router does not queue: --no-queue)",
+                )
+                raise Overloaded(err.message, err.retry_after_ms)
+        num_out = 0
+        try:
+            obs.stage("queue")
+            placement = await self._dispatcher.wait_placed(pending, deadline_s, time.monotonic())
+            obs.stage("route", worker=placement.worker.address if placement else None)
+            events = self._relay.run(
+                req,
+                prompt_ids,
+                max_tokens,
+                tenant,
+                arrival_s,
+                deadline_s,
+                placement,
+                retry=lambda tried: self._dispatcher.place_retry(ticket.item, tried),
+                metadata=obs.metadata,
+            )
+            async with aclosing(events):  # closing the call closes the worker stream at once
+                async for event in events:
+                    if isinstance(event, Chunk):
+                        num_out += len(event.token_ids)
+                    obs.event(event)
+                    yield _to_pb(event)
+        finally:
+            pending.discard()
+            ticket.release(num_output_tokens=num_out)
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         self._drain.enter()

@@ -1,0 +1,167 @@
+"""LoRA adapters loaded on demand (`--lora-autoload`), and the least recently used ones unloaded
+to make room: vLLM's filesystem LoRA resolver and max_loras eviction, through the router.
+
+Contract
+- when: a Generate call (gRPC or the HTTP front) names a model this router does not serve, the
+  name is a well-formed adapter name (common/adapter_names.py), and the router serves one base
+  model. Otherwise the request is refused as before (unknown model).
+- what: `AdapterAdmin.load_core(name, path=name, base)`: every healthy worker of the base model
+  loads `<its --lora-dir>/<name>` (the worker checks the path lies inside its --lora-dir; workers
+  without one refuse). The request then runs on it. Requests naming a name whose load is under
+  way wait for that load (one load per name); loads of different names run one at a time (they
+  compete for the same slots).
+- room: a worker that is full (RESOURCE_EXHAUSTED: --max-lora-adapters) makes the autoloader
+  unload the least recently used adapter that it loaded itself and that no request in this
+  router names (queued or running); a worker still running one refuses the unload, and the next
+  is tried. Stop condition: each round unloads a different adapter, so it ends when the load fits
+  or no candidate is left: RESOURCE_EXHAUSTED (retry-after 1 s). Adapters loaded by an admin
+  (`load_lora_adapter`, `--lora-modules`) are never unloaded by it.
+- failures: a load refused for any other reason (no such directory, no --lora-dir, a bad
+  adapter) answers INVALID_ARGUMENT "model: unknown model ..." with the worker's reason, and the
+  name is not tried again for `retry_s` (a bounded cache of the last MAX_FAILED names): a client
+  repeating a wrong name costs the workers one check per `retry_s`. No worker answering:
+  UNAVAILABLE, not cached.
+- who: any tenant whose key is accepted (as vLLM's resolver); the adapters come only from the
+  operator's --lora-dir.
+- state: per router, in memory: when each autoloaded adapter was last named, how many requests
+  name each name now, the recent failures. Metrics: `llm_router_lora_autoloads_total{result}`.
+- proven by: tests/test_lora_autoload_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+
+import grpc
+
+from common.adapter_names import name_problem
+from router.errors import Overloaded, Unavailable, ValidationError
+from router.lora_admin import AdapterAdmin, AdapterRefused
+
+log = logging.getLogger(__name__)
+MAX_FAILED = 1024  # names remembered as failed (oldest dropped first)
+
+
+class Autoloader:
+    def __init__(self, admin: AdapterAdmin, retry_s: float = 30.0, counter=None):
+        self._admin = admin
+        self._retry_s = retry_s
+        self._counter = counter  # prometheus Counter labelled by result, or None
+        self.last_used: dict[str, float] = {}  # autoloaded adapter -> when a request last named it
+        self._users: Counter[str] = Counter()  # model name -> requests naming it in this router now
+        self._loading: dict[str, asyncio.Task] = {}  # name -> its load under way
+        self._failed: OrderedDict[str, tuple[float, str]] = OrderedDict()  # name -> (until, reason)
+        self._one_at_a_time = asyncio.Lock()
+
+    @contextlib.contextmanager
+    def naming(self, model: str):
+        """Held for the whole of a request that names `model`: an adapter named by a request in
+        this router is not unloaded to make room."""
+        if not model:
+            yield
+            return
+        self._users[model] += 1
+        if model in self.last_used:
+            self.last_used[model] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._users[model] -= 1
+            if not self._users[model]:
+                del self._users[model]
+
+    async def ensure(self, name: str, served: dict) -> bool:
+        """Load adapter `name` if the request names one this router may autoload (see the
+        contract); True when it was loaded (the caller reads the served models again). Raises
+        the refusals the contract names."""
+        bases = self._admin.served_bases()
+        if not name or name in served or name_problem(name) or len(bases) != 1:
+            return False
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] > time.monotonic():
+            self._count("cached_failure")
+            raise ValidationError("model", failed[1])
+        task = self._loading.get(name)
+        if task is None:
+            task = self._loading[name] = asyncio.get_running_loop().create_task(self._load(name, bases[0]))
+            task.add_done_callback(self._done)
+        await asyncio.shield(task)  # a caller that leaves does not cancel the others' load
+        return True
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._loading = {n: t for n, t in self._loading.items() if t is not task}
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller may have left before it ended
+
+    async def _load(self, name: str, base: str) -> None:
+        async with self._one_at_a_time:
+            tried: set[str] = {name}
+            while True:
+                try:
+                    await self._admin.load_core(name, name, base)
+                except AdapterRefused as refused:
+                    if refused.worker_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        victim = await self._evict(tried)
+                        if victim is not None:
+                            tried.add(victim)
+                            continue
+                        self._count("full")
+                        raise Overloaded(
+                            f"model {name!r}: every LoRA adapter slot of the workers holds an adapter "
+                            "in use or loaded by an admin; retry later",
+                            1000,
+                        ) from None
+                    if refused.code == grpc.StatusCode.UNAVAILABLE:
+                        self._count("unavailable")
+                        raise Unavailable(f"model {name!r}: no worker answered its load") from None
+                    self._count("failed")
+                    self._remember_failure(name, refused.message)
+                    raise ValidationError("model", self._failed[name][1]) from None
+                except Unavailable:
+                    self._count("unavailable")
+                    raise
+                self.last_used[name] = time.monotonic()
+                self._failed.pop(name, None)
+                self._count("loaded")
+                log.info("LoRA adapter %s loaded on demand (base %s)", name, base)
+                return
+
+    async def _evict(self, tried: set[str]) -> str | None:
+        """Unload the least recently used autoloaded adapter that no request here names; the name
+        unloaded, or None when none could be."""
+        loaded = self._admin.loaded
+        for gone in [n for n in self.last_used if n not in loaded]:  # unloaded by an admin
+            del self.last_used[gone]
+        for name in sorted(self.last_used, key=self.last_used.__getitem__):
+            if name in tried or self._users[name]:
+                continue
+            tried.add(name)
+            try:
+                await self._admin.unload_core(name)
+            except (AdapterRefused, Unavailable) as exc:  # a worker still runs it, or is busy
+                log.info("LoRA adapter %s not unloaded to make room: %s", name, exc)
+                continue
+            self.last_used.pop(name, None)
+            self._count("evicted")
+            log.info("LoRA adapter %s unloaded to make room (least recently used)", name)
+            return name
+        return None
+
+    def _remember_failure(self, name: str, reason: str) -> None:
+        served = self._admin.served_bases()
+        message = (
+            f"unknown model {name!r}; this router serves {served}, and loading it from the workers' "
+            f"--lora-dir failed: {reason}"
+        )
+        self._failed[name] = (time.monotonic() + self._retry_s, message)
+        self._failed.move_to_end(name)
+        while len(self._failed) > MAX_FAILED:
+            self._failed.popitem(last=False)
+
+    def _count(self, result: str) -> None:
+        if self._counter is not None:
+            self._counter.labels(result).inc()

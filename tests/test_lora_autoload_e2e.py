@@ -1,0 +1,130 @@
+"""LoRA adapters loaded on demand (`--lora-autoload`, router/lora_autoload.py), end to end: a real
+worker with `--lora-dir` and room for one adapter, behind a real router. A request naming an
+adapter directory loads it (PEFT's own greedy tokens); naming another unloads the least recently
+used one to make room, and the first comes back when named again; concurrent requests for one new
+name share one load; a name that is not there is refused as an unknown model and not tried again
+for --lora-autoload-retry-s; an adapter an admin loaded is never unloaded to make room."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.openai_helpers import http_url, post
+from tests.procs import ready, running_router, scrape, start_worker, wait_all_blocks_free
+from tests.test_lora_e2e import _adapter, _generate, _peft_greedy
+from tests.test_lora_runtime_e2e import _models
+from tests.tiny_models import write_checkpoint
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, logs):
+    root = tmp_path_factory.mktemp("lora-autoload")
+    path = write_checkpoint("llama3", root / "base", seed=5)
+    lora_dir = root / "adapters"
+    _adapter(path, lora_dir / "sql", 1, ["q_proj", "v_proj", "down_proj"])
+    _adapter(path, lora_dir / "poet", 2, ["o_proj", "gate_proj", "up_proj"])
+    worker = start_worker(
+        logs,
+        *("--model", str(path), "--served-model-name", "tiny", "--lora-dir", str(lora_dir)),
+        *("--max-lora-adapters", "1", "--metrics-port", "0"),
+    )
+    try:
+        ready(worker)
+        router_args = ("--model", f"tiny={path}", "--http-port", "0", "--metrics-port", "0")
+        with running_router(
+            logs, [worker.address], *router_args, "--lora-autoload", "--lora-autoload-retry-s", "600"
+        ) as router:
+            expected = {name: _peft_greedy(path, lora_dir / name) for name in ("sql", "poet")}
+            yield router, worker, expected
+    finally:
+        worker.stop()
+
+
+def _autoloads(router) -> dict[str, float]:
+    page = scrape(router)
+    name = "llm_router_lora_autoloads_total"
+    return {dict(labels)["result"]: v for (n, labels), v in page.items() if n == name}
+
+
+def _worker_loads(worker) -> dict[str, float]:
+    page = scrape(worker)
+    return {
+        dict(labels)["result"]: v
+        for (n, labels), v in page.items()
+        if n == "llm_lora_adapter_operations_total" and dict(labels)["operation"] == "load"
+    }
+
+
+def _refused(router, model: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(router, model)
+    return refused.value
+
+
+def test_named_adapters_load_on_demand_and_the_least_recent_makes_room(stack):
+    router, worker, expected = stack
+    assert set(_models(router)) == {"tiny"}
+    assert _generate(router, "sql") == expected["sql"]
+    assert set(_models(router)) == {"tiny", "sql"}
+    assert _generate(router, "sql") == expected["sql"]  # served: no second load
+    assert _generate(router, "poet") == expected["poet"]  # the worker holds one: sql makes room
+    assert set(_models(router)) == {"tiny", "poet"}
+    assert _generate(router, "sql") == expected["sql"]  # back again, in poet's place
+    assert set(_models(router)) == {"tiny", "sql"}
+    counts = _autoloads(router)
+    assert counts.get("loaded") == 3 and counts.get("evicted") == 2, counts
+    # Concurrent requests naming an adapter not loaded share one load.
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _generate(router, "poet"), range(4)))
+    assert results == [expected["poet"]] * 4
+    counts = _autoloads(router)
+    assert counts.get("loaded") == 4 and counts.get("evicted") == 3, counts
+    wait_all_blocks_free(worker.address)
+
+
+def test_a_name_that_is_not_there_is_an_unknown_model_and_not_retried_at_once(stack):
+    router, worker, _ = stack
+    before = _worker_loads(worker)
+    first = _refused(router, "nothing-here")
+    assert first.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown model 'nothing-here'" in first.details() and "no adapter_config.json" in first.details()
+    assert "127.0.0.1" not in first.details() and "/adapters" not in first.details()  # no path of theirs
+    second = _refused(router, "nothing-here")  # from the router's memory: the worker is not asked
+    assert second.code() == grpc.StatusCode.INVALID_ARGUMENT and second.details() == first.details()
+    for name in ("../sql", "x y"):  # not adapter names: refused as before, no load tried
+        bad = _refused(router, name)
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model" in bad.details()
+    after = _worker_loads(worker)
+    assert after.get("invalid", 0) - before.get("invalid", 0) == 1, (before, after)
+    # The HTTP front: the same refusal, as an OpenAI error body.
+    body = json.dumps({"model": "nothing-here", "prompt": "hi", "max_tokens": 2}).encode()
+    status, reply = post(f"{http_url(router)}/completions", body, None)
+    assert status == 400 and "unknown model 'nothing-here'" in reply["error"]["message"], reply
+    assert _autoloads(router).get("cached_failure") == 2
+
+
+def test_an_adapter_an_admin_loaded_is_never_unloaded_to_make_room(stack):
+    router, worker, expected = stack
+    loaded = set(_models(router)) - {"tiny"}
+    for name in loaded:  # an autoloaded one: unloaded by the admin (loopback, no tenants file)
+        status, reply = post(
+            f"{http_url(router)}/unload_lora_adapter", json.dumps({"lora_name": name}).encode(), None
+        )
+        assert status == 200, reply
+    status, reply = post(
+        f"{http_url(router)}/load_lora_adapter",
+        json.dumps({"lora_name": "sql", "lora_path": "sql"}).encode(),
+        None,
+    )
+    assert status == 200, reply
+    full = _refused(router, "poet")
+    assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in full.details()
+    assert dict(full.trailing_metadata()).get("retry-after-ms") == "1000"
+    assert set(_models(router)) == {"tiny", "sql"} and _generate(router, "sql") == expected["sql"]
+    assert _autoloads(router).get("full") == 1
