@@ -101,6 +101,10 @@ class AdapterAdmin:
     def served_bases(self) -> list[str]:
         return self._models.ids()
 
+    def serves(self, name: str) -> bool:
+        """A healthy worker serves model `name` (a base model or an adapter)."""
+        return name in self._registry.models()
+
     def _authorize(self, context) -> None:
         tenants = self._tenants.current
         tenant = tenants.authenticate(context.invocation_metadata() or (), context.peer())

@@ -23,6 +23,9 @@ Contract
   UNAVAILABLE, not cached.
 - who: any tenant whose key is accepted (as vLLM's resolver); the adapters come only from the
   operator's --lora-dir.
+- several routers: each autoloads and evicts on its own, through the same workers; an adapter one
+  router unloads to make room fails the requests another router has queued for it (the worker no
+  longer knows the name).
 - state: per router, in memory: when each autoloaded adapter was last named, how many requests
   name each name now, the recent failures. Metrics: `llm_router_lora_autoloads_total{result}`.
 - proven by: tests/test_lora_autoload_e2e.py.
@@ -99,6 +102,8 @@ class Autoloader:
 
     async def _load(self, name: str, base: str) -> None:
         async with self._one_at_a_time:
+            if self._admin.serves(name):  # loaded meanwhile (an admin, or before the wait)
+                return
             tried: set[str] = {name}
             while True:
                 try:

@@ -31,6 +31,9 @@ class FakeAdmin:
     def served_bases(self) -> list[str]:
         return ["tiny"]
 
+    def serves(self, name: str) -> bool:
+        return name in self.loaded
+
     async def load_core(self, name: str, path: str, base: str):
         self.calls.append(("load", name))
         if self.gate is not None:
@@ -150,5 +153,24 @@ def test_one_load_per_name_for_every_waiter_even_when_some_leave():
         assert isinstance(results[0], asyncio.CancelledError) and results[1:] == [True] * 4
         assert admin.calls == [("load", "a")] and "a" in admin.loaded
         assert not auto._loading
+
+    run(main())
+
+
+def test_a_name_loaded_while_its_load_waited_is_not_loaded_again():
+    """Loads run one at a time: one that waited behind another finds its name served by then (an
+    admin loaded it) and asks no worker (which would refuse a second load of a served name)."""
+
+    async def main():
+        admin = FakeAdmin(slots=3)
+        admin.gate = asyncio.Event()
+        auto = Autoloader(admin, retry_s=60)
+        first = asyncio.create_task(auto.ensure("b", set()))
+        second = asyncio.create_task(auto.ensure("a", set()))
+        await asyncio.sleep(0)
+        admin.loaded["a"] = Loaded("tiny", "a")  # an admin's load, while b's load holds the lock
+        admin.gate.set()
+        assert await asyncio.gather(first, second) == [True, True]
+        assert admin.calls == [("load", "b")] and "a" not in auto.last_used  # an admin's: kept
 
     run(main())
