@@ -272,7 +272,7 @@ class RouterConfig:
             raise ValueError("tenants_poll_s must be >= 0")
         if self.fair_queue not in ("vtc", "fcfs"):
             raise ValueError(f"fair_queue must be vtc or fcfs, got {self.fair_queue!r}")
-        if self.lora_autoload_retry_s < 0:
+        if not self.lora_autoload_retry_s >= 0:  # NaN too
             raise ValueError(f"lora_autoload_retry_s must be >= 0, got {self.lora_autoload_retry_s}")
         if not isinstance(self.router_replicas, int) or self.router_replicas < 1:
             raise ValueError(f"router_replicas must be an integer >= 1, got {self.router_replicas!r}")

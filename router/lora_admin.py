@@ -12,7 +12,8 @@ Contract
   FAILED_PRECONDITION). Every healthy worker of that base model gets `Worker.LoadAdapter` at once,
   each call bounded by `call_timeout_s`. All succeed: the adapter is remembered and the workers'
   info updated together (routable as soon as the call returns). One fails: every worker asked
-  unloads it again (one may have loaded it after its call timed out) and the call fails with that
+  unloads it again (one may have loaded it after its call timed out), except those that held the
+  name already (ALREADY_EXISTS: another router's load), and the call fails with that
   worker's reason: INVALID_ARGUMENT (name, path or adapter), FAILED_PRECONDITION (no --lora-dir
   there, or the worker is full), INTERNAL (the worker's own failure), UNAVAILABLE (no healthy
   worker of the base, or one did not answer).
@@ -24,7 +25,8 @@ Contract
   restart or a hang), each remembered adapter of its base model it lacks is loaded onto it, and
   each adapter unloaded through this router it still has is unloaded: one attempt per read, a
   failure logged (that worker then does not serve it). After a load, the healthy workers the load
-  left out (joined meanwhile, or their circuit open) get the same treatment at once.
+  left out (joined meanwhile, or their circuit open) get the same treatment at once. Adapters
+  loaded on demand (router/lora_autoload.py, `remember=False`) are neither restored nor unloaded.
 - state: the adapters loaded through this router, name -> (base model, path), and the names
   unloaded through it; the names with an operation in progress. Not persisted: a
   restarted router forgets them (the workers keep theirs); with several routers, the one that
@@ -66,11 +68,17 @@ class AdapterRefused(RouterError):
 # the worker's status -> the router's (worker/server.py ADAPTER_CODES)
 CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS: grpc.StatusCode.INVALID_ARGUMENT,  # the name is loaded there already
     grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+
+
+def _exists(result) -> bool:
+    """A worker's load refused because it holds that name already."""
+    return isinstance(result, AdapterRefused) and result.worker_code == grpc.StatusCode.ALREADY_EXISTS
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,10 @@ class AdapterAdmin:
     def serves(self, name: str) -> bool:
         """A healthy worker serves model `name` (a base model or an adapter)."""
         return name in self._registry.models()
+
+    def holds(self, name: str) -> bool:
+        """Some worker, healthy or not, reports adapter `name`."""
+        return any(h.info is not None and name in h.info.adapters for h in self._registry.all())
 
     def _authorize(self, context) -> None:
         tenants = self._tenants.current
@@ -147,8 +159,12 @@ class AdapterAdmin:
             raise ValidationError("base_model", f"{wanted} base model; served: {bases}")
         return await self.load_core(name, path, base)
 
-    async def load_core(self, name: str, path: str, base: str) -> pb.LoraAdapterReply:
-        """`load` after its checks (also the autoloader's, router/lora_autoload.py)."""
+    async def load_core(
+        self, name: str, path: str, base: str, *, remember: bool = True
+    ) -> pb.LoraAdapterReply:
+        """`load` after its checks. `remember=False` (the autoloader, router/lora_autoload.py): the
+        adapter is not restored onto workers that lack it later, and a worker that has it already
+        (ALREADY_EXISTS: another router loaded it meanwhile) counts as serving it."""
         with self._claim(name):
             workers = [h for h in self._registry.healthy(base) if h.info.model == base]
             if not workers:
@@ -159,14 +175,22 @@ class AdapterAdmin:
             except asyncio.CancelledError:  # the client left: what loaded is unloaded again
                 await asyncio.shield(self._unload_from(workers, name))
                 raise
-            failed = [r for r in results if isinstance(r, AdapterRefused)]
-            if failed:  # every targeted worker unloads it: one may have loaded it and timed out
-                await self._unload_from(workers, name)
+            # A worker that had it already keeps it: not loaded by this call (another router's).
+            had = [_exists(r) for r in results]
+            failed = [
+                r for r, old in zip(results, had) if isinstance(r, AdapterRefused) and (remember or not old)
+            ]
+            if failed:  # the others unload it: one may have loaded it and timed out
+                await self._unload_from([h for h, old in zip(workers, had) if not old], name)
                 raise failed[0]
             for h, info in zip(workers, results):
-                h.info = info  # routable at once, on all of them together
-            self.loaded[name] = Loaded(base, path)
-            self.dropped.discard(name)
+                if isinstance(info, AdapterRefused):  # had it: its info lists it now
+                    info = await self._info(h)
+                if info is not None:
+                    h.info = info  # routable at once, on all of them together
+            if remember:
+                self.loaded[name] = Loaded(base, path)
+            self.dropped.discard(name)  # not unloaded from the workers by `restore` any more
         self._sweep(workers)  # workers that joined during the load, or were left out (circuit open)
         log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
         return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
@@ -220,6 +244,14 @@ class AdapterAdmin:
             details = (exc.details() or "")[:2000]
             log.warning("worker %s: LoRA adapter %s: %s", h.address, message.name[:128], details)
             return AdapterRefused(code, f"a worker refused: {details}", worker_code=exc.code())
+
+    async def _info(self, h: WorkerHandle) -> worker_pb2.WorkerInfo | None:
+        """The worker's info now; None if it does not answer (the registry reads it at its next probe)."""
+        try:
+            return await h.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("worker %s: info after a LoRA load: %s", h.address, (exc.details() or "")[:200])
+            return None
 
     def restore(self, h: WorkerHandle) -> None:
         """Registry hook after `h.info` was read: the adapters loaded through this router that it

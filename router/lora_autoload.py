@@ -5,29 +5,39 @@ Contract
 - when: a Generate call (gRPC or the HTTP front) names a model this router does not serve, the
   name is a well-formed adapter name (common/adapter_names.py), and the router serves one base
   model. Otherwise the request is refused as before (unknown model).
-- what: `AdapterAdmin.load_core(name, path=name, base)`: every healthy worker of the base model
-  loads `<its --lora-dir>/<name>` (the worker checks the path lies inside its --lora-dir; workers
-  without one refuse). The request then runs on it. Requests naming a name whose load is under
-  way wait for that load (one load per name); loads of different names run one at a time (they
-  compete for the same slots).
+- what: `AdapterAdmin.load_core(name, path=name, base, remember=False)`: every healthy worker of
+  the base model loads `<its --lora-dir>/<name>` (the worker checks the path lies inside its
+  --lora-dir; workers without one refuse; one that holds the name already, loaded by another
+  router, counts as serving it). The request then runs on it. Requests naming a name whose load
+  is under way wait for that load (one load per name), each until its own deadline (then
+  DEADLINE_EXCEEDED; the load goes on); loads of different names run one at a time (they
+  compete for the same slots). A tenant over its request rate or caps (`precheck`) is refused
+  (RESOURCE_EXHAUSTED) before it causes a load.
 - room: a worker that is full (RESOURCE_EXHAUSTED: --max-lora-adapters) makes the autoloader
   unload the least recently used adapter that it loaded itself and that no request in this
-  router names (queued or running); a worker still running one refuses the unload, and the next
-  is tried. Stop condition: each round unloads a different adapter, so it ends when the load fits
-  or no candidate is left: RESOURCE_EXHAUSTED (retry-after 1 s). Adapters loaded by an admin
-  (`load_lora_adapter`, `--lora-modules`) are never unloaded by it.
-- failures: a load refused for any other reason (no such directory, no --lora-dir, a bad
-  adapter) answers INVALID_ARGUMENT "model: unknown model ..." with the worker's reason, and the
-  name is not tried again for `retry_s` (a bounded cache of the last MAX_FAILED names): a client
-  repeating a wrong name costs the workers one check per `retry_s`. No worker answering:
-  UNAVAILABLE, not cached.
+  router names (queued or running; one naming it while it is being unloaded waits to load it
+  again); a worker still running one refuses the unload, and the next is tried. Stop condition:
+  each round unloads a different adapter, so it ends when the load fits or no candidate is left:
+  RESOURCE_EXHAUSTED (retry-after 1 s). Adapters loaded by an admin (`load_lora_adapter`,
+  `--lora-modules`, also one an admin unloaded and loaded again) are never unloaded by it.
+- failures: a load the workers refuse as the request's or the operator's fault (INVALID_ARGUMENT:
+  no such directory, a bad adapter; FAILED_PRECONDITION: no --lora-dir) answers INVALID_ARGUMENT
+  "model: unknown model ..." with the worker's reason, and the name is not tried again for
+  `retry_s` (a bounded cache of the last MAX_FAILED names; forgotten as soon as the name is
+  served): a client repeating a wrong name costs the workers one check per `retry_s`. A worker's
+  own failure (INTERNAL), no worker answering, or an admin's load or unload of that name under
+  way: UNAVAILABLE, not cached.
 - who: any tenant whose key is accepted (as vLLM's resolver); the adapters come only from the
   operator's --lora-dir.
-- several routers: each autoloads and evicts on its own, through the same workers; an adapter one
-  router unloads to make room fails the requests another router has queued for it (the worker no
-  longer knows the name).
+- not remembered: autoloaded adapters are not restored onto workers that lack them (a restarted
+  or new worker gets one when a request names it and no healthy worker serves it), nor unloaded
+  by `restore`, so several routers never undo each other's loads. Each router autoloads and
+  evicts on its own, through the same workers: an adapter one router unloads to make room fails
+  the requests another router has queued for it or sends it before its next probe of the workers
+  reads the change; after that, the next request naming it loads it again.
 - state: per router, in memory: when each autoloaded adapter was last named, how many requests
-  name each name now, the recent failures. Metrics: `llm_router_lora_autoloads_total{result}`.
+  name each name now, the names being unloaded, the recent failures. Metrics:
+  `llm_router_lora_autoloads_total{result}`.
 - proven by: tests/test_lora_autoload_e2e.py.
 """
 
@@ -38,15 +48,19 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 import grpc
 
 from common.adapter_names import name_problem
-from router.errors import Overloaded, Unavailable, ValidationError
+from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError
 from router.lora_admin import AdapterAdmin, AdapterRefused
 
 log = logging.getLogger(__name__)
 MAX_FAILED = 1024  # names remembered as failed (oldest dropped first)
+# the workers' refusals remembered as failures: the request's fault (a bad name, path or adapter), or
+# the operator's (no --lora-dir); not a worker's own failure (INTERNAL) or one that did not answer
+REMEMBERED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class Autoloader:
@@ -57,6 +71,7 @@ class Autoloader:
         self.last_used: dict[str, float] = {}  # autoloaded adapter -> when a request last named it
         self._users: Counter[str] = Counter()  # model name -> requests naming it in this router now
         self._loading: dict[str, asyncio.Task] = {}  # name -> its load under way
+        self._evicting: set[str] = set()  # names being unloaded to make room (not served for new requests)
         self._failed: OrderedDict[str, tuple[float, str]] = OrderedDict()  # name -> (until, reason)
         self._one_at_a_time = asyncio.Lock()
 
@@ -77,13 +92,27 @@ class Autoloader:
             if not self._users[model]:
                 del self._users[model]
 
-    async def ensure(self, name: str, served: dict) -> bool:
+    async def ensure(
+        self,
+        name: str,
+        served: dict,
+        deadline_s: float | None = None,
+        precheck: Callable[[], None] | None = None,
+    ) -> bool:
         """Load adapter `name` if the request names one this router may autoload (see the
         contract); True when it was loaded (the caller reads the served models again). Raises
-        the refusals the contract names."""
+        the refusals the contract names; `precheck()`'s refusal (the tenant's rate and caps) before
+        anything else; DEADLINE_EXCEEDED when the load outlasts `deadline_s` (time.monotonic();
+        the load itself goes on for the others)."""
         bases = self._admin.served_bases()
-        if not name or name in served or name_problem(name) or len(bases) != 1:
+        if not name or name_problem(name) or len(bases) != 1:
             return False
+        if name in served and name not in self._evicting:
+            if self._failed:  # served after all (an admin's load, another router's)
+                self._failed.pop(name, None)
+            return False
+        if precheck is not None:  # a tenant over its limits causes no load (nor eviction)
+            precheck()
         failed = self._failed.get(name)
         if failed is not None and failed[0] > time.monotonic():
             self._count("cached_failure")
@@ -92,7 +121,14 @@ class Autoloader:
         if task is None:
             task = self._loading[name] = asyncio.get_running_loop().create_task(self._load(name, bases[0]))
             task.add_done_callback(self._done)
-        await asyncio.shield(task)  # a caller that leaves does not cancel the others' load
+        timeout = None if deadline_s is None else max(0.0, deadline_s - time.monotonic())
+        try:  # shielded: a caller that leaves does not cancel the others' load
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            self._count("deadline")
+            raise DeadlineExceeded(
+                f"model {name!r}: its adapter was still loading at the request's deadline"
+            ) from None
         return True
 
     def _done(self, task: asyncio.Task) -> None:
@@ -107,7 +143,7 @@ class Autoloader:
             tried: set[str] = {name}
             while True:
                 try:
-                    await self._admin.load_core(name, name, base)
+                    await self._admin.load_core(name, name, base, remember=False)
                 except AdapterRefused as refused:
                     if refused.worker_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         victim = await self._evict(tried)
@@ -120,9 +156,17 @@ class Autoloader:
                             "in use or loaded by an admin; retry later",
                             1000,
                         ) from None
-                    if refused.code == grpc.StatusCode.UNAVAILABLE:
+                    if refused.worker_code is None:  # this router's: an admin's load or unload of it
                         self._count("unavailable")
-                        raise Unavailable(f"model {name!r}: no worker answered its load") from None
+                        raise Unavailable(
+                            f"model {name!r}: an admin is loading or unloading this adapter now; retry"
+                        ) from None
+                    if refused.worker_code not in REMEMBERED:  # a worker failed, or did not answer
+                        self._count("unavailable")
+                        raise Unavailable(
+                            f"model {name!r}: no worker could load its adapter now (one failed or did "
+                            "not answer); retry later"
+                        ) from None
                     self._count("failed")
                     self._remember_failure(name, refused.message)
                     raise ValidationError("model", self._failed[name][1]) from None
@@ -138,18 +182,23 @@ class Autoloader:
     async def _evict(self, tried: set[str]) -> str | None:
         """Unload the least recently used autoloaded adapter that no request here names; the name
         unloaded, or None when none could be."""
-        loaded = self._admin.loaded
-        for gone in [n for n in self.last_used if n not in loaded]:  # unloaded by an admin
+        admin = self._admin
+        # An admin's now (unloaded and loaded again through it), or no worker holds it any more
+        # (an admin or another router unloaded it, or the workers restarted): not ours to unload.
+        for gone in [n for n in self.last_used if n in admin.loaded or not admin.holds(n)]:
             del self.last_used[gone]
         for name in sorted(self.last_used, key=self.last_used.__getitem__):
             if name in tried or self._users[name]:
                 continue
             tried.add(name)
+            self._evicting.add(name)  # a request naming it meanwhile waits to load it again
             try:
-                await self._admin.unload_core(name)
+                await admin.unload_core(name)
             except (AdapterRefused, Unavailable) as exc:  # a worker still runs it, or is busy
                 log.info("LoRA adapter %s not unloaded to make room: %s", name, exc)
                 continue
+            finally:
+                self._evicting.discard(name)
             self.last_used.pop(name, None)
             self._count("evicted")
             log.info("LoRA adapter %s unloaded to make room (least recently used)", name)

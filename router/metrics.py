@@ -151,7 +151,7 @@ class RouterMetrics:
         self.lora_autoloads = Counter(
             "llm_router_lora_autoloads",
             "LoRA adapters loaded on demand (--lora-autoload) by result: loaded | evicted | full | "
-            "failed | cached_failure | unavailable",
+            "failed | cached_failure | unavailable | deadline",
             ["result"],
             registry=self.registry,
         )

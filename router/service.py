@@ -39,7 +39,7 @@ from contextlib import aclosing
 
 import jinja2
 
-from common.structured import after_thinking, compile_executor
+from common.structured import compile_executor
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.admission import AdmissionController, AdmissionError, Claim
@@ -59,7 +59,7 @@ from router.relay import Chunk, Done, Relay
 from router.tenants import TenantsFile
 from router.token_api import TokenApi
 from router.tokenize_pool import TokenizePool
-from router.validation import ValidRequest, fit_to_context, validate
+from router.validation import ValidRequest, after_think_block, fit_to_context, validate
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -158,24 +158,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request out into several calls sizes itself to (router/openai/embeddings.py)."""
         return self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
 
-    @staticmethod
-    async def _after_thinking(req: ValidRequest, mode, prompt_ids: list[int]) -> ValidRequest:
-        """A reasoning model's format holds after its think block (common.structured.after_thinking),
-        which the prompt left open (the template's `<think>`, or a raw prompt's) or the model may
-        open itself."""
-        ids = prompt_ids[::-1]
-        opened = mode.open_id in ids and ids.index(mode.open_id) < (
-            ids.index(mode.close_id) if mode.close_id in ids else len(ids)
-        )
-        loop = asyncio.get_running_loop()
-        try:
-            grammar = await loop.run_in_executor(
-                compile_executor(), after_thinking, req.grammar, opened, mode.open_id, mode.close_id
-            )
-        except ValueError as exc:
-            raise ValidationError("response_format", f"after the think block: {exc}") from None
-        return dataclasses.replace(req, grammar=grammar)
-
     async def _generate(self, request: pb.GenerateRequest, context, obs: RequestObservation):
         arrival_s = time.monotonic()
         self._drain.enter()
@@ -197,7 +179,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         models = self._registry.models()
         if not models:
             raise Unavailable("no healthy worker is connected to this router")
-        if self.autoload and await self.autoload.ensure(request.model, models):
+        deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
+        if self.autoload and await self.autoload.ensure(
+            request.model, models, deadline_s, precheck=lambda: self._precheck(tenant)
+        ):
             models = self._registry.models()
         self._check_model(request.model, models)
         if request.HasField("response_format"):  # compiled off the loop, on a deep stack
@@ -215,7 +200,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
             if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
-                req = await self._after_thinking(req, mode, prompt_ids)
+                req = await after_think_block(req, mode, prompt_ids)
         except BaseException:
             claim.release()
             raise
@@ -228,7 +213,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             req.temperature,
             req.top_p,
         )
-        deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
         salt = f"{tenant.name}\x1f{req.model.name}" if req.model.base else tenant.name  # LoRA: its own KV
         pending = Pending(req.model.name, prefix_hashes(prompt_ids, salt))
         obs.stage("admission")
@@ -363,6 +347,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"{chars} characters cannot fit the model's {req.model.max_model_len}-token "
                 f"context (a token covers at most {per_token} characters)",
             )
+
+    def _precheck(self, tenant) -> None:
+        """The tenant's rate and caps, nothing taken: before work for a request not claimed yet."""
+        try:
+            self._admission.precheck(tenant, OUTPUT_COST * self._limits.default_max_tokens)
+        except AdmissionError as err:
+            raise Overloaded(err.message, err.retry_after_ms) from None
 
     def _shed_early(self, tenant, req: ValidRequest) -> Claim:
         """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""

@@ -13,6 +13,8 @@ Contract
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import json
 import math
@@ -20,7 +22,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.structured import MAX_GRAMMAR_BYTES, grammar_for
+from common.structured import MAX_GRAMMAR_BYTES, after_thinking, compile_executor, grammar_for
 from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import CHAT_ROLES, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
 from router.config import Limits
@@ -337,3 +339,21 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
         f"context of {context} tokens",
     )
     return req.max_tokens
+
+
+async def after_think_block(req: ValidRequest, mode, prompt_ids: list[int]) -> ValidRequest:
+    """A reasoning model's format holds after its think block (common.structured.after_thinking),
+    which the prompt left open (the template's `<think>`, or a raw prompt's) or the model may
+    open itself."""
+    ids = prompt_ids[::-1]
+    opened = mode.open_id in ids and ids.index(mode.open_id) < (
+        ids.index(mode.close_id) if mode.close_id in ids else len(ids)
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        grammar = await loop.run_in_executor(
+            compile_executor(), after_thinking, req.grammar, opened, mode.open_id, mode.close_id
+        )
+    except ValueError as exc:
+        raise ValidationError("response_format", f"after the think block: {exc}") from None
+    return dataclasses.replace(req, grammar=grammar)

@@ -365,7 +365,7 @@ def test_adapters_load_and_unload_at_run_time(tiny):
     assert engine.generate(prompts, [_greedy(6, "wide")] * 2) == want["wide"]
     assert engine.generate(prompts, [_greedy(6, "other")] * 2) == want["narrow"]
     refusals = [
-        ("wide", "narrow", "invalid", "loaded already"),
+        ("wide", "narrow", "exists", "loaded already"),
         ("x", "narrow", "full", "max-lora-adapters"),
     ]
     for name, where, kind, message in refusals:

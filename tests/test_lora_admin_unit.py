@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+from grpc.aio import Metadata
+
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import worker_pb2
-from router.lora_admin import AdapterAdmin
+from router.lora_admin import AdapterAdmin, AdapterRefused
 from router.registry import StaticRegistry, WorkerHandle
 from router.tenants import Tenants
 
@@ -27,7 +31,13 @@ class Worker:
     async def LoadAdapter(self, request, timeout):
         self.calls += 1
         await asyncio.sleep(0)
+        if request.name in self.adapters:  # worker/lora_files.py check_runtime_name
+            details = f"adapter {request.name!r} is loaded already (unload it first)"
+            raise grpc.aio.AioRpcError(grpc.StatusCode.ALREADY_EXISTS, Metadata(), Metadata(), details)
         self.adapters.append(request.name)
+        return self.info()
+
+    async def GetInfo(self, request, timeout):
         return self.info()
 
     async def UnloadAdapter(self, request, timeout):
@@ -106,6 +116,47 @@ def test_two_routers_settle():
         await _probe(a, registry_a)
         await _probe(b, registry_b)
         assert worker.calls == calls and worker.adapters == ["x"]
+
+    asyncio.run(scenario())
+
+
+def test_routers_loading_on_demand_never_undo_each_other():
+    """The autoloader's loads (`remember=False`, router/lora_autoload.py) through two routers over
+    the same workers: a second load of a name a worker holds already counts as served there, an
+    eviction by one is not reloaded by the other's restore, a load by one is not unloaded by the
+    other's; an admin's load refused by a worker that holds the name leaves it there."""
+
+    async def scenario():
+        workers = {"w1": Worker(), "w2": Worker()}
+        a, registry_a = _router(workers)
+        b, registry_b = _router(workers)
+
+        async def probes():
+            for _ in range(2):
+                await _probe(a, registry_a)
+                await _probe(b, registry_b)
+
+        await a.load_core("x", "x", "base", remember=False)
+        reply = await b.load_core("x", "x", "base", remember=False)  # b had not read the change yet
+        assert reply.num_workers == 2 and all(w.adapters == ["x"] for w in workers.values())
+        assert all("x" in h.info.adapters for h in registry_b.all())  # routable through b at once
+        await a.unload_core("x")  # a makes room
+        await probes()
+        assert all(w.adapters == [] for w in workers.values())  # b does not load it back
+        await b.load_core("x", "x", "base", remember=False)
+        await probes()
+        assert all(w.adapters == ["x"] for w in workers.values())  # a does not unload it
+        workers["w2"].adapters.append("y")  # another router's, which this one has not read yet
+        with pytest.raises(AdapterRefused) as refused:
+            await a.load_core("y", "y", "base")
+        assert (
+            refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            and "loaded already" in refused.value.message
+        )
+        assert workers["w1"].adapters == ["x"] and workers["w2"].adapters == [
+            "x",
+            "y",
+        ]  # rolled back on w1 only
 
     asyncio.run(scenario())
 

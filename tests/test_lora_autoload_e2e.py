@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from router.tenants import hash_key
 from tests.openai_helpers import http_url, post
 from tests.procs import ready, running_router, scrape, start_worker, wait_all_blocks_free
 from tests.test_lora_e2e import _adapter, _generate, _peft_greedy
@@ -41,7 +42,7 @@ def stack(tmp_path_factory, logs):
             logs, [worker.address], *router_args, "--lora-autoload", "--lora-autoload-retry-s", "600"
         ) as router:
             expected = {name: _peft_greedy(path, lora_dir / name) for name in ("sql", "poet")}
-            yield router, worker, expected
+            yield router, worker, expected, path
     finally:
         worker.stop()
 
@@ -61,14 +62,14 @@ def _worker_loads(worker) -> dict[str, float]:
     }
 
 
-def _refused(router, model: str) -> grpc.RpcError:
+def _refused(router, model: str, metadata=()) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as refused:
-        _generate(router, model)
+        _generate(router, model, metadata)
     return refused.value
 
 
 def test_named_adapters_load_on_demand_and_the_least_recent_makes_room(stack):
-    router, worker, expected = stack
+    router, worker, expected, _ = stack
     assert set(_models(router)) == {"tiny"}
     assert _generate(router, "sql") == expected["sql"]
     assert set(_models(router)) == {"tiny", "sql"}
@@ -89,7 +90,7 @@ def test_named_adapters_load_on_demand_and_the_least_recent_makes_room(stack):
 
 
 def test_a_name_that_is_not_there_is_an_unknown_model_and_not_retried_at_once(stack):
-    router, worker, _ = stack
+    router, worker, _, _ = stack
     before = _worker_loads(worker)
     first = _refused(router, "nothing-here")
     assert first.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -109,8 +110,29 @@ def test_a_name_that_is_not_there_is_an_unknown_model_and_not_retried_at_once(st
     assert _autoloads(router).get("cached_failure") == 2
 
 
+def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
+    """Refused (429) before the router asks a worker to load, or unload to make room: a second
+    router over the same worker, with one request a tenant's rate allows."""
+    main, worker, _, path = stack
+    served = set(_models(main)) - {"tiny"}
+    other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
+    tenants = (
+        f"tenants:\n  - name: limited\n    key_sha256: {hash_key('limited')}\n"
+        "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
+    )
+    auth = (("authorization", "Bearer limited"),)
+    extra = ("--model", f"tiny={path}", "--metrics-port", "0", "--lora-autoload")
+    with running_router(logs, [worker.address], *extra, tenants=tenants, metadata=auth) as router:
+        before = _worker_loads(worker)
+        assert len(_generate(router, "tiny", auth)) > 0  # the one request its rate allows
+        over = _refused(router, other, auth)
+        assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in over.details()
+        assert _worker_loads(worker) == before and not _autoloads(router)
+    assert set(_models(main)) - {"tiny"} == served
+
+
 def test_an_adapter_an_admin_loaded_is_never_unloaded_to_make_room(stack):
-    router, worker, expected = stack
+    router, worker, expected, _ = stack
     loaded = set(_models(router)) - {"tiny"}
     for name in loaded:  # an autoloaded one: unloaded by the admin (loopback, no tenants file)
         status, reply = post(

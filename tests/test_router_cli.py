@@ -95,6 +95,7 @@ def test_parse_fairness_args():
         {"tenants_poll_s": -1},
         {"no_worker_grace_s": -1},
         {"lora_autoload_retry_s": -1},
+        {"lora_autoload_retry_s": float("nan")},
         {"router_replicas": 0},
         {"router_replicas": 1.5},
     ],

@@ -116,8 +116,8 @@ def _alpha(config: dict, module: str) -> float:
 
 
 class AdapterError(ValueError):
-    """A refused run-time load or unload; `kind` is one of "invalid", "off", "full", "missing",
-    "busy" (worker/server.py maps them to gRPC codes)."""
+    """A refused run-time load or unload; `kind` is one of "invalid", "exists", "off", "full",
+    "missing", "busy" (worker/server.py maps them to gRPC codes)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -137,7 +137,7 @@ def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
     if problem := name_problem(name):
         raise AdapterError("invalid", problem)
     if name in loaded:
-        raise AdapterError("invalid", f"adapter {name!r} is loaded already (unload it first)")
+        raise AdapterError("exists", f"adapter {name!r} is loaded already (unload it first)")
     if len(loaded) >= adapter_capacity(config):
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
 

@@ -120,6 +120,7 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
 
 ADAPTER_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,  # a router treats it as served there (router/lora_admin.py)
     "off": grpc.StatusCode.FAILED_PRECONDITION,
     "busy": grpc.StatusCode.FAILED_PRECONDITION,
     "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
