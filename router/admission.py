@@ -16,10 +16,9 @@ Contract
   request taken now and kept) and the caps below, after which the request counts as open until
   `admit(..., claim=)` takes it over or `Claim.release()`; so rate and concurrency are counted
   before any tokenizing (a huge-prompt flood is refused for microseconds each).
-  `precheck(tenant, cost)` runs the request-rate check (nothing taken) and the three cap checks
-  (concurrency, tenant_queue_full, global_queue_full) before the router does work for a request
-  it has not claimed yet (loading a LoRA adapter on demand), so a tenant over its limits causes
-  none; `refuse(tenant, "no_capacity", ...)` counts a refusal decided by the caller (the
+  `precheck(tenant, cost)` runs the three cap checks (concurrency, tenant_queue_full,
+  global_queue_full) before the router spends time tokenizing, so a full router sheds in
+  microseconds; `refuse(tenant, "no_capacity", ...)` counts a refusal decided by the caller (the
   router's --no-queue mode: no worker can start the request now).
   A refused request takes nothing (no rate tokens, no budget). Retry-after for the capacity
   reasons = the time the measured dispatch rate (or the tenant's weighted share of it) needs for
@@ -225,7 +224,7 @@ class AdmissionController:
         for bucket, n in ((requests, 1), (tokens, num_tokens)):
             if bucket is not None:
                 taken = bucket.try_take(n)
-                assert taken == 0.0, "checked above (a bucket only fills up meanwhile)"
+                assert taken == 0.0, "checked above, on the same clock reading"
         self._queue.push(item)
         if claim is not None:
             claim.done = True  # its open-request count is the ticket's now
@@ -306,18 +305,9 @@ class AdmissionController:
                 f"router queue full ({cfg.max_queued_total} requests)",
             )
 
-    def _check_rate(self, tenant: TenantPolicy) -> None:
-        requests, _ = self._tenant_buckets(tenant)
-        wait_s = requests.wait_s(1) if requests else 0.0
-        if wait_s > 0:
-            raise AdmissionError(
-                "rate_limited", self._clamp_ms(wait_s), f"tenant {tenant.name}: rate limit reached"
-            )
-
     def precheck(self, tenant: TenantPolicy, cost: float) -> None:
-        """`claim`'s checks, nothing taken (`cost`: an estimate of the request's max_cost)."""
+        """The checks that need no token count (`cost`: an estimate of the request's max_cost)."""
         try:
-            self._check_rate(tenant)
             self._check_caps(tenant, cost)
         except AdmissionError as err:
             self.refusals[(tenant.name, err.reason)] += 1
@@ -329,11 +319,20 @@ class AdmissionController:
         (concurrency) until the claim is released or admitted, so a flood of costly prompts is
         refused before the router tokenizes them, and no more than max_concurrency of one tenant
         are tokenized at once."""
-        self.precheck(tenant, cost)
         requests, _ = self._tenant_buckets(tenant)
+        try:
+            wait_s = requests.wait_s(1) if requests else 0.0
+            if wait_s > 0:
+                raise AdmissionError(
+                    "rate_limited", self._clamp_ms(wait_s), f"tenant {tenant.name}: rate limit reached"
+                )
+            self._check_caps(tenant, cost)
+        except AdmissionError as err:
+            self.refusals[(tenant.name, err.reason)] += 1
+            raise
         if requests is not None:
             taken = requests.try_take(1)
-            assert taken == 0.0, "checked above (a bucket only fills up meanwhile)"
+            assert taken == 0.0, "checked above, on the same clock reading"
         self._open[tenant.name] += 1
         return Claim(self, tenant.name)
 

@@ -81,6 +81,24 @@ def _exists(result) -> bool:
     return isinstance(result, AdapterRefused) and result.worker_code == grpc.StatusCode.ALREADY_EXISTS
 
 
+def _definite(result) -> bool:
+    """A worker's answer that it did not load the adapter (a refusal it decided); not a timeout or
+    a lost call, after which it may still load it."""
+    return isinstance(result, AdapterRefused) and result.worker_code in DEFINITE
+
+
+async def _value(value):
+    return value
+
+
+DEFINITE = {  # a worker's refusals that leave it without the adapter (not INTERNAL: it failed midway)
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
 @dataclass(frozen=True)
 class Loaded:
     base: str
@@ -157,14 +175,15 @@ class AdapterAdmin:
         if base not in bases:
             wanted = "not a served" if request.base_model else "required: this router serves several"
             raise ValidationError("base_model", f"{wanted} base model; served: {bases}")
-        return await self.load_core(name, path, base)
+        return (await self.load_core(name, path, base))[0]
 
     async def load_core(
         self, name: str, path: str, base: str, *, remember: bool = True
-    ) -> pb.LoraAdapterReply:
-        """`load` after its checks. `remember=False` (the autoloader, router/lora_autoload.py): the
-        adapter is not restored onto workers that lack it later, and a worker that has it already
-        (ALREADY_EXISTS: another router loaded it meanwhile) counts as serving it."""
+    ) -> tuple[pb.LoraAdapterReply, int]:
+        """`load` after its checks; the reply and how many workers this call loaded it on.
+        `remember=False` (the autoloader, router/lora_autoload.py): the adapter is not restored
+        onto workers that lack it later, and a worker that has it already (ALREADY_EXISTS: another
+        router loaded it meanwhile) counts as serving it."""
         with self._claim(name):
             workers = [h for h in self._registry.healthy(base) if h.info.model == base]
             if not workers:
@@ -180,20 +199,22 @@ class AdapterAdmin:
             failed = [
                 r for r, old in zip(results, had) if isinstance(r, AdapterRefused) and (remember or not old)
             ]
-            if failed:  # the others unload it: one may have loaded it and timed out
-                await self._unload_from([h for h, old in zip(workers, had) if not old], name)
+            if failed:  # unloaded where it loaded, or may have (no answer: it may load after the timeout)
+                await self._unload_from([h for h, r in zip(workers, results) if not _definite(r)], name)
                 raise failed[0]
-            for h, info in zip(workers, results):
-                if isinstance(info, AdapterRefused):  # had it: its info lists it now
-                    info = await self._info(h)
+            infos = await asyncio.gather(  # one that had it: its info lists it now
+                *(self._info(h) if old else _value(r) for h, r, old in zip(workers, results, had))
+            )
+            for h, info in zip(workers, infos):
                 if info is not None:
                     h.info = info  # routable at once, on all of them together
             if remember:
                 self.loaded[name] = Loaded(base, path)
             self.dropped.discard(name)  # not unloaded from the workers by `restore` any more
         self._sweep(workers)  # workers that joined during the load, or were left out (circuit open)
-        log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, len(workers), path)
-        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers))
+        fresh = len(workers) - sum(had)
+        log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, fresh, path)
+        return pb.LoraAdapterReply(name=name, base_model=base, num_workers=len(workers)), fresh
 
     async def unload(self, request: pb.LoraAdapterRequest, context) -> pb.LoraAdapterReply:
         self._authorize(context)
@@ -260,6 +281,8 @@ class AdapterAdmin:
         worker the router refuses: it is not routed to, and its info is read at every probe."""
         if h.refused:
             return
+        # Unloaded everywhere: forgotten, so that another router's later load of the name stays.
+        self.dropped -= {n for n in self.dropped if not self.holds(n) and n not in self._busy}
         for name in [*self.loaded, *self.dropped]:
             known, has = self.loaded.get(name), name in h.info.adapters
             wanted = known is not None and known.base == h.info.model and not has

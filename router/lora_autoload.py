@@ -11,15 +11,19 @@ Contract
   router, counts as serving it). The request then runs on it. Requests naming a name whose load
   is under way wait for that load (one load per name), each until its own deadline (then
   DEADLINE_EXCEEDED; the load goes on); loads of different names run one at a time (they
-  compete for the same slots). A tenant over its request rate or caps (`precheck`) is refused
-  (RESOURCE_EXHAUSTED) before it causes a load.
+  compete for the same slots). The router claims the request against its tenant's rate and caps
+  first (router/service.py `_autoload`): a tenant over them causes no load, and its requests
+  waiting here count as open. A request whose deadline has passed starts no load.
 - room: a worker that is full (RESOURCE_EXHAUSTED: --max-lora-adapters) makes the autoloader
   unload the least recently used adapter that it loaded itself and that no request in this
   router names (queued or running; one naming it while it is being unloaded waits to load it
   again); a worker still running one refuses the unload, and the next is tried. Stop condition:
   each round unloads a different adapter, so it ends when the load fits or no candidate is left:
   RESOURCE_EXHAUSTED (retry-after 1 s). Adapters loaded by an admin (`load_lora_adapter`,
-  `--lora-modules`, also one an admin unloaded and loaded again) are never unloaded by it.
+  `--lora-modules`, also one an admin unloaded and loaded again through this router) or by
+  another router (every worker held it already) are never unloaded by it. An unload that
+  reached no worker (the one holding it does not answer) made no room: the next candidate goes,
+  and the name stays a candidate while a worker reports it.
 - failures: a load the workers refuse as the request's or the operator's fault (INVALID_ARGUMENT:
   no such directory, a bad adapter; FAILED_PRECONDITION: no --lora-dir) answers INVALID_ARGUMENT
   "model: unknown model ..." with the worker's reason, and the name is not tried again for
@@ -48,7 +52,6 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 
 import grpc
 
@@ -92,44 +95,44 @@ class Autoloader:
             if not self._users[model]:
                 del self._users[model]
 
-    async def ensure(
-        self,
-        name: str,
-        served: dict,
-        deadline_s: float | None = None,
-        precheck: Callable[[], None] | None = None,
-    ) -> bool:
+    def would_load(self, name: str, served: dict) -> bool:
+        """A request naming `name` goes through `ensure`'s load path (see the contract)."""
+        if not name or name_problem(name) or len(self._admin.served_bases()) != 1:
+            return False
+        return name not in served or name in self._evicting
+
+    async def ensure(self, name: str, served: dict, deadline_s: float | None = None) -> bool:
         """Load adapter `name` if the request names one this router may autoload (see the
         contract); True when it was loaded (the caller reads the served models again). Raises
-        the refusals the contract names; `precheck()`'s refusal (the tenant's rate and caps) before
-        anything else; DEADLINE_EXCEEDED when the load outlasts `deadline_s` (time.monotonic();
-        the load itself goes on for the others)."""
-        bases = self._admin.served_bases()
-        if not name or name_problem(name) or len(bases) != 1:
-            return False
-        if name in served and name not in self._evicting:
-            if self._failed:  # served after all (an admin's load, another router's)
+        the refusals the contract names; DEADLINE_EXCEEDED when the load outlasts `deadline_s`
+        (time.monotonic(); the load itself goes on for the others)."""
+        if not self.would_load(name, served):
+            if self._failed and name in served:  # served after all (an admin's load, another router's)
                 self._failed.pop(name, None)
             return False
-        if precheck is not None:  # a tenant over its limits causes no load (nor eviction)
-            precheck()
         failed = self._failed.get(name)
         if failed is not None and failed[0] > time.monotonic():
             self._count("cached_failure")
             raise ValidationError("model", failed[1])
+        timeout = None if deadline_s is None else deadline_s - time.monotonic()
+        if timeout is not None and timeout <= 0:  # no load for a request that cannot wait for it
+            self._late(name)
         task = self._loading.get(name)
         if task is None:
-            task = self._loading[name] = asyncio.get_running_loop().create_task(self._load(name, bases[0]))
+            task = self._loading[name] = asyncio.get_running_loop().create_task(
+                self._load(name, self._admin.served_bases()[0])
+            )
             task.add_done_callback(self._done)
-        timeout = None if deadline_s is None else max(0.0, deadline_s - time.monotonic())
-        try:  # shielded: a caller that leaves does not cancel the others' load
-            await asyncio.wait_for(asyncio.shield(task), timeout)
+        try:
+            async with asyncio.timeout(timeout):  # shielded: a caller that leaves does not cancel it
+                await asyncio.shield(task)
         except TimeoutError:
-            self._count("deadline")
-            raise DeadlineExceeded(
-                f"model {name!r}: its adapter was still loading at the request's deadline"
-            ) from None
+            self._late(name)
         return True
+
+    def _late(self, name: str) -> None:
+        self._count("deadline")
+        raise DeadlineExceeded(f"model {name!r}: its adapter was still loading at the request's deadline")
 
     def _done(self, task: asyncio.Task) -> None:
         self._loading = {n: t for n, t in self._loading.items() if t is not task}
@@ -143,7 +146,7 @@ class Autoloader:
             tried: set[str] = {name}
             while True:
                 try:
-                    await self._admin.load_core(name, name, base, remember=False)
+                    _, fresh = await self._admin.load_core(name, name, base, remember=False)
                 except AdapterRefused as refused:
                     if refused.worker_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         victim = await self._evict(tried)
@@ -173,8 +176,10 @@ class Autoloader:
                 except Unavailable:
                     self._count("unavailable")
                     raise
-                self.last_used[name] = time.monotonic()
                 self._failed.pop(name, None)
+                if not fresh:  # every worker had it already: another router's, not ours to unload
+                    return
+                self.last_used[name] = time.monotonic()
                 self._count("loaded")
                 log.info("LoRA adapter %s loaded on demand (base %s)", name, base)
                 return
@@ -193,13 +198,16 @@ class Autoloader:
             tried.add(name)
             self._evicting.add(name)  # a request naming it meanwhile waits to load it again
             try:
-                await admin.unload_core(name)
+                reply = await admin.unload_core(name)
             except (AdapterRefused, Unavailable) as exc:  # a worker still runs it, or is busy
                 log.info("LoRA adapter %s not unloaded to make room: %s", name, exc)
                 continue
             finally:
                 self._evicting.discard(name)
-            self.last_used.pop(name, None)
+            if not admin.holds(name):  # else an unreachable worker still has it: a candidate later
+                self.last_used.pop(name, None)
+            if not reply.num_workers:  # reached no worker: no room made
+                continue
             self._count("evicted")
             log.info("LoRA adapter %s unloaded to make room (least recently used)", name)
             return name

@@ -180,22 +180,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not models:
             raise Unavailable("no healthy worker is connected to this router")
         deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
-        if self.autoload and await self.autoload.ensure(
-            request.model, models, deadline_s, precheck=lambda: self._precheck(tenant)
-        ):
-            models = self._registry.models()
-        self._check_model(request.model, models)
-        if request.HasField("response_format"):  # compiled off the loop, on a deep stack
-            loop = asyncio.get_running_loop()
-            req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
-        else:
-            req = validate(request, self._limits, models)
-        obs.model = req.model.name
-        req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
-        req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
-        tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
-        self._refuse_hopeless_text(req)
-        claim = self._shed_early(tenant, req)  # rate and concurrency counted before tokenizing
+        models, early = await self._autoload(request.model, tenant, models, deadline_s)
+        try:
+            self._check_model(request.model, models)
+            if request.HasField("response_format"):  # compiled off the loop, on a deep stack
+                loop = asyncio.get_running_loop()
+                req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
+            else:
+                req = validate(request, self._limits, models)
+            obs.model = req.model.name
+            req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
+            req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+            tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
+            self._refuse_hopeless_text(req)
+        except BaseException:
+            if early is not None:
+                early.release()
+            raise
+        claim = self._shed_early(tenant, req, early)  # rate and concurrency counted before tokenizing
         try:
             prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
             max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
@@ -348,18 +350,29 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"context (a token covers at most {per_token} characters)",
             )
 
-    def _precheck(self, tenant) -> None:
-        """The tenant's rate and caps, nothing taken: before work for a request not claimed yet."""
+    async def _autoload(self, name: str, tenant, models: dict, deadline_s: float | None):
+        """A model to load on demand (router/lora_autoload.py) claims the request first (rate, caps,
+        open while it waits): a tenant over its limits causes no load. -> (served models, claim)."""
+        if not (self.autoload and self.autoload.would_load(name, models)):
+            return models, None
         try:
-            self._admission.precheck(tenant, OUTPUT_COST * self._limits.default_max_tokens)
+            claim = self._admission.claim(tenant, OUTPUT_COST * self._limits.default_max_tokens)
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
+        try:
+            if await self.autoload.ensure(name, models, deadline_s):
+                models = self._registry.models()
+        except BaseException:
+            claim.release()
+            raise
+        return models, claim
 
-    def _shed_early(self, tenant, req: ValidRequest) -> Claim:
-        """Refusals that need no token count, before tokenizing (cheap shedding under overload)."""
+    def _shed_early(self, tenant, req: ValidRequest, claim: Claim | None = None) -> Claim:
+        """Refusals that need no token count, before tokenizing (cheap shedding under overload);
+        `claim`: the request's, taken already (`_autoload`), released if refused here."""
         cost = OUTPUT_COST * (req.max_tokens or self._limits.default_max_tokens)
         try:
-            claim = self._admission.claim(tenant, cost)
+            claim = claim or self._admission.claim(tenant, cost)
             if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
                 claim.release()
                 raise self._admission.refuse(

@@ -207,21 +207,6 @@ def test_default_priority_comes_from_the_tenant():
     assert ctl.admit(urgent, 1, 1, priority=0).item.priority == 0
 
 
-def test_precheck_refuses_over_the_rate_and_takes_nothing():
-    """The check before work done for an unclaimed request (a LoRA adapter loaded on demand)."""
-    clock, queue, ctl = setup()
-    acme = TenantLimits("acme", rate_requests_per_s=1.0)  # burst 1
-    for _ in range(3):
-        ctl.precheck(acme, 10)  # the request the bucket holds is not taken
-    ctl.claim(acme, 10).release()  # the claim takes it
-    with pytest.raises(AdmissionError) as err:
-        ctl.precheck(acme, 10)
-    assert (err.value.reason, err.value.retry_after_ms) == ("rate_limited", 1000)
-    assert ctl.refusals == {("acme", "rate_limited"): 1} and ctl.num_open("acme") == 0
-    clock.now_s += 1.0
-    ctl.precheck(acme, 10)
-
-
 def test_precheck_refuses_on_caps_before_tokenizing_and_counts_like_admit():
     clock, queue, ctl = setup(AdmissionConfig(max_queued_total=1))
     acme = TenantLimits("acme", max_concurrency=5)

@@ -367,6 +367,7 @@ def test_adapters_load_and_unload_at_run_time(tiny):
     refusals = [
         ("wide", "narrow", "exists", "loaded already"),
         ("x", "narrow", "full", "max-lora-adapters"),
+        ("x", "no-such-dir", "invalid", "no adapter_config.json"),  # full, but the path is named first
     ]
     for name, where, kind, message in refusals:
         with pytest.raises(AdapterError, match=message) as caught:

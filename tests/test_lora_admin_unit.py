@@ -24,13 +24,18 @@ class Worker:
     def __init__(self):
         self.adapters: list[str] = []
         self.calls = 0
+        self.ops: list[str] = []
+        self.full = False  # refuses loads as a worker at --max-lora-adapters does
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(model="base", adapters=self.adapters)
 
     async def LoadAdapter(self, request, timeout):
         self.calls += 1
+        self.ops.append("load")
         await asyncio.sleep(0)
+        if self.full:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), "full")
         if request.name in self.adapters:  # worker/lora_files.py check_runtime_name
             details = f"adapter {request.name!r} is loaded already (unload it first)"
             raise grpc.aio.AioRpcError(grpc.StatusCode.ALREADY_EXISTS, Metadata(), Metadata(), details)
@@ -42,6 +47,7 @@ class Worker:
 
     async def UnloadAdapter(self, request, timeout):
         self.calls += 1
+        self.ops.append("unload")
         await asyncio.sleep(0)
         self.adapters.remove(request.name)
         return self.info()
@@ -137,8 +143,8 @@ def test_routers_loading_on_demand_never_undo_each_other():
                 await _probe(b, registry_b)
 
         await a.load_core("x", "x", "base", remember=False)
-        reply = await b.load_core("x", "x", "base", remember=False)  # b had not read the change yet
-        assert reply.num_workers == 2 and all(w.adapters == ["x"] for w in workers.values())
+        reply, fresh = await b.load_core("x", "x", "base", remember=False)  # b had not read the change
+        assert (reply.num_workers, fresh) == (2, 0) and all(w.adapters == ["x"] for w in workers.values())
         assert all("x" in h.info.adapters for h in registry_b.all())  # routable through b at once
         await a.unload_core("x")  # a makes room
         await probes()
@@ -153,10 +159,25 @@ def test_routers_loading_on_demand_never_undo_each_other():
             refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             and "loaded already" in refused.value.message
         )
-        assert workers["w1"].adapters == ["x"] and workers["w2"].adapters == [
-            "x",
-            "y",
-        ]  # rolled back on w1 only
+        assert workers["w1"].adapters == ["x"] and workers["w2"].adapters == ["x", "y"]  # w1 only rolled back
+        # A worker that refused outright (full) is not asked to unload: it may hold the name by
+        # then, loaded through another router.
+        workers["w2"].adapters, workers["w2"].full = ["x"], True
+        for w in workers.values():
+            w.ops.clear()
+        with pytest.raises(AdapterRefused):
+            await a.load_core("z", "z", "base", remember=False)
+        assert workers["w1"].ops == ["load", "unload"] and workers["w2"].ops == ["load"]
+        # An admin's unload through b, then a's load on demand of that name: b's restore keeps it.
+        workers["w2"].full = False
+        await probes()
+        await b.load(pb.LoraAdapterRequest(name="sql", path="sql"), Context())
+        await b.unload(pb.LoraAdapterRequest(name="sql"), Context())
+        await probes()
+        assert not b.dropped  # no worker holds it: forgotten
+        await a.load_core("sql", "sql", "base", remember=False)
+        await probes()
+        assert all("sql" in w.adapters for w in workers.values())
 
     asyncio.run(scenario())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -20,8 +21,8 @@ from router.lora_autoload import Autoloader
 class FakeAdmin:
     """Workers with `slots` adapter slots: `held` the adapters on them, `loaded` those an admin
     loaded (remembered: `load_core(remember=True)`); names in `missing` have no directory;
-    `running` names a worker refuses to unload (requests running there); `unload_gate` set: an
-    unload waits for it."""
+    `running` names a worker refuses to unload (requests running there); `unreachable` names only
+    a worker that does not answer holds; `unload_gate` set: an unload waits for it."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -32,6 +33,8 @@ class FakeAdmin:
         self.calls: list[tuple[str, str]] = []
         self.gate: asyncio.Event | None = None  # set: loads wait for it
         self.unload_gate: asyncio.Event | None = None
+        self.unreachable: set[str] = set()
+        self.elsewhere: set[str] = set()  # on the workers, not yet in this router's view
 
     def served_bases(self) -> list[str]:
         return ["tiny"]
@@ -59,9 +62,13 @@ class FakeAdmin:
             raise AdapterRefused(
                 grpc.StatusCode.FAILED_PRECONDITION, "full", worker_code=grpc.StatusCode.RESOURCE_EXHAUSTED
             )
+        if name in self.elsewhere:  # every worker answers ALREADY_EXISTS (another router loaded it)
+            self.held[name] = Loaded(base, path)
+            return None, 0
         self.held[name] = Loaded(base, path)
         if remember:
             self.loaded[name] = self.held[name]
+        return None, 1
 
     async def unload_core(self, name: str):
         self.calls.append(("unload", name))
@@ -69,8 +76,11 @@ class FakeAdmin:
             await self.unload_gate.wait()
         if name in self.running:
             raise AdapterRefused(grpc.StatusCode.FAILED_PRECONDITION, "requests are running with it")
+        if name in self.unreachable:  # only a worker that does not answer holds it: nothing unloaded
+            return SimpleNamespace(num_workers=0)
         del self.held[name]
         self.loaded.pop(name, None)
+        return SimpleNamespace(num_workers=1)
 
 
 def run(coro):
@@ -178,21 +188,25 @@ def test_failures_are_remembered_for_retry_s_and_unavailable_is_not():
     run(main())
 
 
-def test_the_precheck_refuses_before_a_load_and_a_served_name_skips_it():
+def test_what_another_router_loaded_or_a_hung_worker_holds_is_not_counted_as_room():
+    """A load every worker answers with ALREADY_EXISTS (another router's) is served but not this
+    router's to unload; an unload that reached no worker (the one holding it does not answer)
+    made no room: the next candidate goes, and the name stays a candidate for later."""
+
     async def main():
         admin = FakeAdmin(slots=2)
         auto = Autoloader(admin, retry_s=60)
-        checks = []
-
-        def over_limit():
-            checks.append(1)
-            raise Overloaded("tenant t: rate limit reached", 500)
-
-        with pytest.raises(Overloaded):
-            await auto.ensure("a", set(), precheck=over_limit)
-        assert checks == [1] and not admin.calls  # no worker asked
-        admin.held["a"] = Loaded("tiny", "a")
-        assert not await auto.ensure("a", {"a"}, precheck=over_limit) and checks == [1]
+        admin.elsewhere = {"theirs"}  # loaded through another router; this one has not seen it yet
+        assert await auto.ensure("theirs", set()) and "theirs" in admin.held
+        assert "theirs" not in auto.last_used
+        del admin.held["theirs"]
+        for name in ("a", "b"):
+            assert await auto.ensure(name, set(admin.held))
+        admin.unreachable = {"a"}
+        assert await auto.ensure("c", set(admin.held))
+        assert set(admin.held) == {"a", "c"}
+        assert admin.calls[-4:] == [("load", "c"), ("unload", "a"), ("unload", "b"), ("load", "c")]
+        assert set(auto.last_used) == {"a", "c"}  # a: still on the hung worker, a candidate later
 
     run(main())
 
@@ -206,8 +220,9 @@ def test_a_request_outlasting_its_deadline_leaves_and_the_load_goes_on():
         with pytest.raises(DeadlineExceeded) as late:
             await auto.ensure("a", set(), deadline_s=time.monotonic() + 0.05)
         assert "still loading" in late.value.message
-        with pytest.raises(DeadlineExceeded):  # a deadline already past: no wait at all
-            await auto.ensure("a", set(), deadline_s=time.monotonic() - 1.0)
+        with pytest.raises(DeadlineExceeded):  # a deadline already past: no wait, no load started
+            await auto.ensure("b", set(), deadline_s=time.monotonic() - 1.0)
+        assert "b" not in auto._loading
         admin.gate.set()
         assert await asyncio.wait_for(patient, 10.0) and "a" in admin.held
         assert admin.calls == [("load", "a")]

@@ -129,16 +129,16 @@ def adapter_capacity(config) -> int:
     return max(config.max_lora_adapters, len(config.lora_modules))
 
 
-def check_runtime_name(config, loaded: tuple[str, ...], name: str) -> None:
-    """AdapterError unless run-time loading is on, `name` is well formed and free, and the worker
-    has room (--max-lora-adapters, or its start-up adapters if they are more)."""
+def check_runtime_name(config, loaded: tuple[str, ...], name: str, room: bool = True) -> None:
+    """AdapterError unless run-time loading is on, `name` is well formed and free, and (`room`)
+    the worker has room (--max-lora-adapters, or its start-up adapters if they are more)."""
     if not config.lora_dir:
         raise AdapterError("off", "run-time LoRA loading is off on this worker (start it with --lora-dir)")
     if problem := name_problem(name):
         raise AdapterError("invalid", problem)
     if name in loaded:
         raise AdapterError("exists", f"adapter {name!r} is loaded already (unload it first)")
-    if len(loaded) >= adapter_capacity(config):
+    if room and len(loaded) >= adapter_capacity(config):
         raise AdapterError("full", f"this worker holds {len(loaded)} adapters, its --max-lora-adapters")
 
 
@@ -147,7 +147,7 @@ def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) 
     config.lora_dir) resolved, symbolic links included, inside config.lora_dir, and so are the
     adapter's files. AdapterError as `check_runtime_name`, or naming `path` (never the directory
     it resolved to) when it is not such a directory."""
-    check_runtime_name(config, loaded, name)
+    check_runtime_name(config, loaded, name, room=False)
     shown = path if len(path) <= 256 else path[:256] + "..."
     outside = AdapterError("invalid", f"adapter {name!r}: {shown!r} is not a directory inside --lora-dir")
     try:
@@ -162,6 +162,7 @@ def runtime_adapter_path(config, loaded: tuple[str, ...], name: str, path: str) 
             raise outside  # a file linked from elsewhere
     except (OSError, RuntimeError):  # a symlink loop, a name too long, no permission
         raise outside from None
+    check_runtime_name(config, loaded, name)  # room: after the path, so a wrong one is named as such
     return where
 
 
