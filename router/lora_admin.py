@@ -18,17 +18,19 @@ Contract
   there, or the worker is full), INTERNAL (the worker's own failure), UNAVAILABLE (no healthy
   worker of the base, or one did not answer).
 - unload(name): every healthy worker that reports it gets `Worker.UnloadAdapter` (NOT_FOUND there
-  counts as done); then it is forgotten and remembered as unloaded (the unreachable workers drop
-  it when they answer again: restore). A worker still running requests with it refuses:
+  counts as done); then it is forgotten, and the workers that did not answer (unhealthy) are
+  remembered: they drop it when they answer again (restore). A worker still running requests with it refuses:
   FAILED_PRECONDITION, and it stays served (retry when they end). Unknown: NOT_FOUND.
 - restore: when the registry reads a worker's info (a worker that joined, or came back after a
   restart or a hang), each remembered adapter of its base model it lacks is loaded onto it, and
-  each adapter unloaded through this router it still has is unloaded: one attempt per read, a
+  each adapter unloaded through this router while that worker did not answer is unloaded if it
+  still has it (not a later load of the name, by another router): one attempt per read, a
   failure logged (that worker then does not serve it). After a load, the healthy workers the load
   left out (joined meanwhile, or their circuit open) get the same treatment at once. Adapters
   loaded on demand (router/lora_autoload.py, `remember=False`) are neither restored nor unloaded.
 - state: the adapters loaded through this router, name -> (base model, path), and the names
-  unloaded through it; the names with an operation in progress. Not persisted: a
+  unloaded through it -> the workers that have not answered the unload yet; the names with an
+  operation in progress. Not persisted: a
   restarted router forgets them (the workers keep theirs); with several routers, the one that
   loaded an adapter is the one that restores it.
 - proven by: tests/test_lora_runtime_e2e.py.
@@ -118,7 +120,8 @@ class AdapterAdmin:
         self._tenants = tenants
         self._timeout = call_timeout_s
         self.loaded: dict[str, Loaded] = {}  # loaded through this router: restored where missing
-        self.dropped: set[str] = set()  # unloaded through it: unloaded where a worker still has them
+        # unloaded through it -> the workers that did not answer the unload: unloaded when they do
+        self.dropped: dict[str, set[str]] = {}
         self._busy: set[str] = set()  # names with a load or unload in progress
         self._restoring: set[tuple[str, str]] = set()  # (worker address, name) being restored
         self._tasks: set[asyncio.Task] = set()
@@ -202,15 +205,17 @@ class AdapterAdmin:
             if failed:  # unloaded where it loaded, or may have (no answer: it may load after the timeout)
                 await self._unload_from([h for h, r in zip(workers, results) if not _definite(r)], name)
                 raise failed[0]
-            infos = await asyncio.gather(  # one that had it: its info lists it now
-                *(self._info(h) if old else _value(r) for h, r, old in zip(workers, results, had))
-            )
+            infos = results
+            if any(had):  # one that had it: its info lists it now
+                infos = await asyncio.gather(
+                    *(self._info(h) if old else _value(r) for h, r, old in zip(workers, results, had))
+                )
             for h, info in zip(workers, infos):
                 if info is not None:
                     h.info = info  # routable at once, on all of them together
             if remember:
                 self.loaded[name] = Loaded(base, path)
-            self.dropped.discard(name)  # not unloaded from the workers by `restore` any more
+            self.dropped.pop(name, None)  # not unloaded from the workers by `restore` any more
         self._sweep(workers)  # workers that joined during the load, or were left out (circuit open)
         fresh = len(workers) - sum(had)
         log.info("LoRA adapter %s (base %s) loaded on %d worker(s) from %s", name, base, fresh, path)
@@ -229,8 +234,9 @@ class AdapterAdmin:
             reachable = [h for h in having if h.healthy]
             await self._unload_from(reachable, name, strict=True)
             known = self.loaded.pop(name, None)
-            if known is not None:  # loaded through this router: unreachable workers drop it later
-                self.dropped.add(name)
+            stale = {h.address for h in having if not h.healthy}
+            if known is not None and stale:  # loaded through this router: they drop it when they answer
+                self.dropped[name] = stale
         self._sweep(reachable)
         base = known.base if known else having[0].info.model
         log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(reachable))
@@ -276,17 +282,18 @@ class AdapterAdmin:
 
     def restore(self, h: WorkerHandle) -> None:
         """Registry hook after `h.info` was read: the adapters loaded through this router that it
-        lacks are loaded onto it, those unloaded through it that it still has are unloaded (one
+        lacks are loaded onto it, those unloaded through it while it did not answer are unloaded (one
         attempt per read; names with a load or unload in progress are left alone). Not for a
         worker the router refuses: it is not routed to, and its info is read at every probe."""
         if h.refused:
             return
-        # Unloaded everywhere: forgotten, so that another router's later load of the name stays.
-        self.dropped -= {n for n in self.dropped if not self.holds(n) and n not in self._busy}
         for name in [*self.loaded, *self.dropped]:
             known, has = self.loaded.get(name), name in h.info.adapters
             wanted = known is not None and known.base == h.info.model and not has
-            unwanted = known is None and has
+            # only where it was when unloaded: another router may load the name later
+            unwanted = known is None and has and h.address in self.dropped.get(name, ())
+            if known is None and not has:
+                self._unloaded_on(name, h.address)
             key = (h.address, name)
             if (wanted or unwanted) and name not in self._busy and key not in self._restoring:
                 self._restoring.add(key)
@@ -294,10 +301,20 @@ class AdapterAdmin:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    def _unloaded_on(self, name: str, address: str) -> None:
+        """An unload through this router reached the worker at `address` at last."""
+        left = self.dropped.get(name)
+        if left is not None:
+            left.discard(address)
+            if not left:
+                del self.dropped[name]
+
     async def _restore(self, h: WorkerHandle, name: str, known: Loaded | None) -> None:
         try:
             if known is None:
                 await self._unload_from([h], name)
+                if name not in h.info.adapters:
+                    self._unloaded_on(name, h.address)
                 return
             result = await self._call(
                 h, h.stub.LoadAdapter, worker_pb2.LoadAdapterRequest(name=name, path=known.path)

@@ -96,10 +96,15 @@ class Autoloader:
                 del self._users[model]
 
     def would_load(self, name: str, served: dict) -> bool:
-        """A request naming `name` goes through `ensure`'s load path (see the contract)."""
+        """A request naming `name` goes through `ensure`'s load path (see the contract). A name
+        served after all (an admin's load, another router's) loses its cached failure here."""
         if not name or name_problem(name) or len(self._admin.served_bases()) != 1:
             return False
-        return name not in served or name in self._evicting
+        if name in served and name not in self._evicting:
+            if self._failed:
+                self._failed.pop(name, None)
+            return False
+        return True
 
     async def ensure(self, name: str, served: dict, deadline_s: float | None = None) -> bool:
         """Load adapter `name` if the request names one this router may autoload (see the
@@ -107,8 +112,6 @@ class Autoloader:
         the refusals the contract names; DEADLINE_EXCEEDED when the load outlasts `deadline_s`
         (time.monotonic(); the load itself goes on for the others)."""
         if not self.would_load(name, served):
-            if self._failed and name in served:  # served after all (an admin's load, another router's)
-                self._failed.pop(name, None)
             return False
         failed = self._failed.get(name)
         if failed is not None and failed[0] > time.monotonic():

@@ -25,10 +25,11 @@ class Worker:
         self.adapters: list[str] = []
         self.calls = 0
         self.ops: list[str] = []
+        self.version = 0  # info_version: bumped by each load and unload, and by a restart
         self.full = False  # refuses loads as a worker at --max-lora-adapters does
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(model="base", adapters=self.adapters)
+        return worker_pb2.WorkerInfo(model="base", adapters=self.adapters, info_version=self.version)
 
     async def LoadAdapter(self, request, timeout):
         self.calls += 1
@@ -40,6 +41,7 @@ class Worker:
             details = f"adapter {request.name!r} is loaded already (unload it first)"
             raise grpc.aio.AioRpcError(grpc.StatusCode.ALREADY_EXISTS, Metadata(), Metadata(), details)
         self.adapters.append(request.name)
+        self.version += 1
         return self.info()
 
     async def GetInfo(self, request, timeout):
@@ -50,6 +52,7 @@ class Worker:
         self.ops.append("unload")
         await asyncio.sleep(0)
         self.adapters.remove(request.name)
+        self.version += 1
         return self.info()
 
 
@@ -79,11 +82,14 @@ def _router(workers: dict[str, Worker]) -> tuple[AdapterAdmin, StaticRegistry]:
     return AdapterAdmin(registry, Models(), TenantsFile()), registry
 
 
-async def _probe(admin: AdapterAdmin, registry: StaticRegistry) -> None:
-    """What the registry does when it reads each worker's info, then the restores it started."""
+async def _probe(admin: AdapterAdmin, registry: StaticRegistry, returning=()) -> None:
+    """What the registry's probe does (router/registry.py `_probe`): it reads a worker's info again
+    when its info_version changed or it comes back (`returning`), then calls restore; and the
+    restores that started."""
     for h in registry.all():
-        h.info = h.stub.info()
-        admin.restore(h)
+        if h.stub.version != h.info.info_version or h.address in returning:
+            h.info = h.stub.info()
+            admin.restore(h)
     await asyncio.gather(*admin._tasks)
 
 
@@ -95,14 +101,14 @@ def test_restarted_workers_all_get_it_back_and_unloads_reach_returning_ones():
         assert reply.num_workers == 2 and all(w.adapters == ["x"] for w in workers.values())
         for w in workers.values():  # both restart together: their run-time adapters are gone
             w.adapters = []
-        await _probe(admin, registry)
+        await _probe(admin, registry, returning=workers)
         assert all(w.adapters == ["x"] for w in workers.values())
         registry._handles["w2"].healthy = False  # hung: the unload cannot reach it
         reply = await admin.unload(pb.LoraAdapterRequest(name="x"), Context())
         assert reply.num_workers == 1 and workers["w1"].adapters == [] and workers["w2"].adapters == ["x"]
+        await _probe(admin, registry, returning={"w2"})  # w2 answers again: x is unloaded there
         registry._handles["w2"].healthy = True
-        await _probe(admin, registry)  # w2 answers again: x is unloaded there
-        assert workers["w2"].adapters == []
+        assert workers["w2"].adapters == [] and not admin.dropped
 
     asyncio.run(scenario())
 

@@ -150,7 +150,8 @@ def test_failures_are_remembered_for_retry_s_and_unavailable_is_not():
                 await auto.ensure("x", set())
             assert "unknown model 'x'" in bad.value.message and "adapter_config" in bad.value.message
         assert admin.calls == [("load", "x")]
-        assert not await auto.ensure("x", {"x"}) and "x" not in auto._failed  # served after all
+        assert not auto.would_load("x", {"x"}) and "x" not in auto._failed  # served after all (the
+        # router's check before `ensure`, router/service.py `_autoload`)
         auto = Autoloader(admin, retry_s=0)  # not remembered: each request asks again
         for _ in range(2):
             with pytest.raises(ValidationError):

@@ -62,6 +62,11 @@ def _worker_loads(worker) -> dict[str, float]:
     }
 
 
+def _open_requests(router) -> float:
+    """Requests the router counts open, all tenants: back to 0 after every refusal (claims released)."""
+    return sum(v for (n, _), v in scrape(router).items() if n == "llm_router_tenant_open_requests")
+
+
 def _refused(router, model: str, metadata=()) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as refused:
         _generate(router, model, metadata)
@@ -108,6 +113,7 @@ def test_a_name_that_is_not_there_is_an_unknown_model_and_not_retried_at_once(st
     status, reply = post(f"{http_url(router)}/completions", body, None)
     assert status == 400 and "unknown model 'nothing-here'" in reply["error"]["message"], reply
     assert _autoloads(router).get("cached_failure") == 2
+    assert _open_requests(router) == 0
 
 
 def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
@@ -127,7 +133,7 @@ def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
         assert len(_generate(router, "tiny", auth)) > 0  # the one request its rate allows
         over = _refused(router, other, auth)
         assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in over.details()
-        assert _worker_loads(worker) == before and not _autoloads(router)
+        assert _worker_loads(worker) == before and not _autoloads(router) and _open_requests(router) == 0
     assert set(_models(main)) - {"tiny"} == served
 
 
@@ -149,4 +155,4 @@ def test_an_adapter_an_admin_loaded_is_never_unloaded_to_make_room(stack):
     assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in full.details()
     assert dict(full.trailing_metadata()).get("retry-after-ms") == "1000"
     assert set(_models(router)) == {"tiny", "sql"} and _generate(router, "sql") == expected["sql"]
-    assert _autoloads(router).get("full") == 1
+    assert _autoloads(router).get("full") == 1 and _open_requests(router) == 0
