@@ -18,19 +18,22 @@ Contract
   there, or the worker is full), INTERNAL (the worker's own failure), UNAVAILABLE (no healthy
   worker of the base, or one did not answer).
 - unload(name): every healthy worker that reports it gets `Worker.UnloadAdapter` (NOT_FOUND there
-  counts as done); then it is forgotten, and the workers that did not answer (unhealthy) are
-  remembered: they drop it when they answer again (restore). A worker still running requests with it refuses:
-  FAILED_PRECONDITION, and it stays served (retry when they end). Unknown: NOT_FOUND.
+  counts as done); then it is forgotten, and for an adapter loaded through this router the
+  workers that were unhealthy are remembered: they drop it when they answer again (restore). A
+  worker still running requests with it refuses: FAILED_PRECONDITION, and it stays served (retry
+  when they end); a healthy worker that does not answer fails the unload (UNAVAILABLE). Unknown:
+  NOT_FOUND.
 - restore: when the registry reads a worker's info (a worker that joined, or came back after a
   restart or a hang), each remembered adapter of its base model it lacks is loaded onto it, and
   each adapter unloaded through this router while that worker did not answer is unloaded if it
-  still has it (not a later load of the name, by another router): one attempt per read, a
-  failure logged (that worker then does not serve it). After a load, the healthy workers the load
+  still has it (not a later load of the name by another router, unless that came before this
+  router read the worker again): one attempt per read, a failure logged (a failed load: that
+  worker does not serve it; a failed unload: it still does). After a load, the healthy workers the load
   left out (joined meanwhile, or their circuit open) get the same treatment at once. Adapters
   loaded on demand (router/lora_autoload.py, `remember=False`) are neither restored nor unloaded.
 - state: the adapters loaded through this router, name -> (base model, path), and the names
-  unloaded through it -> the workers that have not answered the unload yet; the names with an
-  operation in progress. Not persisted: a
+  unloaded through it -> the workers that have not answered the unload yet (forgotten when one
+  leaves the registry); the names with an operation in progress. Not persisted: a
   restarted router forgets them (the workers keep theirs); with several routers, the one that
   loaded an adapter is the one that restores it.
 - proven by: tests/test_lora_runtime_e2e.py.
@@ -257,9 +260,11 @@ class AdapterAdmin:
             raise refused[0]
 
     def _sweep(self, done: list[WorkerHandle]) -> None:
-        """`restore` for the workers an operation did not reach (skipped as busy meanwhile)."""
+        """`restore` for the healthy workers an operation did not reach (skipped as busy meanwhile);
+        an unhealthy one is restored when the registry reads it as it comes back (a call to it now
+        would hold the name busy until it timed out, and fail)."""
         for h in self._registry.all():
-            if h.info is not None and h not in done:
+            if h.info is not None and h.healthy and h not in done:
                 self.restore(h)
 
     async def _call(self, h: WorkerHandle, method, message) -> worker_pb2.WorkerInfo | AdapterRefused:
@@ -287,6 +292,10 @@ class AdapterAdmin:
         worker the router refuses: it is not routed to, and its info is read at every probe."""
         if h.refused:
             return
+        present = {w.address for w in self._registry.all()}
+        for name, missed in list(self.dropped.items()):  # a worker gone from the registry: forgotten
+            for address in missed - present:
+                self._unloaded_on(name, address)
         for name in [*self.loaded, *self.dropped]:
             known, has = self.loaded.get(name), name in h.info.adapters
             wanted = known is not None and known.base == h.info.model and not has

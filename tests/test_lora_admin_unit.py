@@ -109,6 +109,14 @@ def test_restarted_workers_all_get_it_back_and_unloads_reach_returning_ones():
         await _probe(admin, registry, returning={"w2"})  # w2 answers again: x is unloaded there
         registry._handles["w2"].healthy = True
         assert workers["w2"].adapters == [] and not admin.dropped
+        # w2 hangs again and leaves the registry (its actor is gone) before it answers: forgotten.
+        await admin.load(pb.LoraAdapterRequest(name="y", path="y"), Context())
+        registry._handles["w2"].healthy = False
+        await admin.unload(pb.LoraAdapterRequest(name="y"), Context())
+        assert admin.dropped == {"y": {"w2"}}
+        del registry._handles["w2"]
+        await _probe(admin, registry, returning={"w1"})
+        assert not admin.dropped
 
     asyncio.run(scenario())
 
