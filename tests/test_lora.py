@@ -25,7 +25,7 @@ from benchmarks.lora import write_adapter
 from tests.tiny_llama import save_tiny
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.lora_files import load_adapter
+from worker.lora_files import AdapterError, load_adapter
 from worker.types import SamplingParams
 
 peft = pytest.importorskip("peft")
@@ -342,8 +342,6 @@ def test_adapters_load_and_unload_at_run_time(tiny):
     """--lora-dir: adapters loaded between steps give the tokens of the same adapters loaded at
     start-up; unloading waits for their requests; a name loaded again with other weights never
     hits the prefix-cache blocks of its earlier load; every refusal names its reason."""
-    from worker.lora_files import AdapterError
-
     path, adapters, _ = tiny
     root = adapters["wide"][0].parent
     prompts = [PROMPTS[0] * 3, PROMPTS[1]]  # the first spans three full blocks: cached
