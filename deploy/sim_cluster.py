@@ -18,7 +18,12 @@ Contract
 - failure modes: Ray's own (ports, memory). Starting the head is tried `START_ATTEMPTS` times:
   on a loaded 2-vCPU machine with another Ray starting beside it, a head node's raylet once never
   registered with its GCS ("The current node timed out during startup", after Ray's fixed 30 s;
-  no raylet log was written); the partial cluster is shut down before the next attempt.
+  no raylet log was written); the partial cluster is shut down before the next attempt. With
+  `client_port`, an attempt also waits (at most `CLIENT_SERVER_START_S`) for the head's Ray
+  Client server to accept connections: once, under a full test suite, that process failed as it
+  started (gRPC's "epoll_wait error: Bad file descriptor", nothing listening), and every Ray
+  Client connection then timed out; such a head is shut down and started again like one that
+  timed out.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import socket
+import time
 
 from common.ray_names import DEFAULT_NAMESPACE
 from deploy.ray_launch import ray_process_env
 
 SMOLLM2_VOCAB_SIZE = 49152
 START_ATTEMPTS = 2
+CLIENT_SERVER_START_S = 60.0  # the Ray Client server listens ~3 s after its head starts (2 vCPUs)
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +79,8 @@ class SimulatedCluster:
             cluster = Cluster(initialize_head=False)
             try:
                 cluster.add_node(**head)
+                if self.client_port:
+                    wait_listening(self.client_port, CLIENT_SERVER_START_S)
                 break
             except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a start timeout
                 cluster.shutdown()
@@ -95,6 +105,20 @@ class SimulatedCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+
+
+def wait_listening(port: int, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Returns once 127.0.0.1:`port` accepts a TCP connection; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=poll_s).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                message = f"nothing listens on port {port} after {timeout_s:.0f} s ({exc})"
+                raise TimeoutError(message) from None
+            time.sleep(poll_s)  # a poll of another process's state, bounded by the deadline
 
 
 def write_tiny_llama(

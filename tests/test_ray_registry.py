@@ -5,6 +5,7 @@ loads Ray only when told to discover through it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import types
@@ -190,8 +191,9 @@ def test_router_loads_ray_only_for_ray_discovery():
 
 
 def test_simulated_cluster_retries_a_head_that_does_not_start_then_gives_up(monkeypatch):
-    """deploy.sim_cluster: a head start that fails (Ray's bare Exception after its 30 s wait) is
-    shut down and tried again, START_ATTEMPTS times in all, then the error is raised."""
+    """deploy.sim_cluster: a head start that fails (Ray's bare Exception after its 30 s wait), or
+    whose Ray Client server does not listen, is shut down and tried again, START_ATTEMPTS times in
+    all, then the error is raised."""
     import ray
     import ray.cluster_utils
 
@@ -227,3 +229,31 @@ def test_simulated_cluster_retries_a_head_that_does_not_start_then_gives_up(monk
     with pytest.raises(Exception, match="timed out during startup"):
         sim_cluster.SimulatedCluster(2, 2).__enter__()
     assert len(clusters) == sim_cluster.START_ATTEMPTS and all(c.stopped for c in clusters)
+
+    # with a Ray Client port: a head whose client server never listens is started again too
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]  # not listening yet: connections to it are refused
+    monkeypatch.setattr(sim_cluster, "CLIENT_SERVER_START_S", 0.5)
+    clusters.clear()
+    failures = 0
+
+    def head_listening_on_the_second_try(self, **args):
+        self.nodes.append(args)
+        if "num_gpus" not in args:
+            assert args["ray_client_server_port"] == port
+            if len(clusters) == 2 and listener.fileno() != -1:  # -1: closed below
+                listener.listen()
+
+    monkeypatch.setattr(FakeCluster, "add_node", head_listening_on_the_second_try)
+    try:
+        with sim_cluster.SimulatedCluster(2, 2, client_port=port) as sim:
+            assert sim.cluster is clusters[1] and len(clusters) == 2 and clusters[0].stopped
+            assert not sim.cluster.stopped
+        listener.close()  # nothing listens any more: every attempt fails, then the timeout is raised
+        clusters.clear()
+        with pytest.raises(TimeoutError, match=f"nothing listens on port {port}"):
+            sim_cluster.SimulatedCluster(2, 2, client_port=port).__enter__()
+        assert len(clusters) == sim_cluster.START_ATTEMPTS and all(c.stopped for c in clusters)
+    finally:
+        listener.close()
