@@ -12,6 +12,7 @@ import http.client
 import json
 import re
 import select
+import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -68,6 +69,23 @@ def post_and_leave(url: str, body: bytes, key: str, ready, what: str, timeout_s:
         return bool(select.select([conn.sock], [], [], 0)[0])
     finally:
         conn.close()
+
+
+def tcp_sockets(url: str) -> str:
+    """A diagnostic for a failed wait: `ss`'s view of every TCP socket to or from `url`'s port (state,
+    queued bytes, owning process), to tell a client that never closed from a server that never
+    noticed."""
+    port = urllib.parse.urlsplit(url).port
+    try:
+        out = subprocess.run(
+            ["ss", "-tanpi", f"( sport = :{port} or dport = :{port} )"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(ss failed: {exc})"
 
 
 def grpc_generate(stub, metadata, **fields) -> tuple[str, pb.Finished]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests import procs
-from tests.openai_helpers import http_url, post, post_and_leave, self_signed
+from tests.openai_helpers import http_url, post, post_and_leave, self_signed, tcp_sockets
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village at the edge of a great forest, there lived"
@@ -121,7 +121,11 @@ def test_a_client_gone_while_queued_leaves_nothing_behind(worker, logs):
     def wait_for(proc, ok, what: str) -> dict[str, float]:
         deadline = time.monotonic() + 30
         while not ok(state := router_state(proc)):
-            assert time.monotonic() < deadline, f"router never reached {what}: {state}"
+            if time.monotonic() > deadline:  # rare in full suites: what each side saw, for the cause
+                raise AssertionError(
+                    f"router never reached {what}: {state}\nsockets:\n{tcp_sockets(url)}\n"
+                    f"router log:\n{proc.log_tail()}"
+                )
             time.sleep(0.05)
         return state
 
