@@ -202,7 +202,8 @@ async def storm_call(
 
             if mode == "after_delay":
                 try:
-                    await asyncio.wait_for(consume(), delay)
+                    async with asyncio.timeout(delay):
+                        await consume()
                 except TimeoutError:
                     call.cancel()
                     out.phase = "cancelled mid-stream" if out.tokens else "cancelled before any token"

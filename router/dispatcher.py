@@ -173,8 +173,9 @@ class Dispatcher:
         while True:
             self.dispatch_ready()
             if len(self.queue):
-                try:
-                    await asyncio.wait_for(self.queue.wait_for_change(), self._recheck_s)
+                try:  # asyncio.timeout: 3.11's wait_for can drop stop()'s cancellation (gh-86296)
+                    async with asyncio.timeout(self._recheck_s):
+                        await self.queue.wait_for_change()
                 except TimeoutError:
                     pass  # the periodic recheck: capacity may have appeared without a queue event
             else:
@@ -198,8 +199,9 @@ class Dispatcher:
     async def wait_placed(self, pending: Pending, deadline_s: float | None, now_s: float) -> Placement:
         """Waits in the queue until dispatched; `DeadlineExceeded` when the deadline passes first."""
         timeout = None if deadline_s is None else max(0.0, deadline_s - now_s)
-        try:
-            return await asyncio.wait_for(pending.future, timeout)
+        try:  # asyncio.timeout: 3.11's wait_for drops a cancellation that comes with the placement
+            async with asyncio.timeout(timeout):
+                return await pending.future
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while the request waited in the router's queue") from None
 

@@ -37,7 +37,8 @@ class Drain:
     async def drain(self, grace_s: float) -> bool:
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
+            async with asyncio.timeout(grace_s):
+                await self._idle.wait()
             return True
         except asyncio.TimeoutError:
             return False

@@ -231,6 +231,32 @@ def test_dispatcher_fails_a_request_no_worker_context_holds():
     asyncio.run(main())
 
 
+def test_a_request_cancelled_as_it_is_placed_is_cancelled_and_its_placement_returned():
+    """A client that leaves in the loop turn its request is placed: the wait raises CancelledError
+    (Python 3.11's asyncio.wait_for with a deadline returned the placement instead, and the call
+    went on to the worker without a client), and discarding the request returns the placement."""
+
+    async def main():
+        queue = FairQueue()
+        registry = FlakyRegistry()
+        dispatcher = Dispatcher(queue, registry)
+        pending = Pending("m", [])
+        ticket = AdmissionController(queue).admit(TenantLimits("a"), 16, 16, payload=pending)
+        now = time.monotonic()
+        waiting = asyncio.ensure_future(dispatcher.wait_placed(pending, now + 300, now))
+        await asyncio.sleep(0)  # it waits in the queue
+        assert dispatcher.dispatch_ready() == 1 and pending.future.done()  # placed ...
+        waiting.cancel()  # ... as its client goes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert dispatcher._reserved["w0"] and registry.worker.num_inflight == 1  # its KV room and lease
+        pending.discard()
+        assert not dispatcher._reserved["w0"] and registry.worker.num_inflight == 0
+        ticket.release()
+
+    asyncio.run(main())
+
+
 # -- tracing: the caller's sampled flag decides nothing ---------------------------------------------
 
 

@@ -8,8 +8,8 @@ Contract
   disconnects (the awaitable is cancelled).
 - `EventStream(body, headers, source, idle_timeout_s)`: SSE from an async iterator of bytes, closed
   (with `source`, the worker calls under it) when the client disconnects or stops reading.
-- state: none. proven by: tests/test_openai_requests.py, the e2e modules (disconnects, idle
-  streams).
+- state: none. proven by: tests/test_openai_event_stream.py, tests/test_openai_requests.py, the
+  e2e modules (disconnects, idle streams).
 """
 
 from __future__ import annotations
@@ -76,9 +76,19 @@ class EventStream(Response):
         self._idle_s = idle_timeout_s or None
 
     async def __call__(self, scope, receive, send) -> None:
+        gone = False  # the client disconnected: no write goes out any more
+
         async def write(message: dict) -> None:
+            if gone:  # uvicorn's send to a lost connection returns quietly: stop here instead
+                raise ConnectionResetError("the client disconnected")
             try:
-                await asyncio.wait_for(send(message), self._idle_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a send
+                # that finished in the loop turn its task was cancelled in, and drops the
+                # cancellation (CPython gh-86296). uvicorn's connection_lost does exactly that: it
+                # completes a send blocked on a full buffer and wakes watch() together; the pump
+                # then ran on, with no client, until the generation ended.
+                async with asyncio.timeout(self._idle_s):
+                    await send(message)
             except TimeoutError:
                 log.info("closing a stream whose client took nothing for %.1f s", self._idle_s)
                 raise
@@ -91,8 +101,10 @@ class EventStream(Response):
             await write({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch() -> None:
+            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass  # no request body part is expected once the response started
+            gone = True
 
         tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
         try:

@@ -111,7 +111,8 @@ class HttpFront:
         self._server.config.timeout_graceful_shutdown = grace_s
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, grace_s + 5.0)
+            async with asyncio.timeout(grace_s + 5.0):
+                await self._task
         except (TimeoutError, asyncio.CancelledError):
             self._task.cancel()
         self.sock.close()
