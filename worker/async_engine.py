@@ -264,6 +264,7 @@ class AsyncEngine:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            steps = engine.num_steps
             try:
                 outputs = engine.step()
             except Exception as exc:  # a bug or OOM: fail in-flight, keep serving
@@ -278,6 +279,11 @@ class AsyncEngine:
             for observer in self.step_observers:
                 observer(engine, outputs)
             self._hand_back(outputs)
+            if parked != ([], []) and engine.num_steps == steps and not engine.has_in_flight:
+                # Nothing ran: what waits needs the slots or KV blocks of parked sequences. Only a
+                # reader taking something (or a command) changes that: wait for one, not spin.
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
 
     def _hand_back(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their streams: one call_soon_threadsafe per event loop (a write to
