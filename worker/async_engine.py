@@ -67,6 +67,7 @@ class _Stream:
     interval: int = 1  # tokens per delivery after the first (stream_interval)
     held: RequestOutput | None = None  # engine thread only: tokens not delivered yet
     started: bool = False  # engine thread only: tokens were delivered already
+    added: bool = False  # engine thread only: its request is in the engine (outputs are its own)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Delivers `item` now (errors: anything held is dropped with the failed stream)."""
@@ -292,7 +293,8 @@ class AsyncEngine:
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
-            if stream is not None and (item := stream.take(out)) is not None:
+            # not added yet: the output is an earlier request's under the same id (a client's retry)
+            if stream is not None and stream.added and (item := stream.take(out)) is not None:
                 stream.produced += 1
                 ready.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in ready.items():
@@ -340,6 +342,11 @@ class AsyncEngine:
             command = self._commands.popleft()
             if command[0] == "add":
                 _, request_id, prompt, sampling, priority, salt = command
+                # An earlier request of this id aborted (its client gone, this one its retry): its
+                # abort output would end this stream, and this request would run on unread.
+                self.engine.forget_aborted(request_id)
+                if (added := self._streams.get(request_id)) is not None:
+                    added.added = True
                 try:
                     self.engine.add_request(request_id, prompt, sampling, priority, salt)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the engine loop goes on

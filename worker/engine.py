@@ -177,6 +177,10 @@ class LLMEngine(EngineAdapters):
         self._aborted.append(seq)
         return True
 
+    def forget_aborted(self, request_id: str) -> None:
+        """Drops the pending abort output of `request_id` (nobody reads it: its id is reused)."""
+        self._aborted = [seq for seq in self._aborted if seq.request_id != request_id]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
 
