@@ -17,7 +17,8 @@ Contract:
   that slot from N's token tensor on the device (`ModelRunner.launch(plan, prev, feeds)`), so the
   executor queues N+1 behind N without waiting for N's tokens on the host: the one host sync per
   step is the engine thread's, when it commits N. Each `step()` still returns the outputs of exactly
-  one step, and tokens, finish reasons and usage counts are the synchronous engine's. What overlaps:
+  one step, and tokens, finish reasons and prompt / output token counts are the synchronous
+  engine's (cached-token counts may be lower: see the differences below). What overlaps:
   decodes, prompt chunks, new admissions (prefix-cache hits included), greedy and seeded or unseeded
   sampling, logprobs, logit bias, penalties (their token statistics live on the device, updated by
   each sampled token), stop token ids, EOS, max_tokens (a sequence whose pending token is its last
@@ -29,7 +30,10 @@ Contract:
   re-admitted (recomputed) once that token is known. So do the blocks of a sequence that ends (EOS
   or a stop id in N, or an abort) while a step in flight holds it, for the same reason: the plan of
   N+1 has them as the synchronous plan would. Differences from the synchronous engine, none in
-  tokens, finish reasons or usage counts: N+1 is planned while N's tokens are unknown (a sequence
+  tokens, finish reasons or prompt / output counts: blocks are hashed for the prefix cache when the
+  step that fills them commits, so a request admitted in N+1 misses the blocks of a shared prefix
+  that N is filling and computes them again (fewer cached prompt tokens; the synchronous engine
+  admits it after N's commit and hits them); N+1 is planned while N's tokens are unknown (a sequence
   whose pending token ends it by EOS still counts as running then), so N+1 may preempt where the
   synchronous plan would not, or not where it would (preemption counts differ; logprobs of
   recomputed sequences equal within 1e-5), and a victim's blocks filled by N are not hashed for the
