@@ -1,6 +1,7 @@
-"""AsyncEngine's loop (worker/async_engine.py) with real engines on the tiny model, under both
-schedulers: an engine thread that waits, not spins, while parked streams hold every slot; a request
-id reused right after its client left gets its own outputs, not the earlier request's."""
+"""AsyncEngine's loop (worker/async_engine.py) with real engines on the tiny model: an engine
+thread that waits, not spins, while parked streams hold every slot, and that outlives a failing
+step observer; a request id reused right after its client left gets its own outputs, not the
+earlier request's (both schedulers where it matters)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,34 @@ def test_a_request_id_reused_after_its_client_left_gets_its_own_outputs(async_sc
     assert sum(len(o.new_token_ids) for o in outs) == 12 and outs[-1].finish_reason == "length", outs[-1]
     assert "X" not in engine.scheduler.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_failing_step_observer_does_not_stop_the_engine_thread():
+    """A step observer (the step histograms) that raises is logged; the engine thread goes on
+    and every request gets all its tokens (an exception there ended the thread: every open and
+    later request then waited for ever)."""
+    config = tiny_config(num_kv_blocks=64)
+    engine = LLMEngine(config, runner=tiny_runner(config))
+    served = AsyncEngine(engine)
+    calls = [0]
+
+    def broken(engine, outputs):
+        calls[0] += 1
+        raise RuntimeError("observer bug")
+
+    served.step_observers.append(broken)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main() -> list[int]:
+        async def one(rid: str) -> int:
+            return sum([len(out.new_token_ids) async for out in served.generate(rid, [1, 2, 3], sp)])
+
+        return await asyncio.wait_for(asyncio.gather(one("a"), one("b")), timeout=20)
+
+    served.start()
+    try:
+        assert asyncio.run(main()) == [6, 6]
+        assert asyncio.run(main()) == [6, 6]  # and later requests too
+    finally:
+        served.shutdown()
+    assert calls[0] >= 6

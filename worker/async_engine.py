@@ -271,14 +271,20 @@ class AsyncEngine:
             except Exception as exc:  # a bug or OOM: fail in-flight, keep serving
                 log.exception("engine step failed")
                 self._unpark(parked)
-                self._fail_all(exc)
+                try:
+                    self._fail_all(exc)
+                except Exception:  # noqa: BLE001 - its streams have their errors; keep the thread
+                    log.exception("draining the failed requests failed too")
                 continue
             self._unpark(parked)
             # The load report and the step observers (the step histograms) first: a reader that got
             # this step's token must not then read the load or metrics as they were before the step.
             self._stats = engine.stats()
             for observer in self.step_observers:
-                observer(engine, outputs)
+                try:
+                    observer(engine, outputs)
+                except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
+                    log.exception("a step observer failed")
             self._hand_back(outputs)
             if parked != ([], []) and engine.num_steps == steps and not engine.has_in_flight:
                 # Nothing ran: what waits needs the slots or KV blocks of parked sequences. Only a
@@ -298,7 +304,8 @@ class AsyncEngine:
                 stream.produced += 1
                 ready.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in ready.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            with contextlib.suppress(RuntimeError):  # its event loop closed: nobody reads them
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _park(self) -> tuple[list[Sequence], list[Sequence]]:
         """Takes the sequences whose stream buffer is full out of the scheduler's queues for one
