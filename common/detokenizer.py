@@ -1,10 +1,12 @@
 """Streaming token ids -> text deltas, one request at a time.
 
 Contract:
-- Input: token ids via `push(ids)`, one or a few at a time, then one `flush()` at the end.
+- Input: token ids via `push(ids)`, one or several at a time (a worker message carries several
+  with speculative decoding or a stream interval), then one `flush()` at the end.
 - Output: each call returns only the new text; the deltas concatenate to
   `tokenizer.decode(all_ids)`. A delta is returned only once it is whole UTF-8: while the decoded
-  text ends in U+FFFD (a multi-byte character split across byte-level tokens) it is held back.
+  text ends in U+FFFD (a multi-byte character split across byte-level tokens) the ids of that
+  last character are held back, and the text before it is returned.
   `flush()` returns whatever is left, invalid bytes included (as U+FFFD).
 - State: a window of recent ids, at most `MAX_PENDING_IDS` of them not yet emitted; skipped
   special tokens never enter it, so every push costs O(window) whatever the ids: linear overall.
@@ -12,8 +14,9 @@ Contract:
   only so the new text joins onto them correctly (the prefix-offset/read-offset scheme of vLLM
   and TGI); each push costs O(window), not O(all ids so far).
 - Fails: never on any id sequence the tokenizer can decode.
-- Proven by tests/test_tokenizer.py: pushing emoji/CJK text token by token concatenates to the
-  full decode, some pushes are held back, and no delta contains U+FFFD; tests/test_trust_units.py:
+- Proven by tests/test_tokenizer.py: pushing emoji/CJK text token by token, and in groups of 1-5
+  ids, concatenates to the full decode, some pushes are held back, and no delta contains U+FFFD;
+  tests/test_trust_units.py:
   random id mixtures (specials, byte tokens) against `tokenizer.decode` (the slow reference), and
   4,096 skipped tokens cost under 6x 1,024.
 """
@@ -54,16 +57,31 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         context_text = self._decode(self._window_ids[: self._num_context_ids])
         text = self._decode(self._window_ids)
-        pending = len(self._window_ids) - self._num_context_ids
-        incomplete = text.endswith(_REPLACEMENT_CHAR) and pending < MAX_PENDING_IDS
-        if not final and (len(text) <= len(context_text) or incomplete):
-            if text == context_text:
+        split = len(self._window_ids)  # the ids emitted now; any after it stay pending
+        if not final and text.endswith(_REPLACEMENT_CHAR):
+            # Hold back only the ids of the trailing partial character (at most 3 of its byte
+            # tokens can be there while it is incomplete), not every id pushed since the last
+            # emit: a message of several tokens (speculative drafts, a stream interval) that ends
+            # mid-character would otherwise pile ids up to MAX_PENDING_IDS, and the forced emit
+            # then turned a well-formed character into U+FFFD and lost it.
+            pending = split - self._num_context_ids
+            for k in range(1, min(3, pending) + 1):
+                head = self._decode(self._window_ids[:-k])
+                if not head.endswith(_REPLACEMENT_CHAR):
+                    split, text = split - k, head
+                    break
+            else:
+                if pending < MAX_PENDING_IDS:
+                    return ""  # still incomplete; past MAX_PENDING_IDS: invalid bytes, emitted
+        if not final and len(text) <= len(context_text):
+            if split == len(self._window_ids) and text == context_text:
                 # ids that decode to nothing (and are not part of a character): nothing to wait for
                 self._window_ids = self._window_ids[: self._num_context_ids]
             return ""
-        # the ids just emitted become the next window's context
-        self._window_ids = self._window_ids[self._num_context_ids :]
-        self._num_context_ids = len(self._window_ids)
+        # the ids just emitted become the next window's context; the held ones follow it
+        start = self._num_context_ids
+        self._window_ids = self._window_ids[start:]
+        self._num_context_ids = split - start
         return text[len(context_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -43,9 +43,11 @@ TOKENIZER = Tokenizer.from_gguf(default_model_path())
 MODEL = router.validation.ModelSpec("smollm", max_model_len=1088, vocab_size=TOKENIZER.vocab_size)
 MODELS = {MODEL.name: MODEL}
 LIMITS = Limits(max_prompt_chars=20_000)  # tokenizing is the slow part: keep inputs small
+# A refusal names the field it is about ("sampling.pooling: unknown value 105"): every sampling
+# field is checked (penalties, logit bias, pooling, logprobs counts), so any of their names.
 FIELD = re.compile(
     r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
-    r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
+    r"sampling\.[a-z_]+|stopping\.(max_tokens|stop(\[\d+\])?|"
     r"stop_token_ids)): "
 )
 ROLES = ("system", "user", "assistant", "tool", "", "User", "<|im_start|>")

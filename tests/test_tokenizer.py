@@ -40,6 +40,7 @@ STREAMED_TEXTS = [
     "Emoji 😀🤗👍🏽 family 👨‍👩‍👧 done",
     "中文分词测试：你好，世界！",
     "Ελληνικά και русский 🎉 テキスト",
+    "한국어 텍스트입니다. 日本語のテキストです。🎉🎉🎉",
 ]
 
 MESSAGES = [
@@ -123,6 +124,27 @@ def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text:
     assert tail == ""
     assert not any("\ufffd" in delta for delta in deltas)
     assert "" in deltas, "no character was split across tokens, so nothing was held back"
+
+
+@pytest.mark.parametrize("text", STREAMED_TEXTS)
+def test_incremental_detokenizer_several_ids_at_a_time(tokenizer: Tokenizer, text: str) -> None:
+    """Worker messages of 1-5 ids (speculative drafts, a stream interval), many of them ending
+    mid-character: the same text, never a U+FFFD (held ids used to pile up to MAX_PENDING_IDS,
+    and the forced emit replaced a character by U+FFFD and lost it: Korean text in most runs)."""
+    import random
+
+    ids = tokenizer.encode(text * 3)
+    for seed in range(40):
+        rng = random.Random(seed)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        deltas, i = [], 0
+        while i < len(ids):
+            n = rng.randint(1, 5)
+            deltas.append(detokenizer.push(ids[i : i + n]))
+            i += n
+        deltas.append(detokenizer.flush())
+        assert "".join(deltas) == text * 3, (seed, deltas)
+        assert not any("\ufffd" in delta for delta in deltas), (seed, deltas)
 
 
 def test_incremental_detokenizer_flushes_incomplete_bytes(tokenizer: Tokenizer) -> None:
