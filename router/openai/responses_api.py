@@ -137,8 +137,9 @@ class ResponseBuilder:
         calls = []
         if self.parsed.tools is not None:
             text, calls = extract(text, self.parsed.tools)
-        output = [self.item(text or "", status)] if text or not calls else []
-        output += [self.call_item(call, status) for call in calls]
+        output = [self.item(text or "", "completed")] if text or not calls else []
+        output += [self.call_item(call, "completed") for call in calls]
+        output[-1]["status"] = status  # the finish is the last item's; those before it completed, as streamed
         return self.response("completed", output, done)
 
     def event(self, kind: str, **fields) -> bytes:
