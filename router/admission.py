@@ -27,7 +27,8 @@ Contract
 - state: per tenant two token buckets and the open-request count; the tokens in flight; counters
   `refusals[(tenant, reason)]` and `admitted[tenant]`. `Ticket.release()` (idempotent; call it
   when the stream ends however it ends) removes a still-queued item from the queue, returns the
-  budget, and with `num_output_tokens` refunds unused max_tokens to the tokens/min bucket.
+  budget, and with `num_output_tokens` refunds unused max_tokens to the tokens/min bucket;
+  `Ticket.refused()` (a refusal after admission, --no-queue) refunds the prompt's tokens too.
 - failure modes: only AdmissionError (`router_error()`: DEADLINE_EXCEEDED for `deadline`,
   RESOURCE_EXHAUSTED for the rest); everything is synchronous (one event loop, no locks).
 - proven by: tests/test_trust_admission.py (claims before tokenizing, the deadline status),
@@ -148,6 +149,11 @@ class Ticket:
 
     def release(self, num_output_tokens: int | None = None) -> None:
         self._controller._release(self, num_output_tokens)
+
+    def refused(self) -> None:
+        """Released for a refusal after admission (the router's --no-queue: no worker has room):
+        the request took nothing, so its prompt + max_tokens go back to the tokens/min bucket."""
+        self._controller._release(self, 0, refund_prompt=True)
 
 
 def request_burst(tenant: TenantPolicy) -> float | None:
@@ -341,7 +347,7 @@ class AdmissionController:
         self.refusals[(tenant.name, reason)] += 1
         return AdmissionError(reason, self._work_ms(cost), message)
 
-    def _release(self, ticket: Ticket, num_output_tokens: int | None) -> None:
+    def _release(self, ticket: Ticket, num_output_tokens: int | None, refund_prompt: bool = False) -> None:
         if ticket.released:
             return
         ticket.released = True
@@ -351,7 +357,8 @@ class AdmissionController:
         self.tokens_in_flight -= ticket.num_tokens
         tokens = self._buckets.get(item.tenant, ((), None, None))[2]
         if tokens is not None and num_output_tokens is not None:
-            tokens.give(max(0, item.max_tokens - num_output_tokens))
+            unused = max(0, item.max_tokens - num_output_tokens)
+            tokens.give(unused + (item.num_prompt_tokens if refund_prompt else 0))
         self._queue.notify()  # a request ended, so its worker may have room: wake the dispatcher
 
     def _close(self, tenant: str) -> None:

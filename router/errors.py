@@ -104,12 +104,14 @@ class Overloaded(RouterError):
         return (("retry-after-ms", str(self.retry_after_ms)),)
 
 
-# host:port and bare IP addresses (IPv4, bracketed IPv6, names with a port): what a worker's
+# host:port and bare IP addresses (IPv4, bracketed IPv6, gRPC's URL-encoded "ipv6:%5B::1%5D:50051",
+# names with a port, underscores included as in docker-compose service names): what a worker's
 # address looks like in an internal message.
 _ADDRESS = re.compile(
     r"\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?"
+    r"|%5B[0-9A-Fa-f:.%]*%5D(?::\d+)?"
     r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
-    r"|\b[A-Za-z0-9][A-Za-z0-9.-]*:\d{2,5}\b(?![.\d])"
+    r"|(?<![\w.-])[A-Za-z0-9_][\w.-]*:\d{2,5}\b(?![.\d])"
 )
 
 

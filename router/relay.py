@@ -236,6 +236,7 @@ class Relay:
                         prompt = (list(wreq.prompt_token_ids), msg.prompt_logprobs)
                     yield Chunk(ids, text, lps, tops, prompt, list(msg.embedding) or None)
                 if stopped or finished:
+                    self._registry.call_succeeded(worker)  # before the yield: a reader may stop at Done
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")
                     yield Done(
@@ -253,7 +254,6 @@ class Relay:
                             ids[-1] if reason == "stop" and ids and ids[-1] in req.stop_token_ids else None
                         ),
                     )
-                    self._registry.call_succeeded(worker)
                     return
             raise WorkerLost(
                 f"worker {worker.address} closed the stream without finishing",
@@ -261,8 +261,10 @@ class Relay:
                 code=grpc.StatusCode.UNAVAILABLE,
             )
         except asyncio.CancelledError:
-            if not stream.down_reason:
-                raise  # the client's cancellation (or the deadline), not the worker's
+            if not stream.down_reason or asyncio.current_task().cancelling():
+                # the client's cancellation (or the deadline), not the worker's: also when the
+                # registry cancelled the worker call in the same turn (no retry for a gone client)
+                raise
             raise WorkerLost(
                 f"worker {worker.address} was lost mid-stream after {num_out} tokens ({stream.down_reason})",
                 retryable=num_out == 0,

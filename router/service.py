@@ -234,7 +234,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._dispatcher.dispatch_ready()
             if not pending.future.done():  # no worker has room for it now: refuse, do not queue
                 pending.discard()
-                ticket.release()
+                ticket.refused()  # it took nothing: its tokens/min go back
                 err = self._admission.refuse(
                     tenant,
                     "no_capacity",

@@ -223,7 +223,10 @@ class Tenants:
         for entry in entries:
             if not isinstance(entry, dict) or set(entry) - known:
                 raise ValueError(f"tenants file: bad entry {entry!r}; allowed keys: {sorted(known)}")
-            tenants.append(Tenant(**{k: entry[k] for k in entry}))
+            try:
+                tenants.append(Tenant(**{k: entry[k] for k in entry}))
+            except TypeError as exc:  # a required key missing ("name"): a bad entry, as above
+                raise ValueError(f"tenants file: bad entry {entry!r}: {exc}") from None
         return cls(tenants, require_key=True, replicas=replicas)
 
     @classmethod
@@ -287,7 +290,7 @@ class TenantsFile:
         self._stamp = self._stat()  # taken before reading: a later write changes it again
         try:
             tenants = Tenants.load(self.path, self._allow_public, self._replicas)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any bad file keeps the tenants (and the watch) going
             log.error(
                 "tenants file %s not reloaded, keeping the previous %d tenant(s): %s",
                 self.path,

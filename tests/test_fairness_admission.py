@@ -92,6 +92,18 @@ def test_tokens_per_minute_counts_prompt_plus_max_tokens_and_refunds_unused_outp
     assert "600 tokens per minute" in err.message
 
 
+def test_a_request_refused_after_admission_takes_no_tokens_per_minute():
+    """--no-queue: admitted, then refused because no worker has room: its prompt + max_tokens go
+    back (it took the tenant's allowance before, so retrying as told drained it)."""
+    clock, queue, ctl = setup()
+    acme = TenantLimits("acme", rate_tokens_per_min=600)
+    for _ in range(10):  # 10 x 200 tokens refused: far more than the 600 a minute
+        ticket = ctl.admit(acme, 100, 100)
+        ticket.refused()
+        assert ctl.num_open("acme") == 0 and ctl.tokens_in_flight == 0
+    ctl.admit(acme, 300, 300)  # the whole minute's allowance is still there
+
+
 def test_tenant_queue_cap_and_concurrency_cap():
     clock, queue, ctl = setup()
     acme = TenantLimits("acme", max_queued=2, max_concurrency=3)

@@ -179,6 +179,8 @@ def test_reload_swaps_the_table_and_keeps_it_when_the_new_file_is_bad(tmp_path):
     current = source.current
     write(path, "tenants: [oops")  # a typo: logged, the previous table stays
     assert not source.reload_if_changed() and source.current is current
+    write(path, YAML.replace("- name: acme\n    key_sha256", "- key_sha256"))  # no name: the same
+    assert not source.reload_if_changed() and source.current is current  # (a TypeError ended the watch)
     assert not source.reload_if_changed()  # the same bad file is not re-read every poll
     path.unlink()
     assert not source.reload_if_changed() and source.current is current

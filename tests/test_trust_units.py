@@ -283,6 +283,12 @@ def test_sampling_is_the_routers_decision_not_the_callers(monkeypatch, ratio, fl
         ("worker 127.0.0.1:50051 rejected the request", "worker <worker> rejected the request"),
         ("worker [::1]:4000 was lost", "worker <worker> was lost"),
         ("worker llm-gpu-0.llm.svc:50051 failed", "worker <worker> failed"),
+        ("worker llm_worker_1:50051 failed", "worker <worker> failed"),  # a docker-compose name
+        (  # gRPC's own text of a lost IPv6 peer: URL-encoded brackets
+            "UNAVAILABLE: ipv6:%5B::1%5D:50051: Failed to connect to remote host",
+            "UNAVAILABLE: ipv6:<worker>: Failed to connect to remote host",
+        ),
+        ("max_tokens: 4096 exceeds 2048; sampling.top_k: 40", None),
         (
             "chat.messages[0].role: must be one of system, user",
             "chat.messages[0].role: must be one of system, user",

@@ -1,0 +1,92 @@
+"""The relay (router/relay.py) at its edges, with the real router pieces over scripted workers
+(tests/router_harness.py): a client's cancellation in the turn the registry declares its worker
+down is the client's (no retry for a client that left); a call whose reader stops at the finish
+(the embeddings front) still counts as a success for the worker's circuit breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+import pytest
+
+from protos.llm.v1 import worker_pb2 as wpb
+from router.observe import RequestObservation
+from router.openai.embeddings import _embed_one
+from tests.router_harness import Ctx, Router, ScriptedWorker, request
+
+
+def test_a_client_cancel_in_the_turn_its_worker_goes_down_is_not_retried():
+    async def main():
+        a, b = ScriptedWorker(), ScriptedWorker()
+        router = await Router.create([a, b], poll_s=60)
+        try:
+            a.behavior = lambda req: [("sleep", 30)]
+            b.behavior = lambda req: [("tok", 1)] * 4 + [("finish",)]
+            handle_a, handle_b = sorted(router.registry.all(), key=lambda h: router.addrs.index(h.address))
+            handle_b.outstanding_tokens += 10_000  # the first attempt goes to a
+            call = asyncio.ensure_future(router.generate(request()))
+            deadline = time.monotonic() + 10
+            while not handle_a.streams:  # until a's stream is open
+                assert time.monotonic() < deadline, "the request never reached worker a"
+                await asyncio.sleep(0.01)
+            handle_b.outstanding_tokens -= 10_000
+            for stream in list(handle_a.streams):
+                stream.cancel_down("worker declared down (probe)")  # the registry, in the same turn
+            call.cancel()  # ... as the client's cancel
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert (a.calls, b.calls) == (1, 0)  # not retried on b for a client that left
+            state = router.state()
+            assert not state["open"] and state["tokens_in_flight"] == 0 and not state["streams"]
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_read_only_to_its_finish_counts_as_a_success():
+    """The embeddings front returns at the Finished event and closes the call: the relay's success
+    report came after it, so it never ran, and sporadic failures between embeddings added up to an
+    open circuit."""
+
+    async def main():
+        worker = ScriptedWorker()
+
+        async def embedding(request, context):
+            worker.calls += 1
+            yield wpb.WorkerResponse(
+                token_ids=[5],
+                embedding=[0.6, 0.8],
+                finished=wpb.WorkerFinished(reason=wpb.WORKER_FINISH_REASON_LENGTH),
+            )
+
+        worker.Generate = embedding
+        router = await Router.create([worker], poll_s=60)
+        try:
+            [handle] = router.registry.all()
+            for _ in range(2):
+                router.registry.call_failed(handle, "sporadic failure")
+
+            async def observed(req):  # as router/openai/app.py reads a call
+                obs = RequestObservation(None, ())
+                try:
+                    async with aclosing(router.service._generate(req, Ctx(), obs)) as events:
+                        async for response in events:
+                            yield getattr(response, response.WhichOneof("kind"))
+                finally:
+                    obs.finish()
+
+            req = request(max_tokens=1)
+            req.sampling.pooling = 1
+            for _ in range(3):
+                vector, _ = await _embed_one(observed(req), 0)
+                assert vector == pytest.approx([0.6, 0.8])
+            assert handle.breaker.consecutive_failures == 0
+            router.registry.call_failed(handle, "one more")
+            assert router.registry.healthy()  # one failure after successes: the circuit stays closed
+        finally:
+            await router.close()
+
+    asyncio.run(main())
