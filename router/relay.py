@@ -216,7 +216,14 @@ class Relay:
         dispatch_s = time.monotonic()
         first_token_s = None
         num_out = 0
-        call = worker.stub.Generate(wreq, timeout=timeout, metadata=metadata)  # metadata: trace context
+        try:
+            call = worker.stub.Generate(wreq, timeout=timeout, metadata=metadata)  # metadata: trace context
+        except grpc.aio.UsageError as exc:  # the worker left discovery since it was placed: channel closed
+            raise WorkerLost(
+                f"worker {worker.address} left before the call began ({exc})",
+                retryable=True,
+                code=grpc.StatusCode.UNAVAILABLE,
+            ) from None
         stream = self._registry.track(worker, call)  # the registry cancels it if the worker goes down
         try:
             async for msg in call:

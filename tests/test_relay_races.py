@@ -1,7 +1,8 @@
 """The relay (router/relay.py) at its edges, with the real router pieces over scripted workers
 (tests/router_harness.py): a client's cancellation in the turn the registry declares its worker
 down is the client's (no retry for a client that left); a call whose reader stops at the finish
-(the embeddings front) still counts as a success for the worker's circuit breaker."""
+(the embeddings front) still counts as a success for the worker's circuit breaker; a worker whose
+channel closed after the request was placed is a worker lost before its first token (retried)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,29 @@ def test_a_call_read_only_to_its_finish_counts_as_a_success():
             assert handle.breaker.consecutive_failures == 0
             router.registry.call_failed(handle, "one more")
             assert router.registry.healthy()  # one failure after successes: the circuit stays closed
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_whose_channel_closed_after_placement_is_retried_elsewhere():
+    """A worker that leaves discovery (the Ray registry's refresh closes its channel) between the
+    request's placement and its call: creating the call raises UsageError, which reached the
+    client as INTERNAL; it is a worker lost before its first token, retried on another."""
+
+    async def main():
+        a, b = ScriptedWorker(), ScriptedWorker()
+        router = await Router.create([a, b], poll_s=60)
+        try:
+            handle_a, handle_b = sorted(router.registry.all(), key=lambda h: router.addrs.index(h.address))
+            handle_b.outstanding_tokens += 10_000  # the first attempt goes to a
+            await handle_a.channel.close()  # gone from discovery, still in this placement's view
+            out, err = await router.generate(request())
+            handle_b.outstanding_tokens -= 10_000
+            assert err is None, err
+            assert sum(len(r.chunk.token_ids) for r in out if r.HasField("chunk")) == 4
+            assert (a.calls, b.calls) == (0, 1)
         finally:
             await router.close()
 
