@@ -121,6 +121,13 @@ class LaunchConfig:
         if problem:
             raise ValueError(problem)
 
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long a worker's stop() may take: its drain announcement, its grace for open
+        streams, and 15 s for the server and the engine to stop."""
+        announce = self.server_options.get("drain_announce_s", WorkerServerConfig.drain_announce_s)
+        return float(announce) + self.drain_grace_s + 15.0
+
     def worker_values(self, host: str) -> dict:
         """The `WorkerServerConfig` fields of each worker (`construct` builds it, on the node)."""
         cert, key, client_ca = self.tls or (None, None, None)

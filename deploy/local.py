@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     num_cpus = os.cpu_count() or 1
     ray_process_env()
+    stop_timeout_s = LaunchConfig().stop_timeout_s  # the launch's own, once it is built
     try:
         ray.init(
             address="local",
@@ -153,16 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         drain_grace_s = options.pop("drain_grace_s", LaunchConfig.drain_grace_s)
         print(f"starting {num_workers} worker(s) on {'GPU' if num_gpus else 'CPU'} ...", flush=True)
         # Each worker's torch threads = the CPUs it reserves (Ray sets OMP_NUM_THREADS from them).
-        workers = launch_workers(
-            LaunchConfig(
-                num_workers=num_workers,
-                engine=plan.engine,
-                namespace=namespace,
-                drain_grace_s=drain_grace_s,
-                cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers,
-                server_options=options,
-            )
+        launch = LaunchConfig(
+            num_workers=num_workers,
+            engine=plan.engine,
+            namespace=namespace,
+            drain_grace_s=drain_grace_s,
+            cpus_per_worker=1.0 if num_gpus else num_cpus / num_workers,
+            server_options=options,
         )
+        stop_timeout_s = launch.stop_timeout_s
+        workers = launch_workers(launch)
         ray_address = ray.get_runtime_context().gcs_address
         port = plan.router.port
         target = f"{plan.router.host}:{port}" if port else "<the router address printed below>"
@@ -196,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     finally:
         if ray.is_initialized():
-            stopped = stop_workers(namespace)
+            try:  # the workers drain their open streams (their grace, at most stop_timeout_s)
+                stopped = stop_workers(namespace, timeout_s=stop_timeout_s)
+            except KeyboardInterrupt:  # a second Ctrl-C: stop them now, and still reach ray.shutdown
+                stopped = stop_workers(namespace, drain=False)
             ray.shutdown()
             print(f"stopped: router, workers {', '.join(stopped) or 'none'}, Ray", flush=True)
     return status

@@ -184,8 +184,9 @@ def stop_workers(
     drain: bool = True,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Stops every worker `<name_prefix>*` in `namespace` (draining first) and frees their
-    placement groups; returns the names stopped."""
+    """Stops every worker `<name_prefix>*` in `namespace` (draining first, for at most `timeout_s`:
+    pass the launch's `LaunchConfig.stop_timeout_s`, or open streams are cut at 30 s) and frees
+    their placement groups; returns the names stopped."""
     import ray
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("launch", config.server_options.get("telemetry", {}).get("log_format", "text"))
     ray.init(address=command.ray_address, namespace=config.namespace, log_to_driver=False)
     if command.stop:
-        print(f"stopped: {', '.join(stop_workers(config.namespace, config.name_prefix)) or 'none'}")
+        stopped = stop_workers(config.namespace, config.name_prefix, timeout_s=config.stop_timeout_s)
+        print(f"stopped: {', '.join(stopped) or 'none'}")
         return 0
     if not config.server_options.get("worker_token") and not command.allow_no_worker_token:
         print(

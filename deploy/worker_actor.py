@@ -116,4 +116,4 @@ class WorkerActor:
         """Drains in-flight streams (`drain_grace_s`), then stops the server and the engine."""
         self._stopping = True
         self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(self._config.drain_grace_s + 15)
+        self._thread.join(self._config.drain_announce_s + self._config.drain_grace_s + 15)

@@ -12,7 +12,9 @@ Contract
 - cost per poll: one GCS call (list named actors) and one actor call per new or unhealthy worker
   only; healthy workers cost their gRPC health/load probes and nothing in Ray.
 - failure modes: a worker that is restarting (its call does not answer within `call_timeout_s`)
-  or dead (the call fails) is left out until it answers again, at its new port. Ray calls run in a
+  or dead (the call fails) is left out until it answers again, at its new port; one that announced
+  a drain (NOT_SERVING) is kept while its actor is busy stopping, so its open streams finish. Ray
+  calls run in a
   thread (`asyncio.to_thread`), never on the event loop. If the Ray head goes away, discovery
   keeps the last known workers until it answers again (the driver may exit after Ray's GCS
   reconnect timeout).
@@ -67,8 +69,9 @@ class RayRegistry(WorkerRegistry):
 
     async def discover(self) -> list[str]:
         unhealthy = {a for a, h in self._handles.items() if not h.healthy}
+        draining = {a for a, h in self._handles.items() if h.draining}
         try:
-            found = await asyncio.to_thread(self._find, unhealthy)
+            found = await asyncio.to_thread(self._find, unhealthy, draining)
         except Exception as exc:  # noqa: BLE001 - Ray unreachable: keep serving the known workers
             log.warning("Ray discovery failed (%s); keeping %d known worker(s)", exc, len(self._addresses))
             found = list(self._addresses.values())
@@ -105,7 +108,7 @@ class RayRegistry(WorkerRegistry):
         self._connected_here = True
         log.info("connected to Ray at %s (namespace %s)", self._ray_address, self._namespace)
 
-    def _find(self, unhealthy: set[str]) -> list[str]:
+    def _find(self, unhealthy: set[str], draining: frozenset[str] | set[str] = frozenset()) -> list[str]:
         ray = self._ray
         names = set(list_worker_names(self._namespace, self._prefix, ray))
         for name in set(self._actors) - names:
@@ -128,7 +131,10 @@ class RayRegistry(WorkerRegistry):
             ready = set(ready)
             for name, ref in list(self._pending.items()):
                 if ref not in ready:  # restarting (or busy): not routable until it answers
-                    self._addresses.pop(name, None)
+                    # ... unless it announced a drain: the actor answers nothing while its stop()
+                    # runs, and dropping it here would cancel the streams its drain lets finish
+                    if self._addresses.get(name) not in draining:
+                        self._addresses.pop(name, None)
                     continue
                 del self._pending[name]
                 try:

@@ -191,7 +191,10 @@ class WorkerRegistry(abc.ABC):
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception:  # noqa: BLE001 - a bug in one round must not end probing for good
+                log.exception("a worker probe round failed; probing goes on")
 
     async def _refresh(self) -> None:
         addresses = await self.discover()

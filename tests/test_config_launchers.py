@@ -147,6 +147,10 @@ def test_worker_server_flags_reach_ray_actors_and_make_serve_workers(monkeypatch
     _, launch = ray_launch.parse_args(argv)
     actor = config_cli.construct(WorkerServerConfig, launch.worker_values("10.0.0.1"))
     assert (actor.drain_grace_s, actor.drain_announce_s, actor.max_message_bytes) == (3.0, 0.5, 2 * 2**20)
+    # stopping waits for the whole drain (it cut open streams at a fixed 30 s before)
+    assert launch.stop_timeout_s == 0.5 + 3.0 + 15.0
+    _, long_drain = ray_launch.parse_args(["--allow-insecure-public", "--drain-grace-s", "60"])
+    assert long_drain.stop_timeout_s == WorkerServerConfig.drain_announce_s + 60.0 + 15.0 > 30.0
     assert actor.telemetry == TelemetryConfig(
         otlp_endpoint="http://collector:4317", sample_ratio=0.5, metrics_port=-1, log_format="json"
     )

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -84,14 +85,17 @@ def registry_on(fake: FakeRay, **kwargs) -> RayRegistry:
     return registry
 
 
-def discover(registry: RayRegistry, unhealthy: set[str] = frozenset()) -> list[str]:
+def discover(
+    registry: RayRegistry, unhealthy: set[str] = frozenset(), draining: set[str] = frozenset()
+) -> list[str]:
     for handle in registry._handles.values():  # the base registry's probe results
-        handle.healthy = handle.address not in unhealthy
+        handle.healthy = handle.address not in unhealthy | draining
+        handle.draining = handle.address in draining
     return asyncio.run(registry.discover())
 
 
 def with_handles(registry: RayRegistry, addresses: list[str]) -> None:
-    registry._handles = {a: types.SimpleNamespace(address=a, healthy=True) for a in addresses}
+    registry._handles = {a: types.SimpleNamespace(address=a, healthy=True, draining=False) for a in addresses}
 
 
 def test_asks_new_and_unhealthy_actors_only(fake):
@@ -127,6 +131,47 @@ def test_restarting_actor_is_left_out_until_it_answers_at_its_new_port(fake):
 
     restarting.value, restarting.ready = "10.0.0.2:7100", True
     assert discover(registry) == ["10.0.0.1:7000", "10.0.0.2:7100"]
+
+
+def test_a_probe_round_that_fails_does_not_end_probing(fake):
+    """An unexpected error in one round (a listener, an info check) is logged; the next round runs
+    (the loop ended silently: no worker was probed again, dead ones stayed healthy)."""
+    rounds = []
+
+    class Flaky(RayRegistry):
+        async def discover(self):
+            rounds.append(len(rounds))
+            if len(rounds) == 1:
+                raise RuntimeError("a bug in one round")
+            return []
+
+    async def main():
+        registry = Flaky("auto", poll_s=0.01)
+        registry._ray = fake
+        task = asyncio.ensure_future(registry._probe_forever())
+        try:
+            deadline = time.monotonic() + 10
+            while len(rounds) < 3:
+                assert time.monotonic() < deadline and not task.done(), rounds
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_draining_worker_stays_while_its_actor_is_busy_stopping(fake):
+    """A worker that announced its drain (NOT_SERVING) does not answer address() while its actor
+    runs stop(): it stays discovered, so the streams its drain grace lets finish are not cancelled
+    as "left the registry" (they were, at the first probe after the drain began)."""
+    fake.names = [("llm", "worker-0"), ("llm", "worker-1")]
+    fake.answers = {"worker-0": Ref("10.0.0.1:7000"), "worker-1": Ref("10.0.0.2:7000")}
+    registry = registry_on(fake)
+    discover(registry)
+    with_handles(registry, ["10.0.0.1:7000", "10.0.0.2:7000"])
+    fake.answers["worker-1"] = Ref(ready=False)  # busy in stop()
+    assert discover(registry, draining={"10.0.0.2:7000"}) == ["10.0.0.1:7000", "10.0.0.2:7000"]
+    assert discover(registry, unhealthy={"10.0.0.2:7000"}) == ["10.0.0.1:7000"]  # no drain: left out
 
 
 def test_streams_on_a_worker_that_leaves_discovery_end_as_lost_not_as_client_cancels(fake):
