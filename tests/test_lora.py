@@ -214,13 +214,14 @@ def test_bad_entries_and_other_models_are_refused(tiny, tmp_path):
             ([1, 2], "not a JSON object"),
             (config | {"alpha_pattern": {"q_proj(": 4}}, "malformed config"),
             (config | {"lora_alpha": None}, "malformed config"),
+            (config | {"lora_alpha": float("nan")}, "malformed config"),  # JSON's NaN: outputs were 0s
             (config | {"alpha_pattern": ["q_proj"]}, "malformed config"),
             (config, "no adapter_model.safetensors"),
         ]
     ):
         (tmp_path / f"m{i}").mkdir()
         (tmp_path / f"m{i}" / "adapter_config.json").write_text(json.dumps(bad))
-        if i < 4:
+        if i < 5:
             (tmp_path / f"m{i}" / "adapter_model.safetensors").write_bytes(weights)
         with pytest.raises(ValueError, match=message) as caught:
             load_adapter(f"m{i}", tmp_path / f"m{i}", engine.runner.model, torch.float32, "cpu")

@@ -382,6 +382,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.put(RuntimeError(f"engine step failed: {exc}"))
+                # its type only: torch / CUDA messages carry file paths and memory figures (logged)
+                stream.put(RuntimeError(f"engine step failed ({type(exc).__name__})"))
         self.engine.step()  # drain the abort outputs
         self._stats = self.engine.stats()

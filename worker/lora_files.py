@@ -111,8 +111,20 @@ def _alpha(config: dict, module: str) -> float:
     alpha_pattern entry matching its end, as PEFT matches them, else lora_alpha."""
     for pattern, alpha in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module):
-            return float(alpha)
-    return float(config.get("lora_alpha", 8))
+            return _finite_alpha(alpha, module)
+    return _finite_alpha(config.get("lora_alpha", 8), module)
+
+
+def _finite_alpha(value, module: str) -> float:
+    """A finite number (JSON parses a literal NaN, and a NaN alpha turned every output to token 0);
+    TypeError otherwise, which `load_adapter` reports as the named adapter's malformed config."""
+    try:
+        alpha = float(value)
+    except (TypeError, ValueError):
+        alpha = math.nan
+    if not math.isfinite(alpha):
+        raise TypeError(f"lora_alpha of {module} must be a finite number, got {value!r}")
+    return alpha
 
 
 class AdapterError(ValueError):

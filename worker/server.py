@@ -118,6 +118,14 @@ def to_response(out: RequestOutput) -> wpb.WorkerResponse:
     return msg
 
 
+MAX_STATUS_CHARS = 2000  # gRPC's metadata limit is 16 KiB: a longer status becomes RESOURCE_EXHAUSTED
+
+
+def _status_message(message: str) -> str:
+    """A status message within MAX_STATUS_CHARS (a grammar's parse error repeats its input line)."""
+    return message if len(message) <= MAX_STATUS_CHARS else message[: MAX_STATUS_CHARS - 3] + "..."
+
+
 ADAPTER_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "exists": grpc.StatusCode.ALREADY_EXISTS,  # a router treats it as served there (router/lora_admin.py)
@@ -158,7 +166,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 sampling = to_sampling(request.sampling, request.adapter)
             except ValueError as exc:
                 obs.fail("invalid_argument", str(exc))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _status_message(f"sampling: {exc}"))
             outputs = self._engine.generate(
                 request.request_id,
                 list(request.prompt_token_ids),
@@ -178,13 +186,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
             except ValueError as exc:  # the engine refused the request (duplicate id, prompt too long)
                 obs.fail("invalid_argument", str(exc))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _status_message(str(exc)))
             except GroupUnavailable as exc:  # tensor parallel: the worker's rank group is restarting
                 obs.fail("unavailable", str(exc))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _status_message(str(exc)))
             except RuntimeError as exc:  # an engine step failed; the engine keeps serving others
                 obs.fail("internal", str(exc))
-                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+                await context.abort(grpc.StatusCode.INTERNAL, _status_message(str(exc)))
             finally:
                 await outputs.aclose()  # on cancellation this aborts the sequence in the engine
         finally:
@@ -239,10 +247,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise
         except AdapterError as exc:
             self._count_adapter_call(operation, exc.kind)
-            await context.abort(ADAPTER_CODES[exc.kind], str(exc)[:2000])
+            await context.abort(ADAPTER_CODES[exc.kind], _status_message(str(exc)))
         except ValueError as exc:  # the loader's checks (worker/lora_files.py)
             self._count_adapter_call(operation, "invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)[:2000])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _status_message(str(exc)))
         except Exception:  # out of memory, a bug: not the caller's business beyond that it failed
             self._count_adapter_call(operation, "internal")
             log.exception("LoRA adapter load / unload failed")

@@ -15,6 +15,7 @@ Contract
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from common.config_cli import MIB, option, section
@@ -100,6 +101,9 @@ class WorkerServerConfig:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        times = (self.drain_grace_s, self.drain_announce_s, self.stream_idle_timeout_s)
+        if not all(math.isfinite(t) for t in times):  # a NaN idle timeout ended every stream at once
+            raise ValueError(f"drain and stream timeouts must be finite numbers of seconds, got {times}")
         if self.drain_grace_s < 0 or self.drain_announce_s < 0:
             raise ValueError("drain_grace_s and drain_announce_s must be >= 0")
         if self.worker_token is not None and not self.worker_token.strip():

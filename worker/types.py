@@ -27,6 +27,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the caller (cancellation, deadline)
 
 
+MIN_TEMPERATURE = 1e-5  # smaller temperatures sample greedily (see SamplingParams.__post_init__)
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit; bounds a reply's size)
 
 # Sampling fields that cannot change a greedy argmax; any other field away from its default (a
@@ -68,6 +69,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            # logits / temperature would overflow to inf and softmax give NaN (whose argmax was
+            # token 0): a temperature this small is greedy, as it is in the limit
+            object.__setattr__(self, "temperature", 0.0)
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
