@@ -6,7 +6,8 @@ Contract
   name prefix of the workers, optional static addresses (served as well).
 - output: `discover()` -> the static addresses plus the address of every named worker actor that
   answers `address()`; the base `WorkerRegistry` health-checks them, adds new ones, drops gone
-  ones, and keeps working on its own when Ray calls are slow.
+  ones, and keeps working on its own when Ray calls are slow (a round waits for the Ray lookup at
+  most `call_timeout_s` + 1 s, then probes the workers it last found).
 - state: per actor name the handle, the last address it gave and at most one pending `address()`
   call. Nothing durable: any number of routers can discover the same workers.
 - cost per poll: one GCS call (list named actors) and one actor call per new or unhealthy worker
@@ -55,6 +56,8 @@ class RayRegistry(WorkerRegistry):
         self._pending: dict = {}  # name -> ObjectRef of an unanswered address() call
         self._connected_here = False
         self._ray = None  # the ray module, once connected (tests set a fake)
+        self._lookup: asyncio.Future | None = None  # the Ray lookup in flight (a thread), at most one
+        self._found: list[str] | None = None  # its last result (None: none yet)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._connect)
@@ -62,19 +65,35 @@ class RayRegistry(WorkerRegistry):
 
     async def stop(self) -> None:
         await super().stop()
+        if self._lookup is not None:
+            self._lookup.cancel()  # its thread ends on its own (Ray's timeouts)
         if self._connected_here:
             import ray
 
             await asyncio.to_thread(ray.shutdown)
 
     async def discover(self) -> list[str]:
-        unhealthy = {a for a, h in self._handles.items() if not h.healthy}
-        draining = {a for a, h in self._handles.items() if h.draining}
+        """The Ray lookup runs in a thread; a round waits for it at most `call_timeout_s` + 1 s
+        (the first round: until it answers) and otherwise goes on with the last workers found, so
+        a Ray call that blocks (the GCS unreachable) never holds up the health probes."""
+        if self._lookup is None:
+            unhealthy = {a for a, h in self._handles.items() if not h.healthy}
+            draining = {a for a, h in self._handles.items() if h.draining}
+            self._lookup = asyncio.ensure_future(asyncio.to_thread(self._find, unhealthy, draining))
+        known = self._found or []
         try:
-            found = await asyncio.to_thread(self._find, unhealthy, draining)
+            async with asyncio.timeout(None if self._found is None else self._call_timeout_s + 1.0):
+                found = await asyncio.shield(self._lookup)
+        except TimeoutError:
+            log.warning("Ray discovery is slow; probing the %d known worker(s) meanwhile", len(known))
+            found = known
         except Exception as exc:  # noqa: BLE001 - Ray unreachable: keep serving the known workers
-            log.warning("Ray discovery failed (%s); keeping %d known worker(s)", exc, len(self._addresses))
-            found = list(self._addresses.values())
+            self._lookup = None
+            log.warning("Ray discovery failed (%s); keeping %d known worker(s)", exc, len(known))
+            found = known
+        else:
+            self._lookup = None
+            self._found = found
         return [*self._static, *(a for a in found if a not in self._static)]
 
     def _connect(self) -> None:

@@ -160,6 +160,46 @@ def test_a_probe_round_that_fails_does_not_end_probing(fake):
     asyncio.run(main())
 
 
+def test_a_blocked_ray_call_does_not_hold_up_health_probes(fake):
+    """The GCS unreachable: Ray's listing blocks. Probing goes on with the workers last found, so
+    a worker that dies meanwhile is unhealthy within a few probes (it stayed "healthy" for as long
+    as Ray blocked: the probe round waited for discovery)."""
+    import threading
+
+    from tests.router_harness import MODELS, ScriptedWorker, start_worker
+
+    blocked, release = threading.Event(), threading.Event()
+    listing = fake._list
+
+    def slow_list(all_namespaces):
+        if blocked.is_set():
+            release.wait(30)  # bounded: the test releases it
+        return listing(all_namespaces)
+
+    fake.util.list_named_actors = slow_list
+
+    async def main() -> float:
+        server, address = await start_worker(ScriptedWorker())
+        fake.names, fake.answers = [("llm", "worker-0")], {"worker-0": Ref(address)}
+        registry = registry_on(fake, poll_s=0.1, probe_timeout_s=0.2, check_info=MODELS.check)
+        registry._connect = lambda: None
+        await registry.start()
+        try:
+            assert [h.address for h in registry.healthy()] == [address]
+            blocked.set()  # Ray stops answering ...
+            await server.stop(0)  # ... and the worker dies
+            start = time.monotonic()
+            while registry.healthy():
+                assert time.monotonic() - start < 10, "the dead worker stayed healthy"
+                await asyncio.sleep(0.05)
+            return time.monotonic() - start
+        finally:
+            release.set()
+            await registry.stop()
+
+    assert asyncio.run(main()) < 5
+
+
 def test_a_draining_worker_stays_while_its_actor_is_busy_stopping(fake):
     """A worker that announced its drain (NOT_SERVING) does not answer address() while its actor
     runs stop(): it stays discovered, so the streams its drain grace lets finish are not cancelled
