@@ -144,6 +144,10 @@ class Router:
         self.dispatcher.start()
         return self
 
+    def handles(self) -> list:
+        """The registry's worker handles, in the order the workers were given to `create`."""
+        return sorted(self.registry.all(), key=lambda h: self.addrs.index(h.address))
+
     def state(self):
         hs = self.registry.all()
         return {

@@ -83,6 +83,13 @@ class FakeAdmin:
         return SimpleNamespace(num_workers=1)
 
 
+def gated() -> tuple[FakeAdmin, Autoloader]:
+    """Two slots, loads held at `admin.gate` until the test sets it."""
+    admin = FakeAdmin(slots=2)
+    admin.gate = asyncio.Event()
+    return admin, Autoloader(admin, retry_s=60)
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -214,9 +221,7 @@ def test_what_another_router_loaded_or_a_hung_worker_holds_is_not_counted_as_roo
 
 def test_a_request_outlasting_its_deadline_leaves_and_the_load_goes_on():
     async def main():
-        admin = FakeAdmin(slots=2)
-        admin.gate = asyncio.Event()
-        auto = Autoloader(admin, retry_s=60)
+        admin, auto = gated()
         patient = asyncio.create_task(auto.ensure("a", set()))
         with pytest.raises(DeadlineExceeded) as late:
             await auto.ensure("a", set(), deadline_s=time.monotonic() + 0.05)
@@ -269,9 +274,7 @@ def test_a_request_naming_the_adapter_being_unloaded_loads_it_again():
 
 def test_one_load_per_name_for_every_waiter_even_when_some_leave():
     async def main():
-        admin = FakeAdmin(slots=2)
-        admin.gate = asyncio.Event()
-        auto = Autoloader(admin, retry_s=60)
+        admin, auto = gated()
         waiters = [asyncio.create_task(auto.ensure("a", set())) for _ in range(5)]
         await asyncio.sleep(0)  # every waiter reached the shared load
         waiters[0].cancel()  # one client leaves: the load goes on for the others

@@ -25,7 +25,7 @@ def test_a_client_cancel_in_the_turn_its_worker_goes_down_is_not_retried():
         try:
             a.behavior = lambda req: [("sleep", 30)]
             b.behavior = lambda req: [("tok", 1)] * 4 + [("finish",)]
-            handle_a, handle_b = sorted(router.registry.all(), key=lambda h: router.addrs.index(h.address))
+            handle_a, handle_b = router.handles()
             handle_b.outstanding_tokens += 10_000  # the first attempt goes to a
             call = asyncio.ensure_future(router.generate(request()))
             deadline = time.monotonic() + 10
@@ -102,7 +102,7 @@ def test_a_worker_whose_channel_closed_after_placement_is_retried_elsewhere():
         a, b = ScriptedWorker(), ScriptedWorker()
         router = await Router.create([a, b], poll_s=60)
         try:
-            handle_a, handle_b = sorted(router.registry.all(), key=lambda h: router.addrs.index(h.address))
+            handle_a, handle_b = router.handles()
             handle_b.outstanding_tokens += 10_000  # the first attempt goes to a
             await handle_a.channel.close()  # gone from discovery, still in this placement's view
             out, err = await router.generate(request())

@@ -126,6 +126,16 @@ def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text:
     assert "" in deltas, "no character was split across tokens, so nothing was held back"
 
 
+def stream_in_groups(detokenizer: IncrementalDetokenizer, ids: list[int], rng, most: int) -> list[str]:
+    """Every delta of pushing `ids` in groups of 1..`most` (`rng` draws the sizes), then the flush."""
+    deltas, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, most)
+        deltas.append(detokenizer.push(ids[i : i + n]))
+        i += n
+    return deltas + [detokenizer.flush()]
+
+
 @pytest.mark.parametrize("text", STREAMED_TEXTS)
 def test_incremental_detokenizer_several_ids_at_a_time(tokenizer: Tokenizer, text: str) -> None:
     """Worker messages of 1-5 ids (speculative drafts, a stream interval), many of them ending
@@ -135,14 +145,7 @@ def test_incremental_detokenizer_several_ids_at_a_time(tokenizer: Tokenizer, tex
 
     ids = tokenizer.encode(text * 3)
     for seed in range(40):
-        rng = random.Random(seed)
-        detokenizer = IncrementalDetokenizer(tokenizer)
-        deltas, i = [], 0
-        while i < len(ids):
-            n = rng.randint(1, 5)
-            deltas.append(detokenizer.push(ids[i : i + n]))
-            i += n
-        deltas.append(detokenizer.flush())
+        deltas = stream_in_groups(IncrementalDetokenizer(tokenizer), ids, random.Random(seed), 5)
         assert "".join(deltas) == text * 3, (seed, deltas)
         assert not any("\ufffd" in delta for delta in deltas), (seed, deltas)
 

@@ -24,6 +24,7 @@ from router.dispatcher import Dispatcher, Pending
 from router.errors import DeadlineExceeded, PermissionDenied, Unavailable
 from router.fair_queue import FairQueue
 from router.tenants import Tenant
+from tests.test_tokenizer import stream_in_groups
 
 # -- admission: rate and concurrency are counted before tokenizing ----------------------------------
 
@@ -113,13 +114,7 @@ def test_detokenizer_matches_decode_on_random_mixtures(tokenizer):
                 ids.append(rng.choice(text_ids))
             else:
                 ids.append(rng.randrange(tokenizer.vocab_size))  # byte tokens and partial characters too
-        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
-        out, i = [], 0
-        while i < len(ids):
-            n = rng.randint(1, 3)
-            out.append(detok.push(ids[i : i + n]))
-            i += n
-        out.append(detok.flush())
+        out = stream_in_groups(IncrementalDetokenizer(tokenizer, skip_special_tokens=True), ids, rng, 3)
         reference = _reference(tokenizer, ids)
         if "\ufffd" not in reference:  # valid text: exactly the reference
             assert "".join(out) == reference, (trial, ids)

@@ -82,8 +82,7 @@ def test_a_failed_step_tells_the_client_its_type_only():
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     async def main():
-        async for _ in served.generate("x", [1, 2, 3], sp):
-            pass
+        return [out async for out in served.generate("x", [1, 2, 3], sp)]  # raises at the failed step
 
     served.start()
     try:

@@ -258,7 +258,7 @@ class AsyncEngine:
                 continue
             parked = self._park()
             scheduler = engine.scheduler
-            if parked and not (
+            if any(parked) and not (
                 scheduler.running or scheduler.waiting or engine._aborted or engine.has_in_flight
             ):
                 self._unpark(parked)  # every stream's reader is behind: wait for one to read
@@ -286,7 +286,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
                     log.exception("a step observer failed")
             self._hand_back(outputs)
-            if parked != ([], []) and engine.num_steps == steps and not engine.has_in_flight:
+            if any(parked) and engine.num_steps == steps and not engine.has_in_flight:
                 # Nothing ran: what waits needs the slots or KV blocks of parked sequences. Only a
                 # reader taking something (or a command) changes that: wait for one, not spin.
                 self._wakeup.wait(timeout=1.0)
