@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from common.detokenizer import IncrementalDetokenizer
@@ -259,6 +259,8 @@ def test_tokenize_and_fit_valid_requests(tokenize, req):
     stops=st.lists(st.one_of(st.sampled_from(NASTY).filter(bool), any_text.filter(bool)), max_size=8),
     stop_from_text=st.tuples(st.integers(0, 200), st.integers(1, 6)),
 )
+# CI's find: "!" then a lone byte token in one message; the stop "!" ends the stream before flush()
+@example(ids=[17, 111], cuts=[2], stops=[], stop_from_text=(0, 1))
 def test_detokenizer_and_stop_strings_on_random_ids(tokenizer, ids, cuts, stops, stop_from_text):
     """The relay's path, ids -> IncrementalDetokenizer -> StopStringMatcher, on any ids in the
     vocabulary: deltas join to the full decode; a stop cuts exactly before an occurrence."""
@@ -282,8 +284,8 @@ def test_detokenizer_and_stop_strings_on_random_ids(tokenizer, ids, cuts, stops,
         deltas.append(tail)
         text, stopped = matcher.push(tail)
         out += text if stopped else text + matcher.flush()
-    if i >= len(ids):
-        assert "".join(deltas) == full
+    if i >= len(ids):  # every id pushed; a stop skipped the relay's flush, so take the rest here
+        assert "".join(deltas) + (detok.flush() if stopped else "") == full
     assert full.startswith(out)
     assert not any(s in out for s in stops), (out, stops)
     if stopped:
