@@ -147,8 +147,10 @@ class Ticket:
         self.num_tokens = num_tokens  # prompt + max_tokens, held until release
         self.released = False
 
-    def release(self, num_output_tokens: int | None = None) -> None:
-        self._controller._release(self, num_output_tokens)
+    def release(self, num_output_tokens: int | None = None, refund_prompt: bool = False) -> None:
+        """`refund_prompt`: the request never ran (cancelled or timed out while queued, or failed
+        before any output), so its prompt's tokens go back to the tokens/min bucket as well."""
+        self._controller._release(self, num_output_tokens, refund_prompt)
 
     def refused(self) -> None:
         """Released for a refusal after admission (the router's --no-queue: no worker has room):

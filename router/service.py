@@ -24,8 +24,8 @@ Contract
   `default_deadline_s`, and none runs past its `max_deadline_s`.
 - observability: `router.observe` spans each stage (auth, validate, admission, queue, route),
   hands the route span's trace context to the worker call, records metrics and the log line.
-- proven by: tests/test_grpc_e2e.py, tests/test_grpc_e2e.py (invalid-request table),
-  tests/test_observability_e2e.py, tests/test_trust_admission.py.
+- proven by: tests/test_grpc_e2e.py (and its invalid-request table), tests/test_observability_e2e.py,
+  tests/test_trust_admission.py, tests/test_admission_refunds.py (tokens/min of requests that never ran).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from router.affinity import prefix_hashes
 from router.config import Limits
 from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
-from router.errors import Overloaded, Unavailable, ValidationError
+from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError
 from router.fair_queue import OUTPUT_COST
 from router.lora_admin import AdapterAdmin
 from router.lora_autoload import Autoloader
@@ -88,9 +88,9 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
         if event.embedding is not None:
             chunk.embedding.extend(event.embedding)
         return pb.GenerateResponse(chunk=chunk)
-    stop = {"stop_string": event.stop_reason} if isinstance(event.stop_reason, str) else {}
-    if isinstance(event.stop_reason, int):
-        stop = {"stop_token_id": event.stop_reason}
+    reason, stop = event.stop_reason, {}
+    if reason is not None:
+        stop = {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
     return pb.GenerateResponse(
         finished=pb.Finished(
             **stop,
@@ -235,17 +235,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not pending.future.done():  # no worker has room for it now: refuse, do not queue
                 pending.discard()
                 ticket.refused()  # it took nothing: its tokens/min go back
-                err = self._admission.refuse(
-                    tenant,
-                    "no_capacity",
-                    ticket.item.max_cost,
-                    "no worker has room for this request now (the router does not queue: --no-queue)",
-                )
+                full = "no worker has room for this request now (the router does not queue: --no-queue)"
+                err = self._admission.refuse(tenant, "no_capacity", ticket.item.max_cost, full)
                 raise Overloaded(err.message, err.retry_after_ms)
-        num_out = 0
+        num_out, placed, failed = 0, False, False
         try:
             obs.stage("queue")
             placement = await self._dispatcher.wait_placed(pending, deadline_s, time.monotonic())
+            placed = placement is not None
             obs.stage("route", worker=placement.worker.address if placement else None)
             events = self._relay.run(
                 req,
@@ -264,9 +261,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         num_out += len(event.token_ids)
                     obs.event(event)
                     yield _to_pb(event)
+        except DeadlineExceeded:
+            raise  # the client's deadline, like its cancel: charged once a worker took the prompt
+        except Exception:
+            failed = num_out == 0  # the service's failure before any output (no worker, all failed)
+            raise
         finally:
             pending.discard()
-            ticket.release(num_output_tokens=num_out)
+            # what never reached a worker, or failed before any output, takes no tokens/min
+            ticket.release(num_output_tokens=num_out, refund_prompt=not placed or failed)
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         self._drain.enter()
@@ -375,12 +378,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             claim = claim or self._admission.claim(tenant, cost)
             if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
                 claim.release()
-                raise self._admission.refuse(
-                    tenant,
-                    "no_capacity",
-                    cost,
-                    "every worker is busy (the router does not queue: --no-queue)",
-                )
+                busy = "every worker is busy (the router does not queue: --no-queue)"
+                raise self._admission.refuse(tenant, "no_capacity", cost, busy)
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
         return claim
