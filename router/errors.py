@@ -59,6 +59,12 @@ class Unavailable(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class RequestFailed(RouterError):
+    """Workers failed the request with an internal error before its first token, on every worker
+    it was tried on (router/relay.py): it may be the request that triggers a worker bug, so it is
+    not tried on more and the client sees INTERNAL, not a status that invites a retry."""
+
+
 class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

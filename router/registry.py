@@ -162,9 +162,9 @@ class WorkerRegistry(abc.ABC):
         handle.last_error = reason
         self._notify()
 
-    def call_failed(self, handle: WorkerHandle, reason: str) -> None:
-        """A call failed on the worker's side: feeds its circuit breaker."""
-        if handle.breaker.record_failure(reason):
+    def call_failed(self, handle: WorkerHandle, reason: str, at_s: float | None = None) -> None:
+        """A call failed on the worker's side (at `at_s`, now by default): feeds its circuit breaker."""
+        if handle.breaker.record_failure(reason, at_s):
             log.warning(
                 "worker %s circuit open for %.1f s after %d failure(s): %s",
                 handle.address,

@@ -14,7 +14,11 @@ Contract
   the attempt ends, however it ends.
 - failure modes: the worker fails before the first token -> it is taken out of rotation and the
   request is retried on another worker (each worker at most once); worker-side failures feed the
-  worker's circuit breaker and a final message resets it; a stream on a worker the registry
+  worker's circuit breaker and a final message resets it. INTERNAL / UNKNOWN before the first
+  token may be the request's own doing (input that breaks the engine): such a failure counts
+  against its worker only once another worker served the request, and a request that failed so on
+  two workers is not tried on more (`RequestFailed`, INTERNAL): one bad request neither opens
+  every circuit nor fails every worker's batch; a stream on a worker the registry
   declares down (hung) is cancelled and handled like a broken stream; no worker left or a failure
   after tokens were sent -> `Unavailable` naming the worker; the deadline passes ->
   `DeadlineExceeded`. The worker call is cancelled whenever this generator stops early (client
@@ -37,8 +41,8 @@ from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from protos.llm.v1 import worker_pb2
 from router.dispatcher import Placement
-from router.errors import DeadlineExceeded, Unavailable, WorkerRejected
-from router.registry import WorkerRegistry
+from router.errors import DeadlineExceeded, RequestFailed, Unavailable, WorkerRejected
+from router.registry import WorkerHandle, WorkerRegistry
 from router.stop_strings import StopStringMatcher
 from router.tenants import Tenant
 from router.validation import ValidRequest
@@ -74,6 +78,10 @@ RETRYABLE = {
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# Failures before the first token the request itself may cause (it triggers a worker bug): counted
+# against the worker only once another worker served the request; tried on this many workers at most.
+SUSPECT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+MAX_SUSPECT_WORKERS = 2
 # Failures that count against the worker's circuit breaker (not the request's own fault).
 WORKER_FAULTS = {
     grpc.StatusCode.UNAVAILABLE,
@@ -174,6 +182,7 @@ class Relay:
         wreq = _worker_request(req, prompt_ids, max_tokens, tenant)
         tried: list[str] = []
         errors: list[str] = []
+        suspects: list[tuple[WorkerHandle, str, float]] = []  # SUSPECT failures: (worker, reason, when)
         while True:
             if placement is None:
                 detail = f"; tried: {'; '.join(errors)}" if errors else ""
@@ -181,7 +190,7 @@ class Relay:
             worker = placement.worker
             tried.append(worker.address)
             try:
-                attempt = self._attempt(placement, wreq, req, arrival_s, deadline_s, metadata)
+                attempt = self._attempt(placement, wreq, req, arrival_s, deadline_s, metadata, suspects)
                 async with aclosing(attempt) as events:
                     async for event in events:
                         yield event
@@ -189,7 +198,14 @@ class Relay:
             except WorkerLost as lost:
                 if lost.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     self._registry.mark_failed(worker, str(lost))
-                if lost.code in WORKER_FAULTS:
+                if lost.retryable and lost.code in SUSPECT:
+                    suspects.append((worker, str(lost), time.monotonic()))
+                    if len(suspects) >= MAX_SUSPECT_WORKERS:
+                        raise RequestFailed(
+                            f"the request failed on {len(suspects)} workers before its first token "
+                            f"({'; '.join(r for _, r, _ in suspects)}); not tried on more"
+                        ) from None
+                elif lost.code in WORKER_FAULTS:
                     self._registry.call_failed(worker, str(lost))
                 if not lost.retryable:
                     raise Unavailable(str(lost)) from None
@@ -206,6 +222,7 @@ class Relay:
         arrival_s: float,
         deadline_s: float | None,
         metadata: tuple = (),
+        suspects: list = (),
     ) -> AsyncIterator[Chunk | Done]:
         worker = placement.worker
         timeout = None if deadline_s is None else deadline_s - time.monotonic()
@@ -244,6 +261,8 @@ class Relay:
                     yield Chunk(ids, text, lps, tops, prompt, list(msg.embedding) or None)
                 if stopped or finished:
                     self._registry.call_succeeded(worker)  # before the yield: a reader may stop at Done
+                    for failed, reason, at_s in suspects:  # served here, so those workers were at fault
+                        self._registry.call_failed(failed, reason, at_s)
                     now = time.monotonic()
                     reason = "stop" if stopped else FINISH_REASONS.get(msg.finished.reason, "cancelled")
                     yield Done(

@@ -2,7 +2,9 @@
 (tests/router_harness.py): a client's cancellation in the turn the registry declares its worker
 down is the client's (no retry for a client that left); a call whose reader stops at the finish
 (the embeddings front) still counts as a success for the worker's circuit breaker; a worker whose
-channel closed after the request was placed is a worker lost before its first token (retried)."""
+channel closed after the request was placed is a worker lost before its first token (retried); a
+request that fails its workers with INTERNAL is tried on two and opens no circuit; one failed
+engine step counts once against its worker."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import asyncio
 import time
 from contextlib import aclosing
 
+import grpc
 import pytest
 
 from protos.llm.v1 import worker_pb2 as wpb
+from router.errors import RequestFailed
 from router.observe import RequestObservation
 from router.openai.embeddings import _embed_one
-from tests.router_harness import Ctx, Router, ScriptedWorker, request
+from tests.router_harness import Ctx, Router, ScriptedWorker, request, tokens
 
 
 def test_a_client_cancel_in_the_turn_its_worker_goes_down_is_not_retried():
@@ -110,6 +114,80 @@ def test_a_worker_whose_channel_closed_after_placement_is_retried_elsewhere():
             assert err is None, err
             assert sum(len(r.chunk.token_ids) for r in out if r.HasField("chunk")) == 4
             assert (a.calls, b.calls) == (0, 1)
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_fails_its_workers_is_tried_on_two_and_opens_no_circuit():
+    """Input that breaks the engine fails each worker it reaches with INTERNAL. It was retried on
+    every worker, each failure counting against that worker's circuit: a few such requests in a
+    row opened every circuit. Now it stops after two workers (INTERNAL to the client), and a
+    failure counts only once another worker served the same request."""
+
+    async def main():
+        workers = [ScriptedWorker() for _ in range(3)]
+        for w in workers:
+            w.behavior = lambda req: [("abort", grpc.StatusCode.INTERNAL)]
+        router = await Router.create(workers, poll_s=60)
+        try:
+            for _ in range(4):
+                out, err = await router.generate(request())
+                assert isinstance(err, RequestFailed) and err.code == grpc.StatusCode.INTERNAL, err
+                assert "failed on 2 workers" in err.message and not out
+            assert sum(w.calls for w in workers) == 8  # two workers per request, never the third
+            assert all(h.breaker.consecutive_failures == 0 for h in router.handles())
+            assert len(router.registry.healthy()) == 3
+            workers[2].behavior = lambda req: [("tok", 1)] * 4 + [("finish",)]
+            handles = router.handles()
+            handles[1].outstanding_tokens += 20_000  # tried on 0 first, then on 2 (served), never 1
+            handles[2].outstanding_tokens += 10_000
+            before = [w.calls for w in workers]
+            out, err = await router.generate(request())
+            assert err is None and len(tokens(out)) == 4, err
+            assert [w.calls - n for w, n in zip(workers, before)] == [1, 0, 1]
+            counted = [h.breaker.consecutive_failures for h in handles]
+            assert counted == [1, 0, 0], counted  # the worker that failed it, once another served it
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_one_failed_step_counts_once_against_its_worker():
+    """A failed engine step fails every request in it at once (INTERNAL each): one incident for
+    the circuit breaker, not one failure per request (which opened a busy worker's circuit)."""
+
+    async def main():
+        a, b = ScriptedWorker(), ScriptedWorker()
+        step_failed = asyncio.Event()
+
+        async def failing_step(request, context):
+            a.calls += 1
+            a.open += 1
+            try:
+                await step_failed.wait()
+                await context.abort(grpc.StatusCode.INTERNAL, "engine step failed: RuntimeError")
+            finally:
+                a.open -= 1
+            yield wpb.WorkerResponse()  # unreachable; makes this an async generator
+
+        a.Generate = failing_step
+        router = await Router.create([a, b], poll_s=60)
+        try:
+            handle_a, handle_b = router.handles()
+            handle_b.outstanding_tokens += 10_000  # every first attempt goes to a
+            calls = [asyncio.ensure_future(router.generate(request())) for _ in range(4)]
+            deadline = time.monotonic() + 10
+            while a.open < 4:
+                assert time.monotonic() < deadline, f"{a.open} of 4 requests reached worker a"
+                await asyncio.sleep(0.01)
+            handle_b.outstanding_tokens -= 10_000
+            step_failed.set()
+            for out, err in await asyncio.gather(*calls):
+                assert err is None and len(tokens(out)) == 4, err  # retried on b, served
+            assert handle_a.breaker.consecutive_failures == 1 and handle_a.breaker.state == "closed"
         finally:
             await router.close()
 
