@@ -38,6 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from common.chat_tools import TemplateFeatures, template_inputs
 from common.gguf_tokenizer import build_gguf_backend
 from common.model_files import read_gguf_metadata
+from common.token_bytes import ByteTable, build_byte_table
 
 # Special tokens that end a generation besides the declared eos, as llama.cpp's end-of-generation
 # set: SmolLM2 declares `<|im_end|>` but a model may still close a document with `<|endoftext|>`.
@@ -177,6 +178,12 @@ class Tokenizer:
         entries = sorted((i, t, i in added and added[i].special) for t, i in vocab.items())
         digest = hashlib.sha256(json.dumps(entries, ensure_ascii=False).encode()).hexdigest()
         return Fingerprint(self.vocab_size, self._eos_token_ids, digest)
+
+    @functools.cached_property
+    def byte_table(self) -> ByteTable | None:
+        """Each id's bytes and how the decoder joins them (common/token_bytes.py), built on first
+        use; None when the decoder is not one reproduced exactly (the caller decodes text then)."""
+        return build_byte_table(self._backend)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
