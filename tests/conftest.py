@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Triton reads this once, at its first import: without a GPU its kernels run in the interpreter.
 if not torch.cuda.is_available():
@@ -19,6 +20,14 @@ if not torch.cuda.is_available():
 # 4-20x slower (measured in test_gpu_bench's engines and transformers' generate). Tests about
 # threading set their own count and restore this one.
 torch.set_num_threads(1)
+
+# Property tests (hypothesis): in CI each runs the same examples every time (derandomize: its seed
+# is derived from the test), so a merge is judged by its own change and not by which random
+# examples that run drew; elsewhere they explore new examples each run, and a failure prints the
+# `@reproduce_failure` line that replays it (a CI failure of 2026-12-04 was found that way).
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_addoption(parser):
