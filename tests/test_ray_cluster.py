@@ -272,3 +272,83 @@ def test_two_routers_serve_the_same_workers_and_stopping_one_spares_the_other(
             procs.wait_for_workers(router.address, NUM_WORKERS, timeout_s=5)
     finally:
         second.stop()
+
+
+# A head-only cluster (its own process: this one is a driver of `sim`) with one named actor that
+# answers address() with argv[2]; a file at argv[3] makes it restart the head (a new cluster on the
+# same Ray Client port, the actor relaunched answering argv[4]). SIGTERM tears the cluster down.
+HEAD_OWNER = """
+import pathlib, signal, sys, time
+import ray
+from deploy.sim_cluster import SimulatedCluster
+
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def __init__(self, address):
+        self._address = address
+
+    def address(self):
+        return self._address
+
+port, restart = int(sys.argv[1]), pathlib.Path(sys.argv[3])
+for phase, address in ((1, sys.argv[2]), (2, sys.argv[4])):
+    with SimulatedCluster(0, 0, client_port=port):
+        actor = Worker.options(name="worker-0", lifetime="detached").remote(address)
+        ray.get(actor.address.remote(), timeout=120)
+        print("head ready", phase, flush=True)
+        while phase == 2 or not restart.exists():
+            time.sleep(0.2)
+    print("head down", flush=True)
+"""
+
+# A RayRegistry through Ray Client, probing (nothing listens at the actor's address: probes fail,
+# so the actor is asked again each round, as for a relaunched worker) and printing what it holds.
+CLIENT_REGISTRY = """
+import asyncio, json, logging, sys
+from router.ray_registry import RayRegistry
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+async def main():
+    registry = RayRegistry(sys.argv[1], poll_s=0.5, probe_timeout_s=0.2)
+    await registry.start()
+    while True:
+        print("workers", json.dumps(sorted(h.address for h in registry.all())), flush=True)
+        await asyncio.sleep(0.5)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_ray_client_router_reconnects_after_a_head_restart_and_finds_relaunched_workers(logs, tmp_path):
+    """Slow (about 2 min of both cores on a 2-core machine: two head starts, Ray Client's give-up
+    and reconnects), so it runs with --runslow only. A router discovering through Ray Client
+    (`ray://`, as KubeRay's) whose head restarts: the client gives up (grace period shortened to
+    5 s here; 30 s by default), the registry reconnects and finds the worker relaunched at its new
+    address (before, it kept the old one and never found the new: restart the router)."""
+    port = procs.free_port()
+    old, new = f"127.0.0.1:{procs.free_port()}", f"127.0.0.1:{procs.free_port()}"
+    restart = tmp_path / "restart"
+    owner = procs.Proc("head-owner", ["-c", HEAD_OWNER, str(port), old, str(restart), new], logs)
+    registry = None
+    try:
+        owner.wait_for_line("head ready 1", 240)
+        registry = procs.Proc(
+            "client-registry",
+            ["-c", CLIENT_REGISTRY, f"ray://127.0.0.1:{port}"],
+            logs,
+            env={"RAY_CLIENT_RECONNECT_GRACE_PERIOD": "5"},
+        )
+        registry.wait_for_line(f'workers \\["{old}"\\]', 120)
+        restart.touch()
+        owner.wait_for_line("head ready 2", 240)
+        registry.wait_for_line(f'workers \\["{new}"\\]', 180)
+        registry.wait_for_line("reconnected", 1)
+    except BaseException:
+        print(owner.log_tail(), registry.log_tail() if registry else "")
+        raise
+    finally:
+        procs.stop_all(*(p for p in (registry, owner) if p is not None), timeout_s=60)
