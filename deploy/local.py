@@ -17,14 +17,15 @@ Contract
   workers with deploy/ray_launch.py, then serves the router in this process with Ray discovery
   (the same code path as `python -m router --ray-address ...` on a cluster). Prints how to try it
   and the Ray address another router can join with. Ctrl-C / SIGTERM: the router drains, the
-  workers drain and stop, Ray shuts down; exit status 0.
+  workers drain and stop, Ray shuts down; exit status 0. A second one while the workers drain
+  (`stop_stack`) stops them at once, and Ray still shuts down.
 - state: the Ray instance and the worker actors, for the life of the process.
 - failure modes: a bad flag or variable -> usage error (exit 2) before Ray starts; a worker that
   cannot start -> the error is printed, everything is torn down, exit status 1. A signal during
   start-up tears down what was started.
 - proven by: tests/test_ray_serve.py (a streamed answer, spans from router and worker actor,
   LLM_* variables reaching the engine, the worker token, the clean stop), tests/test_config_launchers.py
-  (flags and defaults).
+  (flags and defaults), tests/test_local_interrupts.py (the second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.auth import new_token
@@ -189,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         router = dataclasses.replace(plan.router, ray_address=ray_address, worker_token=token)
         status = asyncio.run(serve(router))
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
     except KeyboardInterrupt:
         status = 0
     except Exception as exc:  # noqa: BLE001 - e.g. a worker that failed to start: say so, tear down
@@ -197,13 +198,23 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     finally:
         if ray.is_initialized():
-            try:  # the workers drain their open streams (their grace, at most stop_timeout_s)
-                stopped = stop_workers(namespace, timeout_s=stop_timeout_s)
-            except KeyboardInterrupt:  # a second Ctrl-C: stop them now, and still reach ray.shutdown
-                stopped = stop_workers(namespace, drain=False)
-            ray.shutdown()
+            stopped = stop_stack(namespace, stop_timeout_s, ray.shutdown)
             print(f"stopped: router, workers {', '.join(stopped) or 'none'}, Ray", flush=True)
     return status
+
+
+def stop_stack(namespace: str, stop_timeout_s: float, shutdown_ray: Callable[[], None]) -> list[str]:
+    """The workers' drain (their grace, at most `stop_timeout_s`), then `shutdown_ray()`; the
+    names of the workers stopped. A SIGINT or SIGTERM during the drain stops them at once instead."""
+    # The router's event loop, closing, left SIGTERM at its default (death, without ray.shutdown).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    try:
+        stopped = stop_workers(namespace, timeout_s=stop_timeout_s)
+    except KeyboardInterrupt:  # a second Ctrl-C: the user will not wait; Ray must still go down
+        stopped = stop_workers(namespace, drain=False)
+    shutdown_ray()
+    return stopped
 
 
 if __name__ == "__main__":

@@ -2,22 +2,55 @@
 
 Contract: the flags and their `LLM_*` variables come from `RouterConfig`'s field metadata
 (router.config.parse_args); a bad value is a usage error (exit 2); SIGTERM drains, exit 0.
+A SIGTERM/SIGINT during start-up (after the interpreter's own first ~20 ms) also ends it with
+exit 0, without serving: the handler installed first thing here records it until router.server
+installs its own, which stops start-up once the model table (tokenizers) is loaded.
+Proven by tests/test_early_signals.py.
 """
+
+# ruff: noqa: E402 - the stop recorder is installed before the other imports
+import signal
+
+STOP_SIGNALS: list[int] = []  # SIGTERM/SIGINT received before router.server installs its own handlers
+
+
+def _record_stop(signum: int, frame) -> None:
+    STOP_SIGNALS.append(signum)  # recorded, not raised: start-up checks it between its steps
+
+
+if __name__ == "__main__":  # the process's entry only: a module that imports this keeps its handlers
+    # SIGTERM last: once its handler is in, both are (tests/test_early_signals.py waits on that).
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _record_stop)
 
 import asyncio
 import gc
+import logging
 import sys
 
 from common.logs import setup_logging
 from router.config import parse_args
 
 
+def stopped_early() -> bool:
+    """Whether SIGTERM/SIGINT arrived during start-up (then said so in the log)."""
+    if STOP_SIGNALS:
+        logging.getLogger("router").info(
+            "%s during start-up: not serving", signal.Signals(STOP_SIGNALS[0]).name
+        )
+    return bool(STOP_SIGNALS)
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("router", config.telemetry.log_format)
+    if stopped_early():
+        return 0
     from router.server import serve  # grpc and the tokenizer load only once the flags are good
 
-    return asyncio.run(serve(config))
+    if stopped_early():
+        return 0
+    return asyncio.run(serve(config, stop_requested=lambda: bool(STOP_SIGNALS)))
 
 
 if __name__ == "__main__":

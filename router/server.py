@@ -6,7 +6,9 @@ in-flight calls and a SIGHUP / file-change reload of the tenants file.
 Contract
 - input: `RouterConfig`.
 - output: serves `llm.v1.Generation`, `grpc.health.v1.Health` (SERVING while at least one worker
-  is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0.
+  is healthy) and server reflection until SIGTERM/SIGINT; `serve` then returns 0. Its handlers
+  go in first; a stop that came before (`stop_requested`, python -m router's record) or during
+  the model table's load ends start-up there, 0 without binding anything; a later one drains.
 - state: the server, the registry and the served models (`router.models.ModelTable`, from
   --model: one tokenizer, chat template and defaults per model id) for the process lifetime;
   /workers on the metrics port lists each worker with why it is refused, if it is.
@@ -15,7 +17,8 @@ Contract
 - failure modes: refuses to bind a non-loopback address without both API keys and TLS (unless
   --allow-insecure-public); on SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE,
   in-flight calls get `drain_grace_s` to finish, then the server stops.
-- proven by: tests/test_grpc_e2e.py (SIGTERM drain), tests/test_router_cli.py (never imports torch).
+- proven by: tests/test_grpc_e2e.py (SIGTERM drain), tests/test_router_cli.py (never imports torch),
+  tests/test_early_signals.py (a stop during start-up).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from common.auth import token_client_interceptors
 from common.grpc_server import GrpcServer, message_options
@@ -63,13 +67,24 @@ def channel_options(max_message_bytes: int, health_poll_s: float = 1.0) -> list[
     ]
 
 
-async def serve(config: RouterConfig) -> int:
+async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambda: False) -> int:
+    """Serves until SIGTERM/SIGINT, then drains; 0. `stop_requested()`: whether a stop arrived
+    before this function's handlers are installed (python -m router records SIGTERM/SIGINT from
+    its first line); one that arrives before the model table is loaded ends start-up there."""
+    # Handlers first: everything below awaits or is quick, so a stop is seen at the next await.
+    stop = GrpcServer.stop_event()
+    if stop_requested():
+        stop.set()
     replicas = config.router_replicas  # each of R routers enforces 1/R of the shared limits
     tenants = TenantsFile(config.tenants_file, allow_public=config.allow_insecure_public, replicas=replicas)
     problem = config.public_bind_refusal()  # the common.public_bind rule
     if problem:
         raise SystemExit(problem)
+    log.info("loading model(s) %s", ", ".join(config.model) or "(the default)")
     models = await asyncio.to_thread(ModelTable.from_entries, config.model, config.allow_download)
+    if stop.is_set():  # nothing is bound or started yet: later, a stop takes the drain path below
+        log.info("stop requested during start-up: not serving")
+        return 0
     options = channel_options(config.max_message_bytes, config.health_poll_s)
     registry_args = dict(
         poll_s=config.health_poll_s,
@@ -186,7 +201,7 @@ async def serve(config: RouterConfig) -> int:
         else None
     )
 
-    stop = base.stop_event(extra_signals={signal.SIGHUP: tenants.reload})
+    base.stop_event(stop, extra_signals={signal.SIGHUP: tenants.reload})
     base.announce()
     if http is not None:
         http.announce()

@@ -20,12 +20,15 @@ Contract
   call (router cancel, deadline, lost connection) aborts the sequence in the engine, freeing its KV
   blocks in the next step; SIGTERM -> health NOT_SERVING while new calls are still accepted for
   `drain_announce_s` (routers see it and stop routing here), then new calls are refused and open
-  streams get `drain_grace_s` to finish, then the engine shuts down.
+  streams get `drain_grace_s` to finish, then the engine shuts down. A stop before `serve`'s
+  handlers are in (`stop_requested`: python -m worker records SIGTERM/SIGINT from its first line)
+  ends start-up after the step under way (the model load runs to its end): 0, never served.
 - observability: each Generate is a span continuing the router's trace (`worker.observe`);
   Prometheus `/metrics` (`worker.metrics`) on --metrics-port, its address in `WorkerInfo`.
 - proven by: tests/test_trust_auth.py, tests/test_trust_streams.py,
   tests/test_grpc_e2e.py (cancel frees blocks, load report),
-  tests/test_grpc_two_workers.py (worker killed), tests/test_observability_e2e.py.
+  tests/test_grpc_two_workers.py (worker killed), tests/test_observability_e2e.py,
+  tests/test_early_signals.py (a stop during start-up).
 """
 
 from __future__ import annotations
@@ -296,16 +299,36 @@ def _identity(engine: EngineConfig) -> tuple[str, Fingerprint | None]:
         return model_id, None
 
 
+def _stopped_early(stop_requested: Callable[[], bool]) -> bool:
+    requested = stop_requested()
+    if requested:
+        log.info("stop requested during start-up: not serving")
+    return requested
+
+
 async def serve(
     config: WorkerServerConfig,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[int], None] | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> int:
     """Serves until SIGTERM/SIGINT, or until `stop` is set when one is given (a server on a thread
     other than the main one, e.g. inside a Ray actor, cannot install signal handlers).
-    `on_listening(port)` runs once the server is SERVING."""
+    `on_listening(port)` runs once the server is SERVING. `stop_requested()`: whether a stop
+    arrived before this function's handlers are installed (python -m worker records SIGTERM/SIGINT
+    from its first line); start-up then ends after the step under way, without serving, and
+    returns 0."""
     model_id, fingerprint = await asyncio.to_thread(_identity, config.engine)
+    if _stopped_early(stop_requested):
+        return 0
+    log.info("loading model %s", model_id)
     engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages, config.stream_interval)
+    # The event loop's handlers replace the start-up recorder only now: the load above blocks this
+    # thread, so they could not have run during it, and the recorder holds what came meanwhile.
+    stop = GrpcServer.stop_event(stop)
+    if _stopped_early(stop_requested):
+        engine.shutdown()
+        return 0
     metrics = WorkerMetrics(engine)
     try:
         base = GrpcServer(
@@ -330,7 +353,6 @@ async def serve(
     service.metrics_address = base.metrics.address if base.metrics else ""
     await base.start()
     await base.set_serving(True)
-    stop = base.stop_event(stop)
     if hasattr(engine, "bind_health"):  # tensor parallel: NOT_SERVING while its rank group restarts
         engine.bind_health(asyncio.get_running_loop(), lambda ok: base.set_serving(ok and not stop.is_set()))
     base.announce()
