@@ -101,3 +101,61 @@ def test_event_stream_ends_when_the_connection_is_lost_under_a_blocked_write(idl
 
     closed, before, after = asyncio.run(scenario())
     assert closed and after - before <= 5, (before, after)  # not the rest of the generation
+
+
+@pytest.mark.parametrize("forwarded", [False, True])
+def test_a_stalled_readers_connection_is_dropped_and_no_error_logged(caplog, forwarded):
+    """The HTTP front (real uvicorn) and a client that sends its request and never reads: the idle
+    timeout ends the stream, and the connection must go too. uvicorn closes it gracefully, which
+    waits for the unsent output to be read: it stayed open as long as the client kept it (its
+    buffers full) and uvicorn logged "ASGI callable returned without completing response" at
+    ERROR. With X-Forwarded-For (uvicorn rewrites the scope's client) the same connection goes."""
+    import asyncio
+    import logging
+    import socket
+    import time
+
+    from fastapi import FastAPI
+
+    from router.openai.http import EventStream
+    from router.openai.server import HttpFront
+
+    closed = asyncio.Event()
+
+    async def source():
+        try:
+            while True:
+                yield b"data: " + b"x" * 65_536 + b"\n\n"  # fills the socket buffers in a few ms
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream():
+        events = source()
+        return EventStream(events, {}, events, idle_timeout_s=0.3)
+
+    async def scenario() -> None:
+        front = HttpFront(app, "127.0.0.1", 0)
+        front.start()
+        connections = front._server.server_state.connections
+        client = socket.create_connection(("127.0.0.1", front.port))  # sends its request, never reads
+        forward = b"X-Forwarded-For: 10.1.2.3\r\n" if forwarded else b""
+        client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n" + forward + b"\r\n")
+        deadline = time.monotonic() + 20
+        try:
+            await asyncio.wait_for(closed.wait(), 10)
+            while connections:
+                assert time.monotonic() < deadline, "the stalled connection was kept open"
+                await asyncio.sleep(0.01)
+        finally:
+            client.close()
+            await front.stop(1.0)
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert any("took nothing for 0.3 s" in r.getMessage() for r in caplog.records)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

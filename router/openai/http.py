@@ -7,7 +7,10 @@ Contract
 - `until_disconnected(request, awaitable)` -> its result, or `ClientGone` once the client
   disconnects (the awaitable is cancelled).
 - `EventStream(body, headers, source, idle_timeout_s)`: SSE from an async iterator of bytes, closed
-  (with `source`, the worker calls under it) when the client disconnects or stops reading.
+  (with `source`, the worker calls under it) when the client disconnects or stops reading; a
+  stalled reader's connection is then dropped at once (the scope's `ABORT_CONNECTION` extension,
+  which router/openai/server.py provides): closing it gracefully waits for the unsent output to
+  be read, so it stayed open as long as the client kept it, and uvicorn logged an ERROR.
 - state: none. proven by: tests/test_openai_event_stream.py, tests/test_openai_requests.py, the
   e2e modules (disconnects, idle streams).
 """
@@ -26,6 +29,9 @@ from fastapi.responses import Response
 from router.openai.requests import ApiError
 
 log = logging.getLogger(__name__)
+
+# scope["extensions"][ABORT_CONNECTION](): drops the request's connection, unsent data and all
+ABORT_CONNECTION = "llm.abort_connection"
 
 
 class ClientGone(Exception):
@@ -109,9 +115,13 @@ class EventStream(Response):
         tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is not None:
-                if not isinstance(tasks[0].exception(), OSError):  # the client went away or stalled
-                    raise tasks[0].exception()
+            failure = tasks[0].exception() if tasks[0] in done and not tasks[0].cancelled() else None
+            if isinstance(failure, TimeoutError):  # a stalled reader: no graceful close can finish
+                abort = scope.get("extensions", {}).get(ABORT_CONNECTION)
+                if abort is not None:
+                    abort()
+            elif failure is not None and not isinstance(failure, OSError):  # OSError: the client left
+                raise failure
         finally:
             for t in tasks:
                 if not t.done():

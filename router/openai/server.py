@@ -9,9 +9,11 @@ Contract
   HTTP API at http(s)://HOST:PORT/v1", read by tests and launchers); `await stop(grace_s)` stops
   accepting, lets open responses finish for `grace_s`, then cancels them.
 - state: the uvicorn server and its task. uvicorn's own signal handlers are not installed: the
-  router's shutdown path (router/server.py) decides when to stop.
+  router's shutdown path (router/server.py) decides when to stop. Each HTTP request's scope
+  carries `ABORT_CONNECTION` (router/openai/http.py): it aborts that client's TCP connection, for
+  a stream closed because its reader stalled (uvicorn's close waits for the unsent data).
 - proven by: tests/test_openai_e2e.py (port 0 and the announce line), tests/test_openai_serving_e2e.py
-  (SIGTERM drain, HTTPS).
+  (SIGTERM drain, HTTPS), tests/test_openai_event_stream.py (a stalled reader's connection dropped).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 import ssl
@@ -26,6 +29,7 @@ import ssl
 import uvicorn
 
 from router.config import DEFAULT_HTTP_PORT
+from router.openai.http import ABORT_CONNECTION
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,10 @@ class HttpFront:
         self.https = cert is not None
         shown = f"[{host}]" if ":" in host else host
         self.url = f"{'https' if self.https else 'http'}://{shown}:{self.port}/v1"
+        self._app = app
         config = uvicorn.Config(
-            app,
+            self._asgi,
+            interface="asgi3",  # a bound method: uvicorn's guess would take it for ASGI 2
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -92,6 +98,21 @@ class HttpFront:
         )
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
+
+    async def _asgi(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            abort = functools.partial(self._abort_connection, scope)
+            scope.setdefault("extensions", {})[ABORT_CONNECTION] = abort
+        await self._app(scope, receive, send)
+
+    def _abort_connection(self, scope: dict) -> None:
+        """Drops the connection that carries the request `scope` now, its unsent data with it. Found
+        by the scope itself (uvicorn's protocol and its request cycle hold the same dict), not by
+        the client address, which X-Forwarded-For may have rewritten."""
+        for connection in list(self._server.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            if getattr(connection, "scope", None) is scope or getattr(cycle, "scope", None) is scope:
+                connection.transport.abort()
 
     def start(self) -> None:
         """The socket already listens: connections wait in its backlog until uvicorn accepts them."""
