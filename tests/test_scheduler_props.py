@@ -1,7 +1,9 @@
 """Property tests of the block manager and scheduler (pure Python, no model).
 
 Acceptance 3: random add / step / abort sequences (with preemption forced by tiny pools) keep
-`check_integrity()` true after every operation, and every block is free once all requests end.
+`check_integrity()` true after every operation, and every block is free once all requests end;
+with n-gram drafts (random parts of each kept), no sequence holds a block its tokens do not need
+once a step is taken (a rejected draft's blocks go back).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from worker.block_manager import BlockManager, token_bytes
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
+from worker.speculative import NgramProposer
 from worker.types import FinishReason, SamplingParams
 
 EOS = 0
@@ -22,12 +25,20 @@ EOS = 0
 
 def fake_step(sched: Scheduler, rng: random.Random) -> list[Sequence]:
     plan = sched.schedule()
+    accepted = {
+        s.seq.request_id: [(t, None) for t in s.draft[: rng.randint(0, len(s.draft))]]
+        for s in plan.scheduled
+        if s.draft
+    }
     assert plan.num_batched_tokens <= sched.max_num_batched_tokens
     assert len({id(s.seq) for s in plan.scheduled}) == len(plan.scheduled)
     for s in plan.scheduled:  # every token to compute has a slot in the block table
         assert len(s.seq.block_table) * sched.bm.block_size >= s.seq.num_computed_tokens + s.num_new_tokens
     sampled = {s.seq.request_id: (rng.randrange(0, 5), None) for s in plan.scheduled if s.samples}
-    return sched.update(plan, sampled)
+    touched = sched.update(plan, sampled, accepted)
+    for seq in sched.running:  # nothing held past the next step's need (a rejected draft's blocks)
+        assert len(seq.block_table) <= sched.bm.blocks_needed(len(seq.token_ids)), seq.request_id
+    return touched
 
 
 request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.sampled_from("ab"))
@@ -46,11 +57,21 @@ op = st.one_of(
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 48),
     seed=st.integers(0, 2**16),
+    drafting=st.booleans(),
 )
-def test_random_operations_keep_integrity(ops, num_blocks, block_size, max_num_seqs, budget, seed):
+def test_random_operations_keep_integrity(ops, num_blocks, block_size, max_num_seqs, budget, seed, drafting):
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len=num_blocks * block_size, eos_token_ids=(EOS,))
+    proposer = NgramProposer(4, 1, 3) if drafting else None  # drafts while at most 4 run, none waits
+    sched = Scheduler(
+        bm,
+        max_num_seqs,
+        budget,
+        max_model_len=num_blocks * block_size,
+        eos_token_ids=(EOS,),
+        proposer=proposer,
+        draft_max_batch=4 if drafting else 0,
+    )
     ids: list[str] = []
     for kind, arg in ops:
         if kind == "add":

@@ -2,7 +2,8 @@
 
 Contract:
 - Input: sequences asking for slots (`allocate(seq, num_new_tokens)`), reporting computed tokens
-  (`commit(seq)`), and ending (`free(seq)`).
+  (`commit(seq)`), giving back blocks a rejected draft took (`trim(seq, num_tokens)`), and ending
+  (`free(seq)`).
 - Output: `seq.block_table` (physical block ids, block_size tokens each) covers every token the
   sequence has computed or is about to compute.
 - State: per block a ref count and an optional content hash; a free queue in LRU order (freed
@@ -124,6 +125,23 @@ class BlockManager:
             if self.enable_prefix_caching and h not in self.cached and block.block_hash is None:
                 self.cached[h] = block.block_id
                 block.block_hash = h
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back `seq`'s blocks past what `num_tokens` tokens need: a rejected draft's, written
+        but never computed (so never hashed, never shared). They go first in line for reuse: unlike
+        the other free blocks they cache nothing."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, f"trimmed block {block_id} in use"
+            block.ref_count = 0
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        # A new list, never `del` in place: InputBatch rewrites a sequence's device row only when
+        # its list object (or length) changed (worker/plan.py).
+        seq.block_table = seq.block_table[:keep]
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks are freed first so they are evicted before the (more shareable) head blocks.

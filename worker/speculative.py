@@ -126,7 +126,8 @@ class Drafting:
     ) -> None:
         """A drafted sequence's step: the kept draft tokens, then the sampled one, up to the first
         that ends it. The KV of its newest token and the kept drafts is valid; what the rejected
-        drafts wrote lies past the computed tokens and is overwritten by later steps."""
+        drafts wrote lies past the computed tokens and is overwritten by later steps, and the blocks
+        only they filled go back to the pool at once."""
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += len(accepted)
         # The next draft's length: twice as long after a draft kept whole (up to the proposer's),
@@ -153,3 +154,5 @@ class Drafting:
         if reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
+        else:  # a block only rejected drafts wrote would sit idle, and the next step preempt for it
+            self.bm.trim(seq, len(token_ids))
