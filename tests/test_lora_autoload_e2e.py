@@ -111,7 +111,7 @@ def test_a_name_that_is_not_there_is_an_unknown_model_and_not_retried_at_once(st
     # The HTTP front: the same refusal, as an OpenAI error body.
     body = json.dumps({"model": "nothing-here", "prompt": "hi", "max_tokens": 2}).encode()
     status, reply = post(f"{http_url(router)}/completions", body, None)
-    assert status == 400 and "unknown model 'nothing-here'" in reply["error"]["message"], reply
+    assert status == 404 and "unknown model 'nothing-here'" in reply["error"]["message"], reply
     assert _autoloads(router).get("cached_failure") == 2
     assert _open_requests(router) == 0
 

@@ -119,7 +119,7 @@ def test_adapters_are_listed_and_served_over_http(stack):
         assert [c.model for c in text] and all(c.model == "poet" for c in text)
         implied = client.completions.create(model="", prompt="Hello", max_tokens=3, temperature=0)
         assert implied.model == "tiny"  # no model named: the base model, adapters aside
-        with pytest.raises(openai.BadRequestError, match="unknown model 'nope'"):
+        with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
             client.completions.create(model="nope", prompt="Hello", max_tokens=3)
 
 

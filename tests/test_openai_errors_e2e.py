@@ -39,7 +39,6 @@ from tests.openai_helpers import (  # noqa: F401 - client, router, stub, worker:
         (dict(logit_bias={"x": 1}), "logit_bias"),
         (dict(top_logprobs=2), "top_logprobs"),
         (dict(n=17), "n"),
-        (dict(model="no-such-model"), "model"),
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(stop=["ok"] * 9), "stop"),
     ],
@@ -51,6 +50,14 @@ def test_invalid_requests_are_400_naming_the_parameter(client, kwargs, param):
     assert info.value.status_code == 400
     assert info.value.param == param and info.value.body["message"].startswith(f"{param}: ")
     assert "Traceback" not in info.value.body["message"]
+
+
+def test_an_unknown_model_is_404_model_not_found(client):
+    """As OpenAI and vLLM answer (the client raises NotFoundError), and GET /v1/models/{id} here."""
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=FRANCE, max_tokens=4)
+    assert info.value.status_code == 404 and info.value.code == "model_not_found"
+    assert info.value.param == "model" and info.value.body["message"].startswith("model: unknown model")
 
 
 def test_bad_body_and_bad_prompt_in_a_batch_are_400(router):

@@ -128,7 +128,10 @@ def test_echo_of_a_choice_ended_before_its_prompt_was_scored_is_an_error():
         ({**CHAT, "temperature": True}, True, "temperature"),
         ({**CHAT, "max_tokens": 0}, True, "max_tokens"),
         ({**CHAT, "max_tokens": 1.5}, True, "max_tokens"),
-        ({**CHAT, "seed": -1}, True, "seed"),
+        ({**CHAT, "seed": -(2**63) - 1}, True, "seed"),  # below int64 (-1 is vLLM's any int64)
+        ({**CHAT, "continue_final_message": True}, True, "continue_final_message"),
+        ({**CHAT, "add_generation_prompt": False}, True, "add_generation_prompt"),
+        ({**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, True, "chat_template_kwargs"),
         ({**CHAT, "stop": [1]}, True, "stop"),
         ({**CHAT, "logit_bias": {"a": 1}}, True, "logit_bias"),
         ({**CHAT, "logit_bias": {"1": "x"}}, True, "logit_bias"),

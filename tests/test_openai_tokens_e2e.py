@@ -79,7 +79,7 @@ def test_http_tokenize_counts_what_the_chat_completion_counts(router, client, to
     "path, body, status, param",
     [
         ("/tokenize", {"nothing": 1}, 400, "prompt"),
-        ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 400, "model"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model"),  # model_not_found
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
         (

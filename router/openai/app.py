@@ -94,6 +94,8 @@ def api_error(exc: BaseException, parsed: Parsed | None) -> ApiError:
     if isinstance(exc, ValidationError):
         param = param_of(exc.field, parsed)
         problem = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
+        if exc.field == "model" and problem.startswith("unknown model"):  # OpenAI's and vLLM's 404
+            return ApiError(404, f"{param}: {problem}", param=param, code="model_not_found")
         return ApiError(400, f"{param}: {problem}", param=param)
     if isinstance(exc, RouterError):
         status, kind = STATUS.get(exc.code, (500, "internal_error"))

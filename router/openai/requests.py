@@ -18,7 +18,7 @@ Contract
   answer; messages carry an assistant's `tool_calls` and a tool result's `tool_call_id`.
 - state: none (pure).
 - failure modes: `ApiError(400, message, param)` naming the parameter for a wrong JSON type, a value
-  the protobuf cannot carry (a negative seed), more than MAX_CHOICES choices in all, or a feature
+  the protobuf cannot carry (a seed outside int64/uint64), more than MAX_CHOICES choices in all, or a feature
   this server does not have (suffix, best_of > 1, the deprecated functions); a `response_format`
   other than text, json_object or json_schema; tools that router/openai/tools.py refuses.
   Parameters it does not know are ignored, as OpenAI's own server ignores none but clients send
@@ -208,6 +208,15 @@ def _unsupported(body: dict, chat: bool) -> None:
             raise _bad("suffix", "suffix is not supported")
         if _int(body, "best_of", 1) not in (None, 1):
             raise _bad("best_of", "only best_of = 1 is supported")
+    # vLLM's chat-template controls change the prompt: refused, never silently dropped
+    if chat and body.get("continue_final_message"):
+        raise _bad("continue_final_message", "not supported (the prompt ends with a new assistant turn)")
+    if chat and body.get("add_generation_prompt", True) is not True:
+        raise _bad(
+            "add_generation_prompt", "only true is supported (the prompt ends with the assistant's turn)"
+        )
+    if chat and body.get("chat_template_kwargs"):
+        raise _bad("chat_template_kwargs", "not supported: the model's template renders with its defaults")
 
 
 def _logprobs(body: dict, chat: bool, s: pb.SamplingParams, out: Parsed) -> None:
@@ -239,9 +248,9 @@ def _sampling(body: dict, s: pb.SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         setattr(s, name, _number(body, name) or 0.0)
     s.top_k = max(0, _int(body, "top_k", -1) or 0)  # -1 is vLLM's "off"
-    seed = _int(body, "seed", 0, UINT64_MAX)
+    seed = _int(body, "seed", -(2**63), UINT64_MAX)  # any int64 (vLLM), as the uint64 of its bits
     if seed is not None:
-        s.seed = seed
+        s.seed = seed % 2**64
     bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to biases") or {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isdigit()) or int(key) > UINT32_MAX:

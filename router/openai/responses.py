@@ -181,7 +181,7 @@ class Responder:
                     if calls:
                         message["tool_calls"], called = calls, True
                 choice["message"] = message
-            choice["logprobs"] = self.logprobs(chunks, index) if chunks else None
+            choice["logprobs"] = self.logprobs(chunks, index)  # {"content": []} for no tokens, as OpenAI
         else:
             echoed, prompt_lp = self._echo(index, chunks) if self.parsed.echo else ("", None)
             generated = [] if self.parsed.echo_only else chunks
