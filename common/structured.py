@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import re
 import threading
 
 try:
@@ -36,6 +37,9 @@ except ImportError:  # the GPU machine's image, say: constrained requests are re
     llguidance = None
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema larger than this is refused before any compile work
+# The compiled form's bound, the same in router and worker (worker/grammar.py): a regex at
+# MAX_GRAMMAR_BYTES can grow 6x in llguidance's JSON (control characters as \u escapes)
+MAX_COMPILED_GRAMMAR_BYTES = 4 * MAX_GRAMMAR_BYTES
 MAX_GBNF_RULES = 500  # llguidance's GBNF conversion is quadratic in the rules (3,000: 2.4 s)
 # Thread stack for compiling grammars and running matchers: a chain of ~5,000 rules (the size limit)
 # needs well over 8 MB; this is address space, not memory (pages are touched only as used).
@@ -87,7 +91,10 @@ def grammar_for(response_format: dict) -> str:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ValueError("json_schema.schema: required, a JSON Schema object")
-        text = json.dumps(schema)
+        try:
+            text = json.dumps(schema)
+        except RecursionError:  # nested deeper than the interpreter's stack (the parse got through)
+            raise ValueError("json_schema.schema: nested too deeply") from None
         if len(text) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"json_schema.schema: {len(text)} bytes, more than {MAX_GRAMMAR_BYTES}")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
@@ -101,6 +108,8 @@ def grammar_for(response_format: dict) -> str:
         raise ValueError(
             f"type: must be text, json_object, json_schema, regex, choice or grammar, got {kind!r}"
         )
+    if len(grammar) > MAX_COMPILED_GRAMMAR_BYTES:  # the worker would refuse it after admission
+        raise ValueError(f"{len(grammar)} bytes once compiled, more than {MAX_COMPILED_GRAMMAR_BYTES}")
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
         raise ValueError(problem)
@@ -124,9 +133,14 @@ def _choice_lark(options) -> str:
     return f"start: {literals}\n"
 
 
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
+
+
 def _lark(grammar: str) -> str:
-    """A Lark grammar as is; a GBNF one (llama.cpp's `root ::= ...`) converted by llguidance."""
-    if "::=" not in grammar:
+    """A Lark grammar as is; a GBNF one (llama.cpp's `root ::= ...`) converted by llguidance. GBNF
+    is told by a line that starts with a rule (`name ::=`), not by "::=" anywhere: a Lark grammar
+    may have it in a literal, a regex or a comment."""
+    if not _GBNF_RULE.search(grammar):
         return grammar
     from llguidance.gbnf_to_lark import gbnf_to_lark
 

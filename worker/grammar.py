@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.structured import MAX_GRAMMAR_BYTES, llguidance
+from common.structured import MAX_COMPILED_GRAMMAR_BYTES, llguidance
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Grammars:
             raise ValueError(
                 "structured output is unavailable on this worker: the llguidance package is not installed"
             )
-        if len(grammar) > 4 * MAX_GRAMMAR_BYTES:  # the compiled form of a schema at the router's limit
+        if len(grammar) > MAX_COMPILED_GRAMMAR_BYTES:  # the router's bound too (common/structured.py)
             raise ValueError(f"grammar: {len(grammar)} bytes is too large")
         matcher = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
         if matcher.is_error():
