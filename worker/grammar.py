@@ -20,12 +20,15 @@ Contract
 - failure modes: ValueError from `matcher` (bad grammar, llguidance missing); RuntimeError when
   the model's tokenizer cannot be read (a worker fault: INTERNAL, remembered, not retried per
   request). A matcher can enter
-  llguidance's error state mid-generation (a resource limit; a token it did not allow cannot come
-  through the sampler): the error is logged and only EOS is allowed from then on, so the output
-  ends early and may not be complete.
+  llguidance's error state mid-generation (a resource limit, e.g. the regex `(a{1000}){1000}`:
+  "too many expressions constructed"; a token it did not allow cannot come through the sampler):
+  the error is logged and counted (`num_failures`), the sequence is marked (`grammar_failed`) and
+  only EOS is allowed from then on, so the output ends at once, incomplete, with finish reason
+  LENGTH (worker/scheduler.py `_stop_reason`), never STOP: the client sees an answer cut short.
 - proven by: tests/test_structured_output.py (engine outputs accepted whole by a fresh matcher and
   parsed against the schema; the unpacked mask against llguidance's byte mask; async scheduling,
-  preemption and aborts; through the router and the OpenAI SDK).
+  preemption and aborts; through the router and the OpenAI SDK); tests/test_grammar_failure.py (a
+  grammar failing mid-way ends LENGTH and is counted).
 """
 
 from __future__ import annotations
@@ -125,16 +128,24 @@ class Grammars:
         return out.to(device)
 
     def advance(self, seqs: list, tokens: torch.Tensor) -> None:
-        """Each constrained row's matcher takes its sampled token (one host copy of `tokens`)."""
+        """Each constrained row's matcher takes its sampled token (one host copy of `tokens`). A
+        sequence whose matcher failed is marked `grammar_failed` (its EOS then ends it LENGTH, not
+        STOP) and counted once."""
         for seq, token in zip(seqs, tokens.tolist()):
-            if getattr(seq, "matcher", None) is not None:
-                self.consume(seq.matcher, token)
-
-    def consume(self, matcher, token: int) -> None:
-        if not matcher.is_stopped() and not matcher.consume_token(token):
+            matcher = getattr(seq, "matcher", None)
+            if matcher is None or self.consume(matcher, token) or getattr(seq, "grammar_failed", False):
+                continue
+            seq.grammar_failed = True
             self.num_failures += 1
             log.warning(
-                "structured output: the grammar failed at token %d (%s); ending with EOS",
+                "structured output: the grammar failed at token %d (%s); ending with EOS (finish: length)",
                 token,
                 matcher.get_error(),
             )
+
+    def consume(self, matcher, token: int) -> bool:
+        """`matcher` takes `token`; False once it has failed (llguidance's error state, reached on
+        this token or while computing its mask: a failed matcher also reports itself stopped)."""
+        if not matcher.is_stopped() and not matcher.consume_token(token):
+            return False
+        return not matcher.is_error()

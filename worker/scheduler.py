@@ -261,8 +261,8 @@ class Scheduler(Drafting, AsyncPlans):
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
         """Why `token`, the sequence's `num_tokens`-th (default: its last), ends it; None if not."""
-        if token in seq.stop_ids:
-            return FinishReason.STOP
+        if token in seq.stop_ids:  # after a failed grammar, the EOS it forced cuts the output short
+            return FinishReason.LENGTH if seq.grammar_failed else FinishReason.STOP
         if (len(seq.token_ids) if num_tokens is None else num_tokens) >= seq.max_num_tokens:
             return FinishReason.LENGTH
         return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
-    LENGTH = "length"  # max_tokens reached or context full
+    LENGTH = "length"  # max_tokens reached, context full, or the grammar failed mid-way (cut short)
     ABORT = "abort"  # aborted by the caller (cancellation, deadline)
 
 
