@@ -28,7 +28,7 @@ Contract
   `response_format`; the function names and schemas themselves are checked by
   router/chat_validation.py and the schema's compilation (router/validation.py).
 - proven by: tests/test_tool_answers.py (parsing, streaming = whole), tests/test_chat_tools.py
-  (request errors),
+  (request errors), tests/test_openai_tool_refs.py ("required" keeps each schema's refs' meaning),
   tests/test_openai_tools_e2e.py (the openai SDK against a real router and worker).
 """
 
@@ -81,29 +81,22 @@ def _tool(tool: object, i: int) -> pb.Tool:
     return pb.Tool(name=function["name"], description=description, parameters=text)
 
 
-def _rebased(value: object, base: str) -> object:
-    """`value` with each local `$ref` ("#...") rewritten to point under `base`: a tool's schema
-    nested into the call array's keeps its `$defs` (pydantic's nested models) and root refs."""
-    if isinstance(value, list):
-        return [_rebased(v, base) for v in value]
-    if not isinstance(value, dict):
-        return value
-    out = {k: _rebased(v, base) for k, v in value.items()}
-    ref = value.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = base + ref[1:]
-    return out
-
-
 def _call_schema(tool: pb.Tool, i: int) -> dict:
-    """Tool `i`'s entry of the call array's `items.anyOf`."""
+    """Tool `i`'s entry of the call array's `items.anyOf`.
+
+    The tool's parameters keep their refs as written: each entry is its own schema resource (JSON
+    Schema's bundling), so "#/$defs/...", "#" and "#anchor" resolve inside that tool's arguments,
+    as they do when the schema stands alone (tool_choice naming it). Rewriting the refs to a
+    pointer into the array broke the refs of parameters with their own `$id` (relative to it) and
+    anchor refs, and could not keep two tools' equal anchors or relative `$id`s apart."""
     arguments = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
+    if "$id" not in arguments:  # one with its own `$id` is a resource already (relative to ours)
+        arguments = {"$id": "arguments", **arguments}
     return {
+        # a base URI per tool (.invalid: never a real one, nothing fetches it) for the relative ids
+        "$id": f"https://tool-calls.invalid/{i}/",
         "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": [tool.name]},
-            "arguments": _rebased(arguments, f"#/items/anyOf/{i}/properties/arguments"),
-        },
+        "properties": {"name": {"type": "string", "enum": [tool.name]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
