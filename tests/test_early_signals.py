@@ -66,8 +66,9 @@ def assert_clean_stop(proc: Proc, sig: int, timeout_s: float = EXIT_TIMEOUT_S, m
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_router_stops_cleanly_on_a_signal_right_after_spawn(tmp_path, sig):
-    proc = Proc("router", list(ROUTER_ARGS), tmp_path)
+@pytest.mark.parametrize("role", ["router", "worker"])
+def test_a_signal_right_after_spawn_stops_cleanly(tmp_path, role, sig):
+    proc = Proc("router", list(ROUTER_ARGS), tmp_path) if role == "router" else start_worker(tmp_path)
     try:
         wait_handles_sigterm(proc)
         log = assert_clean_stop(proc, sig)
@@ -83,17 +84,6 @@ def test_router_stops_cleanly_on_sigterm_while_it_loads_its_model(tmp_path):
         # Its tokenizer loads in ~0.6 s: a signal this test sends late may find it serving, and
         # then it drains; either way a clean exit (before this fix, -15 anywhere in start-up).
         assert_clean_stop(proc, signal.SIGTERM, may_serve=True)
-    finally:
-        proc.stop()
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_worker_stops_cleanly_on_a_signal_right_after_spawn(tmp_path, sig):
-    proc = start_worker(tmp_path)
-    try:
-        wait_handles_sigterm(proc)
-        log = assert_clean_stop(proc, sig)
-        assert "loading model" not in log  # stopped before the long part of start-up, not after it
     finally:
         proc.stop()
 
