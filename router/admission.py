@@ -178,7 +178,7 @@ class AdmissionController:
         self._config = config
         self._clock = clock
         self._budget = config.max_tokens_in_flight
-        self._buckets: dict[str, tuple[tuple, TokenBucket | None, TokenBucket | None]] = {}
+        self._buckets: dict[str, list[TokenBucket | None]] = {}  # per tenant: [requests/s, tokens/min]
         self._open: Counter[str] = Counter()
         self.tokens_in_flight = 0
         self.refusals: Counter[tuple[str, str]] = Counter()
@@ -357,7 +357,7 @@ class AdmissionController:
         self._queue.remove(item)  # no-op once dispatched
         self._close(item.tenant)
         self.tokens_in_flight -= ticket.num_tokens
-        tokens = self._buckets.get(item.tenant, ((), None, None))[2]
+        tokens = self._buckets.get(item.tenant, (None, None))[1]
         if tokens is not None and num_output_tokens is not None:
             unused = max(0, item.max_tokens - num_output_tokens)
             tokens.give(unused + (item.num_prompt_tokens if refund_prompt else 0))
@@ -370,14 +370,18 @@ class AdmissionController:
         self._queue.notify()
 
     def _tenant_buckets(self, tenant: TenantPolicy) -> tuple[TokenBucket | None, TokenBucket | None]:
-        key = (tenant.rate_requests_per_s, tenant.burst_requests, tenant.rate_tokens_per_min)
-        cached = self._buckets.get(tenant.name)
-        if cached is None or cached[0] != key:  # new tenant or its limits changed
-            rps, burst, tpm = key
-            requests = TokenBucket(rps, request_burst(tenant), self._clock) if rps else None
-            tokens = TokenBucket(tpm / 60.0, tpm, self._clock) if tpm else None
-            cached = self._buckets[tenant.name] = (key, requests, tokens)
-        return cached[1], cached[2]
+        """The tenant's buckets under the limits its call carries. New limits (a reload) resize them,
+        keeping their levels: calls from before and after a reload alternate old and new limits,
+        and a fresh, full bucket on each switch handed out a whole allowance each time."""
+        rps, tpm = tenant.rate_requests_per_s, tenant.rate_tokens_per_min
+        held = self._buckets.setdefault(tenant.name, [None, None])  # kept while a call has no limit
+        for i, (rate, burst) in enumerate(((rps, request_burst(tenant)), (tpm and tpm / 60.0, tpm))):
+            if rate:
+                bucket = held[i]
+                held[i] = (
+                    TokenBucket(rate, burst, self._clock) if bucket is None else bucket.resized(rate, burst)
+                )
+        return (held[0] if rps else None), (held[1] if tpm else None)
 
     def _work_ms(self, units: float) -> int:
         """Time the fleet needs for `units` of max_cost work at the measured dispatch rate."""

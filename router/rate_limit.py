@@ -3,7 +3,8 @@
 Contract
 - input: `TokenBucket(rate_per_s, burst, clock)`; `try_take(n)` / `wait_s(n)` / `give(n)` with n
   in the bucket's unit (requests or tokens).
-- output: `try_take(n)` returns 0.0 and takes n when n are available, otherwise the seconds until
+- output: `resized(rate, burst)`: the bucket under new limits, its level carried over (at most the
+  new burst). `try_take(n)` returns 0.0 and takes n when n are available, otherwise the seconds until
   n will be (nothing taken); `math.inf` when n exceeds the burst and so can never be available.
 - state: the fill level and the clock reading it was computed at; the bucket starts full and
   refills continuously at `rate_per_s` up to `burst`.
@@ -52,6 +53,15 @@ class TokenBucket:
         if wait == 0.0:
             self._level -= n
         return wait
+
+    def resized(self, rate_per_s: float, burst: float) -> "TokenBucket":
+        """This bucket under new limits (a tenants-file reload): itself if they are the same, else a
+        new one holding what this one holds now (at most the new burst), never a full one."""
+        if (rate_per_s, burst) == (self.rate_per_s, self.burst):
+            return self
+        bucket = TokenBucket(rate_per_s, burst, self._clock)
+        bucket._level = min(burst, self.level())
+        return bucket
 
     def give(self, n: float) -> None:
         """Return unused tokens (e.g. the output a request did not generate), up to the burst."""

@@ -230,14 +230,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         except AdmissionError as err:  # DEADLINE_EXCEEDED for a deadline it cannot meet
             raise err.router_error() from None
-        if not self._queue_requests:
-            self._dispatcher.dispatch_ready()
-            if not pending.future.done():  # no worker has room for it now: refuse, do not queue
-                pending.discard()
-                ticket.refused()  # it took nothing: its tokens/min go back
-                full = "no worker has room for this request now (the router does not queue: --no-queue)"
-                err = self._admission.refuse(tenant, "no_capacity", ticket.item.max_cost, full)
-                raise Overloaded(err.message, err.retry_after_ms)
+        # placed now where a worker has room: a burst admitted in one turn would otherwise count
+        # itself as queued (tenant_queue_full on an idle worker) until the dispatcher's next turn
+        self._dispatcher.dispatch_ready()
+        if not self._queue_requests and not pending.future.done():  # no room now: refuse, no queue
+            pending.discard()
+            ticket.refused()  # it took nothing: its tokens/min go back
+            full = "no worker has room for this request now (the router does not queue: --no-queue)"
+            err = self._admission.refuse(tenant, "no_capacity", ticket.item.max_cost, full)
+            raise Overloaded(err.message, err.retry_after_ms)
         num_out, placed, failed = 0, False, False
         try:
             obs.stage("queue")

@@ -22,7 +22,7 @@ TENANT = Tenant("t", max_priority=10, rate_tokens_per_min=60)
 
 
 def tokens_left(router: Router) -> float:
-    return router.admission._buckets[TENANT.name][2].level()
+    return router.admission._buckets[TENANT.name][1].level()
 
 
 async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
