@@ -2,7 +2,7 @@
 
 Fake clock throughout. Where retry-after depends on the measured dispatch rate, the queue's
 meter gets a half-life so long that it does not decay, and a rate of exactly 1000 max_cost units
-per second (10 requests of cost 100 dispatched after one backlogged second).
+per second (10 requests of cost 100 that a pop found no room for, dispatched one second later).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def setup(config: AdmissionConfig = AdmissionConfig(), measured: bool = False):
     if measured:  # 1000 units/s: 10 x (100 prompt + 0 output) in one backlogged second
         for _ in range(10):
             queue.push(QueuedRequest("warmup", 1.0, 100, 0))
+        assert queue.pop_next(lambda _: False) is None  # no room: the meter counts only waiting
         clock.now_s += 1.0
         while queue.pop_next(lambda _: True):
             pass  # drain the warm-up requests
