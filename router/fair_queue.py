@@ -12,7 +12,9 @@ Contract
   that becomes active (its queue was empty) is lifted to the smallest counter of the active
   tenants (or, with none, to the counter of the tenant served last), so idleness banks no credit.
   With `hold_for_blocked`, a tenant whose head does not fit holds back tenants that lead it by more
-  than that head's cost, so large requests cannot starve behind a stream of small ones.
+  than that head's cost, so large requests cannot starve behind a stream of small ones, except a
+  head of higher priority than the blocked one (the room rule lets it onto a worker full of lower
+  priority work, room the blocked head could not use).
   A removed (cancelled) item leaves its heap lazily: at the top, or when the removed entries pass
   2 x the tenant's queued items + 16 (the heap is rebuilt); per-priority sums of queued cost feed
   the wait estimate, so neither memory nor admission time grows with cancellations.
@@ -203,17 +205,20 @@ class FairQueue:
     def pop_next(self, can_dispatch: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
         """Dispatch one request: the first head, in fairness order, that `can_dispatch` accepts."""
         self._meter.advance(self._backlogged)
-        barrier = math.inf
+        # (priority, counter) per blocked head: a later tenant at or past the counter is held back,
+        # unless its head outranks that blocked head (room the worker frees for higher priority
+        # by preemption is not room the blocked head could have used)
+        barriers: list[tuple[int, float]] = []
         for name, t in sorted(self._active(), key=self._order_key):
-            if t.counter >= barrier:
-                break
             head = t.head()
+            if any(head.priority <= p and t.counter >= b for p, b in barriers):
+                continue
             if can_dispatch(head):
                 self._take(name, t, head)
                 return head
             head.refused = self._backlogged = True
             if self.hold_for_blocked:
-                barrier = min(barrier, t.counter + head.max_cost / t.weight)
+                barriers.append((head.priority, t.counter + head.max_cost / t.weight))
         if self._num_queued:  # every queued request now waits for room
             self._waited_below = self._next_seq
         return None
