@@ -33,7 +33,9 @@ def test_a_client_cancel_in_the_turn_its_worker_goes_down_is_not_retried():
             handle_b.outstanding_tokens += 10_000  # the first attempt goes to a
             call = asyncio.ensure_future(router.generate(request()))
             deadline = time.monotonic() + 10
-            while not handle_a.streams:  # until a's stream is open
+            # until a's stream is open on both ends: a stream tracked by the router may not have
+            # reached the worker yet (a CI run cancelled it first: a.calls was 0)
+            while not (handle_a.streams and a.open == 1):
                 assert time.monotonic() < deadline, "the request never reached worker a"
                 await asyncio.sleep(0.01)
             handle_b.outstanding_tokens -= 10_000
