@@ -32,9 +32,10 @@ def grouped_operands(m, n, k, group, dtype, bias, seed):
     w = torch.randn(n, k, generator=gen) * spread.repeat_interleave(group)[:k]
     w[0, k // 2] = 50.0  # an outlier: only its own group's scale grows
     q, scale = quantize_fp8(w, group_size=group)
-    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # on the CPU, as the reference
     deq = q.float() * scale.repeat_interleave(group, dim=1)[:, :k]
     ref = x.to(dtype).float() @ deq.T + (b.float() if bias else 0)
+    b = b.to(DEVICE) if bias else None
     # The scale as a view into a buffer whose tail is NaN: a load past its last group (a split's
     # tiles beyond K) poisons the output instead of reading whatever memory follows.
     tail = torch.full((scale.numel() + 256,), float("nan"), device=DEVICE)

@@ -353,8 +353,10 @@ def test_silu_and_mul(dtype):
     assert out.shape == (tokens, inter) and out.dtype == dtype
     if dtype == torch.float32:
         assert rel_error(out, expected) < 1e-5
-    elif DEVICE == "cuda":  # both round the SiLU, then the product: ulps apart at most
-        torch.testing.assert_close(out, expected)
+    elif DEVICE == "cuda":  # both round the SiLU, then the product: ulps apart at most (an H200
+        # run, 2026-12-04: 2 of 7,680 float16 values one ulp apart, relative 1.5e-3)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out, expected, rtol=2 * eps, atol=eps)
     else:  # the interpreter truncates fp32 -> 16-bit casts (the GPU rounds): within one rounding
         assert rel_error(out, expected) < TOLERANCE[dtype]
     assert triton_norm.silu_and_mul(x[:0]).shape == (0, inter)
