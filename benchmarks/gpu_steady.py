@@ -121,7 +121,12 @@ def poisson_run(
     graphs = engine.runner.cuda_graphs
     if graphs is not None:
         graph_run = graphs.run
-        graphs.run = lambda step, size: (replays.__setitem__(0, replays[0] + 1), graph_run(step, size))[1]
+
+        def counted_run(step, size, tokens=None):  # the runner passes the feed tokens too
+            replays[0] += 1
+            return graph_run(step, size, tokens)
+
+        graphs.run = counted_run
     engine.scheduler.schedule = counting_schedule
     last: dict[str, float] = {}
     itl, ttft, out_tokens = [], [], 0
