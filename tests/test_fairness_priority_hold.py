@@ -11,38 +11,12 @@ Fake workers as in tests/test_fairness_dispatch.py."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from router.admission import AdmissionController, TenantLimits
 from router.affinity import PrefixAffinity
 from router.dispatcher import Dispatcher, Pending
 from router.fair_queue import FairQueue
-
-
-@dataclass
-class FakeWorker:
-    address: str
-    num_blocks: int = 16  # 256 tokens
-    healthy: bool = True
-    outstanding_tokens: int = 0
-    num_inflight: int = 0
-    info: SimpleNamespace = field(init=False)
-
-    def __post_init__(self):
-        self.info = SimpleNamespace(model="m", block_size=16, max_num_seqs=0)
-
-    @property
-    def load(self):
-        return SimpleNamespace(num_total_blocks=self.num_blocks)
-
-
-class FakeRegistry:
-    def __init__(self, *workers):
-        self.workers = list(workers)
-
-    def healthy(self, model=None):
-        return [w for w in self.workers if w.healthy]
+from tests.test_fairness_dispatch import FakeRegistry, FakeWorker
 
 
 def test_an_urgent_request_is_not_held_behind_another_tenants_blocked_low_priority_head():
