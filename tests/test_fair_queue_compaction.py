@@ -27,7 +27,7 @@ from router.fair_queue import FairQueue, QueuedRequest
 
 
 class Payload:
-    pass
+    """What a queued request carries (the router's Pending): the test watches it being freed."""
 
 
 def measured_queue(**kwargs) -> tuple[list[float], FairQueue]:
@@ -39,7 +39,7 @@ def measured_queue(**kwargs) -> tuple[list[float], FairQueue]:
     assert queue.pop_next(lambda _: False) is None
     clock[0] += 1.0
     while queue.pop_next(lambda _: True):
-        pass
+        pass  # drains the ten warm-up requests: they waited, so the meter counts them
     assert queue.dispatch_rate() == pytest.approx(1000.0)
     return clock, queue
 
