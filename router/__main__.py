@@ -9,48 +9,29 @@ Proven by tests/test_early_signals.py.
 """
 
 # ruff: noqa: E402 - the stop recorder is installed before the other imports
-import signal
-
-STOP_SIGNALS: list[int] = []  # SIGTERM/SIGINT received before router.server installs its own handlers
-
-
-def _record_stop(signum: int, frame) -> None:
-    STOP_SIGNALS.append(signum)  # recorded, not raised: start-up checks it between its steps
-
+from common import early_stop
 
 if __name__ == "__main__":  # the process's entry only: a module that imports this keeps its handlers
-    # SIGTERM last: once its handler is in, both are (tests/test_early_signals.py waits on that).
-    for _sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_sig, _record_stop)
+    early_stop.install()
 
 import asyncio
 import gc
-import logging
 import sys
 
 from common.logs import setup_logging
 from router.config import parse_args
 
 
-def stopped_early() -> bool:
-    """Whether SIGTERM/SIGINT arrived during start-up (then said so in the log)."""
-    if STOP_SIGNALS:
-        logging.getLogger("router").info(
-            "%s during start-up: not serving", signal.Signals(STOP_SIGNALS[0]).name
-        )
-    return bool(STOP_SIGNALS)
-
-
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("router", config.telemetry.log_format)
-    if stopped_early():
+    if early_stop.requested("router"):
         return 0
     from router.server import serve  # grpc and the tokenizer load only once the flags are good
 
-    if stopped_early():
+    if early_stop.requested("router"):
         return 0
-    return asyncio.run(serve(config, stop_requested=lambda: bool(STOP_SIGNALS)))
+    return asyncio.run(serve(config, stop_requested=lambda: bool(early_stop.SIGNALS)))
 
 
 if __name__ == "__main__":

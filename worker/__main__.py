@@ -10,29 +10,17 @@ download) finishes first: it runs on a thread of its own, which nothing can stop
 Proven by tests/test_early_signals.py.
 """
 
-# ruff: noqa: E402 - the stop recorder is installed before the other imports (torch's take seconds)
+# ruff: noqa: E402 - the stop recorder is installed before the other imports
 from __future__ import annotations
 
-import signal
-
-STOP_SIGNALS: list[int] = []  # SIGTERM/SIGINT received before worker.server installs its own handlers
-
-
-def _record_stop(signum: int, frame) -> None:
-    # Recorded, not raised: a KeyboardInterrupt would leave the engine build's thread (and any
-    # tensor-parallel ranks) running with nobody to stop them, and the interpreter waits for it.
-    STOP_SIGNALS.append(signum)
-
+from common import early_stop
 
 if __name__ == "__main__":  # the process's entry only: a module that imports this keeps its handlers
-    # SIGTERM last: once its handler is in, both are (tests/test_early_signals.py waits on that).
-    for _sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_sig, _record_stop)
+    early_stop.install()
 
 import argparse
 import asyncio
 import gc
-import logging
 import pathlib
 import sys
 
@@ -73,25 +61,16 @@ def parse_args(argv: list[str] | None = None) -> WorkerServerConfig:
     return parse_or_exit(p, argv, build)
 
 
-def stopped_early() -> bool:
-    """Whether SIGTERM/SIGINT arrived during start-up (then said so in the log)."""
-    if STOP_SIGNALS:
-        logging.getLogger("worker").info(
-            "%s during start-up: not serving", signal.Signals(STOP_SIGNALS[0]).name
-        )
-    return bool(STOP_SIGNALS)
-
-
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("worker", config.telemetry.log_format)
-    if stopped_early():
+    if early_stop.requested("worker"):
         return 0
     from worker.server import serve  # torch and the engine load only once the flags are good
 
-    if stopped_early():
+    if early_stop.requested("worker"):
         return 0
-    return asyncio.run(serve(config, stop_requested=lambda: bool(STOP_SIGNALS)))
+    return asyncio.run(serve(config, stop_requested=lambda: bool(early_stop.SIGNALS)))
 
 
 if __name__ == "__main__":
