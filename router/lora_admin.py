@@ -6,7 +6,8 @@ Contract
 - who: a tenant with `admin: true` in the tenants file; without a tenants file, loopback clients
   only. Anyone else: PERMISSION_DENIED. The workers must run with --lora-dir (the adapter's path
   must lie inside it: the router forwards the path, the worker checks it).
-- load(name, path, base_model): `name` as the workers take it (common/adapter_names.py) and
+- load(name, path, base_model): `name` as the workers take it (common/adapter_names.py: canonical,
+  so `sql/` or `x/../sql` is INVALID_ARGUMENT naming the spelling to use, never a second adapter) and
   not a model id this router serves already, `path` at most MAX_PATH characters; `base_model` a
   served base model (optional when one is served). One load or unload per name at a time (else
   FAILED_PRECONDITION). Every healthy worker of that base model gets `Worker.LoadAdapter` at once,

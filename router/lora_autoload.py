@@ -4,7 +4,18 @@ to make room: vLLM's filesystem LoRA resolver and max_loras eviction, through th
 Contract
 - when: a Generate call (gRPC or the HTTP front) names a model this router does not serve, the
   name is a well-formed adapter name (common/adapter_names.py), and the router serves one base
-  model. Otherwise the request is refused as before (unknown model).
+  model. Otherwise the request is refused as before (unknown model). A name of adapter-name
+  characters that is not canonical (`sql/`, `sql/.`, `sql//`, `x/../sql`: an empty, `.` or `..`
+  segment, a trailing `/`) is refused INVALID_ARGUMENT naming the spelling to use, before any
+  load: one directory is never loaded under two spellings.
+- which: the tenant's `adapters` patterns (router/tenants.py) are checked before this module is
+  asked (router/service.py `_autoload`: PERMISSION_DENIED); a load for a tenant that holds
+  `max_autoloaded_adapters` adapters this router autoloaded for its requests (those still held
+  by a worker, and its loads under way) is refused RESOURCE_EXHAUSTED naming the limit (retry-after
+  1 s), before any load or eviction. An adapter counts for the tenant whose request started its
+  load, until it is unloaded (to make room, by an admin) or an admin's load takes it over; a
+  request waiting for a load under way, or naming a served adapter, starts none and counts
+  nothing.
 - what: `AdapterAdmin.load_core(name, path=name, base, remember=False)`: every healthy worker of
   the base model loads `<its --lora-dir>/<name>` (the worker checks the path lies inside its
   --lora-dir; workers without one refuse; one that holds the name already, loaded by another
@@ -28,10 +39,11 @@ Contract
   no such directory, a bad adapter; FAILED_PRECONDITION: no --lora-dir) answers INVALID_ARGUMENT
   "model: unknown model ..." with the worker's reason, and the name is not tried again for
   `retry_s` (a bounded cache of the last MAX_FAILED names; forgotten as soon as the name is
-  served): a client repeating a wrong name costs the workers one check per `retry_s`. A worker's
-  own failure (INTERNAL), no worker answering, or an admin's load or unload of that name under
-  way: UNAVAILABLE, not cached.
-- who: any tenant whose key is accepted (as vLLM's resolver); the adapters come only from the
+  served): a client repeating a wrong name costs the workers one check per `retry_s` (a cached
+  failure is answered before the tenant's limit). A worker's own failure (INTERNAL), no worker
+  answering, or an admin's load or unload of that name under way: UNAVAILABLE, not cached.
+- who: any tenant whose key is accepted (as vLLM's resolver), within its `adapters` and
+  `max_autoloaded_adapters` (see "which"); the adapters come only from the
   operator's --lora-dir.
 - not remembered: autoloaded adapters are not restored onto workers that lack them (a restarted
   or new worker gets one when a request names it and no healthy worker serves it), nor unloaded
@@ -39,10 +51,11 @@ Contract
   evicts on its own, through the same workers: an adapter one router unloads to make room fails
   the requests another router has queued for it or sends it before its next probe of the workers
   reads the change; after that, the next request naming it loads it again.
-- state: per router, in memory: when each autoloaded adapter was last named, how many requests
-  name each name now, the names being unloaded, the recent failures. Metrics:
-  `llm_router_lora_autoloads_total{result}`.
-- proven by: tests/test_lora_autoload_e2e.py.
+- state: per router, in memory: when each autoloaded adapter was last named and the tenant it was
+  loaded for, how many requests name each name now, the names being unloaded, the recent
+  failures. Metrics: `llm_router_lora_autoloads_total{result}` (results as router/metrics.py, and
+  `tenant_limit`, `bad_name`).
+- proven by: tests/test_lora_autoload_e2e.py, tests/test_adapter_names.py.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ from collections import Counter, OrderedDict
 
 import grpc
 
-from common.adapter_names import name_problem
+from common.adapter_names import NAME, spelling_problem
 from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError
 from router.lora_admin import AdapterAdmin, AdapterRefused
 
@@ -76,6 +89,8 @@ class Autoloader:
         self._loading: dict[str, asyncio.Task] = {}  # name -> its load under way
         self._evicting: set[str] = set()  # names being unloaded to make room (not served for new requests)
         self._failed: OrderedDict[str, tuple[float, str]] = OrderedDict()  # name -> (until, reason)
+        # autoloaded adapter, or one whose load is under way -> the tenant whose request started it
+        self._owner: dict[str, str] = {}
         self._one_at_a_time = asyncio.Lock()
 
     @contextlib.contextmanager
@@ -97,8 +112,9 @@ class Autoloader:
 
     def would_load(self, name: str, served: dict) -> bool:
         """A request naming `name` goes through `ensure`'s load path (see the contract). A name
-        served after all (an admin's load, another router's) loses its cached failure here."""
-        if not name or name_problem(name) or len(self._admin.served_bases()) != 1:
+        served after all (an admin's load, another router's) loses its cached failure here. A
+        non-canonical spelling goes on to `ensure`, which refuses it by name."""
+        if not name or not NAME.fullmatch(name) or len(self._admin.served_bases()) != 1:
             return False
         if name in served and name not in self._evicting:
             if self._failed:
@@ -106,13 +122,17 @@ class Autoloader:
             return False
         return True
 
-    async def ensure(self, name: str, served: dict, deadline_s: float | None = None) -> bool:
+    async def ensure(self, name: str, served: dict, deadline_s: float | None = None, tenant=None) -> bool:
         """Load adapter `name` if the request names one this router may autoload (see the
         contract); True when it was loaded (the caller reads the served models again). Raises
         the refusals the contract names; DEADLINE_EXCEEDED when the load outlasts `deadline_s`
-        (time.monotonic(); the load itself goes on for the others)."""
+        (time.monotonic(); the load itself goes on for the others). `tenant` (router/tenants.py
+        Tenant, None: no limit): the request's, bounded by its max_autoloaded_adapters."""
         if not self.would_load(name, served):
             return False
+        if problem := spelling_problem(name):
+            self._count("bad_name")
+            raise ValidationError("model", problem)
         failed = self._failed.get(name)
         if failed is not None and failed[0] > time.monotonic():
             self._count("cached_failure")
@@ -122,6 +142,9 @@ class Autoloader:
             self._late(name)
         task = self._loading.get(name)
         if task is None:
+            if tenant is not None:
+                self._check_limit(tenant, name)
+                self._owner[name] = tenant.name
             task = self._loading[name] = asyncio.get_running_loop().create_task(
                 self._load(name, self._admin.served_bases()[0])
             )
@@ -137,8 +160,40 @@ class Autoloader:
         self._count("deadline")
         raise DeadlineExceeded(f"model {name!r}: its adapter was still loading at the request's deadline")
 
+    def _check_limit(self, tenant, name: str) -> None:
+        """Overloaded when `tenant` holds its max_autoloaded_adapters already (see the contract)."""
+        limit = tenant.max_autoloaded_adapters
+        if limit is None:
+            return
+        self._forget_gone()
+        held = sorted(n for n, owner in self._owner.items() if owner == tenant.name)
+        if len(held) < limit:
+            return
+        self._count("tenant_limit")
+        shown = ", ".join(repr(n) for n in held[:8]) + (", ..." if len(held) > 8 else "")
+        raise Overloaded(
+            f"model {name!r}: tenant {tenant.name!r} holds {len(held)} adapter(s) loaded on demand for "
+            f"its requests ({shown or 'none'}), its max_autoloaded_adapters ({limit}) in the tenants "
+            "file; name one of those, or retry when one is unloaded",
+            1000,
+        )
+
+    def _forget_gone(self) -> None:
+        """Autoloaded adapters that are an admin's now (unloaded and loaded again through it) or
+        that no worker holds any more (an admin or another router unloaded them, or the workers
+        restarted): not ours to unload, and counted for no tenant."""
+        admin = self._admin
+        for gone in [n for n in self.last_used if n in admin.loaded or not admin.holds(n)]:
+            del self.last_used[gone]
+            if gone not in self._loading:
+                self._owner.pop(gone, None)
+
     def _done(self, task: asyncio.Task) -> None:
+        names = [n for n, t in self._loading.items() if t is task]
         self._loading = {n: t for n, t in self._loading.items() if t is not task}
+        for name in names:  # failed, or not loaded by it (served meanwhile, another router's)
+            if name not in self.last_used or task.cancelled() or task.exception() is not None:
+                self._owner.pop(name, None)
         if not task.cancelled():
             task.exception()  # retrieved: every caller may have left before it ended
 
@@ -191,10 +246,7 @@ class Autoloader:
         """Unload the least recently used autoloaded adapter that no request here names; the name
         unloaded, or None when none could be."""
         admin = self._admin
-        # An admin's now (unloaded and loaded again through it), or no worker holds it any more
-        # (an admin or another router unloaded it, or the workers restarted): not ours to unload.
-        for gone in [n for n in self.last_used if n in admin.loaded or not admin.holds(n)]:
-            del self.last_used[gone]
+        self._forget_gone()
         for name in sorted(self.last_used, key=self.last_used.__getitem__):
             if name in tried or self._users[name]:
                 continue
@@ -209,6 +261,8 @@ class Autoloader:
                 self._evicting.discard(name)
             if not admin.holds(name):  # else an unreachable worker still has it: a candidate later
                 self.last_used.pop(name, None)
+                if name not in self._loading:  # a request naming it meanwhile loads it again
+                    self._owner.pop(name, None)
             if not reply.num_workers:  # reached no worker: no room made
                 continue
             self._count("evicted")

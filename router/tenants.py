@@ -25,12 +25,22 @@ Contract
           max_deadline_s: 600       # optional: no call runs longer (client deadlines are capped)
           admin: false              # optional: may load / unload LoRA adapters at run time
                                     # (router/lora_admin.py; without a file: loopback clients)
+          adapters: ["sql", "chat-*"]  # optional: the LoRA adapters its requests may name
+                                    # (fnmatch patterns, `*` spans `/` too; absent: all; []:
+                                    # none); any other non-base model -> PERMISSION_DENIED
+                                    # naming the rule, before any load or lookup
+          max_autoloaded_adapters: 4  # optional: adapters --lora-autoload loaded for its
+                                    # requests that it may hold at once (default 4; 0: none;
+                                    # null: no limit); one more -> RESOURCE_EXHAUSTED naming
+                                    # the limit, no load or eviction (router/lora_autoload.py)
 
   With `--router-replicas R` the table holds each tenant's share for one of R routers
-  (`Tenant.share`: rates divided by R, caps divided and rounded up).
+  (`Tenant.share`: rates divided by R, caps divided and rounded up, max_autoloaded_adapters
+  included: each router autoloads on its own).
 
   Without a file there is one `default` tenant with no key, allowed only from loopback peers
-  (or from anywhere with --allow-insecure-public); being alone, it may use any priority.
+  (or from anywhere with --allow-insecure-public); being alone, it may use any priority, any
+  adapter, and autoload as many as the workers hold.
   `TenantsFile` reloads the file on SIGHUP or when its modification time changes, by swapping
   the immutable `Tenants`: calls in flight keep the `Tenant` they authenticated as; a bad new
   file is logged and the old table kept.
@@ -38,14 +48,16 @@ Contract
   against every tenant, so timing does not reveal which digest prefix matched.
 - proven by: tests/test_trust_limits.py (max_priority, deadlines),
   tests/test_router_tenants.py, tests/test_grpc_e2e.py (invalid-request table)
-  (missing / wrong key), tests/test_tenant_isolation.py (spoofing through metadata and fields, keys
-  absent from logs, spans and metrics).
+  (missing / wrong key), tests/test_adapter_names.py (adapters, max_autoloaded_adapters),
+  tests/test_tenant_isolation.py (spoofing through metadata and fields, keys absent from logs,
+  spans and metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fnmatch
 import hashlib
 import hmac
 import ipaddress
@@ -78,6 +90,8 @@ class Tenant:
     default_deadline_s: float | None = None  # a call without a deadline gets this one
     max_deadline_s: float | None = None  # no call of the tenant runs longer
     admin: bool = False  # may load and unload LoRA adapters at run time (router/lora_admin.py)
+    adapters: tuple[str, ...] | None = None  # fnmatch patterns of the adapters it may name; None: all
+    max_autoloaded_adapters: int | None = 4  # adapters autoloaded for it held at once; None: no limit
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -115,6 +129,19 @@ class Tenant:
                 raise ValueError(f"tenant {self.name}: {field} must be a number > 0, got {value!r}")
         if not isinstance(self.admin, bool):
             raise ValueError(f"tenant {self.name}: admin must be true or false, got {self.admin!r}")
+        if self.adapters is not None:
+            patterns = self.adapters
+            if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) and p for p in patterns):
+                raise ValueError(
+                    f"tenant {self.name}: adapters must be a list of non-empty name patterns, "
+                    f"got {patterns!r}"
+                )
+            object.__setattr__(self, "adapters", tuple(patterns))
+        limit = self.max_autoloaded_adapters
+        if limit is not None and (not _is_int(limit) or limit < 0):
+            raise ValueError(
+                f"tenant {self.name}: max_autoloaded_adapters must be an integer >= 0 or null, got {limit!r}"
+            )
         if None not in (self.default_deadline_s, self.max_deadline_s):
             if self.default_deadline_s > self.max_deadline_s:
                 raise ValueError(f"tenant {self.name}: default_deadline_s is above max_deadline_s")
@@ -126,6 +153,18 @@ class Tenant:
             raise PermissionDenied(
                 f"priority: {priority} is above the highest this tenant may use ({self.max_priority})"
             )
+
+    def check_adapter(self, name: str) -> None:
+        """PermissionDenied unless the tenant's `adapters` patterns allow LoRA adapter `name` (any
+        name when it has none). Decided from the name alone, so it tells nothing of whether such
+        an adapter exists."""
+        if self.adapters is None or any(fnmatch.fnmatchcase(name, p) for p in self.adapters):
+            return
+        shown = name if len(name) <= 128 else name[:128] + "..."
+        raise PermissionDenied(
+            f"model: adapter {shown!r} is not one this tenant may use (its adapters in the tenants "
+            f"file: {list(self.adapters)})"
+        )
 
     def deadline_at(self, now_s: float, remaining_s: float | None) -> float | None:
         """The call's deadline on the monotonic clock: the client's, else the tenant's default,
@@ -153,6 +192,7 @@ class Tenant:
             self,
             max_concurrency=cap(self.max_concurrency),
             max_queued=cap(self.max_queued),
+            max_autoloaded_adapters=cap(self.max_autoloaded_adapters),
             rate_requests_per_s=rate(self.rate_requests_per_s),
             burst_requests=None if self.burst_requests is None else max(1.0, self.burst_requests / replicas),
             rate_tokens_per_min=rate(self.rate_tokens_per_min),
@@ -209,7 +249,7 @@ class Tenants:
     @classmethod
     def default(cls, allow_public: bool = False) -> "Tenants":
         # the only tenant: its priorities reorder only its own requests
-        alone = Tenant(DEFAULT_TENANT, max_priority=2**31 - 1)
+        alone = Tenant(DEFAULT_TENANT, max_priority=2**31 - 1, max_autoloaded_adapters=None)
         return cls([alone], require_key=False, allow_public=allow_public)
 
     @classmethod

@@ -3,7 +3,9 @@ worker with `--lora-dir` and room for one adapter, behind a real router. A reque
 adapter directory loads it (PEFT's own greedy tokens); naming another unloads the least recently
 used one to make room, and the first comes back when named again; concurrent requests for one new
 name share one load; a name that is not there is refused as an unknown model and not tried again
-for --lora-autoload-retry-s; an adapter an admin loaded is never unloaded to make room."""
+for --lora-autoload-retry-s; another spelling of an adapter's name is refused, never a second adapter
+of its directory; a tenant's allow-list and autoload limit refuse before any load; an adapter an
+admin loaded is never unloaded to make room."""
 
 from __future__ import annotations
 
@@ -134,6 +136,71 @@ def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
         over = _refused(router, other, auth)
         assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in over.details()
         assert _worker_loads(worker) == before and not _autoloads(router) and _open_requests(router) == 0
+    assert set(_models(main)) - {"tiny"} == served
+
+
+def _admin(router, op: str, **body) -> tuple[int, dict]:
+    """An admin's load or unload over HTTP (loopback, no tenants file)."""
+    return post(f"{http_url(router)}/{op}_lora_adapter", json.dumps(body).encode(), None)
+
+
+def test_other_spellings_of_an_adapter_are_refused_by_name_and_load_nothing(stack):
+    """Once, `sql/`, `sql/.`, `sql//` and `x/../sql` each loaded `sql`'s directory as an adapter of
+    its own: four entries in /v1/models, `sql` evicted, and the admin's load of `sql` refused as the
+    worker was full. Now each is refused (400 naming the spelling to use) before any load."""
+    router, worker, expected, _ = stack
+    assert _generate(router, "sql") == expected["sql"]
+    before = _worker_loads(worker)
+    for bad in ("sql/", "sql/.", "sql//", "x/../sql"):
+        body = json.dumps({"model": bad, "prompt": "hi", "max_tokens": 2}).encode()
+        status, reply = post(f"{http_url(router)}/completions", body, None)
+        message = reply["error"]["message"]
+        assert status == 400 and f"adapter name {bad!r} is not canonical" in message, reply
+        assert message.endswith("use 'sql'") and "/adapters" not in message
+        refused = _refused(router, bad)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "not canonical" in refused.details()
+        status, reply = _admin(router, "load", lora_name=bad, lora_path="sql")
+        assert status == 400 and "is not canonical" in reply["error"]["message"], reply
+    assert _worker_loads(worker) == before and set(_models(router)) == {"tiny", "sql"}
+    assert _autoloads(router).get("bad_name") == 8 and _open_requests(router) == 0
+    # The one adapter of that directory: an admin unloads it and loads it again, not refused as full.
+    assert _admin(router, "unload", lora_name="sql")[0] == 200
+    assert _admin(router, "load", lora_name="sql", lora_path="sql")[0] == 200
+    assert _generate(router, "sql") == expected["sql"]
+    assert _admin(router, "unload", lora_name="sql")[0] == 200
+    assert set(_models(router)) == {"tiny"}
+
+
+def test_a_tenant_names_only_its_adapters_and_autoloads_at_most_its_limit(stack, logs):
+    """A second router over the same worker with a tenants file: `narrow` may use `chat-*` only (the
+    base model too), `capped` may autoload none; both refused before the worker is asked to load."""
+    main, worker, _, path = stack
+    served = set(_models(main)) - {"tiny"}
+    other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
+    tenants = (
+        f"tenants:\n  - name: narrow\n    key_sha256: {hash_key('narrow')}\n"
+        '    adapters: ["chat-*"]\n'
+        f"  - name: capped\n    key_sha256: {hash_key('capped')}\n    max_autoloaded_adapters: 0\n"
+    )
+    narrow, capped = (("authorization", "Bearer narrow"),), (("authorization", "Bearer capped"),)
+    extra = ("--model", f"tiny={path}", "--http-port", "0", "--metrics-port", "0", "--lora-autoload")
+    with running_router(logs, [worker.address], *extra, tenants=tenants, metadata=narrow) as router:
+        before = _worker_loads(worker)
+        assert len(_generate(router, "tiny", narrow)) > 0  # a base model is no adapter
+        for name in (other, "nothing-here"):  # the same answer whether it exists or not
+            denied = _refused(router, name, narrow)
+            assert denied.code() == grpc.StatusCode.PERMISSION_DENIED, denied.details()
+            assert f"adapter {name!r} is not one this tenant may use" in denied.details()
+            assert "['chat-*']" in denied.details()
+        body = json.dumps({"model": other, "prompt": "hi", "max_tokens": 2}).encode()
+        status, reply = post(f"{http_url(router)}/completions", body, "narrow")
+        assert status == 403 and "may use" in reply["error"]["message"], reply
+        over = _refused(router, other, capped)
+        assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, over.details()
+        assert "tenant 'capped' holds 0 adapter(s)" in over.details()
+        assert "max_autoloaded_adapters (0)" in over.details()
+        assert _worker_loads(worker) == before and _autoloads(router) == {"tenant_limit": 1}
+        assert _open_requests(router) == 0
     assert set(_models(main)) - {"tiny"} == served
 
 

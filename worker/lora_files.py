@@ -9,13 +9,19 @@ Contract
   from the tensors (rank_pattern), alpha from lora_alpha or the first alpha_pattern entry matching
   PEFT's module key, the scale alpha / rank (alpha / sqrt(rank) with use_rslora).
 - `runtime_adapter_path(config, loaded, name, path)`: where a run-time load reads from, inside
-  --lora-dir, or AdapterError (kind "off", "invalid", "full"); `load_adapter(..., max_rank)`
+  --lora-dir, or AdapterError (kind "off", "invalid", "full"): `name` canonical
+  (common/adapter_names.py: no empty, `.` or `..` segment, no trailing `/`, so `sql/` or
+  `x/../sql` is never a second adapter of `sql`); `path` resolved with its symbolic links and `..`
+  segments, and refused unless the directory and its adapter files lie inside --lora-dir (a link
+  or `..` that leads out of it, an absolute path elsewhere). A symbolic link inside --lora-dir to
+  another adapter's directory there is a second name the operator made. `load_adapter(..., max_rank)`
   refuses a higher rank before allocating. `bytes_at_rank(model, rank, dtype)`: one adapter's most
   bytes at that rank (the KV pool leaves room for the run-time slots: worker/model_runner.py).
 - failure modes: ValueError naming the adapter and the problem (docs/lora.md lists what is
   refused: DoRA, biases, modules_to_save, trainable tokens, layer replication, embeddings or
   lm_head, base-changing initializations, shapes that do not fit, other peft types).
-- proven by tests/test_lora.py (against PEFT's own model; the refusals).
+- proven by tests/test_lora.py (against PEFT's own model; the refusals), tests/test_adapter_names.py
+  (names, paths out of --lora-dir).
 """
 
 from __future__ import annotations
