@@ -16,6 +16,7 @@ Contract
   request taken now and kept) and the caps below, after which the request counts as open until
   `admit(..., claim=)` takes it over or `Claim.release()`; so rate and concurrency are counted
   before any tokenizing (a huge-prompt flood is refused for microseconds each).
+  `gate(tenant, cost)`: claim's checks, taking nothing (a front's, before it reads the body).
   `precheck(tenant, cost)` runs the three cap checks (concurrency, tenant_queue_full,
   global_queue_full) before the router spends time tokenizing, so a full router sheds in
   microseconds; `refuse(tenant, "no_capacity", ...)` counts a refusal decided by the caller (the
@@ -321,12 +322,9 @@ class AdmissionController:
             self.refusals[(tenant.name, err.reason)] += 1
             raise
 
-    def claim(self, tenant: TenantPolicy, cost: float) -> Claim:
-        """Before tokenizing: the tenant's request rate (one request taken now, kept even if the
-        request is refused later) and the caps of `precheck`; the request then counts as open
-        (concurrency) until the claim is released or admitted, so a flood of costly prompts is
-        refused before the router tokenizes them, and no more than max_concurrency of one tenant
-        are tokenized at once."""
+    def gate(self, tenant: TenantPolicy, cost: float) -> None:
+        """`claim`'s checks, taking nothing: what a front runs before it reads a request's body,
+        so a throttled tenant's request costs a header read."""
         requests, _ = self._tenant_buckets(tenant)
         try:
             wait_s = requests.wait_s(1) if requests else 0.0
@@ -338,6 +336,15 @@ class AdmissionController:
         except AdmissionError as err:
             self.refusals[(tenant.name, err.reason)] += 1
             raise
+
+    def claim(self, tenant: TenantPolicy, cost: float) -> Claim:
+        """Before tokenizing: the tenant's request rate (one request taken now, kept even if the
+        request is refused later) and the caps of `precheck`; the request then counts as open
+        (concurrency) until the claim is released or admitted, so a flood of costly prompts is
+        refused before the router tokenizes them, and no more than max_concurrency of one tenant
+        are tokenized at once."""
+        self.gate(tenant, cost)
+        requests, _ = self._tenant_buckets(tenant)
         if requests is not None:
             taken = requests.try_take(1)
             assert taken == 0.0, "checked above, on the same clock reading"

@@ -34,12 +34,11 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 import jinja2
 
-from common.structured import compile_executor
 from protos.llm.v1 import generation_pb2 as pb
 from protos.llm.v1 import generation_pb2_grpc
 from router.admission import AdmissionController, AdmissionError, Claim
@@ -49,6 +48,7 @@ from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
 from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError
 from router.fair_queue import OUTPUT_COST
+from router.grammar_compile import GrammarCompiler
 from router.lora_admin import AdapterAdmin
 from router.lora_autoload import Autoloader
 from router.metrics import RouterMetrics
@@ -59,8 +59,17 @@ from router.relay import Chunk, Done, Relay
 from router.tenants import TenantsFile
 from router.token_api import TokenApi
 from router.tokenize_pool import TokenizePool
-from router.validation import ValidRequest, after_think_block, fit_to_context, validate
+from router.validation import (
+    ValidRequest,
+    after_think_block,
+    checked_request_id,
+    compile_response_format,
+    fit_to_context,
+    validate,
+)
 
+# the largest max_tokens a request's pre-validation cost estimate counts (retry-after estimates only)
+MAX_COST_TOKENS = 1 << 20
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -106,6 +115,44 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
     )
 
 
+class Fanout:
+    """The choices of one request (OpenAI `n`, router/openai/app.py): validated, compiled and
+    tokenized once, by whichever choice gets there first; each is then admitted, queued and
+    generated on its own. The preparation runs as a task of its own, so a choice that is
+    cancelled while it prepares does not fail the others; its result (or error) is every
+    choice's."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Future | None = None
+
+    async def once(self, prepare: Callable[[], Awaitable]):
+        if self._task is None:
+            self._task = asyncio.ensure_future(prepare())
+            self._task.add_done_callback(_retrieved)  # every choice may be gone when it fails
+        return await asyncio.shield(self._task)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceOf:
+    """One choice of a `Fanout`: its own request id, and `seed_offset` j (a seeded request's j-th
+    choice samples with seed + j, mod 2**64: distinct, reproducible samples)."""
+
+    fanout: Fanout
+    request_id: str
+    seed_offset: int = 0
+
+    def applied(self, req: ValidRequest, limits: Limits) -> ValidRequest:
+        seed = req.seed
+        if seed is not None and self.seed_offset:
+            seed = (seed + self.seed_offset) % 2**64
+        return dataclasses.replace(req, request_id=checked_request_id(self.request_id, limits), seed=seed)
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
@@ -131,6 +178,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._relay = Relay(registry, models.tokenizer)
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
         self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
+        self._grammars = GrammarCompiler.from_limits(limits)  # response_format: budget, cache, shares
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
         self.adapters = AdapterAdmin(registry, models, tenants)  # LoRA adapters loaded at run time
         self.autoload = None  # --lora-autoload: adapters loaded on demand (router/lora_autoload.py)
@@ -158,19 +206,34 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request out into several calls sizes itself to (router/openai/embeddings.py)."""
         return self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
 
-    async def _generate(self, request: pb.GenerateRequest, context, obs: RequestObservation):
+    def gate(self, context):
+        """What a front checks before it reads a request's body: the key (AuthError) and the
+        refusals that need nothing but the tenant (request rate, concurrency, queue caps: 429),
+        taking nothing (each generation claims its own). -> the tenant."""
+        tenant = self.tenant_of(context)
+        try:
+            self._admission.gate(tenant, OUTPUT_COST * self._limits.default_max_tokens)
+        except AdmissionError as err:
+            raise Overloaded(err.message, err.retry_after_ms) from None
+        return tenant
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context, obs: RequestObservation, choice: ChoiceOf | None = None
+    ):
+        """`choice`: one of several choices of `request` (OpenAI `n`) that share its preparation."""
         arrival_s = time.monotonic()
         self._drain.enter()
         try:
             naming = self.autoload.naming(request.model) if self.autoload else contextlib.nullcontext()
             with naming:
-                async with aclosing(self._generate_inner(request, context, obs, arrival_s)) as inner:
+                inner = self._generate_inner(request, context, obs, arrival_s, choice)
+                async with aclosing(inner):
                     async for response in inner:
                         yield response
         finally:
             self._drain.exit()
 
-    async def _generate_inner(self, request: pb.GenerateRequest, context, obs, arrival_s: float):
+    async def _generate_inner(self, request: pb.GenerateRequest, context, obs, arrival_s: float, choice):
         obs.stage("auth")
         tenant = self.tenant_of(context)
         obs.stage("validate")
@@ -180,29 +243,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not models:
             raise Unavailable("no healthy worker is connected to this router")
         deadline_s = tenant.deadline_at(arrival_s, context.time_remaining())  # tenant default / cap
-        models, early = await self._autoload(request.model, tenant, models, deadline_s)
+        models, claim = await self._autoload(request.model, tenant, models, deadline_s)
+        # the tenant's rate and concurrency are charged before any work that grows with the request
+        # (validation, grammar compiles, template rendering, tokenizing): a throttled tenant costs O(1)
+        claim = claim or self._claim(tenant, request)
         try:
             self._check_model(request.model, models)
-            if request.HasField("response_format"):  # compiled off the loop, on a deep stack
-                loop = asyncio.get_running_loop()
-                req = await loop.run_in_executor(compile_executor(), validate, request, self._limits, models)
-            else:
-                req = validate(request, self._limits, models)
+            if choice is None:
+                req, prompt_ids, max_tokens = await self._prepare(request, tenant, models)
+            else:  # the first of the choices prepares, the others wait for it
+                req, prompt_ids, max_tokens = await choice.fanout.once(
+                    lambda: self._prepare(request, tenant, models)
+                )
+                req = choice.applied(req, self._limits)
             obs.model = req.model.name
-            req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
-            req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
-            tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
-            self._refuse_hopeless_text(req)
-        except BaseException:
-            if early is not None:
-                early.release()
-            raise
-        claim = self._shed_early(tenant, req, early)  # rate and concurrency counted before tokenizing
-        try:
-            prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
-            max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
-            if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
-                req = await after_think_block(req, mode, prompt_ids)
+            self._refuse_when_full(tenant, req)
         except BaseException:
             claim.release()
             raise
@@ -356,7 +411,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _autoload(self, name: str, tenant, models: dict, deadline_s: float | None):
         """A model to load on demand (router/lora_autoload.py) claims the request first (rate, caps,
-        open while it waits): a tenant over its limits causes no load. -> (served models, claim)."""
+        open while it waits): a tenant over its limits causes no load. -> (served models, claim).
+        Any model but a base model is a LoRA adapter, checked first against the tenant's
+        `adapters` patterns (PERMISSION_DENIED, with or without --lora-autoload)."""
+        if name and tenant.adapters is not None and name not in self._models.ids():
+            tenant.check_adapter(name)
         if not (self.autoload and self.autoload.would_load(name, models)):
             return models, None
         try:
@@ -364,26 +423,47 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
         try:
-            if await self.autoload.ensure(name, models, deadline_s):
+            if await self.autoload.ensure(name, models, deadline_s, tenant):
                 models = self._registry.models()
         except BaseException:
             claim.release()
             raise
         return models, claim
 
-    def _shed_early(self, tenant, req: ValidRequest, claim: Claim | None = None) -> Claim:
-        """Refusals that need no token count, before tokenizing (cheap shedding under overload);
-        `claim`: the request's, taken already (`_autoload`), released if refused here."""
-        cost = OUTPUT_COST * (req.max_tokens or self._limits.default_max_tokens)
+    def _claim(self, tenant, request: pb.GenerateRequest) -> Claim:
+        """The refusals that need nothing of the request but its tenant (request rate, concurrency,
+        queue caps), before any work on it; the request then counts as open until it ends."""
+        asked = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else 0
+        cost = OUTPUT_COST * min(asked or self._limits.default_max_tokens, MAX_COST_TOKENS)
         try:
-            claim = claim or self._admission.claim(tenant, cost)
-            if not self._queue_requests and not self._dispatcher.can_start_now(req.model.name):
-                claim.release()
-                busy = "every worker is busy (the router does not queue: --no-queue)"
-                raise self._admission.refuse(tenant, "no_capacity", cost, busy)
+            return self._admission.claim(tenant, cost)
         except AdmissionError as err:
             raise Overloaded(err.message, err.retry_after_ms) from None
-        return claim
+
+    def _refuse_when_full(self, tenant, req: ValidRequest) -> None:
+        """--no-queue: a request no worker can start now is refused before it is tokenized."""
+        if self._queue_requests or self._dispatcher.can_start_now(req.model.name):
+            return
+        cost = OUTPUT_COST * (req.max_tokens or self._limits.default_max_tokens)
+        busy = "every worker is busy (the router does not queue: --no-queue)"
+        err = self._admission.refuse(tenant, "no_capacity", cost, busy)
+        raise Overloaded(err.message, err.retry_after_ms)
+
+    async def _prepare(self, request: pb.GenerateRequest, tenant, models: dict):
+        """validate (and compile a grammar) -> the model's defaults -> the tenant's priority ->
+        tokenize -> fit to the context. -> (ValidRequest, prompt ids, max_tokens)."""
+        req = validate(request, self._limits, models, compile_grammar=False)
+        # the format's grammar: in the compile processes, within a budget (router/grammar_compile.py)
+        req = await compile_response_format(req, self._grammars, tenant.name)
+        req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset
+        req = dataclasses.replace(req, priority=req.priority or tenant.default_priority)
+        tenant.check_priority(req.priority)  # PERMISSION_DENIED above the tenant's max_priority
+        self._refuse_hopeless_text(req)
+        prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
+        max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
+        if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
+            req = await after_think_block(req, mode, prompt_ids, self._grammars, tenant.name)
+        return req, prompt_ids, max_tokens
 
     def _tokenize(self, req: ValidRequest) -> list[int]:
         if req.prompt_token_ids is not None:

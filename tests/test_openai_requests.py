@@ -5,6 +5,8 @@ key, trace parent, peer) the gRPC pipeline reads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from protos.llm.v1 import generation_pb2 as pb
@@ -69,17 +71,49 @@ def test_completion_prompts_and_defaults():
     assert parse({"prompt": "x", "top_k": -1}, chat=False, request_id="r").request.sampling.top_k == 0
 
 
-def test_choices_are_one_request_each_prompt_major_with_seed_plus_j():
+def test_choices_share_their_prompts_protobuf_prompt_major_with_seed_plus_j():
     one = parse({"prompt": "a", "seed": 5}, chat=False, request_id="r")
-    assert [r.request_id for r in one.requests] == ["r"] and one.request is one.requests[0]
+    assert [c.request_id for c in one.choices] == ["r"] and one.request is one.prompt_requests[0]
     batch = parse({"prompt": ["a", [7, 8]], "n": 2, "seed": 2**64 - 1}, chat=False, request_id="r")
-    assert [r.request_id for r in batch.requests] == ["r-0", "r-1", "r-2", "r-3"] and batch.n == 2
-    assert [r.prompt for r in batch.requests[:2]] == ["a", "a"]
-    assert [list(r.token_ids.ids) for r in batch.requests[2:]] == [[7, 8], [7, 8]]
-    assert [r.sampling.seed for r in batch.requests] == [2**64 - 1, 0, 2**64 - 1, 0]  # wraps
+    assert [c.request_id for c in batch.choices] == ["r-0", "r-1", "r-2", "r-3"] and batch.n == 2
+    assert [(c.prompt, c.seed_offset) for c in batch.choices] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len(batch.prompt_requests) == 2  # one protobuf per prompt, never one per choice
+    assert batch.request_of(1) is batch.request_of(0) and batch.request_of(0).prompt == "a"
+    assert [list(batch.request_of(i).token_ids.ids) for i in (2, 3)] == [[7, 8], [7, 8]]
+    assert all(r.sampling.seed == 2**64 - 1 for r in batch.prompt_requests)  # + j: service.ChoiceOf
     chat = parse({**CHAT, "n": 3, "temperature": 0.5}, chat=True, request_id="c")
-    assert len(chat.requests) == 3 and all(r.sampling.temperature == 0.5 for r in chat.requests)
-    assert not any(r.sampling.HasField("seed") for r in chat.requests)  # unseeded: the worker draws
+    assert len(chat.choices) == 3 and chat.prompt_requests == [chat.request]
+    assert chat.request.sampling.temperature == 0.5
+    assert not chat.request.sampling.HasField("seed")  # unseeded: the worker draws
+
+
+def test_a_choice_takes_its_own_request_id_and_seed_plus_j_wrapping():
+    from router.config import Limits
+    from router.service import ChoiceOf, Fanout
+    from router.validation import ModelSpec, ValidRequest
+
+    req = ValidRequest(request_id="r", model=ModelSpec("m", 64, 100), prompt="a", seed=2**64 - 1)
+    fanout = Fanout()
+    assert ChoiceOf(fanout, "r-1", 1).applied(req, Limits()).seed == 0  # wraps
+    assert ChoiceOf(fanout, "r-0", 0).applied(req, Limits()).request_id == "r-0"
+    unseeded = dataclasses.replace(req, seed=None)
+    assert ChoiceOf(fanout, "r-2", 2).applied(unseeded, Limits()).seed is None
+    with pytest.raises(ValidationError, match="request_id"):
+        ChoiceOf(fanout, "r" * 130, 1).applied(req, Limits())
+
+
+def test_bounds_are_checked_on_the_json_before_any_protobuf():
+    from router.config import Limits
+
+    bias = {"logit_bias": {str(i): 1.0 for i in range(301)}}
+    with pytest.raises(ApiError, match="logit_bias: at most 300 entries, got 301"):
+        parse({**CHAT, **bias}, chat=True, request_id="r")
+    with pytest.raises(ApiError, match="stop: at most 8 stop strings, got 9"):
+        parse({"prompt": "a", "stop": ["x"] * 9}, chat=False, request_id="r")
+    with pytest.raises(ApiError, match="messages: at most 2 messages, got 3"):
+        parse({"messages": [{"role": "user", "content": "x"}] * 3}, True, "r", Limits(max_chat_messages=2))
+    with pytest.raises(ApiError, match="stop_token_ids: at most 64"):
+        parse({"prompt": "a", "stop_token_ids": list(range(65))}, chat=False, request_id="r")
 
 
 def test_usage_counts_each_prompt_once_and_offsets_are_per_choice():

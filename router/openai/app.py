@@ -44,15 +44,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.config import Limits
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai import embeddings, responses_api, tokens
 from router.openai.choices import Choices
-from router.openai.http import ClientGone, EventStream, read_json, until_disconnected
+from router.openai.http import BodyDecoder, ClientGone, EventStream, read_body, until_disconnected
 from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
+from router.service import ChoiceOf, Fanout
 
 log = logging.getLogger(__name__)
 STATUS = {
@@ -96,7 +98,10 @@ def api_error(exc: BaseException, parsed: Parsed | None) -> ApiError:
         problem = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
         if exc.field == "model" and problem.startswith("unknown model"):  # OpenAI's and vLLM's 404
             return ApiError(404, f"{param}: {problem}", param=param, code="model_not_found")
-        return ApiError(400, f"{param}: {problem}", param=param)
+        # OpenAI's code where the error has one: context_length_exceeded for a prompt (or prompt +
+        # max_tokens) the context cannot hold, which clients test for before trimming a history
+        # (router/errors.py ContextLengthExceeded)
+        return ApiError(400, f"{param}: {problem}", param=param, code=exc.openai_code)
     if isinstance(exc, RouterError):
         status, kind = STATUS.get(exc.code, (500, "internal_error"))
         headers = {}
@@ -130,15 +135,29 @@ def create_app(
     stream_idle_timeout_s: float = 0.0,
     serving: Callable[[], bool] = lambda: True,
     reasoning: Callable[[str], Reasoning | None] = lambda model: None,
+    limits: Limits = Limits(),
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
     `decoder(model)`: token ids -> text under that model's tokenizer (logprobs, echo);
     `reasoning(model)`: how a reasoning model's chat answers split (router/openai/reasoning.py);
     `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never);
-    `serving()`: the gRPC health of "" (GET /health answers it over HTTP)."""
+    `serving()`: the gRPC health of "" (GET /health answers it over HTTP); `limits`: the router's
+    request limits, whose counts are checked on the JSON before any protobuf is built."""
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
+    bodies = BodyDecoder()
+    app.state.body_decoder = bodies  # the router's shutdown closes its processes
+
+    async def body_of(request: Request, then: Callable, *args):
+        """The key first (401 before a byte of the body is read), then the refusals that need
+        nothing but the tenant (429: request rate, concurrency, queue caps), then the body, read up
+        to its limit and decoded and parsed by `then(json, *args)` (large bodies off the loop).
+        -> (the call context, the parse)."""
+        ctx = HttpCallContext(request)
+        tenant = service.gate(ctx)
+        body = await read_body(request, max_body_bytes)
+        return ctx, await bodies.parse(body, tenant.name, then, *args)
 
     def answer_name(requested: str) -> str:
         """The model name an answer shows: the request's, or the one served when it left it empty."""
@@ -156,11 +175,13 @@ def create_app(
             headers=getattr(exc, "headers", None),
         )
 
-    async def observed(request: pb.GenerateRequest, ctx: HttpCallContext) -> AsyncIterator[Chunk | Done]:
+    async def observed(
+        request: pb.GenerateRequest, ctx: HttpCallContext, choice: ChoiceOf | None = None
+    ) -> AsyncIterator[Chunk | Done]:
         """The gRPC pipeline's responses, unwrapped: `TokenChunk`s, then one `Finished`."""
         obs = RequestObservation(metrics, ctx.invocation_metadata(), protocol="http")
         try:
-            async with aclosing(service._generate(request, ctx, obs)) as events:
+            async with aclosing(service._generate(request, ctx, obs, choice)) as events:
                 async for response in events:
                     yield getattr(response, response.WhichOneof("kind"))
         except BaseException as exc:  # observed here, answered by the caller
@@ -169,14 +190,26 @@ def create_app(
         finally:
             obs.finish()
 
+    def choice_calls(parsed: Parsed, ctx: HttpCallContext) -> list[AsyncIterator[Chunk | Done]]:
+        """One pipeline call per choice; several share one preparation (`Fanout`: validated,
+        compiled and tokenized once, not once per choice)."""
+        if len(parsed.choices) == 1:
+            return [observed(parsed.request, ctx)]
+        fanouts = [Fanout() for _ in parsed.prompt_requests]
+        return [
+            observed(
+                parsed.request_of(c.index), ctx, ChoiceOf(fanouts[c.prompt], c.request_id, c.seed_offset)
+            )
+            for c in parsed.choices
+        ]
+
     async def generate(request: Request, chat: bool) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         parsed = None
         try:
-            parsed = parse(await read_json(request, max_body_bytes), chat, request_id)
+            ctx, parsed = await body_of(request, parse, chat, request_id, limits)
             name = answer_name(parsed.request.model)
-            ctx = HttpCallContext(request)
-            calls = Choices([observed(one, ctx) for one in parsed.requests])
+            calls = Choices(choice_calls(parsed, ctx))
             streaming = False
             try:
                 await until_disconnected(request, calls.start())
@@ -215,9 +248,8 @@ def create_app(
     async def create_embeddings(request: Request) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            parsed = embeddings.parse_embeddings(await read_json(request, max_body_bytes), request_id)
+            ctx, parsed = await body_of(request, embeddings.parse_embeddings, request_id)
             name = answer_name(parsed.model)
-            ctx = HttpCallContext(request)
             limit = embeddings.in_flight(service.tenant_of(ctx), len(parsed.requests))
             work = embeddings.embed(lambda r: observed(r, ctx), parsed, limit)
             results = await until_disconnected(request, work)
@@ -236,9 +268,9 @@ def create_app(
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         parsed = None
         try:
-            parsed = responses_api.parse_responses(await read_json(request, max_body_bytes), request_id)
+            ctx, parsed = await body_of(request, responses_api.parse_responses, request_id)
             name = answer_name(parsed.request.model)
-            calls = Choices([observed(one, HttpCallContext(request)) for one in parsed.requests])
+            calls = Choices(choice_calls(parsed, ctx))
             streaming = False
             try:
                 await until_disconnected(request, calls.start())
@@ -261,8 +293,8 @@ def create_app(
     async def unary(request: Request, read, call, answer) -> Response:
         """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""
         try:
-            message = read(await read_json(request, max_body_bytes))
-            return JSONResponse(answer(await call(message, HttpCallContext(request))))
+            ctx, message = await body_of(request, read)
+            return JSONResponse(answer(await call(message, ctx)))
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, None))
 

@@ -34,8 +34,11 @@ import re
 from dataclasses import dataclass, field
 
 from protos.llm.v1 import generation_pb2 as pb
+from router.chat_validation import MAX_TOOLS
+from router.config import Limits
 from router.openai.formats import FormatError, parse_format
 from router.openai.tools import ToolMode, ToolsError, parse_tools
+from router.validation import MAX_LOGIT_BIAS
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
 MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
@@ -64,12 +67,27 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # raised in a body-decoder process (router/openai/http.py), re-raised here
+        return (ApiError, (self.status, self.message, self.param, self.type, self.code, self.headers))
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One choice of a request: what sets it apart from the other choices of its prompt."""
+
+    index: int  # in the answer: prompt * n + j
+    prompt: int  # which of `Parsed.prompt_requests` it generates from
+    request_id: str  # the answer's id, plus "-<index>" when there are several choices
+    seed_offset: int  # j: a seeded request's j-th choice samples with seed + j (mod 2**64)
+
 
 @dataclass
 class Parsed:
-    request: pb.GenerateRequest  # the first choice's (the answer's id and model come from it)
+    request: pb.GenerateRequest  # the first prompt's (the answer's id and model come from it)
     chat: bool
-    requests: list[pb.GenerateRequest] = field(default_factory=list)  # one per choice, in index order
+    # one protobuf per prompt (chat: one), shared by that prompt's n choices: never n copies
+    prompt_requests: list[pb.GenerateRequest] = field(default_factory=list)
+    choices: list[ChoiceSpec] = field(default_factory=list)  # in index order
     n: int = 1  # choices per prompt
     request_id: str = ""  # the answer's (each choice's request adds "-<index>" when there are several)
     stream: bool = False
@@ -81,6 +99,10 @@ class Parsed:
     max_tokens_param: str = "max_tokens"
     params: dict[str, str] = field(default_factory=dict)  # protobuf field -> OpenAI parameter
     tools: ToolMode | None = None  # chat with tools (tool_choice not none): how to read the answer
+
+    def request_of(self, index: int) -> pb.GenerateRequest:
+        """The protobuf choice `index` generates from (its prompt's; ids and seeds: `choices`)."""
+        return self.prompt_requests[self.choices[index].prompt]
 
 
 def _bad(param: str, problem: str) -> ApiError:
@@ -196,6 +218,12 @@ def _set_prompt(req: pb.GenerateRequest, prompt: str | list[int]) -> None:
         req.token_ids.ids[:] = prompt
 
 
+def _copy(req: pb.GenerateRequest) -> pb.GenerateRequest:
+    one = pb.GenerateRequest()
+    one.CopyFrom(req)
+    return one
+
+
 def _unsupported(body: dict, chat: bool) -> None:
     for name in ("functions", "function_call"):  # the deprecated form of tools
         if body.get(name):
@@ -284,13 +312,37 @@ def _stopping(body: dict, chat: bool, st: pb.StoppingCriteria, out: Parsed) -> N
     st.ignore_eos = bool(_get(body, "ignore_eos", (bool,), "a boolean"))
 
 
-def parse(body: object, chat: bool, request_id: str) -> Parsed:
+def parse(body: object, chat: bool, request_id: str, limits: Limits = Limits()) -> Parsed:
+    """`limits`: the router's; their counts are checked on the JSON, before any protobuf is built
+    (a body of a million logit_bias entries or stop strings is refused in microseconds)."""
     try:
+        _bounded(body, chat, limits)
         return _parse(body, chat, request_id)
     except (ValueError, TypeError) as exc:  # a value the protobuf refuses that no check above caught
         raise ApiError(400, f"request: {exc}") from None
     except RecursionError:  # a value nested nearly as deep as the body parser allows
         raise ApiError(400, "request: nested too deeply") from None
+
+
+def _count(body: dict, name: str, limit: int, what: str) -> None:
+    value = body.get(name)
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise _bad(name, f"at most {limit} {what}, got {len(value)}")
+
+
+def _bounded(body: object, chat: bool, limits: Limits) -> None:
+    """The counts validation would refuse (router/validation.py, router/chat_validation.py), on the
+    decoded JSON: O(1) each, before the work they would multiply."""
+    if not isinstance(body, dict):
+        return  # _parse names the problem
+    _count(body, "logit_bias", MAX_LOGIT_BIAS, "entries")
+    _count(body, "stop", limits.max_stop_strings, "stop strings")
+    _count(body, "stop_token_ids", limits.max_stop_token_ids, "stop token ids")
+    if chat:
+        _count(body, "messages", limits.max_chat_messages, "messages")
+        _count(body, "tools", MAX_TOOLS, "tools")
+    else:
+        _count(body, "prompt", max(MAX_CHOICES, limits.max_prompt_chars), "prompts or token ids")
 
 
 def _parse(body: object, chat: bool, request_id: str) -> Parsed:
@@ -330,18 +382,17 @@ def _parse(body: object, chat: bool, request_id: str) -> Parsed:
             raise _bad(param, exc.problem) from None
         if out.tools and out.tools.choice != "auto":  # the schema (and its errors) come from tools
             out.params["response_format.json_schema"] = "tools"
-    for i, prompt in enumerate(prompts):
+    several = len(prompts) * n > 1
+    # each prompt of a batch has its own protobuf (copied before any prompt is set)
+    out.prompt_requests = [req] + [_copy(req) for _ in prompts[1:]]
+    for i, prompt in enumerate(prompts):  # the n choices of a prompt share its protobuf
+        if prompt is not None:
+            _set_prompt(out.prompt_requests[i], prompt)
         for j in range(n):
-            one = pb.GenerateRequest()
-            one.CopyFrom(req)
-            if prompt is not None:
-                _set_prompt(one, prompt)
-            if len(prompts) * n > 1:
-                one.request_id = f"{request_id}-{len(out.requests)}"
-                if j and one.sampling.HasField("seed"):
-                    one.sampling.seed = (one.sampling.seed + j) % (UINT64_MAX + 1)
-            out.requests.append(one)
-    out.request = out.requests[0]
+            index = len(out.choices)
+            rid = f"{request_id}-{index}" if several else request_id
+            out.choices.append(ChoiceSpec(index, i, rid, j))
+    out.request = out.prompt_requests[0]
     return out
 
 
