@@ -3,6 +3,7 @@
     python -m benchmarks.soak overload       # 3x capacity for 60 s (make soak runs both)
     python -m benchmarks.soak cancel-storm   # 1,000 streams cancelled at random points
     python -m benchmarks.soak trust          # stalled readers, prompt flood, priority abuse
+    python -m benchmarks.soak hostile        # one tenant's hostile requests vs everyone else (--quick)
 
 Contract
 - overload: measures unloaded TTFT (one request at a time), then capacity (completed requests/s
@@ -22,6 +23,8 @@ Contract
   (`llm_router_*`, `llm_num_requests_*`) must be 0; reported: the time that took.
 - trust: benchmarks/soak_trust.py (issue 17: unauthenticated worker calls, stalled readers, a
   huge-prompt flood, priority abuse).
+- hostile: benchmarks/soak_hostile.py (issue 45: single requests from one tenant that must not
+  stall the others; a table per row on stdout; `--quick` is the small size).
 - output: a table on stdout and JSON in `--out` (default docs/reliability/<scenario>.json).
   Seeded (`--seed`); the seed, arguments, git revision and date are in the JSON.
 - targets (issue #9) are checked and printed as PASS/MISS; the exit status is 0 either way
@@ -44,6 +47,7 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from benchmarks.report import git_short
+from benchmarks.soak_hostile import HostileArgs, run_hostile, table
 from benchmarks.soak_stack import Outcome, Stack, generate_request, one_call, quantiles_ms, rss_mib
 from benchmarks.soak_trust import TrustArgs, run_trust
 from loadtest.stats import percentile
@@ -305,7 +309,7 @@ def print_result(name: str, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.splitlines()[0])
-    p.add_argument("scenario", choices=("overload", "cancel-storm", "trust", "all"))
+    p.add_argument("scenario", choices=("overload", "cancel-storm", "trust", "hostile", "all"))
     p.add_argument("--duration-s", type=float, default=60.0, help="overload phase length")
     p.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity")
     p.add_argument("--capacity-s", type=float, default=20.0)
@@ -319,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="workers in the cancellation storm")
     p.add_argument("--flood-s", type=float, default=10.0, help="trust run: huge-prompt flood length")
+    p.add_argument("--quick", action="store_true", help="hostile run: small bodies, few requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "docs" / "reliability"))
     a = p.parse_args(argv)
@@ -361,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  -> {write(result, 'trust', args, pathlib.Path(a.out))}")
         correctness = ("stalled_readers.every_kv_block_free", "prompt_flood.no_internal_or_unknown")
         failed |= not all(result["targets"][t] for t in correctness)
+    if a.scenario in ("hostile", "all"):
+        args = HostileArgs.small(a.seed) if a.quick else HostileArgs(seed=a.seed)
+        result = run_hostile(args, WORKER_ARGS)
+        print("\n== hostile\n" + table(result))
+        print(f"  machine: {result['machine']}")
+        print(f"  -> {write(result, 'hostile_quick' if a.quick else 'hostile', args, pathlib.Path(a.out))}")
+        failed |= not all(result["correct"].values())
     return 1 if failed else 0
 
 
