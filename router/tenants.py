@@ -35,8 +35,9 @@ Contract
                                     # the limit, no load or eviction (router/lora_autoload.py)
 
   With `--router-replicas R` the table holds each tenant's share for one of R routers
-  (`Tenant.share`: rates divided by R, caps divided and rounded up, max_autoloaded_adapters
-  included: each router autoloads on its own).
+  (`Tenant.share`: rates divided by R, caps divided and rounded up). max_autoloaded_adapters
+  is not divided: it bounds each router's own loads (an adapter another router loaded is served
+  and not loaded again), so R routers let a tenant hold up to R times it.
 
   Without a file there is one `default` tenant with no key, allowed only from loopback peers
   (or from anywhere with --allow-insecure-public); being alone, it may use any priority, any
@@ -178,7 +179,8 @@ class Tenant:
         """The limits one of `replicas` routers enforces when requests are spread evenly over them:
         rates and an explicit burst divided (a burst not below one request), caps divided and
         rounded up (never 0, so the routers together may allow up to replicas - 1 more). Weight
-        and priority are shares already and stay."""
+        and priority are shares already and stay; so does max_autoloaded_adapters, a bound on
+        each router's own autoloads."""
         if replicas == 1:
             return self
 
@@ -192,7 +194,6 @@ class Tenant:
             self,
             max_concurrency=cap(self.max_concurrency),
             max_queued=cap(self.max_queued),
-            max_autoloaded_adapters=cap(self.max_autoloaded_adapters),
             rate_requests_per_s=rate(self.rate_requests_per_s),
             burst_requests=None if self.burst_requests is None else max(1.0, self.burst_requests / replicas),
             rate_tokens_per_min=rate(self.rate_tokens_per_min),

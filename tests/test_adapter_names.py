@@ -146,8 +146,8 @@ tenants:
     with pytest.raises(PermissionDenied):
         unbounded.check_adapter("sql")  # an empty list: no adapter at all
     assert Tenants.default().tenants[0].max_autoloaded_adapters is None  # alone: the workers' slots
-    # each of 3 routers autoloads on its own: its share, rounded up
-    assert Tenants.from_yaml(text, replicas=3).tenants[1].max_autoloaded_adapters == 2
+    # each of 3 routers bounds its own autoloads: not divided
+    assert Tenants.from_yaml(text, replicas=3).tenants[1].max_autoloaded_adapters == 4
     for bad in ("adapters: sql", "adapters: [1]", 'adapters: [""]', "max_autoloaded_adapters: -1"):
         entry = f"tenants:\n  - name: t\n    key_sha256: {hash_key('t')}\n    {bad}\n"
         with pytest.raises(ValueError, match="adapters"):
