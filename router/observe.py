@@ -19,7 +19,8 @@ Contract
 - status vocabulary (label and log): stop | length | cancelled, or the gRPC status code in lower
   case when the call fails (invalid_argument, unauthenticated, resource_exhausted, unavailable,
   deadline_exceeded, internal).
-- `EventLoopLag` exports `llm_router_event_loop_lag_seconds`.
+- `EventLoopLag` exports `llm_router_event_loop_lag_seconds` (the worst of the last second) and
+  `llm_router_event_loop_lag_samples_seconds` (a histogram of every sample).
 - proven by: tests/test_observability_e2e.py, tests/test_trust_units.py (sampling, loop lag).
 """
 
@@ -33,7 +34,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
 from common.logs import log_request
 from common.request_metrics import TokenClock
@@ -90,6 +91,13 @@ class EventLoopLag:
             f"Worst lateness of the router's event loop over the last {window_s:g} s",
             registry=registry,
         )
+        # every sample, for "how often was the loop late by more than X" (a test's or an alert's)
+        self.histogram = Histogram(
+            "llm_router_event_loop_lag_samples_seconds",
+            f"Lateness of the router's event loop, one sample every {interval_s:g} s",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=registry,
+        )
         self._interval_s, self._window_s = interval_s, window_s
         self.max_lag_s = 0.0  # since start, for tests and benchmarks
         self._task: asyncio.Task | None = None
@@ -109,6 +117,7 @@ class EventLoopLag:
             now = time.monotonic()
             lag = max(0.0, now - before - self._interval_s)
             worst = max(worst, lag)
+            self.histogram.observe(lag)
             self.max_lag_s = max(self.max_lag_s, lag)
             if now - window_start >= self._window_s:
                 self.gauge.set(worst)
