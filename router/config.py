@@ -30,22 +30,39 @@ class Limits:
     default_max_tokens: int = field(
         default=256, metadata=option("max_tokens of a request that leaves it unset (fitted to the context)")
     )
-    max_tokens_limit: int = field(default=4096, metadata=option("largest max_tokens a client may ask for"))
+    max_tokens_limit: int | None = field(
+        default=None,
+        metadata=option(
+            "largest max_tokens a client may ask for (0: whatever fits the model's context with the "
+            "prompt, the bound that always holds)",
+            none_value=0,
+        ),
+    )
     max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
     max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
     max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
-    max_chat_messages: int = field(default=256, metadata=option("messages per chat request at most"))
+    max_chat_messages: int = field(
+        default=100_000,
+        metadata=option(
+            "messages per chat request at most: a safety bound only (long agent histories pass it); "
+            "the cost is bounded by --max-prompt-chars, the body size and the context"
+        ),
+    )
     max_prompt_chars: int = field(
         default=1_000_000, metadata=option("prompt characters at most (refused before tokenizing)")
     )
     max_request_id_len: int = field(default=128, metadata=option("request id characters at most"))
 
     def __post_init__(self) -> None:
-        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+        cap = self.max_tokens_limit
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1 (or unset: the context), got {cap}")
+        if not 1 <= self.default_max_tokens <= (cap or self.default_max_tokens):
             raise ValueError(
-                f"default_max_tokens must be in [1, max_tokens_limit = {self.max_tokens_limit}], "
-                f"got {self.default_max_tokens}"
+                f"default_max_tokens must be in [1, max_tokens_limit = {cap}], got {self.default_max_tokens}"
             )
+        if self.max_chat_messages < 1:
+            raise ValueError(f"max_chat_messages must be >= 1, got {self.max_chat_messages}")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
 

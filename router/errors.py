@@ -43,10 +43,60 @@ class ValidationError(RouterError):
     """A request field is invalid; the message starts with the field's name."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    openai_code: str | None = None  # the HTTP error object's `code` (router/openai/app.py)
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field = field
+
+
+class ContextLengthExceeded(ValidationError):
+    """The prompt, or the prompt and max_tokens, cannot fit the model's context. gRPC: still
+    INVALID_ARGUMENT; the HTTP front answers OpenAI's `code: "context_length_exceeded"`, which
+    clients (LangChain, LiteLLM, agents that trim their history) test for, and the message carries
+    OpenAI's wording ("This model's maximum context length is N tokens. However, ...").
+    Build one with `context_exceeded`."""
+
+    openai_code = "context_length_exceeded"
+
+
+def context_exceeded(
+    field: str,
+    context: int,
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+    chars: int | None = None,
+    chars_per_token: int | None = None,
+    noun: str = "",
+) -> ContextLengthExceeded:
+    """OpenAI's wording for each case: the prompt alone (`prompt_tokens`), the prompt plus
+    `max_tokens`, `max_tokens` alone before tokenizing (`prompt_tokens` None: at least one prompt
+    token), or a text longer than the context could hold whatever its tokens (`chars`, with at
+    most `chars_per_token` characters a token). `noun`: what the prompt is called, by default
+    "messages" for a chat field and "prompt" for the rest."""
+    noun = noun or ("messages" if field.startswith("chat") else "prompt")
+    head = f"This model's maximum context length is {context} tokens. However, "
+    if chars is not None:
+        problem = (
+            f"{chars} characters of {noun} cannot fit in {context} tokens (a token covers at most "
+            f"{chars_per_token} characters). Please reduce the length of the {noun}."
+        )
+    elif max_tokens is None:
+        room = ", leaving no room for the completion" if prompt_tokens == context else ""
+        problem = (
+            f"your {noun} resulted in {prompt_tokens} tokens{room}. Please reduce the length of the {noun}."
+        )
+    elif prompt_tokens is None:
+        problem = (
+            f"you requested at least {max_tokens + 1} tokens ({max_tokens} in the completion, at least 1 "
+            "in the input). Please reduce the length of the completion."
+        )
+    else:
+        problem = (
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {noun}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {noun} or completion."
+        )
+    return ContextLengthExceeded(field, head + problem)
 
 
 class AuthError(RouterError):

@@ -26,7 +26,7 @@ from common.structured import MAX_GRAMMAR_BYTES, after_thinking, compile_executo
 from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import CHAT_ROLES, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
 from router.config import Limits
-from router.errors import ValidationError
+from router.errors import ValidationError, context_exceeded
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
@@ -121,11 +121,8 @@ def _input(req: pb.GenerateRequest, model: ModelSpec, limits: Limits) -> dict:
     if kind == "chat":
         return validate_chat(req.chat, limits)
     # the length first (O(1)): checking each of millions of ids would stall the router's event loop
-    _check(
-        len(req.token_ids.ids) < model.max_model_len,
-        "token_ids.ids",
-        f"{len(req.token_ids.ids)} tokens do not fit the model's context of {model.max_model_len} tokens",
-    )
+    if len(req.token_ids.ids) >= model.max_model_len:
+        raise context_exceeded("token_ids.ids", model.max_model_len, len(req.token_ids.ids))
     ids = tuple(req.token_ids.ids)
     _check(len(ids) > 0, "token_ids.ids", "must not be empty")
     bad = next((t for t in ids if t >= model.vocab_size), None)
@@ -219,11 +216,12 @@ def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
     out: dict = {"ignore_eos": s.ignore_eos}
     if s.HasField("max_tokens"):
         _check(s.max_tokens >= 1, "stopping.max_tokens", "must be >= 1 (leave unset for the server default)")
+        cap = limits.max_tokens_limit  # the operator's cap, if any; the context bounds it always
         _check(
-            s.max_tokens <= limits.max_tokens_limit,
-            "stopping.max_tokens",
-            f"must be <= {limits.max_tokens_limit}, got {s.max_tokens}",
+            cap is None or s.max_tokens <= cap, "stopping.max_tokens", f"must be <= {cap}, got {s.max_tokens}"
         )
+        if s.max_tokens >= model.max_model_len:  # no room for one prompt token: refused before tokenizing
+            raise context_exceeded("stopping.max_tokens", model.max_model_len, max_tokens=s.max_tokens)
         out["max_tokens"] = s.max_tokens
     _check(
         len(s.stop) <= limits.max_stop_strings,
@@ -322,22 +320,16 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
             f"reply of ~{size / 2**20:.1f} MiB, more than {PROMPT_LOGPROBS_MAX_BYTES // 2**20} MiB: ask for "
             "fewer top tokens or a shorter prompt",
         )
-    _check(
-        num_prompt_tokens < context,
-        field,
-        f"{num_prompt_tokens} tokens do not fit the model's context of {context} tokens",
-    )
+    if num_prompt_tokens >= context:
+        raise context_exceeded(field, context, num_prompt_tokens)
     room = context - num_prompt_tokens
     if req.pooling:
         return 1
     if req.max_tokens is None:
         return min(limits.default_max_tokens, room)
-    _check(
-        req.max_tokens <= room,
-        "stopping.max_tokens",
-        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
-        f"context of {context} tokens",
-    )
+    if req.max_tokens > room:
+        noun = "messages" if req.chat else "prompt"
+        raise context_exceeded("stopping.max_tokens", context, num_prompt_tokens, req.max_tokens, noun=noun)
     return req.max_tokens
 
 

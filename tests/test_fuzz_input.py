@@ -40,7 +40,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 49152  # the embedded SmolLM2's vocabulary (checked against the tokenizer)
 MODEL = ModelSpec("smollm", max_model_len=1088, vocab_size=VOCAB)
 MODELS = {MODEL.name: MODEL}
-LIMITS = Limits(max_prompt_chars=20_000)  # tokenizing is the slow part; the checks do not depend on it
+# tokenizing is the slow part; the checks do not depend on it (nor on the router's message bound)
+LIMITS = Limits(max_prompt_chars=20_000, max_chat_messages=256)
 FIELD = re.compile(
     r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
     r"sampling\.(temperature|top_p|top_k|logprobs)|stopping\.(max_tokens|stop(\[\d+\])?|"
@@ -170,7 +171,7 @@ def check_valid(v: ValidRequest) -> None:
     assert math.isfinite(v.temperature) and v.temperature >= 0
     assert math.isfinite(v.top_p) and 0 < v.top_p <= 1
     assert 0 <= v.top_k <= VOCAB and isinstance(v.logprobs, bool)
-    assert v.max_tokens is None or 1 <= v.max_tokens <= LIMITS.max_tokens_limit
+    assert v.max_tokens is None or 1 <= v.max_tokens < MODEL.max_model_len
     assert len(v.stop) <= LIMITS.max_stop_strings
     assert all(0 < len(s) <= LIMITS.max_stop_string_len for s in v.stop)
     assert len(v.stop_token_ids) <= LIMITS.max_stop_token_ids

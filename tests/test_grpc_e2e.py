@@ -223,7 +223,7 @@ def _invalid_table(max_model_len):
             {"prompt": "hello " * (max_model_len + 10)},
             AUTH,
             grpc.StatusCode.INVALID_ARGUMENT,
-            "do not fit the model's context",
+            f"prompt: This model's maximum context length is {max_model_len} tokens. However, your prompt",
         ),
         (
             "prompt that no tokenization fits",

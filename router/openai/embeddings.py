@@ -17,8 +17,9 @@ Contract
 - failure modes: `ApiError(400)` naming the parameter: no input, an empty string or token list,
   more than MAX_INPUTS inputs or than the tenant's request burst, a wrong type, `dimensions` (the
   model's hidden size is what it is), an unknown `encoding_format` or `pooling`; an input longer
-  than the model's context is a 400 naming `input[i]`; a non-finite vector is a 500 before the
-  answer starts; the pipeline's other errors as for completions (router/openai/app.py).
+  than the model's context is a 400 naming `input[i]`, code `context_length_exceeded`; a
+  non-finite vector is a 500 before the answer starts; the pipeline's other errors as for
+  completions (router/openai/app.py).
 - state: none.
 - proven by: tests/test_openai_embeddings_e2e.py (the openai SDK against real router and worker
   processes: the vectors against gRPC's, base64, batches, token ids, usage, the 400 table).
@@ -144,7 +145,7 @@ async def _embed_one(events: AsyncIterator, index: int) -> tuple[list[float], in
     except ValidationError as exc:
         if exc.field in ("prompt", "token_ids.ids"):
             problem = exc.message.split(": ", 1)[1]
-            raise ApiError(400, f"input[{index}]: {problem}", param="input") from None
+            raise ApiError(400, f"input[{index}]: {problem}", param="input", code=exc.openai_code) from None
         raise
     raise RouterError("the generation stream ended without a finish")
 

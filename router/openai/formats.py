@@ -1,7 +1,8 @@
 """Structured output parameters of an OpenAI request -> `GenerateRequest.response_format`.
 
 Contract
-- input: the request body: OpenAI's `response_format` (`text`, `json_object`, `json_schema`), or
+- input: the request body: OpenAI's `response_format` (`text`, `json_object`, `json_schema`;
+  llama.cpp's `{"type": "json_object", "schema": {...}}` is that schema's json_schema), or
   one of the other servers' parameters for the same (FORMAT_PARAMS: vLLM's `guided_json`,
   `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`, llama.cpp's
   `json_schema` and `grammar` (GBNF), SGLang's `regex` and `ebnf`).
@@ -88,7 +89,8 @@ def _format_param(name: str, value, req: pb.GenerateRequest, params: dict[str, s
 
 
 def parse_format(body: dict, req: pb.GenerateRequest, params: dict[str, str]) -> None:
-    """`{"type": "text"}` (or none), `{"type": "json_object"}`, or `{"type": "json_schema",
+    """`{"type": "text"}` (or none), `{"type": "json_object"}` (with llama.cpp's `"schema"`: that
+    schema, as json_schema), or `{"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: structured output; or one of
     the other servers' parameters for it (FORMAT_PARAMS)."""
     fmt = body.get("response_format")
@@ -105,7 +107,15 @@ def parse_format(body: dict, req: pb.GenerateRequest, params: dict[str, str]) ->
     if kind == "text":
         return
     if kind == "json_object":
-        req.response_format.json_object = True
+        # llama.cpp's documented form {"type": "json_object", "schema": {...}}: the schema's
+        # grammar, never a silently looser "any object"
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise _bad("response_format", "schema: must be a JSON Schema object")
+        if schema:
+            req.response_format.json_schema = json.dumps(schema)
+        else:
+            req.response_format.json_object = True
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None

@@ -5,16 +5,17 @@ Contract
   and `Finished` (the same protobuf messages the gRPC API streams); `decode(ids) -> str` under the
   model's tokenizer (token texts for logprobs, a token-id prompt's text for echo).
 - output: `chat.completion` / `text_completion` objects and their streamed `chunk` forms (one
-  choice per chunk, each with its `index`); usage summed over the choices, each prompt counted
-  once (as OpenAI counts `n`), with `prompt_tokens_details.cached_tokens`; finish_reason stop |
-  length | abort (the worker ended it) and `stop_reason`, the stop string or stop token id that
-  matched (vLLM's field; null for EOS or length); logprobs in the chat form (`content: [{token,
-  logprob, bytes, top_logprobs}]`) or the completions form (`tokens`, `token_logprobs`,
-  `top_logprobs`, `text_offset`). Completions with `echo`: the choice's first chunk (or its last,
-  if none came before) starts with the prompt's text, and with logprobs its tokens' entries (the
-  first token's logprob and top_logprobs null: it has no context; the rest from the first
-  `TokenChunk.prompt_logprobs`); with `max_tokens` 0 (`Parsed.echo_only`) the generated token is
-  left out of text, logprobs and usage, and finish_reason is length.
+  choice per chunk, each with its `index`; `system_fingerprint` null); usage summed over the
+  choices, each prompt counted once (as OpenAI counts `n`), with
+  `prompt_tokens_details.cached_tokens`; finish_reason stop | length | abort (the worker ended it)
+  and `stop_reason`, the stop string or stop token id that matched (vLLM's field; null for EOS or
+  length); logprobs in the chat form (`content: [{token, logprob, bytes, top_logprobs}]`) or the
+  completions form (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). Completions with
+  `echo`: the choice's first chunk (or its last, if none came before) starts with the prompt's
+  text, and with logprobs its tokens' entries (the first token's logprob and top_logprobs null: it
+  has no context; the rest from the first `TokenChunk.prompt_logprobs`); with `max_tokens` 0
+  (`Parsed.echo_only`) the generated token is left out of text, logprobs and usage, and
+  finish_reason is length.
 - state: per response (id, created time, each choice's text offset for the logprobs).
 - failure modes: an echo with logprobs whose choice ended before its prompt was scored (the
   worker ended it before its first token) -> `Unavailable` (503, or the stream's error event),
@@ -83,7 +84,7 @@ class Responder:
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
         # choices whose prompt is still to be echoed (completions with echo)
-        self._echo_pending = set(range(len(parsed.requests))) if parsed.echo else set()
+        self._echo_pending = set(range(len(parsed.choices))) if parsed.echo else set()
         self._texts: dict[int, str] = {}  # token id -> its text (a scored prompt repeats many)
         # streaming chat with tools or reasoning: each choice's readers (reasoning first, then tools)
         self._readers: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
@@ -136,7 +137,7 @@ class Responder:
         if index not in self._echo_pending:
             return "", None
         self._echo_pending.discard(index)
-        req = self.parsed.requests[index]
+        req = self.parsed.request_of(index)
         text = req.prompt if req.WhichOneof("input") == "prompt" else self._decode(list(req.token_ids.ids))
         if not self.parsed.logprobs:
             return text, None
@@ -206,6 +207,7 @@ class Responder:
             "object": obj,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,  # OpenAI's field; no backend fingerprint is promised
             "choices": choices,
         }
 
@@ -236,7 +238,7 @@ class Responder:
         role = {"role": "assistant", "content": None if self.parsed.tools else ""}
         return b"".join(
             self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
-            for i in range(len(self.parsed.requests) or 1)
+            for i in range(len(self.parsed.choices) or 1)
         )
 
     def delta(self, chunk: Chunk, index: int = 0) -> bytes:
