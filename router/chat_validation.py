@@ -15,8 +15,10 @@ Contract
   role, calls on a message that is not the assistant's, arguments or parameters that are not a JSON
   object (or one nested deeper than MAX_JSON_DEPTH), a tool name outside [A-Za-z0-9_-]{1,64} or
   given twice, more than MAX_TOOLS tools, more
-  than `max_chat_messages` messages or `max_prompt_chars` characters in all.
-- proven by: tests/test_router_validation.py (table), tests/test_openai_tools_e2e.py.
+  than `max_chat_messages` messages (default 10,000: a bound on this module's per-message work,
+  which runs on the router's event loop) or `max_prompt_chars` characters in all.
+- proven by: tests/test_router_validation.py (table), tests/test_openai_tools_e2e.py,
+  tests/test_openai_limits_e2e.py (a 301-message history).
 """
 
 from __future__ import annotations
@@ -63,11 +65,17 @@ def _json_object(text: str, field: str) -> dict:
 
 
 def _message(m: pb.ChatMessage, i: int, called: dict[str, str]) -> dict:
-    where = f"chat.messages[{i}]"
-    _check(m.role in CHAT_ROLES, f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
-    out: dict = {"role": m.role, "content": m.content}
+    """One message's dict. Each protobuf field is read once and messages are formatted only for a
+    refusal: a long agent history is thousands of these on the router's event loop."""
+    role, content, tool_call_id = m.role, m.content, m.tool_call_id
+    if role not in CHAT_ROLES:
+        raise ValidationError(
+            f"chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
+        )
+    out: dict = {"role": role, "content": content}
     if m.tool_calls:
-        _check(m.role == "assistant", f"{where}.tool_calls", f"only on assistant messages, not {m.role!r}")
+        where = f"chat.messages[{i}]"
+        _check(role == "assistant", f"{where}.tool_calls", f"only on assistant messages, not {role!r}")
         calls = []
         for j, call in enumerate(m.tool_calls):
             _check(bool(call.name), f"{where}.tool_calls[{j}].name", "must not be empty")
@@ -76,14 +84,14 @@ def _message(m: pb.ChatMessage, i: int, called: dict[str, str]) -> dict:
             calls.append({"id": call.id, "type": "function", "function": function})
         out["tool_calls"] = calls
         called.update((call.id, call.name) for call in m.tool_calls if call.id)
-        if not m.content:
+        if not content:
             out["content"] = None  # as transformers and vLLM pass it (DeepSeek's template tests for none)
-    if m.tool_call_id:
-        _check(m.role == "tool", f"{where}.tool_call_id", f"only on tool messages, not {m.role!r}")
-    if m.role == "tool":
-        out["tool_call_id"] = m.tool_call_id
-        if m.tool_call_id in called:  # the function's name: Hermes' template writes it
-            out["name"] = called[m.tool_call_id]
+    if tool_call_id and role != "tool":
+        raise ValidationError(f"chat.messages[{i}].tool_call_id", f"only on tool messages, not {role!r}")
+    if role == "tool":
+        out["tool_call_id"] = tool_call_id
+        if tool_call_id in called:  # the function's name: Hermes' template writes it
+            out["name"] = called[tool_call_id]
     return out
 
 
@@ -103,11 +111,13 @@ def _tool(tool: pb.Tool, i: int) -> dict:
 
 
 def chat_chars(chat: pb.Chat) -> int:
-    """The characters a chat renders from: contents, calls, tool definitions."""
-    calls = sum(len(c.id) + len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
-    calls += sum(len(m.tool_call_id) for m in chat.messages)
-    tools = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
-    return sum(len(m.content) for m in chat.messages) + calls + tools
+    """The characters a chat renders from: contents, calls, tool definitions (one pass)."""
+    total = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+    for m in chat.messages:
+        total += len(m.content) + len(m.tool_call_id)
+        for c in m.tool_calls:
+            total += len(c.id) + len(c.name) + len(c.arguments)
+    return total
 
 
 def validate_chat(chat: pb.Chat, limits: Limits) -> dict:
@@ -127,7 +137,7 @@ def validate_chat(chat: pb.Chat, limits: Limits) -> dict:
     )
     called: dict[str, str] = {}  # call id -> function name, from the assistant messages so far
     out = tuple(_message(m, i, called) for i, m in enumerate(messages))
-    _check(any(m.content or m.tool_calls for m in messages), "chat.messages", "all messages are empty")
+    _check(any(m["content"] or "tool_calls" in m for m in out), "chat.messages", "all messages are empty")
     tools = tuple(_tool(t, i) for i, t in enumerate(chat.tools))
     seen: set[str] = set()
     for i, tool in enumerate(chat.tools):

@@ -113,7 +113,7 @@ def test_validation_raises_the_context_error_for_each_overflow():
 
 def test_default_limits_bound_cost_not_counts():
     limits = Limits()
-    assert limits.max_tokens_limit is None and limits.max_chat_messages >= 100_000
+    assert limits.max_tokens_limit is None and limits.max_chat_messages >= 10_000
     history = [pb.ChatMessage(role=("user", "assistant")[i % 2], content=f"turn {i}") for i in range(301)]
     valid = validate(pb.GenerateRequest(chat=pb.Chat(messages=history)), limits, MODELS)
     assert len(valid.chat) == 301
