@@ -18,9 +18,14 @@ Contract
   process (SIGSEGV, not an exception). Grammars are compiled, and matchers built and run, on
   threads with DEEP_STACK_BYTES of stack: `start_deep(thread)` (the worker's engine threads) and
   `compile_executor()` (the router's: off its event loop, too).
+- `grammar_of(kind, value)`: `grammar_for` of a format as the router carries it (router/validation.py:
+  the kind and its text); `compile_task(task)` and `serve_compiles()`: the router's grammar-compile
+  child processes (router/grammar_compile.py: a wall-clock budget, a cache, a share per tenant), which
+  run either on a DEEP_STACK_BYTES thread, at a lower CPU priority than the router, and exit when
+  the router does.
 - state: the router's compile thread. failure modes: ValueError as above; `available()` says why
   not where llguidance is not installed.
-- proven by: tests/test_structured_output.py.
+- proven by: tests/test_structured_output.py, tests/test_grammar_budget.py (the child processes).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import os
 import re
+import sys
 import threading
 
 try:
@@ -116,6 +123,22 @@ def grammar_for(response_format: dict) -> str:
     return grammar
 
 
+def grammar_of(kind: str, value: str) -> str:
+    """One format as router/validation.py carries it: the request's kind and its text (a
+    json_schema's JSON, a choice's options as a JSON list, "" for json_object) -> `grammar_for`."""
+    if kind == "json_object":
+        return grammar_for({"type": "json_object"})
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("is not valid JSON") from None
+        return grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+    if kind == "choice":
+        return grammar_for({"type": "choice", "choice": json.loads(value)})
+    return grammar_for({"type": kind, kind: value})  # regex, grammar
+
+
 def _text(response_format: dict, key: str) -> str:
     value = response_format.get(key)
     if not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_BYTES:
@@ -178,3 +201,59 @@ def after_thinking(grammar: str, opened: bool, open_id: int, close_id: int) -> s
     if problem:
         raise ValueError(problem)
     return wrapped
+
+
+def compile_task(task: list) -> str:
+    """One compile as router/grammar_compile.py sends it: `["format", kind, value]` (`grammar_of`)
+    or `["think", grammar, opened, open_id, close_id]` (`after_thinking`)."""
+    if task[0] == "format":
+        return grammar_of(str(task[1]), str(task[2]))
+    if task[0] == "think":
+        return after_thinking(str(task[1]), bool(task[2]), int(task[3]), int(task[4]))
+    raise ValueError(f"unknown compile task {task[0]!r}")
+
+
+def _compile_reply(task: list) -> dict:
+    try:
+        return {"ok": compile_task(task)}
+    except ValueError as exc:
+        return {"error": str(exc)}
+    except RecursionError:
+        return {"error": "nested too deeply"}
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - llguidance's panics are BaseExceptions
+        return {"internal": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def serve_compiles() -> None:
+    """A grammar-compile child's main (router/grammar_compile.py): one JSON task a line on stdin,
+    one JSON reply a line on stdout (`{"ok": grammar}`, `{"error": why}` or `{"internal": ...}`),
+    after a first `{"ready": true}`. Compiles run on a DEEP_STACK_BYTES thread; the child runs at a
+    lower CPU priority than the router (nice 10) and exits when stdin closes or the router is gone
+    (a compile in progress holds no stdin read: a watchdog thread checks the parent)."""
+    out = os.fdopen(os.dup(1), "wb")  # the replies' channel; stray prints go to stderr instead
+    os.dup2(2, 1)
+    try:
+        os.nice(10)
+    except OSError:
+        pass  # not allowed here: the same priority as the router, then
+    parent = os.getppid()
+
+    def watchdog() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os._exit(0)
+
+    def serve() -> None:
+        out.write(b'{"ready": true}\n')
+        out.flush()
+        for line in sys.stdin.buffer:
+            reply = _compile_reply(json.loads(line))
+            out.write(json.dumps(reply).encode() + b"\n")  # ASCII: one line whatever the grammar
+            out.flush()
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+    thread = threading.Thread(target=serve, name="grammar-compile")
+    start_deep(thread)
+    thread.join()

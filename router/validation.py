@@ -4,14 +4,11 @@
 Contract
 - input: a `GenerateRequest`, the router's `Limits`, and the served models (name -> `ModelSpec`).
 - output: `ValidRequest` with defaults applied; after tokenization `fit_to_context` checks the
-  prompt length against the model's context and resolves `max_tokens` (bounded by the context,
-  and by `Limits.max_tokens_limit` only where an operator sets one).
+  prompt length against the model's context and resolves `max_tokens`.
 - state: none (pure; no grpc, no I/O).
-- failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`;
-  a prompt, or prompt + max_tokens, over the context is its subclass `ContextLengthExceeded`
-  (OpenAI's wording and, over HTTP, `code: "context_length_exceeded"`: router/errors.py).
+- failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`.
 - proven by: tests/test_router_validation.py (table), tests/test_grpc_e2e.py (invalid-request table)
-  (end to end), tests/test_openai_limits_e2e.py (the context errors, the limits' defaults).
+  (end to end).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.structured import MAX_GRAMMAR_BYTES, after_thinking, compile_executor, grammar_for
+from common.structured import MAX_GRAMMAR_BYTES, after_thinking, compile_executor, grammar_of
 from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import CHAT_ROLES, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
 from router.config import Limits
@@ -76,6 +73,9 @@ class ValidRequest:
     ignore_eos: bool = False
     priority: int = 0
     grammar: str = ""  # structured output: the llguidance grammar the worker runs ("" = free text)
+    # the format it compiles from, (kind, text) (router/grammar_compile.py's key); with
+    # validate(compile_grammar=False) `grammar` stays "" until `compile_response_format`
+    grammar_source: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # None = off; N: the prompt's logprobs and N top tokens each
     pooling: int = 0  # pb.Pooling: 0 = off; an embedding of the prompt, with one token
 
@@ -255,24 +255,15 @@ def _stopping(s: pb.StoppingCriteria, model: ModelSpec, limits: Limits) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _grammar(kind: str, value: str) -> str:
-    """The llguidance grammar of one format (cached: the n choices of a request, and clients that
-    send the same schema each time, compile it once; errors are not cached)."""
-    if kind == "json_object":
-        return grammar_for({"type": "json_object"})
-    if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except (ValueError, RecursionError):
-            raise ValueError("is not valid JSON") from None
-        return grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
-    if kind == "choice":
-        return grammar_for({"type": "choice", "choice": json.loads(value)})
-    return grammar_for({"type": kind, kind: value})  # regex, grammar
+    """The llguidance grammar of one format, compiled in this process without a time bound
+    (validate's default: tests, fuzzing); the router compiles through router/grammar_compile.py."""
+    return grammar_of(kind, value)
 
 
-def _response_format(req: pb.GenerateRequest) -> dict:
-    """The format's grammar, compiled here (bounded: common.structured.MAX_GRAMMAR_BYTES) so that a
-    schema llguidance cannot run is a 400 before admission, not a worker error."""
+def _response_format(req: pb.GenerateRequest, compile_grammar: bool) -> dict:
+    """The format as `grammar_source` (bounded: common.structured.MAX_GRAMMAR_BYTES), and with
+    `compile_grammar` its grammar, compiled here, so that a schema llguidance cannot run is a 400
+    before admission, not a worker error."""
     kind = req.response_format.WhichOneof("kind")
     if kind is None:
         return {}
@@ -283,14 +274,37 @@ def _response_format(req: pb.GenerateRequest) -> dict:
     if kind == "choice":  # a hashable form for the cache; its size is bounded like a schema's
         value = json.dumps(list(value.options))
     _check(len(value) <= MAX_GRAMMAR_BYTES, field, f"{len(value)} bytes, more than {MAX_GRAMMAR_BYTES}")
+    if not compile_grammar:
+        return {"grammar_source": (kind, value)}
     try:
-        return {"grammar": _grammar(kind, value)}
+        return {"grammar": _grammar(kind, value), "grammar_source": (kind, value)}
     except ValueError as exc:
         raise ValidationError(field, str(exc)) from None
 
 
-def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, ModelSpec]) -> ValidRequest:
-    """Everything that can be checked before tokenization."""
+async def compile_response_format(req: ValidRequest, compiler, tenant: str) -> ValidRequest:
+    """`req` with the grammar of its `grammar_source`, compiled by `compiler`
+    (router.grammar_compile.GrammarCompiler: a budget, a cache, the tenant's share); a refusal is a
+    ValidationError naming the format's field."""
+    if req.grammar or req.grammar_source is None:
+        return req
+    kind, value = req.grammar_source
+    try:
+        grammar = await compiler.compile(("format", kind, value), tenant)
+    except ValueError as exc:
+        raise ValidationError(f"response_format.{kind}", str(exc)) from None
+    return dataclasses.replace(req, grammar=grammar)
+
+
+def validate(
+    req: pb.GenerateRequest,
+    limits: Limits,
+    models: Mapping[str, ModelSpec],
+    *,
+    compile_grammar: bool = True,
+) -> ValidRequest:
+    """Everything that can be checked before tokenization. `compile_grammar=False` (the router)
+    leaves the format's grammar to `compile_response_format`: no llguidance work here."""
     model = _resolve_model(req.model, models)
     _check(
         not req.sampling.pooling or req.stopping.max_tokens <= 1,
@@ -305,7 +319,7 @@ def validate(req: pb.GenerateRequest, limits: Limits, models: Mapping[str, Model
         **_input(req, model, limits),
         **_sampling(req.sampling, model),
         **_stopping(req.stopping, model, limits),
-        **_response_format(req),
+        **_response_format(req, compile_grammar),
     )
 
 
@@ -336,19 +350,25 @@ def fit_to_context(req: ValidRequest, num_prompt_tokens: int, limits: Limits) ->
     return req.max_tokens
 
 
-async def after_think_block(req: ValidRequest, mode, prompt_ids: list[int]) -> ValidRequest:
+async def after_think_block(
+    req: ValidRequest, mode, prompt_ids: list[int], compiler=None, tenant: str = ""
+) -> ValidRequest:
     """A reasoning model's format holds after its think block (common.structured.after_thinking),
     which the prompt left open (the template's `<think>`, or a raw prompt's) or the model may
-    open itself."""
+    open itself. Compiled by `compiler` (router.grammar_compile.GrammarCompiler, for `tenant`)
+    where given, else on common.structured's compile thread."""
     ids = prompt_ids[::-1]
     opened = mode.open_id in ids and ids.index(mode.open_id) < (
         ids.index(mode.close_id) if mode.close_id in ids else len(ids)
     )
-    loop = asyncio.get_running_loop()
     try:
-        grammar = await loop.run_in_executor(
-            compile_executor(), after_thinking, req.grammar, opened, mode.open_id, mode.close_id
-        )
+        if compiler is not None:
+            task = ("think", req.grammar, opened, mode.open_id, mode.close_id)
+            grammar = await compiler.compile(task, tenant)
+        else:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                compile_executor(), after_thinking, req.grammar, opened, mode.open_id, mode.close_id
+            )
     except ValueError as exc:
         raise ValidationError("response_format", f"after the think block: {exc}") from None
     return dataclasses.replace(req, grammar=grammar)
