@@ -41,34 +41,20 @@ class Limits:
     max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
     max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
     max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
+    # 10,000: long agent histories pass it (a message costs a few template tokens, so even a 128k
+    # context holds no more than ~10k real ones); each message is ~2-10 us of validation on the
+    # router's event loop, so 100,000 would let one request stall it for ~0.2-1 s
     max_chat_messages: int = field(
-        default=100_000,
+        default=10_000,
         metadata=option(
-            "messages per chat request at most: a safety bound only (long agent histories pass it); "
-            "the cost is bounded by --max-prompt-chars, the body size and the context"
+            "messages per chat request at most: a bound on per-message work, not on conversations "
+            "(their cost is bounded by --max-prompt-chars, the body size and the model's context)"
         ),
     )
     max_prompt_chars: int = field(
         default=1_000_000, metadata=option("prompt characters at most (refused before tokenizing)")
     )
     max_request_id_len: int = field(default=128, metadata=option("request id characters at most"))
-    grammar_compile_timeout_s: float = field(
-        default=3.0,
-        metadata=option(
-            "wall-clock budget of one structured-output grammar compile (response_format); past it the "
-            "compile process is killed and the request refused, INVALID_ARGUMENT (router/grammar_compile.py)"
-        ),
-    )
-    grammar_compile_processes: int = field(
-        default=4, metadata=option("grammar-compile processes at most (started on first use)")
-    )
-    grammar_compiles_per_tenant: int = field(
-        default=2,
-        metadata=option(
-            "grammar compiles one tenant runs at once (the rest wait, then RESOURCE_EXHAUSTED); keep it "
-            "below --grammar-compile-processes so one tenant's slow schemas leave room for others"
-        ),
-    )
 
     def __post_init__(self) -> None:
         cap = self.max_tokens_limit
@@ -82,10 +68,6 @@ class Limits:
             raise ValueError(f"max_chat_messages must be >= 1, got {self.max_chat_messages}")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
-        if not self.grammar_compile_timeout_s > 0:  # NaN too
-            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        if self.grammar_compile_processes < 1 or self.grammar_compiles_per_tenant < 1:
-            raise ValueError("grammar_compile_processes and grammar_compiles_per_tenant must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -292,6 +274,37 @@ class RouterConfig:
             "worker sequence, KV blocks and admission slot are freed); 0 = never"
         ),
     )
+    # HTTP connection limits (router/openai/server.py ConnectionLimits, docs/reliability.md); 0 = off
+    http_header_timeout_s: float = field(
+        default=10.0,
+        metadata=option(
+            "close an HTTP connection whose request headers are not complete this long after it "
+            "opened (or after a keep-alive request's first byte); 0 = never"
+        ),
+    )
+    http_body_timeout_s: float = field(
+        default=60.0,
+        metadata=option(
+            "answer 408 to an HTTP request whose body is not complete this long after its headers; 0 = never"
+        ),
+    )
+    http_write_timeout_s: float = field(
+        default=30.0,
+        metadata=option(
+            "drop the connection of a whole (non-streaming) HTTP response none of whose unsent bytes "
+            "the client took for this long; 0 = never"
+        ),
+    )
+    http_max_connections: int = field(
+        default=1024, metadata=option("open HTTP connections at most; more get 503 at once (0 = no cap)")
+    )
+    http_max_connections_per_client: int = field(
+        default=256,
+        metadata=option(
+            "open HTTP connections per client address at most (behind a proxy: the proxy's); more get "
+            "503 at once (0 = no cap)"
+        ),
+    )
     worker_tls_server_name: str | None = field(
         default=None,
         metadata=option(
@@ -334,6 +347,15 @@ class RouterConfig:
             raise ValueError("worker_token must not be empty (unset it to turn worker authentication off)")
         if not self.stream_idle_timeout_s >= 0:
             raise ValueError(f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
+        for name in (
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_write_timeout_s",
+            "http_max_connections",
+            "http_max_connections_per_client",
+        ):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():

@@ -25,6 +25,10 @@ Contract
   compile ends as invalid_argument); `llm_router_requests_by_model_total{model,status}` and
   `llm_router_tokens_by_model_total{model,kind}` (prompt | generation): the same per served model
   (a base model or a LoRA adapter; requests refused before validation carry no model).
+  `export_http` (the OpenAI front's connection limits, router/openai/server.py): gauge
+  `llm_router_http_connections` (open, admitted connections) and counter
+  `llm_router_http_connections_closed_total{reason}` (header_timeout | body_timeout |
+  write_timeout | too_many | too_many_per_client: closed by a limit, or refused at accept).
 - state: the registry (one per router process).
 - proven by: tests/test_observability_e2e.py.
 """
@@ -64,6 +68,28 @@ class AdmissionCollector:
         for tenant, n in sorted(dict(self._admitted()).items()):
             admitted.add_metric([tenant], n)
         yield admitted
+
+
+class HttpConnectionCollector:
+    """The HTTP front's connection count and its closes by a limit, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], tuple[int, Mapping[str, int]]]):
+        self._stats = stats
+
+    def collect(self):
+        num_open, closed = self._stats()
+        yield GaugeMetricFamily(
+            "llm_router_http_connections", "Open connections of the OpenAI HTTP API", value=num_open
+        )
+        family = CounterMetricFamily(
+            "llm_router_http_connections_closed",
+            "HTTP connections closed by a limit (header, body or write timeout) or refused at accept "
+            "(too_many, too_many_per_client)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(closed.items()):
+            family.add_metric([reason], n)
+        yield family
 
 
 class StateCollector:
@@ -168,6 +194,10 @@ class RouterMetrics:
         admitted: Callable[[], Mapping[str, int]],
     ) -> None:
         self.registry.register(AdmissionCollector(rejections, admitted))
+
+    def export_http(self, stats: Callable[[], tuple[int, Mapping[str, int]]]) -> None:
+        """`stats()` -> (open HTTP connections, {reason: connections closed by that limit})."""
+        self.registry.register(HttpConnectionCollector(stats))
 
     def export_state(self, registry: WorkerRegistry, drain, admission, queue, dispatcher) -> None:
         self.registry.register(StateCollector(registry, drain, admission, queue, dispatcher))

@@ -45,7 +45,7 @@ from router.models import ModelTable, worker_states
 from router.observe import EventLoopLag
 from router.openai.app import create_app
 from router.openai.reasoning import reasoning_modes
-from router.openai.server import HttpFront
+from router.openai.server import ConnectionLimits, HttpFront
 from router.registry import StaticRegistry
 from router.service import GenerationService
 from router.tenants import TenantsFile
@@ -181,6 +181,14 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
                 config.http_host,
                 config.http_port,
                 (config.tls_cert, config.tls_key, config.tls_client_ca),
+                ConnectionLimits(
+                    header_timeout_s=config.http_header_timeout_s,
+                    body_timeout_s=config.http_body_timeout_s,
+                    write_timeout_s=config.http_write_timeout_s,
+                    max_connections=config.http_max_connections,
+                    max_connections_per_client=config.http_max_connections_per_client,
+                ),
+                metrics=metrics,
             )
         except SystemExit:
             base.close()
