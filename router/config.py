@@ -41,20 +41,34 @@ class Limits:
     max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
     max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
     max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
-    # 10,000: long agent histories pass it (a message costs a few template tokens, so even a 128k
-    # context holds no more than ~10k real ones); each message is ~2-10 us of validation on the
-    # router's event loop, so 100,000 would let one request stall it for ~0.2-1 s
     max_chat_messages: int = field(
-        default=10_000,
+        default=100_000,
         metadata=option(
-            "messages per chat request at most: a bound on per-message work, not on conversations "
-            "(their cost is bounded by --max-prompt-chars, the body size and the model's context)"
+            "messages per chat request at most: a safety bound only (long agent histories pass it); "
+            "the cost is bounded by --max-prompt-chars, the body size and the context"
         ),
     )
     max_prompt_chars: int = field(
         default=1_000_000, metadata=option("prompt characters at most (refused before tokenizing)")
     )
     max_request_id_len: int = field(default=128, metadata=option("request id characters at most"))
+    grammar_compile_timeout_s: float = field(
+        default=3.0,
+        metadata=option(
+            "wall-clock budget of one structured-output grammar compile (response_format); past it the "
+            "compile process is killed and the request refused, INVALID_ARGUMENT (router/grammar_compile.py)"
+        ),
+    )
+    grammar_compile_processes: int = field(
+        default=4, metadata=option("grammar-compile processes at most (started on first use)")
+    )
+    grammar_compiles_per_tenant: int = field(
+        default=2,
+        metadata=option(
+            "grammar compiles one tenant runs at once (the rest wait, then RESOURCE_EXHAUSTED); keep it "
+            "below --grammar-compile-processes so one tenant's slow schemas leave room for others"
+        ),
+    )
 
     def __post_init__(self) -> None:
         cap = self.max_tokens_limit
@@ -68,6 +82,10 @@ class Limits:
             raise ValueError(f"max_chat_messages must be >= 1, got {self.max_chat_messages}")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
+        if not self.grammar_compile_timeout_s > 0:  # NaN too
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_compile_processes < 1 or self.grammar_compiles_per_tenant < 1:
+            raise ValueError("grammar_compile_processes and grammar_compiles_per_tenant must be >= 1")
 
 
 @dataclass(frozen=True)
