@@ -41,11 +41,14 @@ class Limits:
     max_stop_strings: int = field(default=8, metadata=option("stop strings per request at most"))
     max_stop_string_len: int = field(default=64, metadata=option("characters per stop string at most"))
     max_stop_token_ids: int = field(default=64, metadata=option("stop token ids per request at most"))
+    # 10,000: long agent histories pass it (a message costs a few template tokens, so even a 128k
+    # context holds no more than ~10k real ones); each message is ~2-10 us of validation on the
+    # router's event loop, so 100,000 would let one request stall it for ~0.2-1 s
     max_chat_messages: int = field(
-        default=100_000,
+        default=10_000,
         metadata=option(
-            "messages per chat request at most: a safety bound only (long agent histories pass it); "
-            "the cost is bounded by --max-prompt-chars, the body size and the context"
+            "messages per chat request at most: a bound on per-message work, not on conversations "
+            "(their cost is bounded by --max-prompt-chars, the body size and the model's context)"
         ),
     )
     max_prompt_chars: int = field(
