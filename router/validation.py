@@ -4,11 +4,14 @@
 Contract
 - input: a `GenerateRequest`, the router's `Limits`, and the served models (name -> `ModelSpec`).
 - output: `ValidRequest` with defaults applied; after tokenization `fit_to_context` checks the
-  prompt length against the model's context and resolves `max_tokens`.
+  prompt length against the model's context and resolves `max_tokens` (bounded by the context,
+  and by `Limits.max_tokens_limit` only where an operator sets one).
 - state: none (pure; no grpc, no I/O).
-- failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`.
+- failure modes: `ValidationError` (INVALID_ARGUMENT) naming the field, e.g. `sampling.top_p: ...`;
+  a prompt, or prompt + max_tokens, over the context is its subclass `ContextLengthExceeded`
+  (OpenAI's wording and, over HTTP, `code: "context_length_exceeded"`: router/errors.py).
 - proven by: tests/test_router_validation.py (table), tests/test_grpc_e2e.py (invalid-request table)
-  (end to end).
+  (end to end), tests/test_openai_limits_e2e.py (the context errors, the limits' defaults).
 """
 
 from __future__ import annotations
