@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import pathlib
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -36,6 +37,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from common.chat_tools import TemplateFeatures, template_inputs
+from common.control_tokens import ControlTokenText, Protected
 from common.gguf_tokenizer import build_gguf_backend
 from common.model_files import read_gguf_metadata
 from common.token_bytes import ByteTable, build_byte_table
@@ -239,18 +241,116 @@ class Tokenizer:
         messages: Iterable[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         max_chars: int | None = None,
+        parse_special_in_messages: bool = False,
     ) -> list[int]:
         """Prompt ids for `messages` (and `tools`), ending with the assistant's turn opener. The
         template writes every special token itself, so none are added (as transformers does).
         `max_chars`: a rendered prompt longer than this is a ValueError, not tokenized (a template
-        may write far more than its input: tools pretty-printed with `tojson(indent=4)`)."""
+        may write far more than its input: tools pretty-printed with `tojson(indent=4)`).
+        Control tokens come from the template only: control-token text in the messages and tools
+        is tokenized as the plain text it is, unless `parse_special_in_messages` (the operator's
+        opt-out: the rendered prompt is tokenized whole, as before)."""
+        messages = [dict(message) for message in messages]
+        tools = [dict(tool) for tool in tools or ()]
         text = self.apply_chat_template(messages, tools=tools)
         if max_chars is not None and len(text) > max_chars:
             raise ValueError(f"the chat template renders {len(text)} characters, more than {max_chars}")
-        return self.encode(text, add_special_tokens=False)
+        protected = None if parse_special_in_messages else self._control_text.protect(messages, tools)
+        if protected is None:  # nothing in the messages could make a control token
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_protected(text, protected)
+
+    def _encode_protected(self, text: str, protected: Protected) -> list[int]:
+        """`text` (the rendered prompt) tokenized with the control tokens the template wrote, and
+        the messages' control-token text as plain text. The template is rendered again with the
+        risky fragments as sentinels; every control token found in that rendering is the
+        template's. Where the sentinels came out unchanged (the rendering with the fragments put
+        back is `text`), those control tokens become marker tokens and the rest is tokenized with
+        special-token parsing off (`_Marked`): one pass, so merges at every boundary are the ones
+        the whole prompt gets. Otherwise the template rewrote a fragment (`| upper`, a hash, a
+        slice): `text`'s own ids are kept when their control tokens are exactly the template's,
+        else the chat is refused."""
+        try:
+            rendered = self.apply_chat_template(protected.messages, tools=protected.tools)
+        except jinja2.TemplateError:  # the template refused a sentinel (an id's length, say)
+            rendered = None
+        if rendered is not None:
+            template_tokens = self._control_spans(rendered)
+            marked = self._marked
+            pieces, plain, at = [], [], 0
+            for token_id, start, end in template_tokens:
+                between = protected.restore(rendered[at:start])
+                pieces += (between, marked.markers[token_id])
+                plain += (between, rendered[start:end])
+                at = end
+            pieces.append(protected.restore(rendered[at:]))
+            plain.append(pieces[-1])
+            if "".join(plain) == text and marked.nonce not in text:
+                ids = marked.backend.encode_batch(["".join(pieces)], add_special_tokens=False)[0].ids
+                return [marked.ids.get(i, i) for i in ids]
+            ours = [token_id for token_id, _, _ in template_tokens]
+            if [token_id for token_id, _, _ in self._control_spans(text)] == ours:
+                return self.encode(text, add_special_tokens=False)
+        raise ValueError(
+            "the messages hold control-token text (such as "
+            f"{self._control_example()!r}) that this model's chat template rewrites, so it cannot "
+            "be kept as plain text; remove it from the messages"
+        )
+
+    def _control_spans(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, start, end) of each control token the tokenizer matches in `text` (a special id
+        whose characters hold the token's own text: not an unknown-token id a BPE gave text)."""
+        encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
+        contents = self._special_contents
+        return [
+            (token_id, start, end)
+            for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+            if token_id in contents and contents[token_id] in text[start:end]
+        ]
+
+    def _control_example(self) -> str:
+        contents = self._special_contents
+        return contents.get(self._eos_token_id) or next(iter(contents.values()), "")
+
+    @functools.cached_property
+    def _special_contents(self) -> dict[int, str]:
+        added = self._backend.get_added_tokens_decoder()
+        return {i: added[i].content for i in self._special_ids}
+
+    @functools.cached_property
+    def _control_text(self) -> ControlTokenText:
+        return ControlTokenText(self._special_contents.values())
+
+    @functools.cached_property
+    def _marked(self) -> "_Marked":
+        return _Marked.of(self._backend, self._special_ids)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Marked:
+    """A copy of the tokenizer that matches no control token's text (special-token parsing off:
+    `encode_special_tokens`) but matches, for each control token, a marker string (a per-process
+    random nonce between noncharacters, never shown to a client) with the token's strip rules;
+    `ids` maps each marker's id back to its token's."""
+
+    backend: tokenizers.Tokenizer
+    markers: dict[int, str]
+    ids: dict[int, int]
+    nonce: str
+
+    @classmethod
+    def of(cls, backend: tokenizers.Tokenizer, special_ids: Iterable[int]) -> "_Marked":
+        copy = tokenizers.Tokenizer.from_str(backend.to_str())
+        copy.encode_special_tokens = True
+        added = backend.get_added_tokens_decoder()
+        nonce = "\ufdef" + secrets.token_hex(8)
+        markers = {i: f"{nonce}{i}\ufdef" for i in sorted(special_ids)}
+        kept = {i: {"lstrip": added[i].lstrip, "rstrip": added[i].rstrip, "special": False} for i in markers}
+        copy.add_tokens([tokenizers.AddedToken(m, normalized=False, **kept[i]) for i, m in markers.items()])
+        return cls(copy, markers, {copy.token_to_id(m): i for i, m in markers.items()}, nonce)
 
 
 def _listed(value: Any) -> tuple[int, ...]:
