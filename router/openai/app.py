@@ -50,7 +50,14 @@ from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai import embeddings, responses_api, tokens
 from router.openai.choices import Choices
-from router.openai.http import BodyDecoder, ClientGone, EventStream, read_body, until_disconnected
+from router.openai.http import (
+    BodyDecoder,
+    ClientGone,
+    EventStream,
+    json_answer,
+    read_body,
+    until_disconnected,
+)
 from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
@@ -224,9 +231,14 @@ def create_app(
                         calls,
                         stream_idle_timeout_s,
                     )
-                return JSONResponse(
-                    await until_disconnected(request, _collect(responder, calls)),
-                    headers={"x-request-id": request_id},
+                collected = await until_disconnected(request, _collected(calls))
+                return await until_disconnected(
+                    request,
+                    json_answer(
+                        lambda: responder.complete(collected),
+                        _entries(collected, parsed.top_logprobs if parsed.logprobs else -1),
+                        {"x-request-id": request_id},
+                    ),
                 )
             finally:
                 if not streaming:
@@ -280,8 +292,10 @@ def create_app(
                     streaming = True  # from here the response closes `calls`, however it ends
                     body = builder.stream(calls.events(), lambda exc: api_error(exc, parsed))
                     return EventStream(body, headers, calls, stream_idle_timeout_s)
-                [(chunks, done)] = await until_disconnected(request, _collected(calls))
-                return JSONResponse(builder.whole(chunks, done), headers=headers)
+                collected = await until_disconnected(request, _collected(calls))
+                [(chunks, done)] = collected
+                entries = _entries(collected, parsed.top_logprobs if parsed.logprobs else -1)
+                return await json_answer(lambda: builder.whole(chunks, done), entries, headers)
             finally:
                 if not streaming:
                     await calls.aclose()
@@ -373,8 +387,13 @@ async def _collected(calls: Choices) -> list[tuple[list[Chunk], Done]]:
     return list(zip(chunks, dones))
 
 
-async def _collect(responder: Responder, calls: Choices) -> dict:
-    return responder.complete(await _collected(calls))
+def _entries(collected: list[tuple[list[Chunk], Done]], top_logprobs: int) -> int:
+    """About how many entries an answer of these chunks holds: its tokens (prompt tokens scored for
+    echo included), each with 1 + `top_logprobs` entries when logprobs are asked for (-1: none)."""
+    tokens = sum(
+        len(c.token_ids) + len(c.prompt_logprobs.token_ids) for chunks, _ in collected for c in chunks
+    )
+    return tokens * (2 + top_logprobs)
 
 
 async def _stream(responder: Responder, calls: Choices) -> AsyncIterator[bytes]:
