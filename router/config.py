@@ -72,6 +72,14 @@ class Limits:
             "below --grammar-compile-processes so one tenant's slow schemas leave room for others"
         ),
     )
+    parse_special_tokens_in_messages: bool = field(
+        default=False,
+        metadata=option(
+            "tokenize control-token text in chat messages, tool definitions and tool results as the "
+            "control tokens it spells (a client can then write its own system turn); off: only the "
+            "chat template writes control tokens (docs/openai.md, 'Control tokens in messages')"
+        ),
+    )
 
     def __post_init__(self) -> None:
         cap = self.max_tokens_limit
