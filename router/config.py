@@ -334,6 +334,17 @@ class RouterConfig:
             "503 at once (0 = no cap)"
         ),
     )
+    http_max_streams_per_tenant: int = field(
+        default=64,
+        metadata=option("open server-sent-event streams per tenant at most; more get 429 (0 = no cap)"),
+    )
+    http_max_unsent_mb_per_tenant: float = field(
+        default=64.0,
+        metadata=option(
+            "MB of a tenant's whole HTTP answers not yet taken by its clients; past it the tenant's "
+            "new requests get 429 (0 = no cap)"
+        ),
+    )
     worker_tls_server_name: str | None = field(
         default=None,
         metadata=option(
@@ -382,6 +393,8 @@ class RouterConfig:
             "http_write_timeout_s",
             "http_max_connections",
             "http_max_connections_per_client",
+            "http_max_streams_per_tenant",
+            "http_max_unsent_mb_per_tenant",
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

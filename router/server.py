@@ -174,6 +174,9 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             serving=lambda: base.serving,
+            limits=config.limits,
+            max_streams_per_tenant=config.http_max_streams_per_tenant,
+            max_unsent_mb_per_tenant=config.http_max_unsent_mb_per_tenant,
         )
         try:
             http = HttpFront(

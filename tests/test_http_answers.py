@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from fastapi.responses import JSONResponse
 
 from router.openai.http import LARGE_ANSWER_ENTRIES, json_answer
@@ -77,3 +78,49 @@ def test_a_large_answer_does_not_hold_the_loop():
     assert lags[0] < 0.05, (
         f"worst loop lag {[round(x * 1e3) for x in lags]} ms (on the loop: {held * 1e3:.0f} ms)"
     )
+
+
+def test_a_tenants_unread_answers_and_open_streams_are_capped():
+    """`Outbound`: an answer's bytes count against its tenant until the server took them (a send
+    that blocks, as to a client that reads nothing); past the cap the tenant's next request gets
+    429, others' do not; streams likewise, and every release happens once."""
+    from router.openai.http import Outbound, OwedJSON, json_answer
+    from router.openai.requests import ApiError
+
+    outbound = Outbound(max_streams=1, max_unsent_bytes=1000)
+
+    async def main() -> None:
+        response = await json_answer(lambda: {"text": "x" * 2000}, 1, {}, lambda n: outbound.owe("a", n))
+        assert isinstance(response, OwedJSON) and outbound.unsent["a"] == len(response.body)
+        taken = asyncio.Event()
+
+        async def send(message) -> None:
+            if message["type"] == "http.response.body":
+                await taken.wait()  # a client that reads nothing, until it does
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        sending = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        await asyncio.sleep(0)
+        with pytest.raises(
+            ApiError,
+            match=r"tenant a: 2,0\d\d bytes of answers not yet read by its clients \(at most 1,000\)",
+        ) as refused:
+            outbound.check("a")
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+        outbound.check("b")  # another tenant is not held back
+        taken.set()
+        await sending
+        assert "a" not in outbound.unsent
+        outbound.check("a")
+
+    asyncio.run(main())
+    end = outbound.open_stream("a")
+    with pytest.raises(ApiError, match="tenant a: 1 streams already open"):
+        outbound.open_stream("a")
+    outbound.open_stream("b")()
+    end()
+    end()  # once only
+    assert outbound.streams == {} or outbound.streams["a"] == 0
+    outbound.open_stream("a")()

@@ -25,20 +25,20 @@ LAG = "llm_router_event_loop_lag_samples_seconds"
 BIG_BIAS = {str(i): 1.0 for i in range(1_000_000)}  # ~13 MB of JSON
 
 
-def lag_samples(router) -> tuple[float, float]:
+def lag_samples(proc) -> tuple[float, float]:
     """(samples in all, samples at most 50 ms late) of the router's loop-lag monitor."""
-    samples = procs.scrape(router)
+    samples = procs.scrape(proc)
     return samples[(f"{LAG}_count", ())], samples[(f"{LAG}_bucket", (("le", "0.05"),))]
 
 
-def late_samples_while(router, send) -> tuple[float, object]:
+def late_samples_while(proc, send) -> tuple[float, object]:
     """Loop-lag samples over 50 ms from just before `send()` until three samples after it returned
     (the sample that would catch a stall is taken when the loop runs again). -> (late, result)."""
-    total0, fine0 = lag_samples(router)
+    total0, fine0 = lag_samples(proc)
     result = send()
-    seen = lag_samples(router)[0]
-    procs.wait_until(lambda: lag_samples(router)[0] >= seen + 3, 10, "three more loop-lag samples")
-    total1, fine1 = lag_samples(router)
+    seen = lag_samples(proc)[0]
+    procs.wait_until(lambda: lag_samples(proc)[0] >= seen + 3, 10, "three more loop-lag samples")
+    total1, fine1 = lag_samples(proc)
     return (total1 - total0) - (fine1 - fine0), result
 
 
@@ -68,7 +68,7 @@ def status_of(sock: socket.socket) -> int:
 @pytest.mark.parametrize(
     ("key", "status"), [("wrong-key", 401), (LIMITED_KEY, 429)], ids=["wrong-key", "throttled"]
 )
-def test_a_refused_caller_is_answered_before_its_body_is_read(router, key, status):
+def test_a_refused_caller_is_answered_before_its_body_is_read(router, key, status):  # noqa: F811
     url = http_url(router)
     if status == 429:  # the limited tenant's one request of its burst, taken
         post(f"{url}/completions", json.dumps({"prompt": "hi", "max_tokens": 1}).encode(), LIMITED_KEY)
@@ -82,7 +82,7 @@ def test_a_refused_caller_is_answered_before_its_body_is_read(router, key, statu
         sock.close()
 
 
-def test_huge_bodies_and_histories_do_not_hold_the_event_loop(router):
+def test_huge_bodies_and_histories_do_not_hold_the_event_loop(router):  # noqa: F811
     url = http_url(router)
     attacks = {
         # 12.9 MB: a million logit_bias entries, n 16 (refused by count, decoded off the loop)
@@ -134,3 +134,52 @@ def test_n_choices_are_tokenized_once(router, client):  # noqa: F811
     )
     assert len(answer.choices) == 4
     assert procs.scrape(router)[("llm_router_tokenize_calls_total", ())] - before == 1
+
+
+@pytest.fixture(scope="module")
+def capped(worker, logs):  # noqa: F811
+    """A router whose tenants may hold one open stream each."""
+    from tests.openai_helpers import AUTH, TENANTS
+
+    with procs.running_router(
+        logs,
+        [worker.address],
+        "--http-port",
+        "0",
+        "--http-max-streams-per-tenant",
+        "1",
+        tenants=TENANTS,
+        metadata=AUTH,
+    ) as proc:
+        yield proc
+
+
+def test_a_tenants_open_streams_are_capped(capped):
+    import openai
+
+    from tests.openai_helpers import PAIR_KEY
+
+    url = http_url(capped)
+    args = dict(
+        model="", prompt="Once upon a time", max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+    )
+    with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60) as client_a:  # noqa: F811
+        first = client_a.completions.create(**args)
+        next(iter(first))  # open, and streaming
+        with pytest.raises(openai.RateLimitError, match="1 streams already open"):
+            client_a.completions.create(**args)
+        with openai.OpenAI(base_url=url, api_key=PAIR_KEY, max_retries=0, timeout=60) as other:
+            assert sum(1 for _ in other.completions.create(**{**args, "max_tokens": 2})) >= 1  # not held back
+        first.close()
+        procs.wait_until(lambda: try_stream(client_a, args), 30, "the closed stream to be let go")
+
+
+def try_stream(client_a, args) -> bool:
+    import openai
+
+    try:
+        for _ in client_a.completions.create(**{**args, "max_tokens": 2}):
+            pass
+        return True
+    except openai.RateLimitError:
+        return False

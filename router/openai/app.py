@@ -31,6 +31,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import uuid
@@ -54,6 +55,7 @@ from router.openai.http import (
     BodyDecoder,
     ClientGone,
     EventStream,
+    Outbound,
     json_answer,
     read_body,
     until_disconnected,
@@ -143,28 +145,35 @@ def create_app(
     serving: Callable[[], bool] = lambda: True,
     reasoning: Callable[[str], Reasoning | None] = lambda model: None,
     limits: Limits = Limits(),
+    max_streams_per_tenant: int = 0,
+    max_unsent_mb_per_tenant: float = 0.0,
 ) -> FastAPI:
     """`service`: the router's `GenerationService`; `models()`: the served models (name -> spec);
     `decoder(model)`: token ids -> text under that model's tokenizer (logprobs, echo);
     `reasoning(model)`: how a reasoning model's chat answers split (router/openai/reasoning.py);
     `stream_idle_timeout_s`: a stream whose client takes nothing that long is closed (0 = never);
     `serving()`: the gRPC health of "" (GET /health answers it over HTTP); `limits`: the router's
-    request limits, whose counts are checked on the JSON before any protobuf is built."""
+    request limits, whose counts are checked on the JSON before any protobuf is built;
+    `max_streams_per_tenant`, `max_unsent_mb_per_tenant`: a tenant's open SSE streams and unread
+    whole answers at most (router/openai/http.py `Outbound`; 0 = no cap)."""
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
     bodies = BodyDecoder()
     app.state.body_decoder = bodies  # the router's shutdown closes its processes
+    outbound = Outbound(max_streams_per_tenant, int(max_unsent_mb_per_tenant * 1e6))
+    app.state.outbound = outbound
 
     async def body_of(request: Request, then: Callable, *args):
         """The key first (401 before a byte of the body is read), then the refusals that need
         nothing but the tenant (429: request rate, concurrency, queue caps), then the body, read up
         to its limit and decoded and parsed by `then(json, *args)` (large bodies off the loop).
-        -> (the call context, the parse)."""
+        -> (the call context, the tenant's name, the parse)."""
         ctx = HttpCallContext(request)
-        tenant = service.gate(ctx)
+        tenant = service.gate(ctx).name
+        outbound.check(tenant)  # its clients' unread answers
         body = await read_body(request, max_body_bytes)
-        return ctx, await bodies.parse(body, tenant.name, then, *args)
+        return ctx, tenant, await bodies.parse(body, tenant, then, *args)
 
     def answer_name(requested: str) -> str:
         """The model name an answer shows: the request's, or the one served when it left it empty."""
@@ -214,8 +223,9 @@ def create_app(
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         parsed = None
         try:
-            ctx, parsed = await body_of(request, parse, chat, request_id, limits)
+            ctx, tenant, parsed = await body_of(request, parse, chat, request_id, limits)
             name = answer_name(parsed.request.model)
+            end_stream = outbound.open_stream(tenant) if parsed.stream else None
             calls = Choices(choice_calls(parsed, ctx))
             streaming = False
             try:
@@ -230,6 +240,7 @@ def create_app(
                         {"x-request-id": request_id},
                         calls,
                         stream_idle_timeout_s,
+                        on_end=end_stream,
                     )
                 collected = await until_disconnected(request, _collected(calls))
                 return await until_disconnected(
@@ -238,11 +249,14 @@ def create_app(
                         lambda: responder.complete(collected),
                         _entries(collected, parsed.top_logprobs if parsed.logprobs else -1),
                         {"x-request-id": request_id},
+                        functools.partial(outbound.owe, tenant),
                     ),
                 )
             finally:
                 if not streaming:
                     await calls.aclose()  # closes the worker calls if anything above stopped early
+                    if end_stream is not None:
+                        end_stream()
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
@@ -260,7 +274,7 @@ def create_app(
     async def create_embeddings(request: Request) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            ctx, parsed = await body_of(request, embeddings.parse_embeddings, request_id)
+            ctx, _, parsed = await body_of(request, embeddings.parse_embeddings, request_id)
             name = answer_name(parsed.model)
             limit = embeddings.in_flight(service.tenant_of(ctx), len(parsed.requests))
             work = embeddings.embed(lambda r: observed(r, ctx), parsed, limit)
@@ -280,8 +294,9 @@ def create_app(
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         parsed = None
         try:
-            ctx, parsed = await body_of(request, responses_api.parse_responses, request_id)
+            ctx, tenant, parsed = await body_of(request, responses_api.parse_responses, request_id)
             name = answer_name(parsed.request.model)
+            end_stream = outbound.open_stream(tenant) if parsed.stream else None
             calls = Choices(choice_calls(parsed, ctx))
             streaming = False
             try:
@@ -291,13 +306,16 @@ def create_app(
                 if parsed.stream:
                     streaming = True  # from here the response closes `calls`, however it ends
                     body = builder.stream(calls.events(), lambda exc: api_error(exc, parsed))
-                    return EventStream(body, headers, calls, stream_idle_timeout_s)
+                    return EventStream(body, headers, calls, stream_idle_timeout_s, on_end=end_stream)
                 collected = await until_disconnected(request, _collected(calls))
                 [(chunks, done)] = collected
                 entries = _entries(collected, parsed.top_logprobs if parsed.logprobs else -1)
-                return await json_answer(lambda: builder.whole(chunks, done), entries, headers)
+                owe = functools.partial(outbound.owe, tenant)
+                return await json_answer(lambda: builder.whole(chunks, done), entries, headers, owe)
             finally:
                 if not streaming:
+                    if end_stream is not None:
+                        end_stream()
                     await calls.aclose()
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)
@@ -307,7 +325,7 @@ def create_app(
     async def unary(request: Request, read, call, answer) -> Response:
         """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""
         try:
-            ctx, message = await body_of(request, read)
+            ctx, _, message = await body_of(request, read)
             return JSONResponse(answer(await call(message, ctx)))
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, None))

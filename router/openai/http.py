@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import multiprocessing
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 
@@ -78,8 +79,10 @@ class EventStream(Response):
         headers: dict[str, str],
         source: AsyncIterator,
         idle_timeout_s: float,
+        on_end: Callable[[], None] | None = None,
     ):
         super().__init__(content=None, headers={"cache-control": "no-cache", **headers})
+        self._on_end = on_end  # called once the stream ended, however it ended (Outbound.open_stream)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self._body, self._source = body, source  # source: what `body` reads, closed even if never started
         self._idle_s = idle_timeout_s or None
@@ -131,8 +134,12 @@ class EventStream(Response):
                     t.cancel()
                     with suppress(asyncio.CancelledError, Exception):
                         await t
-            await self._body.aclose()
-            await self._source.aclose()
+            try:
+                await self._body.aclose()
+                await self._source.aclose()
+            finally:
+                if self._on_end is not None:
+                    self._on_end()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -236,15 +243,98 @@ LARGE_ANSWER_ENTRIES = 20_000
 _ANSWERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="http-answers")
 
 
-async def json_answer(build: Callable[[], object], entries: int, headers: dict[str, str]) -> Response:
+class Outbound:
+    """Per tenant: its open server-sent-event streams, and the bytes of its whole answers that its
+    clients have not taken yet (built, not yet handed off: a client that does not read keeps them
+    in the router's memory until the write timeout). Over either cap (0 = none) the tenant's new
+    requests get 429: the memory a tenant's slow readers hold is its own to spend."""
+
+    def __init__(self, max_streams: int = 0, max_unsent_bytes: int = 0):
+        self.max_streams, self.max_unsent_bytes = max_streams, max_unsent_bytes
+        self.streams: Counter[str] = Counter()
+        self.unsent: Counter[str] = Counter()
+
+    def check(self, tenant: str) -> None:
+        if self.max_unsent_bytes and self.unsent[tenant] >= self.max_unsent_bytes:
+            raise ApiError(
+                429,
+                f"tenant {tenant}: {self.unsent[tenant]:,} bytes of answers not yet read by its clients "
+                f"(at most {self.max_unsent_bytes:,}): read them, then retry",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+
+    def open_stream(self, tenant: str) -> Callable[[], None]:
+        """Counts a stream of `tenant` (429 over the cap); -> the call that ends it (once)."""
+        if self.max_streams and self.streams[tenant] >= self.max_streams:
+            raise ApiError(
+                429,
+                f"tenant {tenant}: {self.streams[tenant]} streams already open (at most {self.max_streams})",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        return self._held(self.streams, tenant, 1)
+
+    def owe(self, tenant: str, size: int) -> Callable[[], None]:
+        """Charges `size` unsent bytes to `tenant`; -> the call that pays them back (once)."""
+        return self._held(self.unsent, tenant, size)
+
+    @staticmethod
+    def _held(counter: Counter, tenant: str, amount: int) -> Callable[[], None]:
+        counter[tenant] += amount
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                counter[tenant] -= amount
+                if counter[tenant] <= 0:
+                    del counter[tenant]
+
+        return release
+
+
+class _Sent:
+    """A response that calls `on_sent()` once it was handed off (or failed to be)."""
+
+    on_sent: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_sent is not None:
+                self.on_sent()
+
+
+class OwedResponse(_Sent, Response):
+    pass
+
+
+class OwedJSON(_Sent, JSONResponse):
+    pass
+
+
+async def json_answer(
+    build: Callable[[], object],
+    entries: int,
+    headers: dict[str, str],
+    owe: Callable[[int], Callable[[], None]] | None = None,
+) -> Response:
     """A whole JSON answer. `build()` makes its object, `entries` says about how many token entries
     it holds. A small one is built and encoded on the loop; a large one on a thread, piece by
     piece (json.dumps holds the GIL from start to end: one call over a whole large answer would
-    hold the loop as long as if it ran there)."""
+    hold the loop as long as if it ran there).
+    `owe(size)`: charges the answer's bytes to its tenant until it is handed off (`Outbound.owe`)."""
     if entries <= LARGE_ANSWER_ENTRIES:
-        return JSONResponse(build(), headers=headers)
-    body = await asyncio.get_running_loop().run_in_executor(_ANSWERS, _encoded, build)
-    return Response(body, media_type="application/json", headers=headers)
+        response = OwedJSON(build(), headers=headers)
+    else:
+        body = await asyncio.get_running_loop().run_in_executor(_ANSWERS, _encoded, build)
+        response = OwedResponse(body, media_type="application/json", headers=headers)
+    if owe is not None:
+        response.on_sent = owe(len(response.body))
+    return response
 
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
