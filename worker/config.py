@@ -275,6 +275,15 @@ class EngineConfig:
             "(bigger steps spend on rejected drafts the compute they need)"
         ),
     )
+    grammar_step_budget_ms: float = field(
+        default=100.0,
+        metadata=option(
+            "structured output: how long a step waits for a constrained row's token mask after it "
+            "started (beside the forward pass); a row over it fails alone (finish reason length, "
+            "counted as a grammar failure), the step goes on for the others. 0 = wait without limit "
+            "(worker/grammar.py, docs/reliability.md)"
+        ),
+    )
     triton_gemv: bool = field(
         default=False,
         metadata=option(
@@ -368,5 +377,7 @@ class EngineConfig:
             )
         if self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if not self.grammar_step_budget_ms >= 0:
+            raise ValueError(f"grammar_step_budget_ms must be >= 0, got {self.grammar_step_budget_ms}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be > 0")

@@ -170,7 +170,7 @@ class LLMEngine(EngineAdapters):
         seq = Sequence(request_id, list(prompt_token_ids), sampling, priority, salt)
         if sampling.grammar:
             self.scheduler.check(seq)  # the cheap refusals before compiling the grammar
-            seq.matcher = self.runner.grammar_matcher(sampling.grammar)  # ValueError for a bad grammar
+            self.runner.constrain(seq)  # seq.matcher; ValueError for a bad grammar
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:

@@ -6,57 +6,180 @@ Contract
   it from a `response_format`: a JSON Schema, any JSON object, or a regex; the router validates it
   before admission); the model's tokenizer (`tokenizer_json()`, read once, on the first
   constrained request: ~0.2 s for SmolLM2's 49k tokens, on the engine thread).
-- output: `Grammars.matcher(grammar)` -> a new llguidance matcher (the engine keeps it on the
-  request's `Sequence`; ValueError naming the problem for a grammar this tokenizer cannot run, or
-  where llguidance is not installed); `allowed(matchers, vocab)` -> bool `[R, vocab]` (CPU) of the
-  tokens each may take next (EOS only once the grammar is complete or the matcher failed: the
-  sequence then ends as at any EOS); for a sampling step, `banned(seqs, vocab, device)` -> the
-  bool `[S, vocab]` the sampler sets to -inf, then `advance(seqs, tokens)` (`consume(matcher,
-  token)` for each constrained row).
-- state: the llguidance tokenizer; each matcher lives on its `Sequence` (advanced only by
-  `consume`, so a preempted and recomputed sequence keeps its place in the grammar, and nothing
-  keyed by request id can outlive or be shared by a request).
-- cost: +0.3 ms per step at batch 1, +0.085 ms per row at batch 32 (docs/benchmarks.md).
-- failure modes: ValueError from `matcher` (bad grammar, llguidance missing); RuntimeError when
-  the model's tokenizer cannot be read (a worker fault: INTERNAL, remembered, not retried per
-  request). A matcher can enter
-  llguidance's error state mid-generation (a resource limit, e.g. the regex `(a{1000}){1000}`:
-  "too many expressions constructed"; a token it did not allow cannot come through the sampler):
-  the error is logged and counted (`num_failures`), the sequence is marked (`grammar_failed`) and
-  only EOS is allowed from then on, so the output ends at once, incomplete, with finish reason
-  LENGTH (worker/scheduler.py `_stop_reason`), never STOP: the client sees an answer cut short.
+- output: `Grammars.constrain(seq)` (the engine, at admission) sets `seq.matcher`, a new llguidance
+  matcher, and `seq.opening`, the grammar's shared compiled state while that matcher is at its
+  start; `Grammars.matcher(grammar)` -> a new matcher alone (ValueError naming the problem for a
+  grammar this tokenizer cannot run, or where llguidance is not installed). Per sampling step:
+  `start(seqs)` (the model runner, before the forward pass) starts the masks of the constrained
+  sampling rows on the mask threads; `banned(seqs, vocab, device)` joins them -> the bool
+  `[S, vocab]` the sampler sets to -inf; then `advance(seqs, tokens)` (`consume(matcher, token)`
+  for each constrained row). `allowed(matchers, vocab)` -> bool `[R, vocab]` (CPU), the masks
+  computed one after another on the calling thread (the reference). EOS only once the grammar is
+  complete or has failed: the sequence then ends as at any EOS.
+- Shared compiled state: a grammar text is compiled once (`compiled`, an LRU of
+  GRAMMAR_CACHE_SIZE, counted in `num_compiles`); each matcher is a copy of its never-advanced
+  template (`LLMatcher.deep_copy`, ~0.3 ms against ~10 ms to compile a schema). The opening mask,
+  the same for every matcher of a grammar and the expensive one (llguidance builds its lexer
+  lazily: 0.9-2.3 s for the regex `(a{1000}){1000}` on this 2-vCPU box, against ~1 ms to
+  construct), is computed once per grammar on a private copy and shared by every row still at
+  the start (`n` choices of one request, or any later request while it is cached).
+- Masks beside the forward pass: MASK_THREADS daemon threads with DEEP_STACK_BYTES of stack
+  (common/structured.py `start_deep`), one job per row (llguidance releases the GIL while it
+  computes), so an expensive row delays no other row's mask.
+- Grammar step budget (`budget_s`, EngineConfig.grammar_step_budget_ms, default 100 ms; 0 = none):
+  `banned` waits for a row's mask until `budget_s` after it started, then gives up on it. That row
+  alone fails (the grammar-failed path below: logged naming the budget, counted in
+  `num_failures` and `num_over_budget`, only EOS from then on, finish reason LENGTH); every other
+  row samples as usual, so a step is longer than its forward pass by at most the budget. The job
+  left behind runs to its end on its thread (llguidance's computation cannot be interrupted; its
+  own limits end the pathological ones: LLParserLimits' fuel bounds the lexer's work per mask, not
+  its time, measured), its matcher never touched again; an opening mask that ends late still
+  serves the grammar's later rows. Pool starvation: MASK_THREADS expensive distinct grammars at
+  once can delay the masks of other constrained rows past their budget (unconstrained rows are
+  never delayed).
+- Reference path (tests): `shared = False` builds a fresh matcher per request; `parallel = False`
+  computes the masks serially in `banned`, without a budget (the code before the fast path).
+- state: the llguidance tokenizer, the compiled-grammar cache, the mask threads (started on the
+  first constrained step; stopped at interpreter exit after their jobs, worker/step_thread.py
+  `stop_at_exit`), the jobs started for the step about to sample (`_pending`, by request id); each
+  matcher lives on its `Sequence` (advanced only by `consume`, so a preempted and recomputed
+  sequence keeps its place in the grammar, and nothing keyed by request id can outlive or be shared
+  by a request; a grammar's template is never advanced).
+- cost: +0.3 ms per step at batch 1, +0.085 ms per row at batch 32 (docs/benchmarks.md, serial).
+- failure modes: ValueError from `matcher` / `constrain` (bad grammar, llguidance missing);
+  RuntimeError when the model's tokenizer cannot be read (a worker fault: INTERNAL, remembered,
+  not retried per request). A matcher can enter llguidance's error state mid-generation (a
+  resource limit, e.g. the regex `(a{1000}){1000}`: "too many expressions constructed"; a token it
+  did not allow cannot come through the sampler), or its mask can run over the step budget: the
+  error is logged and counted (`num_failures`), the sequence is marked (`grammar_failed`) and only
+  EOS is allowed from then on, so the output ends at once, incomplete, with finish reason LENGTH
+  (worker/scheduler.py `_stop_reason`), never STOP: the client sees an answer cut short.
 - proven by: tests/test_structured_output.py (engine outputs accepted whole by a fresh matcher and
   parsed against the schema; the unpacked mask against llguidance's byte mask; async scheduling,
   preemption and aborts; through the router and the OpenAI SDK); tests/test_grammar_failure.py (a
-  grammar failing mid-way ends LENGTH and is counted).
+  grammar failing mid-way ends LENGTH and is counted); tests/test_grammar_step_budget.py (n=16
+  choices of an expensive regex compile once and fail alone over the budget while a plain request
+  beside them finishes; the fast path's masks and outputs equal the reference path's).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import numpy as np
 import torch
 
-from common.structured import MAX_COMPILED_GRAMMAR_BYTES, llguidance
+from common.structured import MAX_COMPILED_GRAMMAR_BYTES, llguidance, start_deep
+from worker.step_thread import EXIT_JOIN_S, stop_at_exit
 
 log = logging.getLogger(__name__)
 
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (their templates and opening masks)
+MASK_THREADS = 8  # mask jobs run at once (one row each)
+DEFAULT_STEP_BUDGET_S = 0.1
+
+
+class Compiled:
+    """One grammar text compiled: the template every matcher of it copies (never advanced), and
+    its opening mask (`opening`: a Future of `_Mask`, computed once, on a private copy)."""
+
+    __slots__ = ("grammar", "template", "probe", "opening")
+
+    def __init__(self, grammar: str, template):
+        self.grammar, self.template = grammar, template
+        self.probe = template.deep_copy()  # the opening mask's matcher, dropped once it is computed
+        self.opening: Future | None = None
+
+
+class MaskThreads:
+    """Daemon threads with DEEP_STACK_BYTES of stack running mask jobs in order of submission."""
+
+    def __init__(self, threads: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._size, self._closed = threads, False
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:  # interpreter exit: run it here
+                future.set_running_or_notify_cancel()
+                future.set_result(fn(*args))
+                return future
+            if not self._threads:
+                for i in range(self._size):
+                    thread = threading.Thread(target=self._serve, name=f"grammar-mask-{i}", daemon=True)
+                    start_deep(thread)  # llguidance's matchers recurse deeply (common/structured.py)
+                    self._threads.append(thread)
+            self._jobs.put((future, fn, args))
+        return future
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """After the jobs already submitted (at most `timeout_s` in all)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+            for _ in threads:
+                self._jobs.put(None)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
 
 class Grammars:
-    """A model runner's llguidance tokenizer and the matchers made from it."""
+    """A model runner's llguidance tokenizer, its compiled grammars and the masks of each step."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer_json: Callable[[], str],
+        eos_token_ids: tuple[int, ...],
+        budget_s: float = DEFAULT_STEP_BUDGET_S,
+    ):
         """`tokenizer_json()`: the model's `tokenizers` JSON, read on the first constrained request
-        (`for_model` reads it from a --model value)."""
+        (`for_model` reads it from a --model value). `budget_s`: the grammar step budget (0: none)."""
         self._tokenizer_json, self._eos = tokenizer_json, tuple(eos_token_ids)
         self._tokenizer = None
         self._failed: str | None = None  # why the tokenizer could not be built (not retried)
+        self.budget_s = budget_s
+        self.shared = True  # False (tests' reference): a fresh matcher per request, nothing cached
+        self.parallel = True  # False (tests' reference): masks computed serially in `banned`
         self.num_failures = 0  # cumulative: matchers that failed mid-generation (EngineStats)
+        self.num_over_budget = 0  # cumulative: of those, the masks that ran over the step budget
+        self.num_compiles = 0  # cumulative: grammar texts compiled (cache misses)
+        self._cache: collections.OrderedDict[str, Compiled] = collections.OrderedDict()
+        self._threads = MaskThreads(MASK_THREADS)
+        # request id -> (sequence, its mask job, when the job was started) for the coming sample
+        self._pending: dict[str, tuple[object, Future, float]] = {}
+        stop_at_exit(self, self._stop_threads)
+
+    def _stop_threads(self) -> None:
+        self._threads.shutdown(EXIT_JOIN_S)
 
     @classmethod
-    def for_model(cls, model: str | None, eos_token_ids: tuple[int, ...]) -> Grammars:
+    def for_model(
+        cls, model: str | None, eos_token_ids: tuple[int, ...], budget_s: float = DEFAULT_STEP_BUDGET_S
+    ) -> Grammars:
         """Grammars over the tokenizer of a --model value (None = the embedded model)."""
 
         def tokenizer_json() -> str:
@@ -65,7 +188,13 @@ class Grammars:
 
             return Tokenizer.from_model(resolve_model_source(model)).backend_json()
 
-        return cls(tokenizer_json, eos_token_ids)
+        return cls(tokenizer_json, eos_token_ids, budget_s)
+
+    def sibling(self, budget_s: float | None = None) -> Grammars:
+        """A new Grammars over the same tokenizer (read once): its own cache, threads and counters."""
+        other = Grammars(self._tokenizer_json, self._eos, self.budget_s if budget_s is None else budget_s)
+        other._tokenizer, other._failed = self._tokenizer, self._failed
+        return other
 
     def _llt(self):
         if self._tokenizer is None:
@@ -83,7 +212,9 @@ class Grammars:
                 raise RuntimeError(self._failed) from None
         return self._tokenizer
 
-    def matcher(self, grammar: str):
+    # -- matchers -------------------------------------------------------------------------
+    def _new(self, grammar: str):
+        """A freshly compiled matcher (ValueError naming the problem)."""
         if llguidance is None:
             raise ValueError(
                 "structured output is unavailable on this worker: the llguidance package is not installed"
@@ -95,27 +226,143 @@ class Grammars:
             raise ValueError(f"grammar: {matcher.get_error()}")
         return matcher
 
+    def compiled(self, grammar: str) -> Compiled:
+        """`grammar` compiled, from the cache or now (ValueError naming the problem; not cached)."""
+        entry = self._cache.get(grammar)
+        if entry is not None:
+            self._cache.move_to_end(grammar)
+            return entry
+        entry = Compiled(grammar, self._new(grammar))
+        self.num_compiles += 1
+        self._cache[grammar] = entry
+        while len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)  # its sequences keep their own reference
+        return entry
+
+    def matcher(self, grammar: str):
+        """A new matcher of `grammar` at its start (a copy of the compiled template)."""
+        if not self.shared:
+            return self._new(grammar)
+        return self.compiled(grammar).template.deep_copy()
+
+    def constrain(self, seq) -> None:
+        """A constrained request's matcher (`seq.matcher`) and, while it is at its start, the
+        compiled grammar whose opening mask it takes (`seq.opening`). ValueError for a bad grammar."""
+        grammar = seq.sampling.grammar
+        if not self.shared:
+            seq.matcher = self._new(grammar)
+            return
+        entry = self.compiled(grammar)
+        seq.matcher, seq.opening = entry.template.deep_copy(), entry
+
+    # -- masks ----------------------------------------------------------------------------
+    @property
+    def _mask_bytes(self) -> int:
+        return (self._llt().vocab_size + 31) // 32 * 4
+
+    def _compute(self, matcher) -> tuple[np.ndarray | None, str | None]:
+        """Mask thread: `matcher`'s packed mask; None when only EOS may follow (complete or failed),
+        with llguidance's error if it failed."""
+        if not (matcher.is_error() or matcher.is_stopped()):
+            out = np.zeros(self._mask_bytes, dtype=np.uint8)
+            matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            if not matcher.is_error():
+                return out, None
+        return None, (matcher.get_error() or "llguidance's error state") if matcher.is_error() else None
+
+    def _compute_opening(self, entry: Compiled) -> tuple[np.ndarray | None, str | None]:
+        try:
+            return self._compute(entry.probe)
+        finally:
+            entry.probe = None  # its lexer states can be large: the mask is what is kept
+
+    def _job(self, seq) -> Future:
+        entry = getattr(seq, "opening", None)
+        if entry is None:
+            return self._threads.submit(self._compute, seq.matcher)
+        if entry.opening is None:  # the grammar's first row at its start: once per grammar
+            entry.opening = self._threads.submit(self._compute_opening, entry)
+        return entry.opening
+
+    def start(self, seqs: list) -> None:
+        """Before the forward pass: the masks of these constrained sampling rows start on the mask
+        threads (a row's job from a step that failed before sampling is kept: same matcher state)."""
+        if not self.parallel:
+            return
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.grammar_failed:
+                continue
+            pending = self._pending.get(seq.request_id)
+            job = pending[1] if pending is not None and pending[0] is seq else self._job(seq)
+            self._pending[seq.request_id] = (seq, job, now)
+
+    def release(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
     def allowed(self, matchers: list, vocab: int) -> torch.Tensor:
-        """bool [R, vocab]: each matcher's bitmask written straight into one buffer, unpacked in one
-        lookup (little-endian words: token t is bit t % 8 of byte t // 8)."""
-        eos = [t for t in self._eos if t < vocab]
-        words = (self._llt().vocab_size + 31) // 32
-        packed = np.zeros((len(matchers), words * 4), dtype=np.uint8)
+        """bool [R, vocab]: each matcher's bitmask computed here, one after another (the reference)."""
+        words = self._mask_bytes
+        packed = np.zeros((len(matchers), words), dtype=np.uint8)
         ended = []
         for row, matcher in enumerate(matchers):
             if matcher.is_error() or matcher.is_stopped():  # failed, or complete: only EOS may follow
                 ended.append(row)
             else:
-                matcher.unsafe_compute_mask_ptr(packed[row].ctypes.data, words * 4)
+                matcher.unsafe_compute_mask_ptr(packed[row].ctypes.data, words)
+        return self._unpack(packed, ended, vocab)
+
+    def _unpack(self, packed: np.ndarray, ended: list[int], vocab: int) -> torch.Tensor:
+        """bool [R, vocab] of packed bitmasks, unpacked in one lookup (little-endian words: token t
+        is bit t % 8 of byte t // 8); rows `ended` allow EOS only."""
         bits = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little"))  # [R, words * 32]
-        out = torch.zeros(len(matchers), vocab, dtype=torch.bool)
+        out = torch.zeros(packed.shape[0], vocab, dtype=torch.bool)
         n = min(vocab, bits.shape[1])
         out[:, :n] = bits[:, :n]
         if ended:
             out[ended] = False
+            eos = [t for t in self._eos if t < vocab]
             for row in ended:
                 out[row, eos] = True
         return out
+
+    def _joined(self, seqs: list, vocab: int) -> torch.Tensor:
+        """bool [R, vocab] of constrained `seqs`: their jobs (started by `start`, else now) joined,
+        each until the step budget after it started; a row over it, or whose matcher failed, fails."""
+        now = time.perf_counter()
+        jobs = []
+        for seq in seqs:
+            pending = self._pending.pop(getattr(seq, "request_id", None), None)
+            if getattr(seq, "grammar_failed", False):
+                jobs.append(None)
+            elif pending is not None and pending[0] is seq:
+                jobs.append(pending[1:])
+            else:
+                jobs.append((self._job(seq), now))
+        budget = self.budget_s
+        for job in sorted((j for j in jobs if j is not None), key=lambda j: j[1]):
+            if not job[0].done():
+                timeout = None if budget <= 0 else max(0.0, job[1] + budget - time.perf_counter())
+                wait_futures([job[0]], timeout=timeout)
+        packed = np.zeros((len(seqs), self._mask_bytes), dtype=np.uint8)
+        ended = []
+        for row, (seq, job) in enumerate(zip(seqs, jobs)):
+            if job is None:  # failed before: EOS only, its matcher left alone
+                ended.append(row)
+                continue
+            if not job[0].done():
+                self.num_over_budget += 1
+                self._fail(seq, f"its mask ran over the grammar step budget ({budget * 1000:.0f} ms)")
+                ended.append(row)
+                continue
+            mask, error = job[0].result()
+            if mask is not None:
+                packed[row] = mask
+                continue
+            if error is not None:
+                self._fail(seq, error)
+            ended.append(row)  # complete (STOP at its EOS) or failed (LENGTH)
+        return self._unpack(packed, ended, vocab)
 
     def banned(self, seqs: list, vocab: int, device: torch.device) -> torch.Tensor | None:
         """bool [S, vocab] on `device`: the tokens the grammar of each row's sequence (`.matcher`)
@@ -124,24 +371,37 @@ class Grammars:
         if not rows:
             return None
         out = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-        out[rows] = ~self.allowed([seqs[i].matcher for i in rows], vocab)
+        if self.parallel:
+            out[rows] = ~self._joined([seqs[i] for i in rows], vocab)
+        else:
+            out[rows] = ~self.allowed([seqs[i].matcher for i in rows], vocab)
         return out.to(device)
+
+    def _fail(self, seq, why: str) -> None:
+        """`seq`'s grammar failed: EOS only from now on (finish LENGTH), counted and logged once."""
+        if getattr(seq, "grammar_failed", False):
+            return
+        seq.grammar_failed = True
+        self.num_failures += 1
+        log.warning(
+            "structured output: the grammar of %s failed (%s); ending with EOS (finish: length)",
+            getattr(seq, "request_id", "a request"),
+            why.splitlines()[0] if why else "unknown",
+        )
 
     def advance(self, seqs: list, tokens: torch.Tensor) -> None:
         """Each constrained row's matcher takes its sampled token (one host copy of `tokens`). A
         sequence whose matcher failed is marked `grammar_failed` (its EOS then ends it LENGTH, not
-        STOP) and counted once."""
+        STOP) and counted once; a failed one's matcher is not touched again (a mask job over the
+        budget may still be running on it)."""
         for seq, token in zip(seqs, tokens.tolist()):
             matcher = getattr(seq, "matcher", None)
-            if matcher is None or self.consume(matcher, token) or getattr(seq, "grammar_failed", False):
+            if matcher is None or getattr(seq, "grammar_failed", False):
                 continue
-            seq.grammar_failed = True
-            self.num_failures += 1
-            log.warning(
-                "structured output: the grammar failed at token %d (%s); ending with EOS (finish: length)",
-                token,
-                matcher.get_error(),
-            )
+            if getattr(seq, "opening", None) is not None:
+                seq.opening = None  # past its start: its own masks from now on
+            if not self.consume(matcher, token):
+                self._fail(seq, f"at token {token}: {matcher.get_error()}")
 
     def consume(self, matcher, token: int) -> bool:
         """`matcher` takes `token`; False once it has failed (llguidance's error state, reached on

@@ -167,7 +167,9 @@ class ModelRunner:
         )
         self.sampler = RequestSampler(self.device, config.seed, fused_sampler(self.device), cpu_argmax)
         # structured output: the model's tokenizer is read on the first constrained request
-        self.sampler.grammars = Grammars.for_model(config.model, eos_token_ids)
+        self.sampler.grammars = Grammars.for_model(
+            config.model, eos_token_ids, config.grammar_step_budget_ms / 1000
+        )
         self.logits_observer: Callable[[list[str], torch.Tensor], None] | None = None
         log.info(
             "model %s loaded in %.1fs; %d KV blocks (%d tokens, %.0f MiB), backend %s",
@@ -265,6 +267,10 @@ class ModelRunner:
         """A constrained request's llguidance matcher (worker/grammar.py `Grammars.matcher`)."""
         return self.sampler.grammars.matcher(grammar)
 
+    def constrain(self, seq) -> None:
+        """A constrained request's matcher, on its sequence (worker/grammar.py `Grammars.constrain`)."""
+        self.sampler.grammars.constrain(seq)
+
     def prepare(
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -305,6 +311,9 @@ class ModelRunner:
             feed = (prev.tokens, {rid: rows[rid] for rid in feeds})
         reads = [(i, s) for i, s in enumerate(plan.scheduled) if s.seq.reads_prompt]  # mostly none
         scored, pooled = scored_chunks(reads), pooled_chunks(reads)
+        # structured output: the constrained rows' masks are computed beside the forward pass
+        if constrained := [s.seq for s in plan.scheduled if s.samples and s.seq.matcher is not None]:
+            self.sampler.grammars.start(constrained)
         hidden, sampling, (prompt, sums) = self._forward(plan, feed, scored, pooled)
         if not sampling:
             out = SampledTokens([], torch.empty(0, dtype=torch.int64, device=self.device))

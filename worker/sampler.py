@@ -94,8 +94,9 @@ class RequestSampler:
       request, and penalties reading the request's statistics on the device (`penalty_state`, built
       from the prompt at its first sampling step, `record_tokens` after each).
     - Rows with a grammar (structured output) take the torch path with their matcher's mask
-      (`seq.matcher`, worker/grammar.py), and their tokens come to the host at once (one sync) to
-      advance each matcher before the next step's mask.
+      (`seq.matcher`, worker/grammar.py: started beside the forward pass by the model runner,
+      joined here within the grammar step budget), and their tokens come to the host at once (one
+      sync) to advance each matcher before the next step's mask.
     Seeds of unseeded requests are drawn from a CPU generator seeded by the engine (a CUDA one
     would sync to read it). `release(request_id)` drops a request's state.
     """
@@ -117,6 +118,8 @@ class RequestSampler:
         self.generators.pop(request_id, None)
         self.philox.pop(request_id, None)
         self.penalties.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def _seed(self, seed: int | None) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator)) if seed is None else seed

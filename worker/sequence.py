@@ -49,6 +49,9 @@ class Sequence:
     num_placeholders: int = 0  # trailing PLACEHOLDER tokens (async scheduling; 0 otherwise)
     matcher: object | None = None  # structured output: its llguidance matcher (worker/grammar.py)
     grammar_failed: bool = False  # its matcher failed mid-way (worker/grammar.py): ends LENGTH, not STOP
+    # while its matcher is at its start: the grammar's shared compiled state, whose opening mask
+    # (computed once per grammar) it takes (worker/grammar.py `Compiled`)
+    opening: object | None = None
     draftable: bool = False  # speculative decoding may draft for it (set by `Scheduler.add`)
     draft_len: int = 0  # its next draft's length at most (adapted to what its drafts kept)
     # sampling.prompt_logprobs set: entry i = log P(prompt[i + 1] | prompt[..i]), filled as the
