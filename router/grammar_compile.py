@@ -14,18 +14,20 @@ Contract
   open_id, close_id)` (router/validation.py `after_think_block`).
 - output: the grammar text; `ValueError` naming the problem (llguidance's refusal, or "the grammar
   did not compile within 3.0 s (its compile budget)"); `Overloaded` (RESOURCE_EXHAUSTED: 429 on
-  the HTTP front) when the tenant's share, or every compile process, stays busy past the wait bound.
-- How: up to `processes` child processes (`python -c` `common.structured.serve_compiles`: started on
-  first use, each compile on a DEEP_STACK_BYTES thread, nice 10) take one task at a time over a
+  the HTTP front) when the tenant's share, or every compile process, stays busy past the wait bound;
+  `Unavailable` when no compile process starts.
+- How: up to `processes` child processes (`python -c` `common.structured.serve_compiles`: started
+  on first use, each compile on a DEEP_STACK_BYTES thread, nice 10) take one task at a time over a
   pipe. A compile past `budget_s` gets its child killed (SIGKILL) and a replacement started in the
   background; a child that dies on a grammar (a stack overflow is a SIGSEGV) is a refusal too.
   Results, refusals included, go to a bounded LRU cache keyed by the task (entries and bytes; a
-  timeout is remembered for `failure_ttl_s`, the rest until evicted): a repeated bad schema costs
-  nothing. Concurrent calls with the same task share one compile (n choices, many clients with
-  one schema). A tenant runs at most `per_tenant` compiles at once (`per_tenant` < `processes`:
-  one tenant's slow schemas leave slots for the others); the rest wait up to `wait_s` in its
-  queue (at most 4 x `per_tenant` waiting) and for a free process, then are refused. A compile
-  holds its tenant's slot until its child is done, whoever cancelled.
+  timeout or a dead child is remembered for `failure_ttl_s`, 10 minutes, the rest until evicted):
+  a repeated bad schema costs nothing. Concurrent calls with the same task share one compile (n
+  choices, many clients with one schema). A tenant runs at most `per_tenant` compiles at once
+  (`per_tenant` < `processes`: one tenant's slow schemas leave slots for the others); the rest
+  wait up to `wait_s` (default twice the budget) in its queue (at most 4 x `per_tenant` waiting)
+  and for a free process, then are refused. A compile holds its tenant's slot until its child is
+  done, whoever cancelled.
 - state: the cache, the child processes, the per-tenant counts (on the event loop; a compiler
   moved to another event loop starts its queues afresh).
 - options: `--grammar-compile-timeout-s`, `--grammar-compile-processes`,
@@ -50,7 +52,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from router.errors import Overloaded
+from router.errors import Overloaded, Unavailable
 
 if TYPE_CHECKING:
     from router.config import Limits
@@ -127,55 +129,82 @@ class _Child:
 
 
 class CompilePool:
-    """Child processes, one task each at a time; blocking and thread-safe (the caller bounds its
-    threads to the pool's size)."""
+    """Child processes, one task each at a time; blocking and thread-safe. At most `processes`
+    children live or are starting (a caller runs at most `processes` tasks at once: one waiting for
+    a child then always finds one idle or starting)."""
 
     def __init__(self, processes: int):
         self.processes = processes
         self._idle: list[_Child] = []
         self._all: set[_Child] = set()
-        self._lock = threading.Lock()
+        self._starting = 0
+        self._cond = threading.Condition()
         self._closed = False
         self.tasks = 0  # tasks sent to a child (a cache hit sends none)
         self.started = 0  # children started
         self.killed = 0  # children killed past their budget or dead on a task
 
-    def _take(self) -> _Child:
-        with self._lock:
+    def _take(self, wait: bool = True) -> _Child | None:
+        """An idle child, else a new one where there is room; else (`wait`) the next one given back
+        or started, or (not `wait`) None."""
+        with self._cond:
+            while self._closed or (not self._idle and len(self._all) + self._starting >= self.processes):
+                if self._closed:
+                    raise _ChildGone("the compile pool is closed")
+                if not wait:
+                    return None
+                self._cond.wait()
             if self._idle:
                 return self._idle.pop()
-        child = _Child()
-        with self._lock:
-            self.started += 1
-            self._all.add(child)
-            if self._closed:
-                self._drop(child)
-                raise _ChildGone("the compile pool is closed")
+            self._starting += 1
+        child = None
+        try:
+            child = _Child()
+        finally:
+            with self._cond:
+                self._starting -= 1
+                if child is not None:
+                    self.started += 1
+                    self._all.add(child)
+                self._cond.notify_all()
+        if self._closed:  # closed while it started
+            self._drop(child)
+            raise _ChildGone("the compile pool is closed")
         return child
 
-    def _drop(self, child: _Child) -> None:
-        self._all.discard(child)
-        child.kill()
-
     def _give(self, child: _Child) -> None:
-        with self._lock:
-            if not self._closed and len(self._all) <= self.processes:  # busy ones included
+        with self._cond:
+            if not self._closed:
                 self._idle.append(child)
+                self._cond.notify_all()
                 return
             self._all.discard(child)
         child.kill()
 
+    def _drop(self, child: _Child) -> None:
+        child.kill()
+        with self._cond:
+            self._all.discard(child)
+            self._cond.notify_all()
+
     def _replace(self) -> None:
         try:
-            self._give(self._take())
+            child = self._take(wait=False)
         except _ChildGone as exc:
             log.warning("grammar compiles: no replacement process: %s", exc)
+            return
+        if child is not None:
+            self._give(child)
 
     def run(self, task: tuple, budget_s: float) -> dict:
         """`{"ok": grammar}`, `{"error": why}` or `{"internal": what}`; `{"timeout": True}` past the
-        budget (the child killed), `{"crashed": code}` when the child died on the task."""
-        child = self._take()
-        with self._lock:
+        budget (the child killed), `{"crashed": code}` when the child died on the task,
+        `{"unavailable": why}` when no child starts."""
+        try:
+            child = self._take()
+        except _ChildGone as exc:
+            return {"unavailable": str(exc)}
+        with self._cond:
             self.tasks += 1
         try:
             reply = child.run(task, budget_s)
@@ -185,16 +214,17 @@ class CompilePool:
         if reply is not None and "crashed" not in reply:
             self._give(child)
             return reply
-        with self._lock:
+        with self._cond:
             self.killed += 1
-            self._drop(child)
+        self._drop(child)
         threading.Thread(target=self._replace, name="grammar-compile-replace", daemon=True).start()
         return reply or {"timeout": True}
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._closed = True
             children, self._all, self._idle = list(self._all), set(), []
+            self._cond.notify_all()
         for child in children:
             child.kill()
 
@@ -372,6 +402,10 @@ class GrammarCompiler:
         elif "crashed" in reply:
             log.warning("a grammar-compile process died on a grammar (exit status %s)", reply["crashed"])
             outcome, ttl = (False, "the grammar compiler failed on this grammar"), self.failure_ttl_s
+        elif "unavailable" in reply:  # no process: the router's trouble, not the request's
+            raise Unavailable(
+                f"response_format: the grammar compiler is unavailable ({reply['unavailable']})"
+            )
         else:  # not the request's fault as far as we know: INTERNAL, not remembered
             raise RuntimeError(f"grammar compile: {reply.get('internal', reply)}")
         self.cache.put(task, *outcome, ttl_s=ttl)

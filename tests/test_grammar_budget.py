@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import pytest
@@ -195,6 +196,28 @@ def test_the_killed_process_is_replaced_and_the_pool_keeps_serving(compiler):
     assert all(served) and c.pool.started >= 2, c.pool.started
     live = [child for child in c.pool._all if child.proc.poll() is None]
     assert len(live) == len(c.pool._all) <= 2
+
+
+def test_a_process_that_dies_on_a_grammar_is_a_refusal_and_is_replaced(compiler):
+    """A child that dies mid-compile (as a stack overflow would: SIGSEGV) refuses that grammar, not
+    the router; the next compile gets a new process."""
+    c = compiler(budget_s=30.0, processes=1)
+
+    async def main():
+        slow = asyncio.create_task(_timed(c.compile(SLOW, "a")))
+        end = time.monotonic() + 10.0
+        while c.pool.tasks == 0:
+            assert time.monotonic() < end, "the compile did not start"
+            await asyncio.sleep(0.01)
+        (child,) = c.pool._all
+        child.proc.send_signal(signal.SIGSEGV)
+        died = await slow
+        return died, await c.compile(JSON_OBJECT, "a")
+
+    (err, seconds), served = asyncio.run(main())
+    assert isinstance(err, ValueError) and str(err) == "the grammar compiler failed on this grammar"
+    assert seconds < 10.0 and json.loads(served) and c.pool.killed == 1 and c.pool.started >= 2
+    assert len(c.pool._all) <= 1  # a replacement started beside the next compile: one is kept
 
 
 def test_the_think_block_form_goes_through_the_compiler_and_its_cache(compiler):
