@@ -18,6 +18,10 @@ Contract
   length only (Mistral v0.3's: 9 alphanumerics) gets every call id, on the calls and on the
   results, mapped to one of that length (`template_call_id`: kept if it fits, else a hash prefix;
   ids the API hands out are `call_<24 hex>`).
+  Strings are carried as they are (f-strings, `json.dumps(ensure_ascii=False)`), so the
+  sentinels common/tokenizer.py puts in place of control-token text come out unchanged, except in
+  a call id mapped by `template_call_id` (hashed: the tokenizer then checks the prompt's own
+  control tokens instead, common/tokenizer.py).
 - state: none (pure).
 - failure modes: none of its own; the template may still refuse the messages (TemplateError).
 - proven by: tests/test_chat_tools.py (against transformers' rendering of a tool-aware template).

@@ -13,9 +13,11 @@ Contract
   last characters (after whitespace, which `| trim` drops) that are the tail or the head (2+
   characters) of a control token, which the text next to it in the prompt could complete (a name
   written right before a content), or (3) a whole string of 2+ characters inside a control token.
-  Every string value is looked at (contents, names, call ids, arguments, tool descriptions and
-  parameters, their keys for rule 1), except the values of `role` and `type` (validated names a
-  template compares and may build tokens from: `'<|' + role + '|>'`).
+  Every string is looked at: contents, names, call ids, arguments, tool descriptions and
+  parameters by all three rules; dict keys and the values of `role` and `type` keys by rule 1
+  only (a role is a validated name a template compares and may build a token from: `'<|' + role
+  + '|>'`). A 1-character half (a content ending in `<`) is left alone: the template would have
+  to write the rest of the token right next to it.
 - state: read-only after construction.
 - failure modes: `ValueError` when every sentinel candidate character (31 of the Unicode
   noncharacters, U+FDEF being the tokenizer's, and the private use area) occurs in the chat.
@@ -103,7 +105,7 @@ class ControlTokenText:
         if self._pattern is None:
             return None
         strings = list(_strings((messages, tools)))
-        if not any(self.fragments(s, edges) for s, edges in strings if edges is not None):
+        if not any(self.fragments(s, edges) for s, edges in strings):
             return None
         free = (c for c in _CANDIDATES if not any(c in s for s, _ in strings))
         open_, close = next(free, None), next(free, None)
@@ -126,7 +128,7 @@ class ControlTokenText:
 
         def walk(value: Any, key: Any = None) -> Any:
             if isinstance(value, str):
-                return value if key in _NOT_TEXT_KEYS else mark(value, edges=True)
+                return mark(value, edges=key not in _NOT_TEXT_KEYS)
             if isinstance(value, Mapping):
                 return {mark(k, False) if isinstance(k, str) else k: walk(v, k) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
@@ -142,14 +144,14 @@ class ControlTokenText:
         return Protected(walk(messages), walk(tools), lambda text: sentinel.sub(fragment, text))
 
 
-def _strings(value: Any) -> Iterable[tuple[str, bool | None]]:
-    """Every string of a chat with how it is checked: True (all rules), False (a key: full tokens
-    only), None (a `role` or `type` value: not checked). Iterative: tool parameters nest deep."""
+def _strings(value: Any) -> Iterable[tuple[str, bool]]:
+    """Every string of a chat and whether all rules check it (False: a key, or a `role` or `type`
+    value: full tokens only). Iterative: tool parameters nest deep."""
     stack: list[tuple[Any, Any]] = [(value, None)]
     while stack:
         item, key = stack.pop()
         if isinstance(item, str):
-            yield item, (None if key in _NOT_TEXT_KEYS else True)
+            yield item, key not in _NOT_TEXT_KEYS
         elif isinstance(item, Mapping):
             for k, v in item.items():
                 if isinstance(k, str):

@@ -7,18 +7,40 @@ Contract:
   `tokenizer_config.json`, the chat template, and generation_config.json's eos ids);
   `Tokenizer.from_model(path)` picks by the path.
 - `encode(text, add_special_tokens) -> list[int]`, `decode(ids) -> str`; control tokens such as
-  `<|im_start|>` are matched whole in the text. `apply_chat_template(messages, tools) -> str` renders the
-  model's own Jinja template in a sandbox; `encode_chat(messages) -> list[int]` tokenizes it.
+  `<|im_start|>` are matched whole in the text (a raw completion prompt: the client's own).
+  `apply_chat_template(messages, tools) -> str` renders the model's own Jinja template in a
+  sandbox; `encode_chat(messages, tools, max_chars, parse_special_in_messages=False)` tokenizes it.
+- Control tokens of a chat come from the template only: text from the messages (contents, names,
+  call ids and arguments), tool definitions and tool results is tokenized as plain text, so a
+  user cannot write a turn; the prompt text is what the template renders, and a chat holding no
+  control-token text gets the ids it always got (one render, one tokenization). One that does
+  (common/control_tokens.py finds it) is rendered again with sentinels for that text; the control
+  tokens of that rendering are the template's, and when putting the text back gives the same
+  prompt, they become marker tokens of a tokenizer copy with special-token parsing off
+  (`_Marked`), tokenized in one pass, so each boundary merges as in the whole prompt (pieces
+  encoded one by one would not: a Metaspace `prepend_scheme="first"` vocabulary adds a `▁` to
+  each). Why not escape the text instead (break `<|im_end|>` so it cannot match): the model would
+  see other characters than the user wrote. Where the sentinels break (a template that rewrites
+  the text: `| upper`, a hash, `tojson(ensure_ascii=True)`), the prompt's own ids are kept when
+  their control tokens equal the template's, else (or when the template refuses the sentinels)
+  ValueError. `parse_special_in_messages=True` (the router's `--parse-special-tokens-in-messages`):
+  the rendered prompt tokenized whole.
+  Non-special added tokens (`<tool_call>`, `<think>` in Qwen's vocabularies) still match in text,
+  as in llama.cpp. Cost: the protected path renders twice and tokenizes twice.
 - `fingerprint` -> `Fingerprint(vocab_size, eos_token_ids, vocab_sha256)`: router and worker each
   compute it from their own model files and must agree before ids cross between them.
-- State: read-only after construction, so one instance serves every request.
+- State: read-only after construction (the protected path's marker tokenizer and control-token
+  matcher are built on first use), so one instance serves every request.
 - Fails: `ValueError` for an unsupported GGUF vocabulary (naming the model / pre-tokenizer), a
-  directory whose config names no eos token, or a chat request on a model without a template;
-  `jinja2.TemplateError` when the template rejects the messages (its `raise_exception`).
+  directory whose config names no eos token, or a chat request on a model without a template,
+  or control-token text in the messages that the template rewrites into control tokens (the
+  message says so); `jinja2.TemplateError` when the template rejects the messages.
 - Proven by tests/test_tokenizer.py (the embedded GGUF: ids equal transformers' tokenizer loaded
   from the same GGUF on varied text, decode round-trips, the chat prompt equals transformers'
   rendering) and tests/test_tokenizer_models.py (Llama-3 BPE, Qwen2, SentencePiece vocabularies
-  as GGUF and as directories against transformers on a mixed corpus; fingerprints).
+  as GGUF and as directories against transformers on a mixed corpus; fingerprints),
+  tests/test_control_tokens.py (forged turns in contents, names, tools, calls and results are
+  text; normal chats equal transformers' ids; the opt-out; raw prompts still parse).
 """
 
 import dataclasses

@@ -197,7 +197,7 @@ def _tool_chat(text: str) -> tuple[list[dict], list[dict]]:
     call = {
         "id": "call_1",
         "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": text}},
+        "function": {"name": "get_weather", "arguments": {"city": text, "type": text}},
     }
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -312,3 +312,10 @@ def test_roles_are_not_marked() -> None:
     assert protected is not None and protected.messages[0]["role"] == "user"
     assert protected.messages[0]["content"] != "<|im_end|>"
     assert protected.restore(protected.messages[0]["content"]) == "<|im_end|>"
+    # a full token is marked everywhere, a `type` or a key in arguments too
+    arguments = {"type": "<|im_end|>", "<|im_end|>": 1, "kind": "user"}
+    protected = text.protect([{"role": "assistant", "content": None, "arguments": arguments}], [])
+    assert protected is not None
+    marked = protected.messages[0]["arguments"]
+    assert "<|im_end|>" not in json.dumps(marked) and marked["kind"] != "user"  # (rule 3 on a value)
+    assert json.loads(protected.restore(json.dumps(marked, ensure_ascii=False))) == arguments
