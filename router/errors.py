@@ -227,25 +227,47 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
             raise
 
 
+# The calls whose message a tenant sends: checked by the interceptor's gate before they are parsed
+GATED = frozenset(
+    {"/llm.v1.Generation/Generate", "/llm.v1.Generation/Tokenize", "/llm.v1.Generation/Detokenize"}
+)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary-unary and unary-stream handler so domain errors become statuses; each
     streamed response must be taken by the client within `stream_idle_timeout_s` (0: no limit),
     else the call ends DEADLINE_EXCEEDED and the handler's generator is closed, which releases
     everything the request held (worker sequence, KV reservation, admission ticket)."""
 
-    def __init__(self, stream_idle_timeout_s: float = 0.0):
+    def __init__(self, stream_idle_timeout_s: float = 0.0, gate=None):
         self._idle_s = stream_idle_timeout_s or None
+        # `gate(method, raw, context, deserialize)` -> the request: the service's checks before a
+        # message of GATED is parsed (the key, the tenant's rate; a large one's counts off the
+        # loop: router/service.py `gate_message`); set by the server once its service exists
+        self.gate = gate
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/llm.v1."):
+        method = handler_call_details.method
+        if handler is None or not method.startswith("/llm.v1."):
             return handler  # health and reflection handle their own errors
+        deserializer = _lenient(handler.request_deserializer)
+        gate = self.gate if method in GATED else None
+
+        async def decoded(request, context):
+            """The request: parsed by grpc, or (gated) raw bytes the gate checks, then parses."""
+            if gate is not None:
+                request = await gate(method, request, context, deserializer)
+            _check_decoded(request)
+            return request
+
+        wire_deserializer = None if gate is not None else deserializer  # None: grpc hands the raw bytes
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
                 try:
-                    _check_decoded(request)
+                    request = await decoded(request, context)
                     return await inner(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -253,7 +275,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer
+                unary_unary, wire_deserializer, handler.response_serializer
             )
         if handler.unary_stream:
             inner_stream = handler.unary_stream
@@ -265,7 +287,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 # back longer than idle_s is a stalled reader (one that never reads keeps its
                 # stream's window full), which must not hold a worker slot forever.
                 try:
-                    _check_decoded(request)
+                    request = await decoded(request, context)
                     async with aclosing(inner_stream(request, context)) as responses:
                         async for response in responses:
                             try:
@@ -282,6 +304,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer
+                unary_stream, wire_deserializer, handler.response_serializer
             )
         return handler

@@ -146,7 +146,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
         metrics_routes={"/targets": lambda: targets(registry), "/workers": lambda: worker_states(registry)},
         tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
         options=options,
-        interceptors=[ErrorInterceptor(config.stream_idle_timeout_s)],
+        interceptors=[interceptor := ErrorInterceptor(config.stream_idle_timeout_s)],
     )
     service = GenerationService(
         registry,
@@ -162,6 +162,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
     )
     modes = reasoning_modes(models)  # logged once, here; a LoRA adapter reasons as its base model
     service.reasoning = lambda name: modes.get(models.base_id(name))
+    interceptor.gate = service.gate_message  # the key and the tenant's rate before a message is parsed
     generation_pb2_grpc.add_GenerationServicer_to_server(service, base.server)
     http = None
     if config.http_port != -1:  # the OpenAI-compatible front, over the same servicer
@@ -235,6 +236,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
     await dispatcher.stop()
     loop_lag.stop()
     await registry.stop()
+    service.close()  # its decode and grammar-compile processes
     base.close()
     log.info("router stopped")
     return 0

@@ -97,7 +97,8 @@ def _resolve_model(name: str, models: Mapping[str, ModelSpec]) -> ModelSpec:
     return bases[0]
 
 
-def _request_id(rid: str, limits: Limits) -> str:
+def checked_request_id(rid: str, limits: Limits) -> str:
+    """`rid`, checked (a new one when empty)."""
     if not rid:
         return uuid.uuid4().hex
     _check(
@@ -316,7 +317,7 @@ def validate(
         f"got {req.stopping.max_tokens}",
     )
     return ValidRequest(
-        request_id=_request_id(req.request_id, limits),
+        request_id=checked_request_id(req.request_id, limits),
         model=model,
         priority=req.priority,
         **_input(req, model, limits),

@@ -46,16 +46,17 @@ from starlette.requests import ClientDisconnect
 
 from protos.llm.v1 import generation_pb2 as pb
 from router.config import Limits
+from router.decode_pool import Busy
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai import embeddings, responses_api, tokens
 from router.openai.choices import Choices
 from router.openai.http import (
-    BodyDecoder,
     ClientGone,
     EventStream,
     Outbound,
+    decoded,
     json_answer,
     read_body,
     until_disconnected,
@@ -159,8 +160,7 @@ def create_app(
     app = FastAPI(
         title="llm-serve router (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
     )
-    bodies = BodyDecoder()
-    app.state.body_decoder = bodies  # the router's shutdown closes its processes
+    bodies = service.decode_pool  # large bodies decoded off the loop (router/decode_pool.py)
     outbound = Outbound(max_streams_per_tenant, int(max_unsent_mb_per_tenant * 1e6))
     app.state.outbound = outbound
 
@@ -173,7 +173,10 @@ def create_app(
         tenant = service.gate(ctx).name
         outbound.check(tenant)  # its clients' unread answers
         body = await read_body(request, max_body_bytes)
-        return ctx, tenant, await bodies.parse(body, tenant, then, *args)
+        try:
+            return ctx, tenant, await bodies.run(tenant, len(body), decoded, body, then, args)
+        except Busy as exc:
+            raise ApiError(503, str(exc), type_="service_unavailable") from None
 
     def answer_name(requested: str) -> str:
         """The model name an answer shows: the request's, or the one served when it left it empty."""

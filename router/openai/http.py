@@ -22,7 +22,6 @@ import concurrent.futures
 import functools
 import json
 import logging
-import multiprocessing
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
@@ -165,76 +164,10 @@ async def read_json(request: Request, limit: int):
     return loads(await read_body(request, limit))
 
 
-def _decoded(body: bytes, then: Callable, args: tuple):
-    """In a decoder process: `then(json, *args)` (a parse that checks the counts and builds
-    protobufs: what comes back is compact, not the decoded objects)."""
+def decoded(body: bytes, then: Callable, args: tuple):
+    """`then(json, *args)`: a parse that checks the counts and builds protobufs (run in a process of
+    router/decode_pool.py for a large body: what comes back is compact, not the decoded objects)."""
     return then(loads(body), *args)
-
-
-class BodyDecoder:
-    """JSON bodies -> parsed requests. A body of at most `inline_bytes` is decoded on the event
-    loop (at most a few ms); a larger one in a small pool of processes (`json.loads` holds the
-    GIL for its whole run: a thread would stall the loop as much, ~1 s for 13 MB of logit_bias),
-    at most one per tenant at a time and `max_waiting` waiting in all (then 503). The process
-    pool starts on the first large body; a process is replaced after `recycle_after` bodies
-    (the memory a 13 MB decode leaves behind goes with it)."""
-
-    def __init__(
-        self,
-        inline_bytes: int = 256 * 1024,
-        processes: int = 2,
-        max_waiting: int = 16,
-        recycle_after: int = 64,
-    ):
-        self.inline_bytes, self._processes, self._recycle = inline_bytes, processes, recycle_after
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._per_tenant: dict[str, list] = {}  # tenant -> [its semaphore, bodies using it]
-        self._waiting, self._max_waiting = 0, max_waiting
-        self.offloaded = 0  # bodies decoded in the pool (tests, metrics)
-
-    async def parse(self, body: bytes, tenant: str, then: Callable, *args):
-        if len(body) <= self.inline_bytes:
-            return then(loads(body), *args)
-        if self._waiting >= self._max_waiting:
-            raise ApiError(
-                503, "too many large request bodies are being decoded; retry", type_="service_unavailable"
-            )
-        self._waiting += 1
-        gate = self._per_tenant.setdefault(tenant, [asyncio.Semaphore(1), 0])
-        gate[1] += 1
-        try:
-            async with gate[0]:
-                self.offloaded += 1
-                return await self._run(body, then, args)
-        finally:
-            self._waiting -= 1
-            gate[1] -= 1
-            if gate[1] == 0:  # forget idle tenants
-                self._per_tenant.pop(tenant, None)
-
-    async def _run(self, body: bytes, then: Callable, args: tuple):
-        if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self._processes,
-                mp_context=multiprocessing.get_context("spawn"),
-                max_tasks_per_child=self._recycle,
-            )
-        pool = self._pool
-        try:
-            return await asyncio.wrap_future(pool.submit(_decoded, body, then, args))
-        except concurrent.futures.process.BrokenProcessPool:
-            if self._pool is pool:  # a decoder died (killed, out of memory): a new pool next time
-                self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
-            log.error("a request-body decoder process died")
-            raise ApiError(
-                503, "the request body could not be decoded; retry", type_="service_unavailable"
-            ) from None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
 
 # A whole answer of more entries than this (tokens x (1 + top logprobs)) is built and encoded off the
