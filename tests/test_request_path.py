@@ -19,7 +19,7 @@ import urllib.parse
 import pytest
 
 from tests import procs
-from tests.openai_helpers import KEY, LIMITED_KEY, client, http_url, post, router, worker  # noqa: F401
+from tests.openai_helpers import KEY, LIMITED_KEY, client, http_url, post, router, stub, worker  # noqa: F401
 
 LAG = "llm_router_event_loop_lag_samples_seconds"
 BIG_BIAS = {str(i): 1.0 for i in range(1_000_000)}  # ~13 MB of JSON
@@ -183,3 +183,36 @@ def try_stream(client_a, args) -> bool:
         return True
     except openai.RateLimitError:
         return False
+
+
+def test_grpc_messages_are_gated_before_they_are_parsed(router, stub):  # noqa: F811
+    """gRPC as HTTP: a wrong key's 11 MB message is refused unparsed; a right key's million
+    logit_bias entries are counted in the decode pool, not parsed on the loop."""
+    import grpc
+
+    from protos.llm.v1 import generation_pb2 as pb
+    from tests.openai_helpers import AUTH
+
+    request = pb.GenerateRequest(prompt="hi")
+    for i in range(1_000_000):
+        request.sampling.logit_bias[i] = 1.0
+
+    def call(metadata):
+        try:
+            list(stub.Generate(request, metadata=metadata, timeout=60))
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+        return grpc.StatusCode.OK, ""
+
+    for metadata, code, words in (
+        ((("authorization", "Bearer wrong-key"),), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+        (AUTH, grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias: at most 300 entries, got 1000000"),
+    ):
+        worst = []
+        for _ in range(3):  # the least of 3 tries, as above
+            late, (got, details) = late_samples_while(router, lambda m=metadata: call(m))
+            assert (got, words in details) == (code, True), (got, details)
+            worst.append(late)
+            if late == 0:
+                break
+        assert min(worst) == 0, f"{code.name}: loop-lag samples over 50 ms in each try: {worst}"
