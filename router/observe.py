@@ -20,7 +20,8 @@ Contract
   case when the call fails (invalid_argument, unauthenticated, resource_exhausted, unavailable,
   deadline_exceeded, internal).
 - `EventLoopLag` exports `llm_router_event_loop_lag_seconds` (the worst of the last second) and
-  `llm_router_event_loop_lag_samples_seconds` (a histogram of every sample).
+  `llm_router_event_loop_lag_samples_seconds` (a histogram of every sample) and
+  `llm_router_event_loop_lag_max_seconds` (the worst since start).
 - proven by: tests/test_observability_e2e.py, tests/test_trust_units.py (sampling, loop lag).
 """
 
@@ -98,6 +99,12 @@ class EventLoopLag:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=registry,
         )
+        self.max_gauge = Gauge(
+            "llm_router_event_loop_lag_max_seconds",
+            "Worst lateness of the router's event loop since it started",
+            registry=registry,
+        )
+        self.max_gauge.set_function(lambda: self.max_lag_s)
         self._interval_s, self._window_s = interval_s, window_s
         self.max_lag_s = 0.0  # since start, for tests and benchmarks
         self._task: asyncio.Task | None = None
