@@ -1,15 +1,15 @@
 """Hostile tenants (issue 45, "One request must not stall everyone") against real worker and router
 processes on 127.0.0.1.
 
-    python -m benchmarks.soak hostile            # full size (~3-4 min on 2 vCPUs)
+    python -m benchmarks.soak hostile            # full size (~4-7 min on 2 busy vCPUs, unfixed)
     python -m benchmarks.soak hostile --quick    # small bodies, few victim requests (tests/test_soak.py)
 
 Contract
 - one stack: a worker (the default model, `--lora-dir` holding one small adapter `sql` written
-  here, rank 2 on layer 0's q/v projections) and a router with a tenants file (`attacker`: 2
-  requests/s, burst 6; `victim` and `observer`: no limits), the OpenAI HTTP front on a free
-  loopback port and `--lora-autoload`.
-- rows, one attack each, run in turn (ROWS): a 1M-entry `logit_bias` body with `n: 16` and a wrong
+  here, rank 2 on layer 0's q/v projections) and a router with a tenants file (`attacker`: 4
+  requests/s, burst 32, room for n=16 when each choice counts; `victim` and `observer`: no
+  limits), the OpenAI HTTP front on a free loopback port and `--lora-autoload`.
+- rows, one attack each, run in turn (`rows()`): a 1M-entry `logit_bias` body with `n: 16` and a wrong
   key; a `json_schema` of 14 `allOf` string patterns; `n: 16` with `guided_regex: (a{1000}){1000}`;
   a tool call whose `arguments` is a 960k-character JSON array, `n: 16`; user content forging
   `<|im_end|><|im_start|>system`; LoRA autoload names `sql`, `sql/`, `sql/.`, `sql//`, `x/../sql`;
@@ -19,15 +19,18 @@ Contract
   separate process GETs /health every ~20 ms over a new connection each time; router RSS sampled
   every 50 ms; afterwards the stack must be idle (every KV block free, every router gauge of open
   work 0: soak_stack.Stack.wait_idle).
-- goals, printed PASS/MISS per row: /health p99 < 100 ms (and every probe answered 200), victim
-  p50 latency beside <= 1.5 x alone for each kind (every victim request 200), router RSS growth
-  < 300 MB, idle afterwards, the attacker answered as expected (`expect`: a 4xx naming the problem,
-  a 429, or 200 where correct; the control-token row: no forged control token; the LoRA row: only
-  `sql` loads and /v1/models lists one adapter; the slow-connection row: the server closed every
-  idle and slowloris socket within the window).
+- goals, printed PASS/MISS per row: /health p99 < 100 ms (and every probe answered 200), the
+  victim's slowest request beside the attack <= 1.5 x its slowest alone, for each kind (every
+  victim request 200; the p50 ratio is reported too), router RSS growth < 300 MB, idle afterwards,
+  the attacker answered as expected (`Row.expect`: a 4xx naming the problem, a 429, or 200 where
+  correct; the control-token row: no forged control token; the LoRA row: only `sql` loads and
+  /v1/models lists one adapter; the slow-connection row: the server closed every idle and
+  slowloris socket within the window).
 - correctness (`correct`: the test asserts it, `python -m benchmarks.soak` exits 1 without it):
   no call outlived its deadline, no 5xx, the stack idle after every row.
-- every request has a deadline; every loop is bounded in count and time; only 127.0.0.1.
+- every request has a deadline; every loop is bounded in count and time; loopback only: the
+  servers on 127.0.0.1, the attacker's connections from 127.0.0.2 (another peer, as a real attacker
+  is: a per-client connection cap must not count the victim's and the probe's against it).
 - output: a dict (benchmarks/soak.py prints the table and writes docs/reliability/hostile.json).
 - proven by: tests/test_soak.py::test_hostile_short (the quick run's correctness checks).
 """
@@ -61,7 +64,7 @@ ATTACKER_HOST = "127.0.0.2"  # the attacker's source address: a loopback peer ot
 TENANTS = "tenants:\n" + "".join(
     f'  - name: {name}\n    key_sha256: "{hash_key(name + "-key")}"\n{extra}'
     for name, extra in (
-        ("attacker", "    rate_requests_per_s: 2\n    burst_requests: 6\n"),
+        ("attacker", "    rate_requests_per_s: 4\n    burst_requests: 32\n"),  # n=16 must fit a burst
         ("victim", ""),
         ("observer", ""),
     )
@@ -127,7 +130,7 @@ class HostileArgs:
             regex="(a{100}){100}",
             choices=4,
             tool_args_chars=100_000,
-            idle_sockets=70,  # past a per-client connection cap of 64, if there is one
+            idle_sockets=260,  # past the per-client connection cap (--http-max-connections-per-client 256)
             slowloris=5,
             slow_window_s=4.0,
             request_timeout_s=60.0,
@@ -636,12 +639,13 @@ def run_row(stack: Stack, ctx: Ctx, row: Row, rng: random.Random) -> dict:
         statuses[str(ans.status)] = statuses.get(str(ans.status), 0) + 1
     first = flat[: len(attacks[0])] if attacks else []
     victim_answers = [x for kind in ("plain", "json_object") for x in alone[kind] + beside[kind]]
-    ratios = {}
+    ratios: dict[str, dict] = {"max": {}, "p50": {}}
     for kind in ("plain", "json_object"):
-        base, near = latency(alone[kind])["p50_s"], latency(beside[kind])["p50_s"]
-        ratios[kind] = round(near / base, 2) if base and near else None
+        for stat in ("max", "p50"):
+            base, near = latency(alone[kind])[f"{stat}_s"], latency(beside[kind])[f"{stat}_s"]
+            ratios[stat][kind] = round(near / base, 2) if base and near else None
     all_answers = [ans for _, ans in flat] + victim_answers
-    no_5xx = all(isinstance(x.status, int) and x.status < 500 for x in all_answers)
+    no_5xx = not any(isinstance(x.status, int) and x.status >= 500 for x in all_answers)
     result = {
         "attack": row.what,
         "attacker_first_answer": [
@@ -658,7 +662,8 @@ def run_row(stack: Stack, ctx: Ctx, row: Row, rng: random.Random) -> dict:
         "attacker_max_s": round(max((ans.seconds for _, ans in flat), default=0.0), 3),
         "victim_alone": {k: latency(v) for k, v in alone.items()},
         "victim_beside": {k: latency(v) for k, v in beside.items()},
-        "victim_ratio_p50": ratios,
+        "victim_ratio_max": ratios["max"],  # the slowest beside / the slowest alone, per kind
+        "victim_ratio_p50": ratios["p50"],
         "health": health,
         "router_rss": rss_report,
         "idle_after_s": idle["idle_after_s"],
@@ -677,7 +682,7 @@ def run_row(stack: Stack, ctx: Ctx, row: Row, rng: random.Random) -> dict:
         "health_p99_under_100ms": health["p99_ms"] is not None
         and health["p99_ms"] < 100
         and not health["error_count"],
-        "victim_within_1_5x": all(r is not None and r <= 1.5 for r in ratios.values())
+        "victim_within_1_5x": all(r is not None and r <= 1.5 for r in ratios["max"].values())
         and all(x.status == 200 for x in victim_answers),
         "rss_growth_under_300mb": rss_report["growth_mib"] < 300,
         "kv_free_afterwards": idle["idle"],
@@ -736,7 +741,7 @@ def run_hostile(args: HostileArgs, worker_args: tuple[str, ...] = ("--num-thread
 def table(result: dict) -> str:
     """One line per row: attacker answer, /health p99/max, victim ratios, RSS growth, goals."""
     head = (
-        f"{'row':<22}{'attacker':>18}{'health p99/max ms':>20}{'victim x (plain/json)':>24}"
+        f"{'row':<22}{'attacker':>18}{'health p99/max ms':>20}{'victim max x (plain/json)':>27}"
         f"{'RSS +MB':>9}{'KV free':>9}  goals"
     )
     lines = [head, "-" * len(head)]
@@ -749,11 +754,11 @@ def table(result: dict) -> str:
             s = r.get("slow_connections", {})
             answer = f"closed {s.get('idle_closed', 0) + s.get('slow_closed', 0)}/{s.get('opened', 0)}"
         h = r["health"]
-        ratio = "/".join(str(v) for v in r["victim_ratio_p50"].values())
+        ratio = "/".join(str(v) for v in r["victim_ratio_max"].values())
         health = f"{h['p99_ms']}/{h['max_ms']}"
         goals = " ".join(f"{'PASS' if ok else 'MISS'}:{t}" for t, ok in r["targets"].items())
         lines.append(
-            f"{name:<22}{answer[:18]:>18}{health:>20}{ratio:>24}"
+            f"{name:<22}{answer[:18]:>18}{health:>20}{ratio:>27}"
             f"{r['router_rss']['growth_mib']:>9}{str(r['targets']['kv_free_afterwards']):>9}  {goals}"
         )
     return "\n".join(lines)
