@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from router.affinity import PrefixAffinity
 from router.balancer import Lease, LeastOutstandingTokens
-from router.errors import DeadlineExceeded, Unavailable, ValidationError
+from router.errors import DeadlineExceeded, Unavailable, context_exceeded
 from router.fair_queue import FairQueue, QueuedRequest
 from router.registry import WorkerHandle, WorkerRegistry
 
@@ -263,11 +263,8 @@ class Dispatcher:
             largest = max((getattr(w.info, "max_model_len", 0) for w in healthy), default=0)
             need = item.num_prompt_tokens + item.max_tokens
             error = (
-                ValidationError(
-                    "stopping.max_tokens",
-                    f"prompt ({item.num_prompt_tokens} tokens) + max_tokens ({item.max_tokens}) exceed the "
-                    f"context of every worker serving model {pending.model!r} (largest: {largest} tokens)",
-                )
+                # the largest context a worker of this model holds (a worker may hold less than the model)
+                context_exceeded("stopping.max_tokens", largest, item.num_prompt_tokens, item.max_tokens)
                 if healthy and largest and need > largest
                 else Unavailable(f"no healthy worker for model {pending.model!r}")
             )

@@ -47,7 +47,7 @@ from router.config import Limits
 from router.decode_pool import Busy, DecodePool, message_problem
 from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
-from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError
+from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError, context_exceeded
 from router.fair_queue import OUTPUT_COST
 from router.grammar_compile import GrammarCompiler
 from router.lora_admin import AdapterAdmin
@@ -426,12 +426,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         field, chars = (
             ("chat.messages", req.chat_chars) if req.chat is not None else ("prompt", len(req.prompt))
         )
-        if chars > req.model.max_model_len * per_token:
-            raise ValidationError(
-                field,
-                f"{chars} characters cannot fit the model's {req.model.max_model_len}-token "
-                f"context (a token covers at most {per_token} characters)",
-            )
+        if chars > req.model.max_model_len * per_token:  # a context overflow: context_length_exceeded
+            raise context_exceeded(field, req.model.max_model_len, chars=chars, chars_per_token=per_token)
 
     async def _autoload(self, name: str, tenant, models: dict, deadline_s: float | None):
         """A model to load on demand (router/lora_autoload.py) claims the request first (rate, caps,

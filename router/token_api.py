@@ -3,9 +3,10 @@ from the router's own tokenizers (no worker, no admission).
 
 Contract
 - input: `pb.TokenizeRequest` (model, a prompt or a chat, `add_special_tokens` for a prompt,
-  default true as Generate) / `pb.DetokenizeRequest` (model, token ids).
+  default true as Generate, `with_pieces`) / `pb.DetokenizeRequest` (model, token ids).
 - output: `pb.TokenizeResponse` (the model's id, the ids, `max_model_len` from a connected worker
-  or 0 when none is) / `pb.DetokenizeResponse` (the text, special tokens written out).
+  or 0 when none is, and with `with_pieces` each id's bytes: `token_pieces`) /
+  `pb.DetokenizeResponse` (the text, special tokens written out).
 - state: a tokenize pool of its own (one thread, eight waiting: router/tokenize_pool.py), so these
   calls never wait in Generate's pool nor crowd it, and a flood is refused (RESOURCE_EXHAUSTED),
   never queued unbounded. The service takes the tenant's admission claim for each call (its
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import jinja2
 
+from common.tokenizer import Tokenizer
 from protos.llm.v1 import generation_pb2 as pb
 from router.chat_validation import validate_chat
 from router.config import Limits
@@ -30,6 +32,17 @@ from router.tokenize_pool import TokenizePool
 
 # Ids one Detokenize may send while no worker tells the model's context (with one: max_model_len).
 MAX_DETOKENIZE_IDS = 131_072
+
+
+def token_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[bytes]:
+    """Each id's own bytes, as the decoder joins them (common/token_bytes.py: byte-level BPE's
+    bytes, a SentencePiece piece's text, a special token's text); a tokenizer whose decoder has no
+    byte table gives each id's text decoded alone (a split character is U+FFFD there)."""
+    table = tokenizer.byte_table
+    if table is None:
+        return [tokenizer.decode([t]).encode() for t in ids]
+    pieces = [table.pieces[t] if t < len(table.pieces) else None for t in ids]
+    return [p.encode() if isinstance(p, str) else p or b"" for p in pieces]
 
 
 class TokenApi:
@@ -60,7 +73,11 @@ class TokenApi:
                 limit = self._limits.max_prompt_chars
                 try:
                     return tokenizer.encode_chat(
-                        list(valid["chat"]), tools=list(valid["tools"]), max_chars=limit
+                        list(valid["chat"]),
+                        tools=list(valid["tools"]),
+                        max_chars=limit,
+                        # the ids a generation of these messages gets (router/service.py)
+                        parse_special_in_messages=self._limits.parse_special_tokens_in_messages,
                     )
                 except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as exc:  # (as Generate)
                     raise ValidationError("chat.messages", str(exc)) from None
@@ -74,9 +91,20 @@ class TokenApi:
             def encode() -> list[int]:
                 return tokenizer.encode(prompt, add_special_tokens=special)
 
-        ids = await self._pool.run(encode)
+        if request.with_pieces:
+            plain = encode
+
+            def encode() -> tuple[list[int], list[bytes]]:
+                ids = plain()
+                return ids, token_pieces(tokenizer, ids)
+
+            ids, pieces = await self._pool.run(encode)
+        else:
+            ids, pieces = await self._pool.run(encode), []
         spec = self._registry.models().get(name)
-        return pb.TokenizeResponse(model=name, token_ids=ids, max_model_len=spec.max_model_len if spec else 0)
+        return pb.TokenizeResponse(
+            model=name, token_ids=ids, max_model_len=spec.max_model_len if spec else 0, pieces=pieces
+        )
 
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         name = self._model(request.model)

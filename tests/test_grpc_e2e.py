@@ -230,7 +230,7 @@ def _invalid_table(max_model_len):
             {"prompt": "x" * (max_model_len * 100)},
             AUTH,
             grpc.StatusCode.INVALID_ARGUMENT,
-            "characters cannot fit the model's",
+            f"characters of prompt cannot fit in {max_model_len} tokens",
         ),
         (
             "chat that no tokenization fits",

@@ -190,6 +190,18 @@ def test_a_prompt_over_the_context_is_context_length_exceeded_everywhere(router,
     assert "However, your messages resulted in" in answer["error"]["message"]
 
 
+def test_a_text_no_tokenization_fits_is_context_length_exceeded(router, context):
+    """Refused before tokenizing (router/service.py _refuse_hopeless_text): a context overflow too."""
+    url = http_url(router)
+    huge = "y" * (context * 100)  # SmolLM2's longest token is 81 characters
+    chat = {"model": "", "messages": [{"role": "user", "content": huge}], "max_tokens": 1}
+    status, answer = post(url + "/chat/completions", json.dumps(chat).encode(), KEY)
+    overflow(status, answer, "messages")
+    assert f"{len(huge)} characters of messages cannot fit in {context} tokens" in answer["error"]["message"]
+    status, answer = post(url + "/completions", json.dumps({"prompt": huge, "max_tokens": 1}).encode(), KEY)
+    overflow(status, answer, "prompt")
+
+
 def test_prompt_plus_max_tokens_over_the_context(router, stub, context):
     url = http_url(router)
     short = [{"role": "user", "content": "Say yes."}]
@@ -279,3 +291,32 @@ def test_chat_and_completions_objects_and_chunks_carry_system_fingerprint(router
             lines = reply.read().decode().splitlines()
         events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
         assert events and all("system_fingerprint" in event for event in events)
+
+
+def test_tokenize_with_pieces_gives_each_tokens_bytes(router, stub):
+    base = http_url(router).removesuffix("/v1")
+    text = "Hello 😀 world"  # the emoji: 4 bytes over two tokens, neither of them UTF-8 alone
+    status, plain = post(f"{base}/tokenize", json.dumps({"content": text}).encode(), KEY)
+    status2, answer = post(
+        f"{base}/tokenize", json.dumps({"content": text, "with_pieces": True}).encode(), KEY
+    )
+    assert status == status2 == 200 and answer["count"] == plain["count"]
+    tokens = answer["tokens"]
+    assert [t["id"] for t in tokens] == plain["tokens"] and tokens[0] == {
+        "id": plain["tokens"][0],
+        "piece": "Hello",
+    }
+    split = [t["piece"] for t in tokens if isinstance(t["piece"], list)]
+    assert split and all(all(0 <= b < 256 for b in piece) for piece in split)
+    joined = b"".join(
+        bytes(t["piece"]) if isinstance(t["piece"], list) else t["piece"].encode() for t in tokens
+    )
+    assert joined.decode() == text
+    body = {"messages": [{"role": "user", "content": "Hi"}], "with_pieces": True}  # a chat too
+    status, chat = post(f"{base}/tokenize", json.dumps(body).encode(), KEY)
+    assert status == 200 and chat["tokens"][0]["piece"] == "<|im_start|>"
+    status, bad = post(f"{base}/tokenize", json.dumps({"content": text, "with_pieces": "yes"}).encode(), KEY)
+    assert status == 400 and bad["error"]["param"] == "with_pieces"
+    reply = stub.Tokenize(pb.TokenizeRequest(prompt=text, with_pieces=True), metadata=AUTH)  # gRPC too
+    assert b"".join(reply.pieces).decode() == text and len(reply.pieces) == len(reply.token_ids)
+    assert not stub.Tokenize(pb.TokenizeRequest(prompt=text), metadata=AUTH).pieces

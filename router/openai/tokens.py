@@ -6,9 +6,12 @@ Contract
 - input: /tokenize `{"model"?, "prompt": str, "add_special_tokens"?: bool (default true)}`
   (llama.cpp's form: `{"content": str, "add_special"?: bool (default false)}`) or `{"model"?,
   "messages": [...], "tools"?, "tool_choice"?}` (the chat as /v1/chat/completions renders it,
-  generation prompt included); /detokenize `{"model"?, "tokens": [ids]}`.
-- output: `{"model", "tokens", "count", "max_model_len"}` / `{"model", "prompt", "content"}`
-  (the text under both names: vLLM's and llama.cpp's).
+  generation prompt included), each with llama.cpp's `"with_pieces"?: bool`; /detokenize
+  `{"model"?, "tokens": [ids]}`.
+- output: `{"model", "tokens", "count", "max_model_len"}`, with `with_pieces` each token as
+  llama.cpp gives it, `{"id", "piece"}`: the piece a string where its bytes are UTF-8 alone, else
+  the list of its byte values / `{"model", "prompt", "content"}` (the text under both names:
+  vLLM's and llama.cpp's).
 - failure modes: `ApiError(400)` naming the parameter (no prompt or messages, a wrong type,
   `add_generation_prompt: false`, which this server does not do); the service's errors as for the
   other endpoints (router/openai/app.py).
@@ -57,6 +60,10 @@ def _request(build: Callable[[dict], T]) -> Callable[[object], T]:
 @_request
 def tokenize_request(body: dict) -> pb.TokenizeRequest:
     out = pb.TokenizeRequest(model=_model(body))
+    with_pieces = body.get("with_pieces", False)
+    if not isinstance(with_pieces, bool):
+        raise _bad("with_pieces", "must be a boolean")
+    out.with_pieces = with_pieces
     if "messages" in body:
         if body.get("add_generation_prompt", True) is not True:
             raise _bad(
@@ -80,9 +87,21 @@ def tokenize_request(body: dict) -> pb.TokenizeRequest:
     return out
 
 
+def _piece(raw: bytes) -> str | list[int]:
+    """llama.cpp's form of a token's piece: its text, or its byte values where they are not UTF-8
+    alone (a character split across tokens)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
 def tokenize_answer(reply: pb.TokenizeResponse) -> dict:
     ids = list(reply.token_ids)
-    return {"model": reply.model, "tokens": ids, "count": len(ids), "max_model_len": reply.max_model_len}
+    tokens: list = ids
+    if reply.pieces:  # with_pieces
+        tokens = [{"id": i, "piece": _piece(p)} for i, p in zip(ids, reply.pieces, strict=True)]
+    return {"model": reply.model, "tokens": tokens, "count": len(ids), "max_model_len": reply.max_model_len}
 
 
 @_request
