@@ -31,8 +31,10 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -69,6 +71,10 @@ from router.validation import (
     validate,
 )
 
+# A chat of more messages than this is validated on a thread (10,000 messages: ~66 ms of Python,
+# which would hold the event loop; on a thread the loop runs between the GIL's switches)
+INLINE_MESSAGES = 256
+_VALIDATION = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="validate")
 # the largest max_tokens a request's pre-validation cost estimate counts (retry-after estimates only)
 MAX_COST_TOKENS = 1 << 20
 FINISH_REASONS = {
@@ -472,7 +478,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _prepare(self, request: pb.GenerateRequest, tenant, models: dict):
         """validate (and compile a grammar) -> the model's defaults -> the tenant's priority ->
         tokenize -> fit to the context. -> (ValidRequest, prompt ids, max_tokens)."""
-        req = validate(request, self._limits, models, compile_grammar=False)
+        if len(request.chat.messages) > INLINE_MESSAGES:  # a long history: checked off the loop
+            check = functools.partial(validate, request, self._limits, models, compile_grammar=False)
+            req = await asyncio.get_running_loop().run_in_executor(_VALIDATION, check)
+        else:
+            req = validate(request, self._limits, models, compile_grammar=False)
         # the format's grammar: in the compile processes, within a budget (router/grammar_compile.py)
         req = await compile_response_format(req, self._grammars, tenant.name)
         req = self._models.apply_defaults(req, request.sampling)  # the model's own, where unset

@@ -113,6 +113,15 @@ def test_huge_bodies_and_histories_do_not_hold_the_event_loop(router):  # noqa: 
                 ],
             },
         ),
+        # 10,000 messages (the default bound), n 16: validated on a thread, then too long to fit
+        "10k messages": (
+            "/chat/completions",
+            {
+                "n": 16,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"m{i}"} for i in range(10_000)],
+            },
+        ),
         "2 MB prompt": ("/completions", {"prompt": "word " * 400_000, "n": 16, "max_tokens": 4}),
     }
     for name, (path, body) in attacks.items():
