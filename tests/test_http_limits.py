@@ -33,6 +33,11 @@ def make_app() -> FastAPI:
             return Response(status_code=499)
         return JSONResponse({"bytes": len(body)})
 
+    @app.post("/late-echo")
+    async def late_echo(request: Request) -> Response:
+        await asyncio.sleep(0.8)  # the endpoint is busy before it reads the body (the router's wait)
+        return await echo(request)
+
     @app.get("/big")
     async def big() -> Response:
         return Response(b"x" * BIG, media_type="application/octet-stream")
@@ -157,6 +162,20 @@ def test_a_body_that_does_not_arrive_in_time_gets_408():
         finally:
             task.cancel()
         assert front.connection_stats()[1]["body_timeout"] == 2
+
+    serve(limits(body_timeout_s=0.3), scenario)
+
+
+def test_a_body_the_endpoint_has_not_read_yet_is_not_timed_out():
+    """The client sent its 1 MB body at once; the endpoint reads it only after 0.8 s (past the
+    0.3 s body timeout): uvicorn stopped reading at 64 KiB meanwhile, so the wait is the router's,
+    and the request is served."""
+
+    async def scenario(front) -> None:
+        reader, writer = await connect(front)
+        status, _, body = await request(reader, writer, "POST", "/late-echo", b"x" * 1_000_000)
+        assert (status, body) == (200, b'{"bytes":1000000}')
+        assert front.connection_stats()[1]["body_timeout"] == 0
 
     serve(limits(body_timeout_s=0.3), scenario)
 

@@ -17,7 +17,8 @@ Contract
   the first byte of a keep-alive connection's next request: before it, uvicorn's 5 s keep-alive
   timer closes an idle connection), else it is closed; a request body must be complete within
   `body_timeout_s` of its headers, else 408 (an OpenAI error object, `Connection: close`; the app's
-  `receive` sees a disconnect) or, when the app already answered, the connection is closed; a
+  `receive` sees a disconnect) or, when the app already answered, the connection is closed (not
+  while the app leaves 64 KiB of it unread: uvicorn then stops reading, the wait is the app's); a
   whole (non-SSE) response whose unsent bytes do not move for `write_timeout_s` (the client reads
   nothing) has its connection aborted, checked every quarter of it (SSE streams have their own
   idle timeout, router/openai/http.py); past `max_connections` open connections, or
@@ -223,6 +224,9 @@ class _LimitedH11Protocol(H11Protocol):
         self._read_timer = None
         if self.transport.is_closing():
             return
+        if phase == "body_timeout" and self.flow.read_paused:  # the app has not taken 64 KiB of it yet:
+            self._set_read_timer(phase)  # the router, not the client, is the slow one; another period
+            return
         self.guard.closed[phase] += 1
         cycle = self.cycle
         if phase == "body_timeout" and cycle is not None and not cycle.response_started:
@@ -350,6 +354,7 @@ class HttpFront:
             self._asgi,
             interface="asgi3",  # a bound method: uvicorn's guess would take it for ASGI 2
             http=type("_Protocol", (_LimitedH11Protocol,), {"guard": self._guard}),
+            ws="none",  # no WebSocket endpoints; an upgrade would also leave the connection counts
             log_level="warning",
             access_log=False,
             lifespan="off",
