@@ -20,6 +20,9 @@ Contract:
   while it is full the sequence is left out of the engine's steps (it keeps its KV blocks), so a
   reader that stops reading stops its generation instead of growing a queue.
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
+- `AsyncEngine.from_config(config)` builds and starts one for a single-rank config; a config with
+  `tensor_parallel_size > 1` is refused (ValueError): its caller (worker/server.py) builds a
+  `worker.tp.engine.TPAsyncEngine` instead, so this module never imports its subclass.
 - `call(fn)` runs fn(engine) on the engine thread between steps and returns its result (LoRA
   loads and unloads, worker/server.py).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
@@ -172,10 +175,11 @@ class AsyncEngine:
     def from_config(
         cls, config: EngineConfig, stream_buffer: int = DEFAULT_STREAM_BUFFER, stream_interval: int = 1
     ) -> "AsyncEngine":
-        if config.tensor_parallel_size > 1 and cls is AsyncEngine:
-            from worker.tp.engine import TPAsyncEngine  # one worker over N ranks (worker/tp/)
-
-            return TPAsyncEngine.from_config(config, stream_buffer, stream_interval)
+        if config.tensor_parallel_size > 1:  # its caller builds worker.tp.engine.TPAsyncEngine
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size}: a tensor-parallel worker is a "
+                "worker.tp.engine.TPAsyncEngine, not an AsyncEngine"
+            )
         engine = cls(build_engine_off_main_thread(config), stream_buffer, stream_interval)
         engine.start()
         return engine

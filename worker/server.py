@@ -52,6 +52,7 @@ from worker.lora_files import AdapterError
 from worker.metrics import WorkerMetrics
 from worker.observe import RequestObservation
 from worker.server_config import WorkerServerConfig
+from worker.tp.engine import TPAsyncEngine
 from worker.tp.errors import GroupUnavailable
 from worker.types import FinishReason, RequestOutput, SamplingParams
 
@@ -322,7 +323,9 @@ async def serve(
     if _stopped_early(stop_requested):
         return 0
     log.info("loading model %s", model_id)
-    engine = AsyncEngine.from_config(config.engine, config.stream_buffer_messages, config.stream_interval)
+    # --tensor-parallel-size > 1: one worker over N ranks (worker/tp/); this is where the class is chosen
+    engine_class = TPAsyncEngine if config.engine.tensor_parallel_size > 1 else AsyncEngine
+    engine = engine_class.from_config(config.engine, config.stream_buffer_messages, config.stream_interval)
     # The event loop's handlers replace the start-up recorder only now: the load above blocks this
     # thread, so they could not have run during it, and the recorder holds what came meanwhile.
     stop = GrpcServer.stop_event(stop)
