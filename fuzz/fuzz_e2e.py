@@ -27,11 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import http.client
 import json
+import os
 import pathlib
 import random
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -300,10 +304,468 @@ async def run_http(base: str, model: str, rng: random.Random, n: int) -> collect
     return results
 
 
+# ---------------------------------------------------------------- amplify: size-amplifying bodies
+# Bodies that cost the router far more than their count suggests, near and over every bound
+# (router/config.py Limits, router/openai/requests.py MAX_CHOICES, router/validation.py
+# MAX_LOGIT_BIAS, router/chat_validation.py MAX_TOOLS, router/token_api.py MAX_DETOKENIZE_IDS,
+# router/openai/embeddings.py MAX_INPUTS, common/structured.py MAX_GRAMMAR_BYTES, the 16 MiB body).
+# Each call is drawn as a (kind, seed) pair from the run's rng and its bytes built from its own
+# `random.Random(seed)` just before it is sent (2 in flight hold at most 2 bodies in memory).
+MAX_BODY = 16 * 2**20
+VOCAB_IDS = 49_152  # the test model's vocabulary; ids past it are refused, which is fine
+
+
+def _text(n: int) -> str:
+    """n characters of words, built by repetition (cheap at 1M)."""
+    return ("lorem ipsum dolor " * (n // 18 + 1))[:n]
+
+
+class _Amp:
+    """One body's builder: `rng` its own, `scale` shrinks characters and large counts (not the
+    count bounds' +1 overshoots, which are cheap)."""
+
+    def __init__(self, rng: random.Random, model: str, scale: float):
+        self.rng, self.model, self.scale = rng, model, scale
+
+    def size(self, n: int) -> int:
+        return max(1, int(n * self.scale))
+
+    def costly(self, n: int) -> int:
+        """A count of inputs the worker computes one by one (embeddings): scale squared, so a tenth
+        of the size is a hundredth of the worker's time (2,048 inputs take ~2 min on one thread)."""
+        return max(1, int(n * self.scale**2))
+
+    def chars(self, lo: int = 100_000, hi: int = 1_000_000) -> int:
+        """A text length from lo to hi, often at hi (1M: --max-prompt-chars) or just over it."""
+        r = self.rng.random()
+        n = hi if r < 0.2 else hi + 1 if r < 0.3 else self.rng.randint(lo, hi)
+        return self.size(n)
+
+    def chat(self, content: str, **extra) -> dict:
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        body["stream"] = self.rng.random() < 0.3
+        return {**body, **extra}
+
+    def n(self) -> int:
+        return self.rng.choice([1, 2, 16, 16, 17])
+
+    # each returns (path, body, shape): path under the server root, body JSON-able or bytes
+    def n_content(self):
+        n, chars = self.n(), self.chars()
+        return "/v1/chat/completions", self.chat(_text(chars), n=n), f"chat n={n} content={chars}"
+
+    def n_prompt(self):
+        n, chars = self.n(), self.chars()
+        body = {"model": self.model, "prompt": _text(chars), "n": n, "max_tokens": 1}
+        if self.rng.random() < 0.3:
+            body["best_of"] = n
+        return "/v1/completions", body, f"completions n={n} prompt={chars}"
+
+    def logit_bias(self):
+        k = self.rng.choice([300, 300, 301, self.size(100_000)])
+        n = self.rng.choice([1, 16])
+        bias = {str(i % VOCAB_IDS if k <= 301 else i): (-100, 5, 100)[i % 3] for i in range(k)}
+        return "/v1/chat/completions", self.chat("Hi", logit_bias=bias, n=n), f"chat n={n} logit_bias={k}"
+
+    def stop(self):
+        k = self.rng.choice([8, 8, 9, self.size(10_000)])
+        stop = [("s%d" % i + "x" * 64)[: self.rng.choice([63, 64, 65])] for i in range(k)]
+        n = self.rng.choice([1, 16])
+        return "/v1/chat/completions", self.chat("Hi", stop=stop, n=n), f"chat n={n} stop={k}x~64"
+
+    def messages(self):
+        k = self.rng.choice([10_000, 10_001, self.rng.randint(1_000, 20_000)])
+        k = self.size(k) if self.scale < 1 else k
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(k - 1)]
+        msgs.append({"role": "user", "content": "go"})
+        body = self.chat("", n=self.rng.choice([1, 16]))
+        body["messages"] = msgs
+        return "/v1/chat/completions", body, f"chat messages={k} n={body['n']}"
+
+    def _tools(self, k: int, props: int) -> list:
+        desc = _text(self.size(200))
+        params = {
+            "type": "object",
+            "properties": {f"p{j}": {"type": "string", "description": desc} for j in range(props)},
+            "required": [f"p{j}" for j in range(min(props, 8))],
+        }
+        return [
+            {"type": "function", "function": {"name": f"f{i}", "description": desc, "parameters": params}}
+            for i in range(k)
+        ]
+
+    def tools(self):
+        k, props = self.rng.choice([128, 128, 129]), max(4, self.size(self.rng.choice([4, 40, 200])))
+        choice = self.rng.choice(["auto", "required", {"type": "function", "function": {"name": "f7"}}])
+        body = self.chat("Hi", tools=self._tools(k, props), tool_choice=choice)
+        return "/v1/chat/completions", body, f"chat tools={k} properties={props} tool_choice={choice}"
+
+    def tool_history(self):
+        chars, calls = self.chars(10_000, 900_000), self.rng.choice([1, 1, 8, 64])
+        args = json.dumps({"data": _text(max(1, chars // calls))})
+        history = [{"role": "user", "content": "call f"}]
+        ids = [f"c{i}" for i in range(calls)]
+        history.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": c, "type": "function", "function": {"name": "f0", "arguments": args}} for c in ids
+                ],
+            }
+        )
+        history += [{"role": "tool", "tool_call_id": c, "content": "ok"} for c in ids]
+        body = self.chat("", tools=self._tools(1, 4), n=self.rng.choice([1, 16]))
+        body["messages"] = history
+        return (
+            "/v1/chat/completions",
+            body,
+            f"chat tool_calls={calls} arguments={len(args)}x{calls} n={body['n']}",
+        )
+
+    def batch(self):
+        k = self.rng.choice([16, 16, 17])
+        each = self.size(self.rng.choice([10_000, 60_000, 250_000, 900_000]))
+        each = min(each, (MAX_BODY - 4096) // k)  # near the 16 MiB body, not over
+        body = {"model": self.model, "prompt": [_text(each)] * k, "max_tokens": 1}
+        return "/v1/completions", body, f"completions prompts={k}x{each}"
+
+    def token_ids(self):
+        if self.rng.random() < 0.5:
+            k = self.rng.choice([self.size(100_000), 1_000_000 if self.scale >= 1 else 100_001])
+            prompt, shape = [i % VOCAB_IDS for i in range(k)], f"ids={k}"
+        else:
+            k = self.rng.choice([16, 17])
+            prompt, shape = [list(range(self.size(6_000)))] * k, f"id lists={k}x{self.size(6_000)}"
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "n": self.rng.choice([1, 16])}
+        return "/v1/completions", body, f"completions {shape} n={body['n']}"
+
+    def embeddings(self):
+        r = self.rng.random()
+        if r < 0.4:  # the count bound: 2,048 inputs are 2,048 pipeline calls
+            k = self.rng.choice([self.costly(2_048), 2_049])
+            inputs, shape = ["x"] * k, f"inputs={k}x1"
+        elif r < 0.7:  # long inputs, most past the model's context
+            k, each = self.rng.choice([16, 64]), self.size(self.rng.choice([1_000, 50_000]))
+            inputs, shape = [_text(each)] * k, f"inputs={k}x{each}"
+        elif r < 0.85:  # 2,048 texts past the test model's context (1,088 tokens): ~16 MiB
+            k, each = self.size(2_048), 8_000
+            inputs, shape = [_text(each)] * k, f"inputs={k}x{each}"
+        else:
+            k = self.rng.choice([self.costly(256), 2_049])
+            inputs, shape = [[1, 2, 3]] * k, f"id inputs={k}x3"
+        return "/v1/embeddings", {"model": self.model, "input": inputs}, f"embeddings {shape}"
+
+    def _schema_format(self, schema: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+    def schema_deep(self):
+        depth = self.rng.choice([16, 31, 32, 33, 63, 64, 65, 500, 5_000])
+        width = self.rng.choice([1, 8, 60])
+        node: dict = {"type": "string"}
+        for d in range(depth):
+            props = {f"k{j}": {"type": "integer"} for j in range(width - 1)}
+            node = {"type": "object", "properties": {"a": node, **props}, "required": ["a"]}
+        fmt = self._schema_format(node)
+        return (
+            "/v1/chat/completions",
+            self.chat("Hi", response_format=fmt),
+            f"json_schema depth={depth} width={width}",
+        )
+
+    def schema_wide(self):
+        k = self.rng.choice([100, 1_000, self.size(10_000)])
+        key = self.rng.choice(["allOf", "anyOf", "oneOf"])
+        schema = {
+            key: [{"type": "string", "pattern": f"^(a|b{{{i}}})+c[0-9]{{1,{i + 1}}}$"} for i in range(k)]
+        }
+        fmt = self._schema_format(schema)
+        return "/v1/chat/completions", self.chat("Hi", response_format=fmt), f"json_schema {key}={k} patterns"
+
+    def schema_refs(self):
+        k = self.rng.choice([100, 1_000, self.size(5_000)])
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(k)}
+        cycle = self.rng.random() < 0.3
+        defs[f"d{k}"] = (
+            {"$ref": "#/$defs/d0"} if cycle else {"type": "object", "properties": {"x": {"type": "string"}}}
+        )
+        schema = {"$defs": defs, "$ref": "#/$defs/d0"}
+        fmt = self._schema_format(schema)
+        return (
+            "/v1/chat/completions",
+            self.chat("Hi", response_format=fmt),
+            f"json_schema $ref chain={k} cycle={cycle}",
+        )
+
+    def responses(self):
+        r = self.rng.random()
+        if r < 0.4:
+            chars = self.chars()
+            body, shape = {"input": _text(chars)}, f"input={chars}"
+        elif r < 0.7:
+            k = self.size(self.rng.choice([1_000, 10_000, 10_001]))
+            body = {"input": [{"role": "user", "content": "hi"} for _ in range(k)]}
+            shape = f"input items={k}"
+        else:
+            chars = self.chars(10_000, 900_000)
+            body = {
+                "input": [
+                    {"role": "user", "content": "call f"},
+                    {
+                        "type": "function_call",
+                        "call_id": "c",
+                        "name": "f0",
+                        "arguments": json.dumps({"d": _text(chars)}),
+                    },
+                    {"type": "function_call_output", "call_id": "c", "output": "ok"},
+                ],
+                "tools": [{"type": "function", **t["function"]} for t in self._tools(128, 20)],
+            }
+            shape = f"function_call arguments={chars} tools=128"
+        body |= {"model": self.model, "max_output_tokens": 1, "stream": self.rng.random() < 0.3}
+        return "/v1/responses", body, f"responses {shape}"
+
+    def tokenize(self):
+        if self.rng.random() < 0.5:
+            chars = self.chars()
+            return "/tokenize", {"model": self.model, "prompt": _text(chars)}, f"tokenize prompt={chars}"
+        k = self.size(self.rng.choice([1_000, 10_000, 10_001]))
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(k)]
+        return "/tokenize", {"model": self.model, "messages": msgs}, f"tokenize messages={k}"
+
+    def detokenize(self):
+        k = self.rng.choice([self.size(100_000), 131_072, 131_073])
+        return (
+            "/detokenize",
+            {"model": self.model, "tokens": [i % VOCAB_IDS for i in range(k)]},
+            f"detokenize ids={k}",
+        )
+
+    def big_body(self):
+        """1-16 MiB (and just over): an unknown field's padding, whitespace, or a content past
+        --max-prompt-chars."""
+        size = self.rng.choice([2**20, 4 * 2**20, 8 * 2**20, MAX_BODY - 512, MAX_BODY + 1])
+        size = self.size(size) if self.scale < 1 else size
+        r = self.rng.random()
+        if r < 0.4:
+            head = json.dumps(self.chat("Hi"))[:-1] + ', "padding": "'
+            body, shape = (head + "x" * max(0, size - len(head) - 2) + '"}').encode(), "unknown field"
+        elif r < 0.7:
+            head = json.dumps(self.chat("Hi"))
+            body, shape = (head[:-1] + " " * max(0, size - len(head)) + "}").encode(), "whitespace"
+        else:
+            head = json.dumps(self.chat(""))
+            body, shape = json.dumps(self.chat(_text(max(1, size - len(head))))).encode(), "content"
+        return "/v1/chat/completions", body, f"body={len(body)} bytes ({shape})"
+
+
+AMPLIFY_KINDS = {
+    "n_content": 10,
+    "n_prompt": 6,
+    "logit_bias": 6,
+    "stop": 5,
+    "messages": 7,
+    "tools": 6,
+    "tool_history": 7,
+    "batch": 6,
+    "token_ids": 6,
+    "embeddings": 6,
+    "schema_deep": 6,
+    "schema_wide": 5,
+    "schema_refs": 5,
+    "responses": 7,
+    "tokenize": 5,
+    "detokenize": 4,
+    "big_body": 8,
+}
+
+
+def amplify_call(kind: str, seed: int, model: str, scale: float) -> tuple[str, bytes, str]:
+    """One amplifying call's (path, body bytes, shape) from its kind and its own seed."""
+    path, body, shape = getattr(_Amp(random.Random(seed), model, scale), kind)()
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return path, data, shape
+
+
+def _send(url: str, body: bytes, key: str) -> str:
+    """http_status, with a refusal that closes the connection mid-upload (413) or a hang (the
+    120-s timeout) as a status of its own."""
+    try:
+        return str(http_status("POST", url, body, key))
+    except TimeoutError:
+        return "hung"
+    except urllib.error.URLError as err:
+        return "hung" if isinstance(err.reason, TimeoutError) else f"conn:{type(err.reason).__name__}"
+    except (ConnectionError, http.client.HTTPException) as err:
+        return f"conn:{type(err).__name__}"
+
+
+class LoopLagSampler:
+    """The router's loop-lag metrics (router/observe.py EventLoopLag), scraped every `every_s`
+    from a thread (the /metrics server is a thread of its own, so a stalled loop does not delay it):
+    the histogram's sample count and its le=0.05 bucket, the 1-s window's worst and the max since
+    start, each with the time it was read."""
+
+    NAME = "llm_router_event_loop_lag_samples_seconds"
+
+    def __init__(self, router, every_s: float = 0.5):
+        self.router, self.every_s = router, every_s
+        self.readings: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loop-lag-sampler", daemon=True)
+
+    def read(self) -> dict:
+        page = procs.scrape(self.router)
+        return {
+            "t": time.monotonic(),
+            "count": page[(f"{self.NAME}_count", ())],
+            "le_0.05": page[(f"{self.NAME}_bucket", (("le", "0.05"),))],
+            "window_s": page[("llm_router_event_loop_lag_seconds", ())],
+            "max_s": page[("llm_router_event_loop_lag_max_seconds", ())],
+        }
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.readings.append(self.read())
+            except OSError:  # a scrape that failed: the next one tells
+                continue
+
+    def __enter__(self):
+        self.before = self.read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.after = self.read()
+
+
+async def run_amplify(
+    base: str, router, model: str, rng: random.Random, n: int, scale: float
+) -> tuple[collections.Counter, dict]:
+    """n size-amplifying calls, 2 at a time; -> (statuses, the phase's report: loop lag, per-kind
+    statuses and seconds, the kinds in flight when the loop was late)."""
+    root = base.removesuffix("/v1")
+    draws = [
+        (
+            rng.choices(list(AMPLIFY_KINDS), list(AMPLIFY_KINDS.values()))[0],
+            rng.getrandbits(32),
+            rng.random() < 0.9,
+        )
+        for _ in range(n)
+    ]
+    limit = asyncio.Semaphore(2)
+    calls: list[dict] = []
+
+    def one_call(kind: str, seed: int, right_key: bool) -> dict:
+        path, body, shape = amplify_call(kind, seed, model, scale)
+        start = time.monotonic()
+        status = _send(root + path, body, FUZZ_KEY if right_key else WRONG_KEY)
+        return {
+            "kind": kind,
+            "shape": shape,
+            "bytes": len(body),
+            "key": right_key,
+            "status": status,
+            "start": start,
+            "end": time.monotonic(),
+        }
+
+    async def one(draw) -> None:
+        async with limit:
+            calls.append(await asyncio.to_thread(one_call, *draw))
+
+    with LoopLagSampler(router) as lag:
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(d) for d in draws))
+        seconds = time.monotonic() - t0
+    return collections.Counter(c["status"] for c in calls), lag_report(lag, calls, seconds)
+
+
+def lag_report(lag: LoopLagSampler, calls: list[dict], seconds: float) -> dict:
+    """The phase's loop lag and which calls were in flight when it was late: each scrape interval's
+    samples over 50 ms go to every kind with a call in flight during it."""
+    readings = [lag.before, *lag.readings, lag.after]
+    late_by_kind: collections.Counter[str] = collections.Counter()
+    late_intervals = []
+    for prev, cur in zip(readings, readings[1:]):
+        late = (cur["count"] - cur["le_0.05"]) - (prev["count"] - prev["le_0.05"])
+        if late <= 0 and cur["max_s"] <= prev["max_s"]:
+            continue
+        running = [c for c in calls if c["start"] < cur["t"] and c["end"] > prev["t"]]
+        for kind in {c["kind"] for c in running}:
+            late_by_kind[kind] += late
+        late_intervals.append(
+            {
+                "at_s": round(cur["t"] - lag.before["t"], 2),
+                "samples_over_50ms": int(late),
+                "window_worst_ms": round(cur["window_s"] * 1e3, 1),
+                "new_max_ms": round(cur["max_s"] * 1e3, 1) if cur["max_s"] > prev["max_s"] else None,
+                "in_flight": sorted(f"{c['kind']}: {c['shape']} -> {c['status']}" for c in running),
+            }
+        )
+    samples = lag.after["count"] - lag.before["count"]
+    over = samples - (lag.after["le_0.05"] - lag.before["le_0.05"])
+    worst_s = max(
+        [lag.after["max_s"] if lag.after["max_s"] > lag.before["max_s"] else 0.0]
+        + [r["window_s"] for r in readings[1:]]
+    )
+    by_kind: dict[str, dict] = {}
+    for c in calls:
+        k = by_kind.setdefault(c["kind"], {"calls": 0, "statuses": collections.Counter(), "max_seconds": 0.0})
+        k["calls"] += 1
+        k["statuses"][c["status"]] += 1
+        k["max_seconds"] = round(max(k["max_seconds"], c["end"] - c["start"]), 2)
+    slowest = sorted(calls, key=lambda c: c["start"] - c["end"])[:5]
+    return {
+        "seconds": round(seconds, 1),
+        "body_mb_sent": round(sum(c["bytes"] for c in calls) / 2**20, 1),
+        "loop_lag_max_ms_before": round(lag.before["max_s"] * 1e3, 1),
+        "loop_lag_max_ms_after": round(lag.after["max_s"] * 1e3, 1),
+        "loop_lag_worst_ms_in_phase": round(worst_s * 1e3, 1),
+        "loop_lag_goal_ms": 50,
+        "loop_lag_goal": "PASS" if worst_s <= 0.05 else "MISS",
+        "loop_lag_samples": int(samples),
+        "loop_lag_samples_over_50ms": int(over),
+        "loop_lag_share_over_50ms": round(over / samples, 4) if samples else 0.0,
+        "samples_over_50ms_by_kind_in_flight": dict(late_by_kind.most_common()),
+        "late_intervals": sorted(late_intervals, key=lambda i: -i["window_worst_ms"])[:10],
+        "by_kind": {k: {**v, "statuses": dict(v["statuses"])} for k, v in sorted(by_kind.items())},
+        "slowest_calls": [
+            {
+                "kind": c["kind"],
+                "shape": c["shape"],
+                "status": c["status"],
+                "seconds": round(c["end"] - c["start"], 2),
+            }
+            for c in slowest
+        ],
+        "not_answered": [
+            f"{c['kind']}: {c['shape']} -> {c['status']}" for c in calls if not c["status"].isdigit()
+        ],
+    }
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+    except OSError:
+        return ""
+    return next(
+        (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), ""
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fuzz.fuzz_e2e", description=__doc__.splitlines()[0])
     p.add_argument("--grpc-calls", type=int, default=10_000)
     p.add_argument("--http-calls", type=int, default=2_000)
+    p.add_argument("--amplify-calls", type=int, default=200, help="size-amplifying HTTP bodies, 2 at a time")
+    p.add_argument(
+        "--amplify-scale", type=float, default=1.0, help="shrink the amplifying bodies' sizes (0.1: a tenth)"
+    )
     p.add_argument("--seed", type=int, default=9)
     p.add_argument("--out", default=str(REPO / "docs" / "reliability" / "fuzz_e2e.json"))
     p.add_argument("--worker", default="", help="host:port of a running worker to use (default: start one)")
@@ -322,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
             "4",
             "--http-port",
             "0",
+            "--metrics-port",
+            "0",
             tenants=TENANTS,
             metadata=AUTH,
         ) as router:
@@ -334,6 +798,11 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             http_results = asyncio.run(run_http(http_url(router), model, rng, a.http_calls))
             http_s = time.monotonic() - start
+            load_before = os.getloadavg()
+            amplify_results, amplify = asyncio.run(
+                run_amplify(http_url(router), router, model, rng, a.amplify_calls, a.amplify_scale)
+            )
+            load_after = os.getloadavg()
             load, _ = procs.wait_all_blocks_free(worker_address, timeout_s=60)
             with grpc.insecure_channel(router.address) as channel:  # still serving
                 msgs = list(
@@ -349,9 +818,11 @@ def main(argv: list[str] | None = None) -> int:
             worker.stop()
     bad_grpc = {k: v for k, v in grpc_results.items() if k not in ALLOWED}
     bad_http = {k: v for k, v in http_results.items() if int(k) >= 500}
+    bad_amplify = {k: v for k, v in amplify_results.items() if k == "hung" or (k.isdigit() and int(k) >= 500)}
     checks = {
         "grpc_no_unknown_or_internal": not bad_grpc,
         "http_no_5xx": not bad_http,
+        "amplify_no_5xx_or_hang": not bad_amplify,
         "kv_pool_whole": load.num_free_blocks == load.num_total_blocks,
         "router_still_serves": msgs[-1].HasField("finished"),
         "no_traceback_in_router_log": "Traceback" not in log and "unhandled error" not in log,
@@ -365,9 +836,28 @@ def main(argv: list[str] | None = None) -> int:
         "http_calls": a.http_calls,
         "http_seconds": round(http_s, 1),
         "http_statuses": dict(http_results.most_common()),
+        "amplify_calls": a.amplify_calls,
+        "amplify_scale": a.amplify_scale,
+        "amplify_statuses": dict(amplify_results.most_common()),
+        "amplify": amplify,
+        "command": "python -m fuzz.fuzz_e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        "cpu": cpu_model(),
+        "load_average_before_after_amplify": [
+            [round(x, 2) for x in load_before],
+            [round(x, 2) for x in load_after],
+        ],
+        "router_log_warnings": [line for line in log.splitlines() if " ERROR " in line or "WARNING" in line][
+            :20
+        ],
         "checks": checks,
     }
     print(json.dumps(result, indent=2))
+    lag = amplify
+    print(
+        f"amplify: {a.amplify_calls} calls in {lag['seconds']} s, event-loop lag worst "
+        f"{lag['loop_lag_worst_ms_in_phase']} ms ({lag['loop_lag_goal']} against the 50 ms goal), "
+        f"{lag['loop_lag_samples_over_50ms']}/{lag['loop_lag_samples']} samples over 50 ms"
+    )
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(checks.values()) else 1
