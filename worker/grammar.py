@@ -82,7 +82,7 @@ from worker.step_thread import EXIT_JOIN_S, stop_at_exit
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (their templates and opening masks)
-MASK_THREADS = 8  # mask jobs run at once (one row each)
+MASK_THREADS = 16  # mask threads at most (started as jobs need them: one per step, as a rule)
 DEFAULT_STEP_BUDGET_S = 0.1
 
 
@@ -99,13 +99,16 @@ class Compiled:
 
 
 class MaskThreads:
-    """Daemon threads with DEEP_STACK_BYTES of stack running mask jobs in order of submission."""
+    """Daemon threads with DEEP_STACK_BYTES of stack running mask jobs in order of submission: one
+    more is started when every thread has a job (a job over the budget keeps its thread until
+    llguidance is done), up to `threads`."""
 
     def __init__(self, threads: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._size, self._closed = threads, False
         self._lock = threading.Lock()
+        self._unfinished = 0  # jobs submitted and not yet done
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
@@ -114,11 +117,12 @@ class MaskThreads:
                 future.set_running_or_notify_cancel()
                 future.set_result(fn(*args))
                 return future
-            if not self._threads:
-                for i in range(self._size):
-                    thread = threading.Thread(target=self._serve, name=f"grammar-mask-{i}", daemon=True)
-                    start_deep(thread)  # llguidance's matchers recurse deeply (common/structured.py)
-                    self._threads.append(thread)
+            self._unfinished += 1
+            if self._unfinished > len(self._threads) < self._size:
+                name = f"grammar-mask-{len(self._threads)}"
+                thread = threading.Thread(target=self._serve, name=name, daemon=True)
+                start_deep(thread)  # llguidance's matchers recurse deeply (common/structured.py)
+                self._threads.append(thread)
             self._jobs.put((future, fn, args))
         return future
 
@@ -139,12 +143,56 @@ class MaskThreads:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
+                if not future.set_running_or_notify_cancel():
+                    continue
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
+
+
+class _Batch:
+    """One step's masks of rows past their grammar's start, computed in order by one job. `take(i)`
+    after the budget: row i's (mask, error), or None with whether the job is on it now; the first
+    call stops the job after its current row (the rows after it are then computed elsewhere)."""
+
+    def __init__(self, matchers: list, compute):
+        self.matchers, self._compute = matchers, compute
+        self.results: list = [None] * len(matchers)
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._next, self._stopped = 0, False
+
+    def run(self) -> None:  # a mask thread
+        try:
+            while True:
+                with self._lock:
+                    if self._stopped or self._next == len(self.matchers):
+                        return
+                    row, self._next = self._next, self._next + 1
+                result = self._compute(self.matchers[row])
+                with self._lock:
+                    self.results[row] = result
+        finally:
+            self.done.set()
+
+    def take(self, row: int) -> tuple[tuple | None, bool]:
+        with self._lock:
+            self._stopped = True
+            return self.results[row], row == self._next - 1 and self.results[row] is None
+
+
+def _wait(jobs: list, deadline: float | None) -> None:
+    """Until every job (a Future, or (index, _Batch)) is done, or `deadline` (perf_counter)."""
+    for job in jobs:
+        timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        if isinstance(job, Future):
+            wait_futures([job], timeout=timeout)
+        else:
+            job[1].done.wait(timeout)
 
 
 class Grammars:
@@ -170,7 +218,7 @@ class Grammars:
         self._cache: collections.OrderedDict[str, Compiled] = collections.OrderedDict()
         self._threads = MaskThreads(MASK_THREADS)
         # request id -> (sequence, its mask job, when the job was started) for the coming sample
-        self._pending: dict[str, tuple[object, Future, float]] = {}
+        self._pending: dict[str, tuple[object, Future | tuple[int, _Batch], float]] = {}
         stop_at_exit(self, self._stop_threads)
 
     def _stop_threads(self) -> None:
@@ -263,12 +311,16 @@ class Grammars:
     def _compute(self, matcher) -> tuple[np.ndarray | None, str | None]:
         """Mask thread: `matcher`'s packed mask; None when only EOS may follow (complete or failed),
         with llguidance's error if it failed."""
-        if not (matcher.is_error() or matcher.is_stopped()):
-            out = np.zeros(self._mask_bytes, dtype=np.uint8)
-            matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-            if not matcher.is_error():
-                return out, None
-        return None, (matcher.get_error() or "llguidance's error state") if matcher.is_error() else None
+        try:
+            if not (matcher.is_error() or matcher.is_stopped()):
+                out = np.zeros(self._mask_bytes, dtype=np.uint8)
+                matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+                if not matcher.is_error():
+                    return out, None
+            return None, (matcher.get_error() or "llguidance's error state") if matcher.is_error() else None
+        except Exception as exc:  # noqa: BLE001 - the row fails, not the step
+            log.exception("structured output: a mask computation raised")
+            return None, f"its mask computation raised {type(exc).__name__}"
 
     def _compute_opening(self, entry: Compiled) -> tuple[np.ndarray | None, str | None]:
         try:
@@ -276,26 +328,38 @@ class Grammars:
         finally:
             entry.probe = None  # its lexer states can be large: the mask is what is kept
 
-    def _job(self, seq) -> Future:
-        entry = getattr(seq, "opening", None)
-        if entry is None:
-            return self._threads.submit(self._compute, seq.matcher)
-        if entry.opening is None:  # the grammar's first row at its start: once per grammar
+    def _opening(self, entry: Compiled) -> Future:
+        """The grammar's opening mask, started once (on the first step of its first row)."""
+        if entry.opening is None:
             entry.opening = self._threads.submit(self._compute_opening, entry)
         return entry.opening
 
     def start(self, seqs: list) -> None:
         """Before the forward pass: the masks of these constrained sampling rows start on the mask
-        threads (a row's job from a step that failed before sampling is kept: same matcher state)."""
+        threads: the rows at their grammar's start take its opening mask, the others are computed
+        in order by one job (one thread hand-off per step). A row's job from a step that failed
+        before sampling is kept (its matcher has not moved)."""
         if not self.parallel:
             return
         now = time.perf_counter()
+        batch = []
         for seq in seqs:
             if seq.grammar_failed:
                 continue
             pending = self._pending.get(seq.request_id)
-            job = pending[1] if pending is not None and pending[0] is seq else self._job(seq)
-            self._pending[seq.request_id] = (seq, job, now)
+            if pending is not None and pending[0] is seq:
+                self._pending[seq.request_id] = (seq, pending[1], now)
+            elif seq.opening is not None:
+                self._pending[seq.request_id] = (seq, self._opening(seq.opening), now)
+            else:
+                self._pending[seq.request_id] = (seq, (len(batch), None), now)
+                batch.append(seq.matcher)
+        if batch:
+            rows = _Batch(batch, self._compute)
+            self._threads.submit(rows.run)
+            for rid, (seq, job, t0) in self._pending.items():
+                if isinstance(job, tuple) and job[1] is None:
+                    self._pending[rid] = (seq, (job[0], rows), t0)
 
     def release(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -327,42 +391,62 @@ class Grammars:
         return out
 
     def _joined(self, seqs: list, vocab: int) -> torch.Tensor:
-        """bool [R, vocab] of constrained `seqs`: their jobs (started by `start`, else now) joined,
-        each until the step budget after it started; a row over it, or whose matcher failed, fails."""
-        now = time.perf_counter()
-        jobs = []
+        """bool [R, vocab] of constrained `seqs`: their masks (started by `start`, else now) joined
+        within the step budget; a row over it, or whose matcher failed, fails. Rows that a row over
+        the budget kept from starting are computed then, one job each, within one more budget."""
+        missing = [s for s in seqs if hasattr(s, "request_id") and s.request_id not in self._pending]
+        if missing:  # not started before the forward pass (a caller other than the model runner)
+            self.start(missing)
+        now, budget = time.perf_counter(), self.budget_s
+        jobs: list = []  # per row: None (failed before), a Future, or (index, _Batch)
+        started = now
         for seq in seqs:
             pending = self._pending.pop(getattr(seq, "request_id", None), None)
             if getattr(seq, "grammar_failed", False):
                 jobs.append(None)
             elif pending is not None and pending[0] is seq:
-                jobs.append(pending[1:])
-            else:
-                jobs.append((self._job(seq), now))
-        budget = self.budget_s
-        for job in sorted((j for j in jobs if j is not None), key=lambda j: j[1]):
-            if not job[0].done():
-                timeout = None if budget <= 0 else max(0.0, job[1] + budget - time.perf_counter())
-                wait_futures([job[0]], timeout=timeout)
+                jobs.append(pending[1])
+                started = min(started, pending[2])
+            else:  # not a Sequence (tests): its own job
+                jobs.append(self._threads.submit(self._compute, seq.matcher))
+        deadline = None if budget <= 0 else started + budget
+        _wait([j for j in jobs if j is not None], deadline)
+        results: list = [None] * len(seqs)  # (mask, error), or a reason to fail it
+        rescue: dict[int, Future] = {}
+        for row, job in enumerate(jobs):
+            if job is None:
+                continue
+            if isinstance(job, Future):
+                results[row] = job.result() if job.done() else self._over_budget()
+                continue
+            index, rows = job
+            result, running = rows.take(index)
+            if result is not None:
+                results[row] = result
+            elif running:  # the row the step's job is still on
+                results[row] = self._over_budget()
+            else:  # held up behind it: its own job now
+                rescue[row] = self._threads.submit(self._compute, seqs[row].matcher)
+        if rescue:
+            _wait(list(rescue.values()), None if budget <= 0 else time.perf_counter() + budget)
+            for row, future in rescue.items():
+                results[row] = future.result() if future.done() else self._over_budget()
         packed = np.zeros((len(seqs), self._mask_bytes), dtype=np.uint8)
         ended = []
-        for row, (seq, job) in enumerate(zip(seqs, jobs)):
-            if job is None:  # failed before: EOS only, its matcher left alone
-                ended.append(row)
+        for row, (seq, result) in enumerate(zip(seqs, results)):
+            if isinstance(result, str):
+                self._fail(seq, result)
+            elif result is not None and result[0] is not None:
+                packed[row] = result[0]
                 continue
-            if not job[0].done():
-                self.num_over_budget += 1
-                self._fail(seq, f"its mask ran over the grammar step budget ({budget * 1000:.0f} ms)")
-                ended.append(row)
-                continue
-            mask, error = job[0].result()
-            if mask is not None:
-                packed[row] = mask
-                continue
-            if error is not None:
-                self._fail(seq, error)
-            ended.append(row)  # complete (STOP at its EOS) or failed (LENGTH)
+            elif result is not None and result[1] is not None:
+                self._fail(seq, result[1])
+            ended.append(row)  # failed (LENGTH at its EOS), or complete (STOP)
         return self._unpack(packed, ended, vocab)
+
+    def _over_budget(self) -> str:
+        self.num_over_budget += 1
+        return f"its mask ran over the grammar step budget ({self.budget_s * 1000:.0f} ms)"
 
     def banned(self, seqs: list, vocab: int, device: torch.device) -> torch.Tensor | None:
         """bool [S, vocab] on `device`: the tokens the grammar of each row's sequence (`.matcher`)
