@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.attention_batches import make_batch, rel_error
-from worker.kernels import cpu_attention, cpu_fused, cpu_quant, reference
+from worker.kernels import cpu_attention, cpu_ext, cpu_fused, cpu_quant, reference
 from worker.model.quant import Int4Linear, Int8Linear
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     y = x.clone()
     y[2, 7] = float("nan")
     assert i4(y)[2].isnan().all() and not i4(y)[3].isnan().any()
-    print(cpu_attention.build_info(), cpu_attention._state["path"])
+    print(cpu_ext.build_info(), cpu_ext.library_path())
 
 
 if __name__ == "__main__":

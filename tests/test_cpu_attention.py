@@ -30,7 +30,7 @@ import torch
 from tests.attention_batches import BATCHES, GQA, TOLERANCE, make_batch, rel_error
 from tests.procs import REPO
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.kernels import cpu_attention, reference
+from worker.kernels import cpu_attention, cpu_ext, reference
 
 SERVING = [(n, 1) for n in (1, 15, 16, 17, 63, 200, 511)] + [(48, 20), (0, 37)]
 PREFILL = [(0, 1), (0, 16), (0, 33), (5, 2), (40, 9), (31, 64), (0, 130), (100, 45)]
@@ -249,9 +249,9 @@ def test_cached_build_and_entry_point():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    path = cpu_attention._state["path"]
-    assert path in out.stdout and cpu_attention.build_name() in path
-    assert path.startswith(str(cpu_attention.cache_root()))
+    path = cpu_ext.library_path()
+    assert path in out.stdout and cpu_ext.build_name() in path
+    assert path.startswith(str(cpu_ext.cache_root()))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target")
@@ -264,7 +264,7 @@ def test_avx2_build_concurrent_builders_and_stale_lock(tmp_path, monkeypatch):
     the stale lock cost a third process and ~2 s.)"""
     env = dict(os.environ, LLM_CPU_EXT_DIR=str(tmp_path), LLM_CPU_EXT_MARCH="x86-64-v3")
     monkeypatch.setenv("LLM_CPU_EXT_MARCH", "x86-64-v3")
-    build_dir = tmp_path / cpu_attention.build_name()  # the directory the children build into
+    build_dir = tmp_path / cpu_ext.build_name()  # the directory the children build into
     build_dir.mkdir()
     (build_dir / "lock").touch()  # torch's file baton, as a killed builder leaves it
     cmd = ["nice", sys.executable, "-m", "tests.avx2_build_check"]

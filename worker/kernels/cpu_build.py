@@ -1,9 +1,9 @@
-"""`python -m worker.kernels.cpu_build`: build (or find cached) the "cpu" attention op ahead of use.
+"""`python -m worker.kernels.cpu_build`: build (or find cached) the llm_cpu extension ahead of use.
 
-Contract: compiles worker/kernels/cpu_attention.cpp exactly as the backend would on first use
-(worker/kernels/cpu_attention.py: same flags, same cache directory, `$LLM_CPU_EXT_DIR` or
+Contract: builds the extension exactly as the "cpu" backend would on first use (worker/kernels/
+cpu_ext.py: same sources, flags and cache directory, `$LLM_CPU_EXT_DIR` or
 ~/.cache/llm-serve/torch_extensions), loads it, and prints one line: the library path, the seconds
-the build (or the cache check) took, and the SIMD path compiled in. Exit status 0 when the op
+the build (or the cache check) took, and the SIMD path compiled in. Exit status 0 when the library
 loads, 1 with the reason on stderr when it does not. `make install` runs it and only warns on
 failure: the "auto" backend then serves with "torch".
 Proven by tests/test_cpu_attention.py (runs this module and checks its line).
@@ -15,14 +15,14 @@ import sys
 
 
 def main() -> int:
-    from worker.kernels import cpu_attention
+    from worker.kernels import cpu_ext
 
     try:
-        path = cpu_attention.load()
+        path = cpu_ext.load()
     except RuntimeError as exc:
         print(f"cpu attention op: not built: {exc}", file=sys.stderr)
         return 1
-    print(f"cpu attention op: {path} ({cpu_attention._state['build_s']:.1f}s, {cpu_attention.build_info()})")
+    print(f"cpu attention op: {path} ({cpu_ext.build_seconds():.1f}s, {cpu_ext.build_info()})")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The "cpu" backend's fused small ops: RMSNorm (with the residual add), RoPE and SiLU-and-multiply
-as single C++ op calls (worker/kernels/cpu_fused.cpp, built into the llm_cpu extension with the
-attention op by worker/kernels/cpu_attention.py).
+as single C++ op calls (worker/kernels/cpu_fused.cpp, in the llm_cpu extension that
+worker/kernels/cpu_ext.py builds and loads).
 
 Why: an eager decode step of SmolLM2 (30 layers) ran each norm as ~8 torch ops, RoPE as ~10 per
 tensor, the residual adds and the MLP activation as a few more: ~1,300 small ops per step, each a
@@ -26,8 +26,9 @@ Inputs other than the caches are not modified. Float32, bfloat16 and float16; th
 uses these ops for bfloat16 / float16 activations only (float32 stays the plain-torch reference
 path).
 Fails how: bad shapes, dtypes or strides, positions outside the cos/sin tables or slots outside
-the cache raise ValueError. `register_fakes()` gives the ops meta implementations (torch.compile
-can trace them).
+the cache raise ValueError; a library that does not build, RuntimeError naming why (cpu_ext.load).
+The ops' meta implementations are registered by cpu_ext when the library loads (torch.compile can
+trace them).
 Proven by tests/test_cpu_fused.py: each op against the torch formulas of worker/model/llama.py
 (every dtype, strided views, rows enough to run in parallel), bad arguments, and the engine's
 greedy tokens with the fused ops against the torch path.
@@ -37,37 +38,31 @@ from __future__ import annotations
 
 import torch
 
-from worker.kernels import cpu_attention, reference
-
-
-def _ops():
-    if "path" not in cpu_attention._state:  # (no lock once loaded: torch.compile traces this)
-        cpu_attention.load()  # RuntimeError naming why, if the extension cannot build
-    return torch.ops.llm_cpu
+from worker.kernels import cpu_ext, reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     if residual is None:
-        return _ops().rms_norm(x, weight, float(eps))
-    out, summed = _ops().rms_norm_residual(x, residual, weight, float(eps))
+        return cpu_ext.ops().rms_norm(x, weight, float(eps))
+    out, summed = cpu_ext.ops().rms_norm_residual(x, residual, weight, float(eps))
     return out, summed
 
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = _ops().rotary_embedding(positions, q, k, cos, sin)
+    q_out, k_out = cpu_ext.ops().rotary_embedding(positions, q, k, cos, sin)
     return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _ops().silu_and_mul(x)
+    return cpu_ext.ops().silu_and_mul(x)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [S, V] (float32 / bfloat16 / float16, unit column stride) -> [S] int64: torch.argmax's
     answer (the first maximum; a NaN counts as the maximum), read in the logits' own dtype."""
-    return _ops().argmax_rows(logits)
+    return cpu_ext.ops().argmax_rows(logits)
 
 
 def rope_store_kv(
@@ -90,32 +85,4 @@ def rope_store_kv(
         q_out, k_out = rotary_embedding(positions, q, k, cos, sin)
         reference.store_kv(k_out, v, k_cache, v_cache, slot_mapping)
         return q_out
-    return _ops().rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-
-
-def register_fakes() -> None:
-    """Meta implementations (shapes and dtypes only), called once when the extension loads."""
-
-    @torch.library.register_fake("llm_cpu::rms_norm")
-    def _(x, weight, eps):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("llm_cpu::rms_norm_residual")
-    def _(x, residual, weight, eps):
-        return x.new_empty(x.shape), x.new_empty(x.shape)
-
-    @torch.library.register_fake("llm_cpu::rotary_embedding")
-    def _(positions, q, k, cos, sin):
-        return q.new_empty(q.shape), k.new_empty(k.shape)
-
-    @torch.library.register_fake("llm_cpu::rope_store_kv")
-    def _(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("llm_cpu::silu_and_mul")
-    def _(x):
-        return x.new_empty(x.shape[0], x.shape[1] // 2)
-
-    @torch.library.register_fake("llm_cpu::argmax_rows")
-    def _(logits):
-        return logits.new_empty(logits.shape[0], dtype=torch.int64)
+    return cpu_ext.ops().rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

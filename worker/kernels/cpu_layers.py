@@ -1,4 +1,5 @@
-"""The decoder layers of a CPU step as one C++ op call (worker/kernels/cpu_layers.cpp).
+"""The decoder layers of a CPU step as one C++ op call (worker/kernels/cpu_layers.cpp, in the llm_cpu
+extension of worker/kernels/cpu_ext.py).
 
 Why: with the fused small ops and the quantized linears' fast paths, a batch-1 decode step of
 SmolLM2 spends about a third of its model time outside the kernels: 9 op calls per layer from Python
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.kernels import cpu_attention, cpu_fused
+from worker.kernels import cpu_attention, cpu_ext, cpu_fused
 
 
 def _linear_parts(module) -> tuple[list[torch.Tensor] | None, str]:
@@ -109,7 +110,7 @@ class CpuLayerStack:
                     return None, why
                 weights += parts
         try:
-            cpu_attention.load()
+            cpu_ext.load()
         except RuntimeError as exc:
             return None, str(exc)
         return cls(model, backend, kv_caches, [w.detach() for w in weights]), ""

@@ -1,5 +1,6 @@
-"""Our CPU ops for the quantized linears (worker/kernels/cpu_quant.cpp, in the llm_cpu extension):
-dequantize-then-GEMM for many-row inputs, and int8 activations with AVX512-VNNI or AVX2.
+"""Our CPU ops for the quantized linears (worker/kernels/cpu_quant.cpp, in the llm_cpu extension of
+worker/kernels/cpu_ext.py): dequantize-then-GEMM for many-row inputs, and int8 activations with
+AVX512-VNNI or AVX2.
 
 Why: torch's weight-only kernels are GEMVs. The int4 one (`_weight_int4pack_mm_for_cpu`)
 re-reads and re-dequantizes the whole weight for every 4 rows of input, the int8 one for every
@@ -43,7 +44,8 @@ Contract:
   `int4_from_vnni` / `int8_from_vnni` / `int8_rows_from_vnni` invert them exactly;
   `int8_vnni_embedding(wq, scale, ids [...]) -> bf16 [..., K]` is the int8 embedding's lookup
   straight from the W8A8 layout (rows times their scales, as torch rounds them).
-- Every op has a fake (meta) kernel, so the compiled CPU step traces through them.
+- Every op has a fake (meta) kernel (registered by worker/kernels/cpu_ext.py when the library
+  loads), so the compiled CPU step traces through them.
 Fails how: the ops' checks raise ValueError / RuntimeError (shapes, dtypes, N % 16 or 64, K % 32,
 a W4A8 / W8A8 op in a build with neither AVX512-VNNI nor AVX2).
 Proven by tests/test_cpu_quant.py (each op against its float32 reference, the layouts' round
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.kernels import cpu_attention
+from worker.kernels import cpu_ext
 
 # Inputs with at least this many rows take the dequantize-then-GEMM paths by default on CPU
 # (the crossovers measured in the module docstring).
@@ -66,12 +68,6 @@ BLOCK_N = 64
 INT8_TILE = 1024
 
 _layout: dict[str, bool] = {}
-
-
-def _ops():
-    if "path" not in cpu_attention._state:
-        cpu_attention.load()
-    return torch.ops.llm_cpu
 
 
 def _layout_matches(block: int = BLOCK_N) -> bool:
@@ -105,9 +101,9 @@ def unpack_block() -> int | None:
 
 def available() -> bool:
     if "ok" not in _layout:
-        ok = cpu_attention.available() and unpack_block() == BLOCK_N
+        ok = cpu_ext.available() and unpack_block() == BLOCK_N
         if ok:
-            _ops()
+            cpu_ext.ops()
         _layout["ok"] = ok
     return _layout["ok"]
 
@@ -117,11 +113,11 @@ def supports(n: int) -> bool:
 
 
 def dequant_t(weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, repeats: int):
-    return _ops().int4_dequant_t(weight_packed, scales_and_zeros, group_size, repeats)
+    return cpu_ext.ops().int4_dequant_t(weight_packed, scales_and_zeros, group_size, repeats)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _ops().int8_linear_tiled(x, q, scale, INT8_TILE)
+    return cpu_ext.ops().int8_linear_tiled(x, q, scale, INT8_TILE)
 
 
 # ---- W4A8 / W8A8 with AVX512-VNNI or AVX2 (int8 activations) ------------------------------
@@ -131,13 +127,13 @@ def vnni_available() -> bool:
     """The W4A8 / W8A8 ops run here: the extension loads and has int8 dot products (AVX512-VNNI
     or AVX2), whatever torch's int4 layout."""
     if "vnni" not in _layout:
-        _layout["vnni"] = cpu_attention.available() and bool(_ops().vnni_compiled())
+        _layout["vnni"] = cpu_ext.available() and bool(cpu_ext.ops().vnni_compiled())
     return _layout["vnni"]
 
 
 def int8_dots_isa() -> str:
     """The int8 dot products compiled in: "AVX512-VNNI", "AVX2", or "" (none)."""
-    return str(_ops().int8_dots_isa()) if vnni_available() else ""
+    return str(cpu_ext.ops().int8_dots_isa()) if vnni_available() else ""
 
 
 def int4_unpack(weight_packed: torch.Tensor, n: int, k: int, block: int = BLOCK_N) -> torch.Tensor:
@@ -188,16 +184,16 @@ def int8_rows_from_vnni(wq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def int8_vnni_embedding(wq: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [...] of the W8A8 layout times their scales: bf16 [..., K], bit-identical to
     `int8_rows_from_vnni(wq, ids).to(bf16) * scale[ids].unsqueeze(-1)` (one op call, no unpacking)."""
-    out = _ops().int8_vnni_embedding(wq, scale, ids.reshape(-1).long())
+    out = cpu_ext.ops().int8_vnni_embedding(wq, scale, ids.reshape(-1).long())
     return out.view(*ids.shape, out.shape[-1])
 
 
 def int4_vnni(x: torch.Tensor, wq: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    return _ops().int4_vnni_linear(x, wq, sz)
+    return cpu_ext.ops().int4_vnni_linear(x, wq, sz)
 
 
 def int8_vnni(x: torch.Tensor, wq: torch.Tensor, corr: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _ops().int8_vnni_linear(x, wq, corr, scale)
+    return cpu_ext.ops().int8_vnni_linear(x, wq, corr, scale)
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,27 +219,3 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     int8 code times its group's scale (quantize_reference)."""
     q, d, _ = quantize_reference(x)
     return (q * d[..., None]).view(x.shape)
-
-
-def register_fakes() -> None:
-    """Meta implementation (shape and dtype only), called once when the extension loads."""
-
-    @torch.library.register_fake("llm_cpu::int4_dequant_t")
-    def _(packed, scales_and_zeros, group_size, repeats):
-        return packed.new_empty((packed.shape[1] * 2 // repeats, packed.shape[0]), dtype=torch.bfloat16)
-
-    @torch.library.register_fake("llm_cpu::int8_linear_tiled")
-    def _(x, q, scale, tile):
-        return x.new_empty((x.shape[0], q.shape[0]))
-
-    @torch.library.register_fake("llm_cpu::int4_vnni_linear")
-    def _(x, wq, sz):
-        return x.new_empty((x.shape[0], wq.shape[0] * 16))
-
-    @torch.library.register_fake("llm_cpu::int8_vnni_linear")
-    def _(x, wq, corr, scale):
-        return x.new_empty((x.shape[0], wq.shape[0] * 16))
-
-    @torch.library.register_fake("llm_cpu::int8_vnni_embedding")
-    def _(wq, scale, ids):
-        return scale.new_empty((ids.shape[0], wq.shape[1] * 4))
