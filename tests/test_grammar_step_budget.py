@@ -214,3 +214,26 @@ def test_the_budget_option_is_checked():
     with pytest.raises(ValueError, match="grammar_step_budget_ms"):
         EngineConfig(grammar_step_budget_ms=-1)
     assert EngineConfig().grammar_step_budget_ms == 100
+
+
+def test_rows_held_up_behind_an_expensive_row_get_their_masks(runner, grammars):
+    """The step's job computes rows in order: an expensive row first (its own matcher, not at a
+    shared opening) holds the others up; at the budget it alone fails and the others are computed
+    beside it, their masks those of fresh matchers."""
+    g = grammars(budget_s=BUDGET_S)
+    vocab = runner.model_config.vocab_size
+    cheap = regex("[0-9]{3}")
+    seqs = []
+    for i, grammar in enumerate([regex(EXPENSIVE), cheap, cheap]):
+        seq = Sequence(f"row{i}", [1], SamplingParams(grammar=grammar))
+        g.constrain(seq)
+        seq.opening = None  # as if past its start: the step's job computes it
+        seqs.append(seq)
+    g.start(seqs)
+    banned = g.banned(seqs, vocab, runner.device)
+    assert [s.grammar_failed for s in seqs] == [True, False, False]
+    assert g.num_over_budget == 1 and g.num_failures == 1
+    eos = sorted(t for t in runner.eos_token_ids if t < vocab)
+    assert (~banned[0]).nonzero().flatten().tolist() == eos  # EOS only
+    want = ~g.allowed([llguidance.LLMatcher(g._llt(), cheap)], vocab)[0]
+    assert banned[1].tolist() == want.tolist() and banned[2].tolist() == want.tolist()

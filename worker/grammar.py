@@ -20,23 +20,27 @@ Contract
   GRAMMAR_CACHE_SIZE, counted in `num_compiles`); each matcher is a copy of its never-advanced
   template (`LLMatcher.deep_copy`, ~0.3 ms against ~10 ms to compile a schema). The opening mask,
   the same for every matcher of a grammar and the expensive one (llguidance builds its lexer
-  lazily: 0.9-2.3 s for the regex `(a{1000}){1000}` on this 2-vCPU box, against ~1 ms to
+  lazily: 0.9-6 s for the regex `(a{1000}){1000}` on this loaded 2-vCPU box, against ~1 ms to
   construct), is computed once per grammar on a private copy and shared by every row still at
   the start (`n` choices of one request, or any later request while it is cached).
-- Masks beside the forward pass: MASK_THREADS daemon threads with DEEP_STACK_BYTES of stack
-  (common/structured.py `start_deep`), one job per row (llguidance releases the GIL while it
-  computes), so an expensive row delays no other row's mask.
+- Masks beside the forward pass: mask threads with DEEP_STACK_BYTES of stack (common/structured.py
+  `start_deep`; started as jobs need them, MASK_THREADS at most): per step one job computes the
+  rows past their grammar's start in order (one thread hand-off; llguidance releases the GIL while
+  it computes), and each grammar's opening mask is its own job, shared by its rows at the start.
 - Grammar step budget (`budget_s`, EngineConfig.grammar_step_budget_ms, default 100 ms; 0 = none):
-  `banned` waits for a row's mask until `budget_s` after it started, then gives up on it. That row
-  alone fails (the grammar-failed path below: logged naming the budget, counted in
-  `num_failures` and `num_over_budget`, only EOS from then on, finish reason LENGTH); every other
-  row samples as usual, so a step is longer than its forward pass by at most the budget. The job
-  left behind runs to its end on its thread (llguidance's computation cannot be interrupted; its
-  own limits end the pathological ones: LLParserLimits' fuel bounds the lexer's work per mask, not
-  its time, measured), its matcher never touched again; an opening mask that ends late still
-  serves the grammar's later rows. Pool starvation: MASK_THREADS expensive distinct grammars at
-  once can delay the masks of other constrained rows past their budget (unconstrained rows are
-  never delayed).
+  `banned` waits for the step's masks until `budget_s` after they started, then gives up on the
+  row the step's job is on, and on the opening masks not done. Those rows alone fail (the
+  grammar-failed path below: logged naming the budget, counted in `num_failures` and
+  `num_over_budget`, only EOS from then on, finish reason LENGTH); the rows that job had not reached
+  get a job each and one more budget; every other row samples as usual, so a step is longer than
+  its forward pass by at most twice the budget. The job left behind runs to its end on its
+  thread, its matcher never touched again (llguidance's computation cannot be interrupted, and
+  LLParserLimits has no time bound: `step_lexer_fuel` left the opening mask of `(a{1000}){1000}`
+  at ~1 s; a lower `initial_lexer_fuel` made it cheaper, same mask, but bounds work, not time, and
+  would part from the router's validation limits, so the defaults stay); an opening mask that ends
+  late still serves the grammar's later rows. Pool starvation: MASK_THREADS expensive jobs at once (distinct
+  grammars) can delay the masks of other constrained rows past their budget (unconstrained rows
+  are never delayed).
 - Reference path (tests): `shared = False` builds a fresh matcher per request; `parallel = False`
   computes the masks serially in `banned`, without a budget (the code before the fast path).
 - state: the llguidance tokenizer, the compiled-grammar cache, the mask threads (started on the
@@ -45,7 +49,9 @@ Contract
   matcher lives on its `Sequence` (advanced only by `consume`, so a preempted and recomputed
   sequence keeps its place in the grammar, and nothing keyed by request id can outlive or be shared
   by a request; a grammar's template is never advanced).
-- cost: +0.3 ms per step at batch 1, +0.085 ms per row at batch 32 (docs/benchmarks.md, serial).
+- cost: +0.3 ms per step at batch 1, +0.085 ms per row at batch 32 (docs/benchmarks.md, measured
+  with the masks computed serially on the step's thread); the hand-off to the mask thread, where
+  the forward pass does not hide it, added 0.1-2 ms per step (1-32 rows, a loaded 2-vCPU box).
 - failure modes: ValueError from `matcher` / `constrain` (bad grammar, llguidance missing);
   RuntimeError when the model's tokenizer cannot be read (a worker fault: INTERNAL, remembered,
   not retried per request). A matcher can enter llguidance's error state mid-generation (a
@@ -59,7 +65,8 @@ Contract
   preemption and aborts; through the router and the OpenAI SDK); tests/test_grammar_failure.py (a
   grammar failing mid-way ends LENGTH and is counted); tests/test_grammar_step_budget.py (n=16
   choices of an expensive regex compile once and fail alone over the budget while a plain request
-  beside them finishes; the fast path's masks and outputs equal the reference path's).
+  beside them finishes; rows held up behind an expensive one get their masks; the fast path's
+  masks and outputs equal the reference path's).
 """
 
 from __future__ import annotations
