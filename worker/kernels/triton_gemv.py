@@ -9,7 +9,9 @@ Contract:
   for group_size a power of two >= 16 (column k of row n scaled by scale[n, k // group_size]; K
   need not be a multiple of it); both with a contiguous last dim (any row stride), 1 <= M <= MAX_ROWS
   (16), on one device; `out` [M, N] in x's dtype with a contiguous last dim. `config` (a
-  `GemvConfig`) defaults to `gemv_tuning.best_config(M, N, K, dtype, device, weight dtype)`.
+  `GemvConfig`) defaults to `default_config(M)` (untuned); a tuned one is the caller's to pass
+  (`gemv_tuning.best_config(M, N, K, dtype, device, weight dtype)`, as worker/model/gemv.py and
+  worker/model/fp8.py do).
 - Output: `out` (new when None): `x @ W^T` accumulated in float32 (products of the stored values,
   no tf32: fp32 dots use "ieee"), times `scale[n]` once at the end (fp8 per row) or each group's
   float32 partial times its scale inside the K loop (per group: the tile's block_k is capped at
@@ -33,8 +35,8 @@ Contract:
   device, as the engine runs.
 - Configs: `candidates(M, weight_dtype)` (dot=False ones for M == 1, dot=True ones for every M;
   fp8 weights add tiles twice as deep in K, the same bytes per tile as the 16-bit ones);
-  timing and the cache of winners live in worker/kernels/gemv_tuning.py. `DEFAULTS` (no split-K)
-  on CPU and while a stream is capturing.
+  timing and the cache of winners live in worker/kernels/gemv_tuning.py (which imports this
+  module; this one never imports it). `DEFAULTS` (no split-K): `default_config(M)`.
 - Cost: one launch (split_k == 1) or two; weight bytes read once; x re-read from L2 by every
   N tile; a split-K scratch of 4 * splits * 16 * N bytes per (N, splits), kept.
 - Fails how: ValueError for a wrong rank, shape, dtype, device or stride, a scale missing for an
@@ -335,9 +337,7 @@ def gemv(
 ) -> torch.Tensor:
     m, n, k = _check(x, weight, bias, out, scale, group_size)
     if config is None:
-        from worker.kernels.gemv_tuning import best_config  # it imports this module
-
-        config = best_config(m, n, k, x.dtype, x.device, weight.dtype, group_size)
+        config = default_config(m)  # untuned: callers pass gemv_tuning.best_config(...)
     if not config.dot and m != 1:
         raise ValueError(f"config {config} (dot=False) takes one row, got {m}")
     if group_size and config.block_k > group_size:  # every K tile inside one scale group
