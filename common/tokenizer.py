@@ -339,6 +339,13 @@ class Tokenizer:
         added = self._backend.get_added_tokens_decoder()
         return {i: added[i].content for i in self._special_ids}
 
+    def prepare_chat(self) -> None:
+        """Builds now what `encode_chat` builds on the first message holding control-token text (a
+        copy of the vocabulary: ~0.3 s holding the GIL, so every thread of the process waits; a
+        server calls this at start-up, not in its first such request)."""
+        self._control_text  # noqa: B018 - cached
+        self._marked  # noqa: B018 - cached
+
     @functools.cached_property
     def _control_text(self) -> ControlTokenText:
         return ControlTokenText(self._special_contents.values())

@@ -79,7 +79,9 @@ class DecodePool:
             )
         pool = self._pool
         try:
-            return await asyncio.wrap_future(pool.submit(fn, *args))
+            # submitted from a thread: a submit may start a process (a spawn: ~10-50 ms), not on the loop
+            loop = asyncio.get_running_loop()
+            return await asyncio.wrap_future(await loop.run_in_executor(None, pool.submit, fn, *args))
         except concurrent.futures.process.BrokenProcessPool:
             if self._pool is pool:  # a decoder died (killed, out of memory): a new pool next time
                 self._pool = None

@@ -64,6 +64,7 @@ def load_model(entry: str, allow_download: bool = False) -> ServedModel:
         path = resolve_model_source(source or None, allow_download=allow_download, tokenizer_only=True)
         tokenizer = Tokenizer.from_model(path)
         tokenizer.byte_table  # built here, at start-up off the event loop, not by the first request
+        tokenizer.prepare_chat()  # (the same for the copy that keeps control-token text in messages text)
         return ServedModel(
             name or model_id(source or None, path), source, path, tokenizer, generation_defaults(path)
         )

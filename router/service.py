@@ -71,9 +71,11 @@ from router.validation import (
     validate,
 )
 
-# A chat of more messages than this is validated on a thread (10,000 messages: ~66 ms of Python,
-# which would hold the event loop; on a thread the loop runs between the GIL's switches)
+# A chat of more messages than this, or a request of more bytes, is validated on a thread (10,000
+# messages: ~66 ms of Python, which would hold the event loop; on a thread the loop runs between
+# the GIL's switches)
 INLINE_MESSAGES = 256
+INLINE_BYTES = 64 * 1024  # so is a larger request (a tool call's 960k-character arguments: json.loads)
 _VALIDATION = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="validate")
 # the largest max_tokens a request's pre-validation cost estimate counts (retry-after estimates only)
 MAX_COST_TOKENS = 1 << 20
@@ -360,9 +362,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         self._drain.enter()
         try:
-            self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
+            tenant = self._tenants.current.authenticate(context.invocation_metadata() or (), context.peer())
             cards = []
             for name, spec in sorted(self._registry.models().items()):
+                if spec.base and not tenant.may_use(name):  # an adapter outside its `adapters` list
+                    continue
                 cards.append(
                     pb.ModelCard(
                         id=name,
@@ -478,7 +482,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _prepare(self, request: pb.GenerateRequest, tenant, models: dict):
         """validate (and compile a grammar) -> the model's defaults -> the tenant's priority ->
         tokenize -> fit to the context. -> (ValidRequest, prompt ids, max_tokens)."""
-        if len(request.chat.messages) > INLINE_MESSAGES:  # a long history: checked off the loop
+        if len(request.chat.messages) > INLINE_MESSAGES or request.ByteSize() > INLINE_BYTES:  # off the loop
             check = functools.partial(validate, request, self._limits, models, compile_grammar=False)
             req = await asyncio.get_running_loop().run_in_executor(_VALIDATION, check)
         else:

@@ -155,6 +155,14 @@ class Tenant:
                 f"priority: {priority} is above the highest this tenant may use ({self.max_priority})"
             )
 
+    def may_use(self, adapter: str) -> bool:
+        """Whether the tenant's `adapters` patterns allow LoRA adapter `adapter` (`check_adapter`)."""
+        try:
+            self.check_adapter(adapter)
+        except PermissionDenied:
+            return False
+        return True
+
     def check_adapter(self, name: str) -> None:
         """PermissionDenied unless the tenant's `adapters` patterns allow LoRA adapter `name` (any
         name when it has none). Decided from the name alone, so it tells nothing of whether such

@@ -13,6 +13,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 
 from router.tenants import hash_key
@@ -122,6 +123,8 @@ def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
     """Refused (429) before the router asks a worker to load, or unload to make room: a second
     router over the same worker, with one request a tenant's rate allows."""
     main, worker, _, path = stack
+    if not set(_models(main)) - {"tiny"}:  # (run alone) one adapter served, for the listing below
+        _generate(main, "sql")
     served = set(_models(main)) - {"tiny"}
     other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
     tenants = (
@@ -175,6 +178,8 @@ def test_a_tenant_names_only_its_adapters_and_autoloads_at_most_its_limit(stack,
     """A second router over the same worker with a tenants file: `narrow` may use `chat-*` only (the
     base model too), `capped` may autoload none; both refused before the worker is asked to load."""
     main, worker, _, path = stack
+    if not set(_models(main)) - {"tiny"}:  # (run alone) one adapter served, for the listing below
+        _generate(main, "sql")
     served = set(_models(main)) - {"tiny"}
     other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
     tenants = (
@@ -201,6 +206,9 @@ def test_a_tenant_names_only_its_adapters_and_autoloads_at_most_its_limit(stack,
         assert "max_autoloaded_adapters (0)" in over.details()
         assert _worker_loads(worker) == before and _autoloads(router) == {"tenant_limit": 1}
         assert _open_requests(router) == 0
+        with openai.OpenAI(base_url=http_url(router), api_key="narrow", max_retries=0, timeout=30) as client:
+            listed = {m.id for m in client.models.list().data}
+        assert listed == {"tiny"}, listed  # `served` holds one: the adapters it may not use are not listed
     assert set(_models(main)) - {"tiny"} == served
 
 

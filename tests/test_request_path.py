@@ -82,6 +82,19 @@ def test_a_refused_caller_is_answered_before_its_body_is_read(router, key, statu
         sock.close()
 
 
+def tool_history(arguments: str) -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {
+        "n": 16,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+
+
 def test_huge_bodies_and_histories_do_not_hold_the_event_loop(router):  # noqa: F811
     url = http_url(router)
     attacks = {
@@ -91,27 +104,12 @@ def test_huge_bodies_and_histories_do_not_hold_the_event_loop(router):  # noqa: 
             {"messages": [{"role": "user", "content": "x"}], "n": 16, "logit_bias": BIG_BIAS},
         ),
         # a tool call whose arguments are ~960k characters of JSON array, n 16
-        "tool history": (
+        # a tool call whose arguments are ~958k characters (under the 1M cap): a JSON array (refused
+        # as not an object) and an object (accepted, then too long once rendered), n 16
+        "tool history (array)": ("/chat/completions", tool_history("[" + ",".join(["1"] * 479_000) + "]")),
+        "tool history (object)": (
             "/chat/completions",
-            {
-                "n": 16,
-                "max_tokens": 4,
-                "messages": [
-                    {"role": "user", "content": "go"},
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "tool_calls": [
-                            {
-                                "id": "c1",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": json.dumps(list(range(160_000)))},
-                            }
-                        ],
-                    },
-                    {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-                ],
-            },
+            tool_history('{"x":[' + ",".join(["1"] * 479_000) + "]}"),
         ),
         # 10,000 messages (the default bound), n 16: validated on a thread, then too long to fit
         "10k messages": (
