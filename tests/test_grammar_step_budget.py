@@ -95,6 +95,10 @@ def test_n16_expensive_choices_compile_once_and_fail_alone_beside_a_plain_reques
         assert got.finish_reason is FinishReason.LENGTH, (r.request_id, got)
         assert len(got.tokens) == 1 and got.tokens[0] in eos, (r.request_id, got.tokens)  # failed at once
     assert g.num_over_budget == 16 and engine.stats().num_grammar_failures == 16
+    assert (engine.stats().num_grammar_over_budget, engine.stats().num_grammar_compiles) == (
+        16,
+        g.num_compiles,
+    )
     # the others as alone: the plain request, and a constrained one whose masks are cheap
     assert out["plain"].tokens == alone["plain"].tokens and len(out["plain"].tokens) == 32
     assert out["plain"].finish_reason is FinishReason.LENGTH  # its max_tokens

@@ -351,6 +351,7 @@ class LLMEngine(EngineAdapters):
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        failures, over_budget, compiles = self.runner.grammar_counts()
         return EngineStats(
             len(s.running),
             len(s.waiting),
@@ -363,9 +364,11 @@ class LLMEngine(EngineAdapters):
             s.num_generation_tokens,
             self.num_overlapped_steps,
             self.num_sync_steps,
-            self.runner.grammar_failures(),
+            failures,
             s.num_draft_tokens,
             s.num_accepted_tokens,
+            over_budget,
+            compiles,
         )
 
     def generate(

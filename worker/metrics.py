@@ -9,6 +9,8 @@ Contract
   `llm_kv_cache_total_blocks`; counters `llm_preemptions_total`, `llm_prefix_cache_queries_total`,
   `llm_prefix_cache_hits_total` (prompt tokens looked up in / served from the prefix cache),
   `llm_structured_output_failures_total` (grammars that failed mid-generation),
+  `llm_structured_output_over_budget_total` (of those, masks over the step budget),
+  `llm_structured_output_compiles_total` (grammar texts compiled),
   `llm_engine_steps_total{mode="overlapped"|"synchronous"}` (steps planned while the step before
   ran, async scheduling / with none in flight); with LoRA (`LLMEngine.lora`, replaced on
   each load / unload): gauges `llm_lora_adapters`, `llm_lora_adapters_max`,
@@ -73,6 +75,16 @@ class EngineCollector:
             "llm_structured_output_failures",
             "Constrained generations whose grammar failed mid-way (llguidance's error state): ended with EOS",
             value=s.num_grammar_failures,
+        )
+        yield CounterMetricFamily(
+            "llm_structured_output_over_budget",
+            "Of those, grammars whose mask took longer than --grammar-step-budget-ms (ended alone)",
+            value=s.num_grammar_over_budget,
+        )
+        yield CounterMetricFamily(
+            "llm_structured_output_compiles",
+            "Grammar texts compiled on the worker (choices and requests of one grammar share one)",
+            value=s.num_grammar_compiles,
         )
         yield CounterMetricFamily(
             "llm_spec_decode_draft_tokens",

@@ -259,9 +259,11 @@ class ModelRunner:
         self.sampler.release(request_id)
         self.input_batch.drop(request_id)
 
-    def grammar_failures(self) -> int:
-        """Constrained generations whose grammar failed mid-way, so far (worker/grammar.py)."""
-        return self.sampler.grammars.num_failures
+    def grammar_counts(self) -> tuple[int, int, int]:
+        """So far (worker/grammar.py): constrained generations whose grammar failed mid-way, of
+        those the masks that ran over the step budget, and grammar texts compiled."""
+        g = self.sampler.grammars
+        return g.num_failures, g.num_over_budget, g.num_compiles
 
     def grammar_matcher(self, grammar: str):
         """A constrained request's llguidance matcher (worker/grammar.py `Grammars.matcher`)."""

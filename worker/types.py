@@ -185,6 +185,8 @@ class EngineStats:
     num_grammar_failures: int = 0  # cumulative: constrained generations whose grammar failed mid-way
     num_draft_tokens: int = 0  # cumulative: speculative decoding's drafted tokens, verified
     num_accepted_tokens: int = 0  # cumulative: drafted tokens kept
+    num_grammar_over_budget: int = 0  # cumulative: of the grammar failures, masks over the step budget
+    num_grammar_compiles: int = 0  # cumulative: grammar texts compiled (the shared cache's misses)
 
     @property
     def kv_usage(self) -> float:
