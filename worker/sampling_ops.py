@@ -14,7 +14,8 @@ Order of the steps, as vLLM applies them:
    output, worker/grammar.py) set every token it does not allow to -inf. Greedy rows take the
    argmax here.
 2. `sampling_logits` (other rows): / temperature, then min-p (drop tokens with probability below
-   min_p x the largest), then top-k, then top-p (the smallest set whose mass reaches top_p).
+   min_p x the largest), then top-k, then top-p (the smallest set whose mass reaches top_p); the
+   tensor math is worker/kernels/reference.py's, which the fused kernel's reference shares.
 3. Draw by the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. Each row
    has its own `torch.Generator` (the request's seed, or one from the engine's seeded generator),
    so the same seed gives the same tokens whatever else is in the batch.
@@ -34,33 +35,12 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.kernels import reference
 from worker.types import Logprob, SamplingParams
 
 log = logging.getLogger(__name__)
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, prompt + output ids)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what lies outside each row's top-k and top-p sets. top_k 0 = off."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))[:, None]
-    cut = ranks >= k
-    probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
-    # Keep a token when the mass before it is still below top_p (the first token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    cut |= mass_before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p x the row's largest probability."""
-    probs = logits.softmax(dim=-1)
-    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(~keep, float("-inf"))
 
 
 def on_device(values: list, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -152,16 +132,16 @@ def adjust_logits(
 
 
 def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The logits the random draw uses for these (non-greedy) rows: temperature, min-p, top-k, top-p."""
+    """The logits the random draw uses for these (non-greedy) rows: temperature, min-p, top-k, top-p
+    (`worker.kernels.reference.sampling_logits`, the steps no row uses left out)."""
     dev = logits.device
-    out = logits / on_device([p.temperature for p in params], dev)[:, None]
-    if any(p.min_p > 0 for p in params):
-        out = apply_min_p(out, on_device([p.min_p for p in params], dev))
+    temperature = on_device([p.temperature for p in params], dev)
+    min_p = on_device([p.min_p for p in params], dev) if any(p.min_p > 0 for p in params) else None
+    top_k = top_p = None
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         top_k = on_device([p.top_k for p in params], dev)
         top_p = on_device([p.top_p for p in params], dev)
-        out = apply_top_k_top_p(out, top_k, top_p)
-    return out
+    return reference.sampling_logits(logits, temperature, min_p, top_k, top_p)
 
 
 def sample_tokens(

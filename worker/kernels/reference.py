@@ -13,11 +13,18 @@ Contract (shared with worker/kernels/triton_*.py):
   each sequence: causal among themselves, full over the cached prefix. GQA: query head h reads KV
   head h // (num_heads // num_kv_heads). Returns `[num_tokens, num_heads, head_dim]`, q's dtype;
   softmax is computed in float32.
+- Sampling: `sampling_logits(logits [S, V], temperature [S], min_p, top_k, top_p)`: / temperature,
+  then min-p (`apply_min_p`: drop tokens with probability below min_p x the row's largest), then
+  top-k and top-p (`apply_top_k_top_p`: the k largest, then the smallest set whose mass reaches
+  top_p; top_k 0 = off); a step passed None is skipped. The math of worker/sampling_ops.py's
+  batched sampler (which decides the steps from the rows' SamplingParams) and of the fused
+  kernel's reference (worker/kernels/triton_sampling.py `reference_fused_sample`).
 - Fails how: shape or dtype mismatch raises ValueError before any work.
 - This is the slow, obviously-right oracle (one sequence at a time, float32). The CPU backend runs
   the faster plain-torch path of worker/kernels/torch_attention.py, tested against this.
 - Proven by: tests/test_kernels.py (Triton vs this), tests/test_torch_attention.py (CPU fast path
-  vs this) and tests/test_engine_hf.py (engine logits vs transformers).
+  vs this) and tests/test_engine_hf.py (engine logits vs transformers); the sampling steps by
+  tests/test_sampler.py (against worker/sampler_reference.py) and tests/test_triton_sampling.py.
 """
 
 from __future__ import annotations
@@ -107,3 +114,45 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         enable_gqa=True,
     )  # (1, H, T, D)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+# ---- Sampling: the truncations of worker/sampling_ops.py, the oracle of triton_sampling.py --------
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what lies outside each row's top-k and top-p sets. top_k 0 = off."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))[:, None]
+    cut = ranks >= k
+    probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
+    # Keep a token when the mass before it is still below top_p (the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    cut |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p x the row's largest probability."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sampling_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits the random draw uses: / temperature [S], then min-p, then top-k and top-p (both
+    given or neither). A step given None is skipped for every row (its caller knows no row uses it)."""
+    out = logits / temperature[:, None]
+    if min_p is not None:
+        out = apply_min_p(out, min_p)
+    if top_k is not None:
+        out = apply_top_k_top_p(out, top_k, top_p)
+    return out

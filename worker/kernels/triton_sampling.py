@@ -52,7 +52,8 @@ Contract
   bf16, fp16, fp32, parameter tensors not [S] on the logits' device, noise not [S, V], or probes
   not a power of two >= 2. NaN logits are undefined.
 - Proven by tests/test_triton_sampling.py (CPU interpreter; CUDA with larger vocabularies): same
-  tokens as `reference_fused_sample` (worker/sampler.py `sampling_logits` + the race) for the same
+  tokens as `reference_fused_sample` (worker/kernels/reference.py `sampling_logits`, the torch
+  sampler's math, + the race) for the same
   noise in every dtype and mix of rows; exact kept sets (a near-1 uniform on one token at a time),
   also 1e-5 (relative) either side of each top-p / min-p / top-k boundary; first index on ties;
   Philox draws are `tl.philox`'s and follow the truncated softmax; seed / offset reproducibility.
@@ -66,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.sampling_ops import sampling_logits
+from worker.kernels import reference
 from worker.types import SamplingParams
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -312,8 +313,9 @@ def reference_fused_sample(
     min_p: torch.Tensor,
     noise: torch.Tensor,
 ) -> torch.Tensor:
-    """Plain torch: worker/sampler.py's path for these rows (float32 logits, greedy argmax,
-    `sampling_logits`, softmax, argmax p / E) with E = -log(noise). Tokens [S] int64. Its sort
+    """Plain torch: worker/sampling_ops.py's path for these rows (float32 logits, greedy argmax,
+    `reference.sampling_logits` with the steps the rows use, softmax, argmax p / E) with
+    E = -log(noise). Tokens [S] int64. Its sort
     keeps exactly k tokens where values tie at the k-th place; `fused_sample` keeps all tied."""
     x = logits.float()
     tokens = x.argmax(dim=-1)
@@ -324,6 +326,14 @@ def reference_fused_sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        probs = sampling_logits(x[idx], [params[i] for i in rows]).softmax(dim=-1)
+        chosen = [params[i] for i in rows]
+        truncated = any(p.top_k > 0 or p.top_p < 1.0 for p in chosen)  # as worker/sampling_ops.py
+        probs = reference.sampling_logits(
+            x[idx],
+            temperature[idx].float(),
+            min_p[idx].float() if any(p.min_p > 0 for p in chosen) else None,
+            top_k[idx].clamp(min=0) if truncated else None,
+            top_p[idx].float() if truncated else None,
+        ).softmax(dim=-1)
         tokens[idx] = (probs / -noise[idx].float().log()).argmax(dim=-1)
     return tokens
