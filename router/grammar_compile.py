@@ -299,12 +299,20 @@ class GrammarCompiler:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_limits(cls, limits: Limits) -> GrammarCompiler:
-        return cls(
+    def from_limits(cls, limits: Limits, results=None) -> GrammarCompiler:
+        """`results`: a prometheus Counter labelled `result` (llm_router_grammar_compiles)."""
+        compiler = cls(
             budget_s=limits.grammar_compile_timeout_s,
             processes=limits.grammar_compile_processes,
             per_tenant=limits.grammar_compiles_per_tenant,
         )
+        compiler.results = results
+        return compiler
+
+    def _count(self, result: str) -> None:
+        self.counts[result] += 1
+        if self.results is not None:
+            self.results.labels(result=result).inc()
 
     def close(self) -> None:
         """Kills the child processes; the compiler is done."""
@@ -319,15 +327,21 @@ class GrammarCompiler:
         self._tenant_slots: dict[str, asyncio.Semaphore] = {}
         self._tenant_tasks: collections.Counter[str] = collections.Counter()
         self._inflight: dict[tuple, asyncio.Task] = {}
+        self.counts: collections.Counter[str] = collections.Counter()  # by result (the metric's)
+        self.results = None  # the metric, when the router has one (from_limits)
 
     async def compile(self, task: tuple, tenant: str) -> str:
         """The grammar of `task` (see the module docstring); ValueError naming the problem,
         Overloaded when the tenant's share or the pool stays busy."""
         hit = self.cache.get(task)
-        if hit is None:
+        if hit is not None:
+            self._count("cached")
+        else:
             self._bind()
             running = self._inflight.get(task)
-            if running is None:
+            if running is not None:
+                self._count("shared")
+            else:
                 self._admit(tenant)
                 running = asyncio.get_running_loop().create_task(self._compile(task, tenant))
                 self._inflight[task] = running
@@ -341,6 +355,7 @@ class GrammarCompiler:
     def _admit(self, tenant: str) -> None:
         waiting = self._tenant_tasks[tenant] - self.per_tenant
         if waiting >= MAX_WAITING_PER_SLOT * self.per_tenant:
+            self._count("busy")
             raise Overloaded(
                 f"response_format: {self._tenant_tasks[tenant]} grammar compiles of this API key are in "
                 f"flight or waiting, the most it may have (it runs {self.per_tenant} at a time, each "
@@ -356,6 +371,7 @@ class GrammarCompiler:
                 await share.acquire()
         except TimeoutError:
             self._left(tenant)
+            self._count("busy")
             raise Overloaded(
                 f"response_format: this API key's grammar compiles ({self.per_tenant} at a time, each "
                 f"within {_secs(self.budget_s)} s) stayed busy for {_secs(self.wait_s)} s; retry later",
@@ -366,6 +382,7 @@ class GrammarCompiler:
                 async with asyncio.timeout(self.wait_s):
                     await self._slots.acquire()
             except TimeoutError:
+                self._count("busy")
                 raise Overloaded(
                     f"response_format: the router's {self.pool.processes} grammar-compile processes "
                     f"stayed busy for {_secs(self.wait_s)} s; retry later",
@@ -408,6 +425,7 @@ class GrammarCompiler:
             )
         else:  # not the request's fault as far as we know: INTERNAL, not remembered
             raise RuntimeError(f"grammar compile: {reply.get('internal', reply)}")
+        self._count(next(iter(reply)))  # ok | error | timeout | crashed
         self.cache.put(task, *outcome, ttl_s=ttl)
         return outcome
 

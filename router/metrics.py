@@ -177,7 +177,16 @@ class RouterMetrics:
         self.lora_autoloads = Counter(
             "llm_router_lora_autoloads",
             "LoRA adapters loaded on demand (--lora-autoload) by result: loaded | evicted | full | "
-            "failed | cached_failure | unavailable | deadline",
+            "failed | cached_failure | unavailable | deadline | tenant_limit | bad_name",
+            ["result"],
+            registry=self.registry,
+        )
+        self.grammar_compiles = Counter(
+            "llm_router_grammar_compiles",
+            "response_format grammars asked of the compiler (router/grammar_compile.py) by result: ok | "
+            "error (llguidance refused it) | timeout (past its budget: process killed) | crashed | cached "
+            "(answered from the cache, success or refusal) | shared (joined a compile in flight) | busy "
+            "(the tenant's share or every process stayed busy: 429)",
             ["result"],
             registry=self.registry,
         )

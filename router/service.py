@@ -188,7 +188,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.decode_pool = DecodePool()  # large request bodies, decoded off the loop (both fronts)
         self._tokenize_pool = TokenizePool(registry=metrics.registry if metrics else None)  # off the loop
         self._token_api = TokenApi(models, registry, limits)  # Tokenize / Detokenize
-        self._grammars = GrammarCompiler.from_limits(limits)  # response_format: budget, cache, shares
+        counter = metrics.grammar_compiles if metrics else None  # llm_router_grammar_compiles_total
+        self._grammars = GrammarCompiler.from_limits(
+            limits, counter
+        )  # response_format: budget, cache, shares
         self._queue_requests = queue_requests  # False (--no-queue): admit only what a worker can start now
         self.adapters = AdapterAdmin(registry, models, tenants)  # LoRA adapters loaded at run time
         self.autoload = None  # --lora-autoload: adapters loaded on demand (router/lora_autoload.py)

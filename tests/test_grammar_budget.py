@@ -136,6 +136,7 @@ def test_a_repeated_failing_schema_is_answered_from_the_cache(compiler):
         c.pool.tasks,
     )
     assert c.pool.killed == 1
+    assert c.counts == {"timeout": 1, "error": 1, "cached": 2}  # llm_router_grammar_compiles_total
 
 
 def test_successes_are_cached_and_concurrent_equal_compiles_share_one(compiler):
@@ -151,6 +152,7 @@ def test_successes_are_cached_and_concurrent_equal_compiles_share_one(compiler):
     together, tasks, again, seconds = asyncio.run(main())
     assert len(set(together)) == 1 and json.loads(together[0]) and again == together[0]
     assert tasks == 1 and c.pool.tasks == 1 and seconds < 0.05
+    assert c.counts == {"ok": 1, "shared": 3, "cached": 1}
 
 
 def test_a_tenants_share_is_bounded_and_leaves_room_for_others(compiler):
