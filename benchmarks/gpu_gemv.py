@@ -13,7 +13,7 @@ Protocol, per weight shape (default: the 1.24B Llama of benchmarks/gpu_bench.py,
 - Checked in each row: max |out - ref| / max |ref| against the float32 product, for both.
 - Reported: us per call, GB/s of weight read (N * K * 2 bytes / time), and in the markdown the
   share of a given bandwidth (the measured read-only bandwidth; `__main__` measures it with
-  benchmarks/gpu_bench.py's reader unless --bandwidth-gbs), plus the sum per decode step (each
+  benchmarks/gpu_bandwidth.py's reader unless --bandwidth-gbs), plus the sum per decode step (each
   shape once per layer, 16 layers) for cuBLAS, gemv, and the faster of the two per shape.
 - FP8 rows (`gemv_bench(..., fp8=True)`, the CLI's default; `kind: "fp8"`), per shape and M,
   as `--quantization fp8` runs a projection: an e4m3 copy of the weight (N * K bytes, per-row
@@ -47,6 +47,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_bandwidth import read_bandwidth
 from worker.kernels import gemv_tuning, triton_fp8_gemm, triton_gemv
 from worker.model.fp8 import FP8, Fp8Linear
 
@@ -373,8 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     bandwidth = args.bandwidth_gbs
     if bandwidth is None and device.type == "cuda":
-        from benchmarks.gpu_bench import read_bandwidth  # lazy: gpu_bench may import this module
-
         bandwidth = read_bandwidth(2**32, device)["gbps"]
     bandwidth = bandwidth or statistics.median(r["gemv_gbs"] for r in dense_rows(rows))  # CPU: a placeholder
     text = rows_to_markdown(rows, bandwidth)
