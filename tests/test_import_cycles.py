@@ -20,12 +20,21 @@ from __future__ import annotations
 
 import ast
 from collections import deque
-from pathlib import Path
+
+import pytest
 
 from tests.test_layering import _statements, modules_of, source_file
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "common", "benchmarks", "loadtest", "deploy", "devtools", "fuzz")
+
+
+def _longest_module(dotted: str) -> str:
+    """`import a.b.c`: the longest prefix of a.b.c that is a module of ours ("" if none)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if source_file(".".join(parts[:i])):
+            return ".".join(parts[:i])
+    return ""
 
 
 def edges_of(module: str) -> set[str]:
@@ -35,7 +44,7 @@ def edges_of(module: str) -> set[str]:
     found: set[str] = set()
     for node in _statements(ast.parse(path.read_text(), filename=str(path)), functions=True):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.update(_longest_module(alias.name) for alias in node.names)
             continue
         base = package
         for _ in range(node.level - 1 if node.level else 0):
@@ -44,7 +53,7 @@ def edges_of(module: str) -> set[str]:
         for alias in node.names:
             sub = f"{full}.{alias.name}"
             found.add(sub if source_file(sub) else full)
-    return {m for m in found if m != module and source_file(m) and m.split(".")[0] in PACKAGES}
+    return {m for m in found if m and m != module and source_file(m) and m.split(".")[0] in PACKAGES}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -159,3 +168,14 @@ def test_no_import_cycles():
     cycles = describe(import_graph())
     print("\n".join(cycles))
     assert not cycles, f"{len(cycles)} import circle(s), shortest first:\n" + "\n".join(cycles)
+
+
+def test_async_engine_leaves_the_tensor_parallel_engine_to_its_caller():
+    """The first circle's fix: AsyncEngine no longer builds its subclass; worker/server.py picks
+    worker.tp.engine.TPAsyncEngine, and a TP config given to AsyncEngine is refused, not served by
+    one rank (the refusal comes before any model is loaded)."""
+    from worker.async_engine import AsyncEngine
+    from worker.config import EngineConfig
+
+    with pytest.raises(ValueError, match="TPAsyncEngine"):
+        AsyncEngine.from_config(EngineConfig(kv_cache_bytes=2**20, tensor_parallel_size=2))
