@@ -28,7 +28,7 @@ import time
 import torch
 
 from loadtest.environment import cpu_model
-from worker.kernels import cpu_attention, reference, torch_attention
+from worker.kernels import cpu_attention, cpu_ext, reference, torch_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 1e-2)}
@@ -100,9 +100,9 @@ def main() -> None:
     p.add_argument("--stat", choices=["min", "median"], default="min")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_attention.load()
+    cpu_ext.load()
     print(
-        f"{cpu_model()}, {args.threads} thread(s), cpu op {cpu_attention.build_info()}, "
+        f"{cpu_model()}, {args.threads} thread(s), cpu op {cpu_ext.build_info()}, "
         f"DRAM read {read_bandwidth_gbs():.1f} GB/s (1 thread, 256 MiB sum), {args.stat} of "
         f"{args.repeats} rounds",
         file=sys.stderr,

@@ -12,7 +12,7 @@ from worker.model.quant import Int4Linear, Int8Linear
 
 
 def main() -> None:
-    cpu_attention.load()
+    cpu_ext.load()
     batch = make_batch([(0, 1), (40, 1), (300, 1), (17, 9), (0, 33)], 2, 3, 64, torch.float32, seed=0)
     err = rel_error(cpu_attention.paged_attention(**batch), reference.paged_attention(**batch))
     assert err < 1e-5, err

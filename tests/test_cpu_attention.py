@@ -38,7 +38,7 @@ PREFILL = [(0, 1), (0, 16), (0, 33), (5, 2), (40, 9), (31, 64), (0, 130), (100, 
 
 @pytest.fixture(scope="module", autouse=True)
 def op():
-    cpu_attention.load()
+    cpu_ext.load()
 
 
 def check(batch, dtype=torch.float32, **kwargs):
@@ -230,7 +230,7 @@ def test_one_openmp_runtime_and_the_pool_is_used():
         paths = {line.split()[-1] for line in f if line.split()[-1].startswith("/")}
     runtimes = {p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))}
     assert len(runtimes) <= 1, runtimes
-    assert "openmp" in cpu_attention.build_info() or not runtimes
+    assert "openmp" in cpu_ext.build_info() or not runtimes
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

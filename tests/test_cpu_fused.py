@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import get_attention_backend
-from worker.kernels import cpu_attention, cpu_fused, reference
+from worker.kernels import cpu_ext, cpu_fused, reference
 from worker.model.llama import RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -22,7 +22,7 @@ ROWS = [1, 3, 200]  # 200 x 576 elements: past the serial threshold, cut across 
 
 @pytest.fixture(scope="module", autouse=True)
 def op():
-    cpu_attention.load()
+    cpu_ext.load()
     old = torch.get_num_threads()
     torch.set_num_threads(2)  # the parallel cut runs on more than one thread
     yield

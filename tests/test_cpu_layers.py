@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.kernels import cpu_attention, cpu_quant
+from worker.kernels import cpu_ext, cpu_quant
 from worker.kernels.cpu_layers import CpuLayerStack
 
 needs_op = pytest.mark.skipif(
-    not cpu_attention.available(), reason="the llm_cpu extension did not build here (no compiler?)"
+    not cpu_ext.available(), reason="the llm_cpu extension did not build here (no compiler?)"
 )
 needs_vnni = pytest.mark.skipif(
-    not (cpu_attention.available() and cpu_quant.vnni_available()),
+    not (cpu_ext.available() and cpu_quant.vnni_available()),
     reason="no int8 dot products (AVX512-VNNI / AVX2) on this CPU or in its build: no W4A8 / W8A8 layers",
 )
 

@@ -14,12 +14,12 @@ from tests.quant_helpers import (
     bf16_out_tol,
     one_thread,  # noqa: F401 - autouse: one intra-op thread in this module
 )
-from worker.kernels import cpu_attention, cpu_quant
+from worker.kernels import cpu_ext, cpu_quant
 from worker.model.cpu_paths import use_dequant_gemm
 from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _int4_nibble_sources
 
 needs_op = pytest.mark.skipif(
-    not cpu_attention.available(), reason="the llm_cpu extension does not build on this machine"
+    not cpu_ext.available(), reason="the llm_cpu extension does not build on this machine"
 )
 
 
@@ -35,7 +35,7 @@ def _layout_is_block64() -> bool:
 
 
 needs_layout = pytest.mark.skipif(
-    not (cpu_attention.available() and _layout_is_block64()),
+    not (cpu_ext.available() and _layout_is_block64()),
     reason="torch packs int4 weights in another layout on this CPU (the op is then not used)",
 )
 
@@ -150,9 +150,9 @@ def test_bad_arguments_are_value_errors_naming_the_problem():
         torch.ops.llm_cpu.int8_linear_tiled(torch.randn(4, 64).to(torch.bfloat16), lin.weight, lin.scales, 8)
 
 
-needs_op = pytest.mark.skipif(not cpu_attention.available(), reason="the llm_cpu extension is unavailable")
+needs_op = pytest.mark.skipif(not cpu_ext.available(), reason="the llm_cpu extension is unavailable")
 needs_vnni = pytest.mark.skipif(
-    not (cpu_attention.available() and torch.ops.llm_cpu.vnni_compiled()),
+    not (cpu_ext.available() and torch.ops.llm_cpu.vnni_compiled()),
     reason="neither AVX512-VNNI nor AVX2 on this CPU or in its build of the extension: the int8-activation "
     "ops are unused",
 )

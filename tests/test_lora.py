@@ -238,9 +238,9 @@ def test_the_op_s_lora_add_is_the_wrappers_sum(k, n):
     ulp apart (another summation order; 1e-5 where O(1) terms cancel), on the rows named only, for
     1 to 9 rows (tiles of 1-4 rows, one or several; widths with and without vector tails); with a
     block-diagonal B^T, reading only the shards' blocks gives the same sums as reading all of it."""
-    from worker.kernels import cpu_attention
+    from worker.kernels import cpu_ext
 
-    if not cpu_attention.available():
+    if not cpu_ext.available():
         pytest.skip("the llm_cpu extension did not build here (no compiler?)")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(11, k, generator=gen).bfloat16()

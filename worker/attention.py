@@ -134,9 +134,9 @@ def get_attention_backend(
     if name == "auto":
         name = "triton" if device.type == "cuda" else _auto_cpu_backend()
     if name == "cpu":
-        from worker.kernels import cpu_attention, cpu_fused, reference
+        from worker.kernels import cpu_attention, cpu_ext, cpu_fused, reference
 
-        cpu_attention.load()  # RuntimeError naming why, if it cannot build
+        cpu_ext.load()  # RuntimeError naming why, if it cannot build
         fused = dtype in (torch.bfloat16, torch.float16)
         return AttentionBackend(
             "cpu",
@@ -176,11 +176,11 @@ def get_attention_backend(
 
 def _auto_cpu_backend() -> str:
     """ "cpu" (the C++ op of worker/kernels/cpu_attention.py) when it builds, else "torch"."""
-    from worker.kernels import cpu_attention
+    from worker.kernels import cpu_ext
 
-    if cpu_attention.available():
+    if cpu_ext.available():
         return "cpu"
     logging.getLogger(__name__).warning(
-        "attention backend auto: using torch, %s", cpu_attention.unavailable_reason()
+        "attention backend auto: using torch, %s", cpu_ext.unavailable_reason()
     )
     return "torch"

@@ -13,8 +13,6 @@ length tried, 16-1,024 new tokens with and without a cached prefix (docs/kernels
 default `SDPA_MIN_QUERY_LEN = 0` never calls SDPA. The op has a fake (meta) implementation
 (registered by cpu_ext when the library loads), so torch.compile traces a model that calls it
 without a graph break.
-`load`, `available`, `unavailable_reason` and `build_info` are cpu_ext's, re-exported here for the
-backend's selection (worker/attention.py) and benchmarks/cpu_attention.py.
 
 Fails how: bad shapes or dtypes raise ValueError (reference.check_attention_args, then the op's
 own checks: a sequence longer than its block-table row, a block id outside the pool,
@@ -29,17 +27,9 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import cpu_ext
-from worker.kernels.cpu_ext import available, build_info, load, unavailable_reason
 from worker.kernels.reference import check_attention_args
 
-__all__ = [
-    "SDPA_MIN_QUERY_LEN",
-    "available",
-    "build_info",
-    "load",
-    "paged_attention",
-    "unavailable_reason",
-]
+__all__ = ["SDPA_MIN_QUERY_LEN", "paged_attention"]
 
 # Prefill chunks with at least this many new tokens run through SDPA inside the op; 0: none (the
 # paged kernel was faster at every length measured, docs/kernels.md "CPU").
