@@ -53,8 +53,8 @@ def fake_quant(t: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class SimFp8Linear(nn.Module):
-    """`round_out(act(x) @ fake_quant(W, w_group).T + b)` in float32; act: None (W8A16), or
-    fake_quant(x, a_group) (a_group 0 = per token)."""
+    """`act(x) @ fake_quant(W, w_group).T + b` in float32, rounded once to the layer's dtype; act:
+    None (W8A16), or fake_quant(x, a_group) (a_group 0 = per token)."""
 
     def __init__(self, linear: nn.Linear, w_group: int, a_group: int | None):
         super().__init__()

@@ -15,7 +15,7 @@ Contract
   `recycle_after` bodies (the memory a 13 MB decode leaves behind goes with it) or when it dies
   (`Busy` for the bodies it held).
 - state: the pool and per-tenant semaphores. Proven by: tests/test_request_path.py (a huge
-  body over HTTP and over gRPC keeps the event loop on time), tests/test_decode_pool.py.
+  body over HTTP and over gRPC keeps the event loop on time).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Engine configuration: frozen dataclasses, checked once at construction.
 
 `ModelConfig` describes the architecture (read from GGUF metadata or config.json);
-`EngineConfig` holds the serving knobs. Measured runtime values (the number of KV blocks that fit
-the byte budget) live on `CacheLayout`, computed by the model runner, not here.
+`EngineConfig` holds the serving knobs. Values measured at run time (how many KV blocks fit the
+byte budget) are not configuration and are not kept here.
 """
 
 from __future__ import annotations

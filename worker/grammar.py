@@ -95,7 +95,8 @@ DEFAULT_STEP_BUDGET_S = 0.1
 
 class Compiled:
     """One grammar text compiled: the template every matcher of it copies (never advanced), and
-    its opening mask (`opening`: a Future of `_Mask`, computed once, on a private copy)."""
+    its opening mask (`opening`: a Future of the pair (packed mask or None, error or None),
+    computed once, on a private copy)."""
 
     __slots__ = ("grammar", "template", "probe", "opening")
 
