@@ -16,7 +16,7 @@ from fuzz import fuzz_e2e
 
 def test_short_fuzz_run_through_grpc_and_http(plain_worker, capsys):
     argv = ["--worker", plain_worker.address, "--grpc-calls", "100", "--http-calls", "150", "--seed", "5"]
-    argv += ["--amplify-calls", "12", "--amplify-scale", "0.1"]  # size-amplifying bodies, a tenth the size
+    argv += ["--amplify-calls", "40", "--amplify-scale", "0.1"]  # size-amplifying bodies, a tenth the size
     assert fuzz_e2e.main([*argv, "--out", ""]) == 0, capsys.readouterr().out
 
 
