@@ -12,30 +12,31 @@ devtools, fuzz, tests; not the generated protos/*_pb2*.py) with ast, imports not
 - A backticked name after a file in the prose ("worker/kernels/reference.py `sampling_logits`",
   "compile_check.py's `capture_launches`") or inside the backticks (`worker/engine.py LLMEngine`):
   that file defines it (an import is not its home); a C++ or proto file must mention it.
-- Any other backticked span that is only code, a dotted name optionally called
-  (`LLMEngine.step`, `worker.engine.LLMEngine`, `stop()`, `fused_sample(logits, ...) -> tokens`), is a
-  symbol reference when it is CamelCase (`ModelConfig`), starts with one underscore (`_finish`), is
-  written as a call, or is dotted with a first part that is code (a name of the file, a first-party
-  package, class or module, a builtin). ALL_CAPS and plain snake_case names without a dot or
-  parentheses are not: they are environment variables, metric names, constants of other systems and
-  the fields and parameters of the protocols (`max_tokens`), which the code need not define.
-  Neither are flags, literals, types (`list[int]`), commands or expressions with spaces, nor a
-  dotted name ending in a file suffix (`tokenizer.json`), nor one whose first part is a plain word
-  that is also a first-party module's name (`tokenizer.ggml.pre`, `client.models.retrieve`: a
-  variable or a key more often than the module), unless it resolves in that module.
+- Any other backticked span that is only code, a dotted name optionally called (`LLMEngine.step`,
+  `worker.engine.LLMEngine`, `stop()`, `fused_sample(logits, ...) -> tokens`), is a symbol reference
+  when it is CamelCase (`ModelConfig`), starts with one underscore (`_finish`), is written as a
+  call, or is dotted with a first part that is code (a name of the file, a first-party package,
+  class or module, a builtin). ALL_CAPS and plain snake_case names without a dot or parentheses are
+  not: they are environment variables, metric names, constants of other systems and the fields and
+  parameters of the protocols (`max_tokens`), which the code need not define. Neither are flags,
+  literals, types (`list[int]`), commands or expressions with spaces, nor a dotted name ending in a
+  file suffix (`tokenizer.json`), nor one whose first part is a plain word that is also a first-
+  party module's name (`tokenizer.ggml.pre`, `client.models.retrieve`: a variable or a key more
+  often than the module), unless it resolves in that module.
 
-A reference resolves when it is defined or imported in the same file, or defined anywhere in the
-first-party code (a definition, an assignment, a parameter, an attribute assigned on self), a builtin, a
-message, field, enum value or rpc of protos/llm/v1/*.proto, or its first part is a third-party
-module. A dotted path under a first-party package goes through the longest prefix that is a
-module, then a name that module defines or imports, then a class member: a method, a class
-attribute, a dataclass field or an attribute assigned on self, also through first-party base classes (a
-class with a third-party base is open: any member passes). THIRD_PARTY lists the other projects'
-names the docstrings cite bare, with where each lives.
+A reference resolves when it is defined or imported in the same file (any binding there, a
+parameter included), or defined anywhere in the first-party code (a function or class, a class
+member, a module-level name), a builtin, a message, field, enum value or rpc of
+protos/llm/v1/*.proto, or its first part is a third-party module (ALIASES: np, nn, tl). A dotted
+path under a first-party package goes through the longest prefix that is a module, then a name
+that module defines or imports, then a class member: a method, a class attribute, a dataclass
+field or an attribute assigned on self, also through first-party base classes (a class with a
+third-party base is open: any member passes). THIRD_PARTY lists the other projects' names the
+docstrings cite bare, with where each lives.
 
 A deliberate exception is listed in ALLOWED with its reason; an entry no docstring cites any more
-fails the test, as does a THIRD_PARTY name no docstring cites, so neither list can go stale. About 2
-s on 2 vCPUs (parsing ~390 files is most of it).
+fails the test, as does a THIRD_PARTY name no docstring cites, so neither list can go stale.
+Cost: 1.5 to 3 s on 2 vCPUs, most of it ast.parse of the ~390 files.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ THIRD_PARTY = {
     "tojson": "jinja2's tojson filter, in chat templates",
     "_name_or_path": "a key of a Hugging Face config.json",
 }
+# The conventional import aliases, cited as the modules they stand for (`np.percentile`).
+ALIASES = {"np": "numpy", "nn": "torch.nn", "tl": "triton.language"}
 # A dotted name ending in one of these is a file name (`tokenizer.json`, `fairness.png`).
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "svg", "csv", "txt", "html", "yaml", "yml", "log"}
 
@@ -112,6 +115,7 @@ class Module:
     tree: ast.Module
     package: str
     docstrings: list[tuple[int, str]] = field(default_factory=list)  # (line, text)
+    api: set[str] = field(default_factory=set)  # definitions, class members, module-level names
     defined: set[str] = field(default_factory=set)  # every name the file binds, not by import
     imports: dict[str, str] = field(default_factory=dict)  # bound name -> "module" or "module:attr"
     classes: dict[str, ClassInfo] = field(default_factory=dict)
@@ -153,7 +157,7 @@ def _docstring(node) -> tuple[int, str] | None:
     return None
 
 
-def _scan(mod: Module, body: list[ast.stmt], owner: ClassInfo | None, in_class: bool) -> None:
+def _scan(mod: Module, body: list[ast.stmt], owner: ClassInfo | None, in_class: bool, top: bool) -> None:
     """Records what the statements bind, their classes, imports and docstrings. Statements only
     (a name bound inside an expression, a comprehension or walrus variable, is not recorded):
     a third of the nodes to visit."""
@@ -161,6 +165,7 @@ def _scan(mod: Module, body: list[ast.stmt], owner: ClassInfo | None, in_class: 
         names: list[str] = []
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.append(node.name)
+            mod.api.add(node.name)
             if (doc := _docstring(node)) is not None:
                 mod.docstrings.append(doc)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -170,18 +175,21 @@ def _scan(mod: Module, body: list[ast.stmt], owner: ClassInfo | None, in_class: 
                     mod.defined.add(arg.arg)
             if in_class:
                 owner.members.add(node.name)
-            _scan(mod, node.body, owner, False)
+            _scan(mod, node.body, owner, False, False)
         elif isinstance(node, ast.ClassDef):
             info = ClassInfo(bases=[ast.unparse(b).split("[")[0] for b in node.bases])
             mod.classes.setdefault(node.name, info)
             if in_class:
                 owner.members.add(node.name)
-            _scan(mod, node.body, info, True)
+            _scan(mod, node.body, info, True, False)
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 for name, is_attr in _targets(target):
                     if (is_attr or in_class) and owner is not None:
                         owner.members.add(name)
+                        mod.api.add(name)
+                    elif top:
+                        mod.api.add(name)
                     names.append(name)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             names += [name for name, _ in _targets(node.target)]
@@ -210,13 +218,13 @@ def _scan(mod: Module, body: list[ast.stmt], owner: ClassInfo | None, in_class: 
             for attr in ("body", "orelse", "finalbody"):
                 inner = getattr(node, attr, None)
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                    _scan(mod, inner, owner, in_class)
+                    _scan(mod, inner, owner, in_class, top)
             for handler in getattr(node, "handlers", ()):
                 if handler.name:
                     mod.defined.add(handler.name)
-                _scan(mod, handler.body, owner, in_class)
+                _scan(mod, handler.body, owner, in_class, top)
             for case in getattr(node, "cases", ()):
-                _scan(mod, case.body, owner, in_class)
+                _scan(mod, case.body, owner, in_class, top)
 
 
 def parse(path: Path, text: str | None = None) -> Module:
@@ -226,7 +234,7 @@ def parse(path: Path, text: str | None = None) -> Module:
     mod = Module(path, tree, package=name if path.name == "__init__.py" else name.rpartition(".")[0])
     if (doc := _docstring(tree)) is not None:
         mod.docstrings.append(doc)
-    _scan(mod, tree.body, None, False)
+    _scan(mod, tree.body, None, False, True)
     return mod
 
 
@@ -239,7 +247,7 @@ class Project:
     def __init__(self, modules: dict[str, Module]):
         self.modules = modules
         self.by_file = {m.path: m for m in modules.values()}
-        self.defined = set().union(*(m.defined for m in modules.values()))
+        self.api = set().union(*(m.api for m in modules.values()))
         self.classes: dict[str, list[ClassInfo]] = {}
         for m in modules.values():
             for name, info in m.classes.items():
@@ -352,7 +360,7 @@ class Project:
         if head in self.basenames and len(parts) > 1:
             errors = [self.resolve_in(m, parts[1:]) for m in self.basenames[head]]
             return None if None in errors else f"module {head}: {errors[0]}"
-        if head in self.defined or head in self.protos:
+        if head in self.api or head in self.protos:
             return None
         if hasattr(builtins, head):
             obj = getattr(builtins, head)
@@ -361,7 +369,7 @@ class Project:
                     return f"builtin {head} has no attribute {part}"
                 obj = getattr(obj, part)
             return None
-        if head in sys.stdlib_module_names or importlib.util.find_spec(head) is not None:
+        if head in ALIASES or head in sys.stdlib_module_names or importlib.util.find_spec(head):
             return None
         return f"nothing defines {head}"
 
