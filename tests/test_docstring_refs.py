@@ -8,7 +8,8 @@ devtools, fuzz, tests; not the generated protos/*_pb2*.py) with ast, imports not
 
 - Source files: a path under one of the repository's directories ending in .py, .cpp, .h,
   .proto, .sh, .md, .yaml or .toml, in the prose or in backticks, names a file that exists.
-  Outputs (.json, .png, ...) are not checked: a run writes them.
+  Outputs (.json, .png, ...) are not checked: a run writes them; nor are made-up examples, a file
+  named with one letter or foo, bar, example (a test's docstring showing a dead link).
 - A backticked name after a file in the prose ("worker/kernels/reference.py `sampling_logits`",
   "compile_check.py's `capture_launches`") or inside the backticks (`worker/engine.py LLMEngine`):
   that file defines it (an import is not its home); a C++ or proto file must mention it.
@@ -20,8 +21,8 @@ devtools, fuzz, tests; not the generated protos/*_pb2*.py) with ast, imports not
   not: they are environment variables, metric names, constants of other systems and the fields and
   parameters of the protocols (`max_tokens`), which the code need not define. Neither are flags,
   literals, types (`list[int]`), commands or expressions with spaces, nor a dotted name ending in a
-  file suffix (`tokenizer.json`), nor one whose first part is a plain word that is also a first-
-  party module's name (`tokenizer.ggml.pre`, `client.models.retrieve`: a variable or a key more
+  file suffix (`tokenizer.json`), nor one whose first part is a plain word that is also a
+  first-party module's name (`tokenizer.ggml.pre`, `client.models.retrieve`: a variable or a key more
   often than the module), unless it resolves in that module.
 
 A reference resolves when it is defined or imported in the same file (any binding there, a
@@ -90,6 +91,8 @@ PATH_NAME = re.compile(rf"(?P<path>[\w.-]+(?:/[\w.-]+)+\.py)\s+(?P<name>{DOTTED}
 QUALIFIER = re.compile(r"(?<![\w/.-])(?P<path>(?:[\w.-]+/)*[\w-]+\.(?:py|cpp|h|proto))(?:'s)?\s+$")
 # A path to a source file under one of the repository's directories, in the prose or in backticks.
 SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]+\.(?:py|cpp|h|proto|sh|md|yaml|toml))(?![\w/-])")
+# A made-up file name in an example (`docs/x.md`): not a claim that the file exists.
+PLACEHOLDER = re.compile(r"(?:\w|foo|bar|baz|example)\.\w+")
 CAMEL = re.compile(r"[A-Z]\w*[a-z]\w*")
 # Bases whose members a class's own AST does not show, but that add a known set.
 KNOWN_BASES = {
@@ -452,7 +455,7 @@ def doc_refs(proj: Project, mod: Module, lineno: int, doc: str) -> list[Ref]:
             found.append(Ref(rel, lineno + doc.count("\n", 0, match.start()), match[1], result))
     for match in SOURCE_PATH.finditer(doc):
         path = match[1]
-        if path.split("/")[0] in TOP_DIRS:
+        if path.split("/")[0] in TOP_DIRS and not PLACEHOLDER.fullmatch(path.rpartition("/")[2]):
             problem = None if (REPO / path).is_file() else f"no file {path}"
             found.append(Ref(rel, lineno + doc.count("\n", 0, match.start()), path, problem))
     return found
@@ -511,7 +514,8 @@ def test_the_rule_separates_references_from_prose():
     found = _classify(
         '`--max-tokens`, `llm_requests_total`, `LLM_WORKER_TOKEN`, `"stop"`, `42`, `max_tokens`,'
         " `make test`, `list[int]`, `x @ W.T + b`, `tokenizer.ggml.pre`, `[S, V]`, `__main__`,"
-        ' `fairness.png`, `MAX_TOKENS`, `python -m router --port 0`, `{"type": "text"}`'
+        ' `fairness.png`, `MAX_TOKENS`, `python -m router --port 0`, `{"type": "text"}`,'
+        " docs/x.md, `worker/example.py`"
     )
     assert all(v is False for v in found.values()), found
 
@@ -532,9 +536,9 @@ def test_the_rule_checks_references():
         "`CacheLayout`, `Local.nope`, `worker.engine.NoSuchThing`, `no_such_function()`,"
         " `_no_such_private`, worker/sampler.py `sampling_logits`, `LLMEngine.no_such_method`,"
         " `str.no_such`, `triton_norm.no_such`, worker/no_such_file.py, `worker/engine.py Nope`,"
-        " worker/kernels/cpu_layers.cpp `no_such_op`, tests/test_decode_pool.py"
+        " worker/kernels/cpu_layers.cpp `no_such_op`, tests/test_decode_pool.py, docs/xy.md"
     )
     found = _classify(bad, source)
     paths = {"worker/sampler.py", "worker/kernels/cpu_layers.cpp", "worker/engine.py"}  # exist
     assert all(isinstance(v, str) for k, v in found.items() if k not in paths), found
-    assert len(found) == 13 + len(paths), found
+    assert len(found) == 14 + len(paths), found
