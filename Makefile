@@ -158,7 +158,7 @@ bench-lora-steps: install protos
 # Reliability soaks (issue #9), full size: overload at 3x the measured capacity for 60 s, a storm
 # of 1,000 cancelled streams over two workers (~6 min), the trust boundaries (issue 17) and the
 # hostile tenants (issue 45, one attack per row beside a victim tenant; ~4-7 min). Prints PASS/MISS
-# per target and writes docs/reliability/{overload,cancel_storm,trust,hostile}.json. `make test`
+# per target and writes docs/data/reliability/{overload,cancel_storm,trust,hostile}.json. `make test`
 # runs short versions (tests/test_soak.py); `make test-all` also runs the full ones as tests.
 # One scenario: `python -m benchmarks.soak hostile` (docs/reliability.md "Hostile tenants").
 SOAK_ARGS ?=

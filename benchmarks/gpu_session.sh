@@ -21,7 +21,7 @@
 # benchmarks/gpu_fp8.py), LoRA rows vs base rows ~20 s (benchmarks/gpu_lora.py); then, measured in earlier sessions: fused kernels ~5 s, attention
 # ~25 s, real checkpoint ~30 s (+ ~15 s with staggered arrivals: benchmarks/gpu_mixed.py), engine
 # + transformers eager ~90 s, roofline 0 s (from the engine's timings). The transformers static
-# cache + torch.compile baseline (~150 s, measured in docs/gpu) is skipped here
+# cache + torch.compile baseline (~150 s, measured in docs/data/gpu) is skipped here
 # (--skip-hf-compiled); `make bench-gpu` runs everything.
 #
 # The real-checkpoint check (graphs vs eager on SmolLM2) needs the embedded GGUF (94 MiB) and the

@@ -25,7 +25,7 @@ Contract
   huge-prompt flood, priority abuse).
 - hostile: benchmarks/soak_hostile.py (issue 45: single requests from one tenant that must not
   stall the others; a table per row on stdout; `--quick` is the small size).
-- output: a table on stdout and JSON in `--out` (default docs/reliability/<scenario>.json).
+- output: a table on stdout and JSON in `--out` (default docs/data/reliability/<scenario>.json).
   Seeded (`--seed`); the seed, arguments, git revision and date are in the JSON.
 - targets (issue #9) are checked and printed as PASS/MISS; the exit status is 0 either way
   unless a correctness check failed (a hung call, a leak), which exits 1.
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-s", type=float, default=10.0, help="trust run: huge-prompt flood length")
     p.add_argument("--quick", action="store_true", help="hostile run: small bodies, few requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "docs" / "reliability"))
+    p.add_argument("--out", default=str(REPO / "docs" / "data" / "reliability"))
     a = p.parse_args(argv)
     failed = False
     if a.scenario in ("overload", "all"):

@@ -8,7 +8,7 @@ load average 5) has a worker of its own (a batch of 2); the short storm (80 stre
 cancelled 22-35 times) runs its own router over the session's shared worker. The full runs (60 s
 at 3x the measured capacity, 1,000 cancelled streams over two workers) also check the issue's
 speed and memory targets; they are marked slow (`--runslow`); `make soak` runs them as a benchmark
-that writes docs/reliability/*.json. The hostile-tenant run (issue 45) is checked at its --quick
+that writes docs/data/reliability/*.json. The hostile-tenant run (issue 45) is checked at its --quick
 size: the attacker's answers and the stack's state, not its latency goals.
 """
 
