@@ -31,7 +31,7 @@ Contract
 - every request has a deadline; every loop is bounded in count and time; loopback only: the
   servers on 127.0.0.1, the attacker's connections from 127.0.0.2 (another peer, as a real attacker
   is: a per-client connection cap must not count the victim's and the probe's against it).
-- output: a dict (benchmarks/soak.py prints the table and writes docs/reliability/hostile.json).
+- output: a dict (benchmarks/soak.py prints the table and writes docs/data/reliability/hostile.json).
 - proven by: tests/test_soak.py::test_hostile_short (the quick run's correctness checks).
 """
 

@@ -838,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated body kinds to draw from (default: all of {', '.join(AMPLIFY_KINDS)})",
     )
     p.add_argument("--seed", type=int, default=9)
-    p.add_argument("--out", default=str(REPO / "docs" / "reliability" / "fuzz_e2e.json"))
+    p.add_argument("--out", default=str(REPO / "docs" / "data" / "reliability" / "fuzz_e2e.json"))
     p.add_argument("--worker", default="", help="host:port of a running worker to use (default: start one)")
     a = p.parse_args(argv)
     kinds = {k: AMPLIFY_KINDS[k] for k in a.amplify_kinds.split(",") if k in AMPLIFY_KINDS}

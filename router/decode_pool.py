@@ -11,7 +11,8 @@ Contract
   ~1 s of json.loads, ~0.3 s of protobuf parse), and a check in a process returns only what
   passed its bounds (compact to send back).
 - bounds: one body of a tenant at a time in the pool, `max_waiting` waiting in all (then
-  `Busy`: 503); the pool starts on the first large body; a process is replaced after
+  `Busy`: 503); the pool starts on the first large body, or at `warm()` (the router's start-up:
+  a spawn and its imports are ~1 s of CPU, which a request should not wait for); a process is replaced after
   `recycle_after` bodies (the memory a 13 MB decode leaves behind goes with it) or when it dies
   (`Busy` for the bodies it held).
 - state: the pool and per-tenant semaphores. Proven by: tests/test_request_path.py (a huge
@@ -24,6 +25,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import threading
 from collections.abc import Callable
 
 from protos.llm.v1 import generation_pb2 as pb
@@ -70,14 +72,23 @@ class DecodePool:
             if gate[1] == 0:  # forget idle tenants
                 self._per_tenant.pop(tenant, None)
 
-    async def _submit(self, fn: Callable, args: tuple):
+    def warm(self) -> None:
+        """Starts a decoder process now, on a thread, so the first large body does not wait for one
+        (a spawn and its imports: ~1 s of a CPU the router shares)."""
+        pool = self._executor()
+        threading.Thread(target=pool.submit, args=(int,), name="decode-pool-warm", daemon=True).start()
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self._processes,
                 mp_context=multiprocessing.get_context("spawn"),
                 max_tasks_per_child=self._recycle,
             )
-        pool = self._pool
+        return self._pool
+
+    async def _submit(self, fn: Callable, args: tuple):
+        pool = self._executor()
         try:
             # submitted from a thread: a submit may start a process (a spawn: ~10-50 ms), not on the loop
             loop = asyncio.get_running_loop()

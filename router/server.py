@@ -205,6 +205,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
     await base.start()
     if http is not None:
         http.start()
+    service.decode_pool.warm()  # the first large body should not wait for a decoder process
     dispatcher.start()
     loop_lag.start()
     watcher = (
