@@ -135,19 +135,13 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
     loop_lag = EventLoopLag(metrics.registry)  # llm_router_event_loop_lag_seconds
     metrics.export_admission(lambda: admission.refusals, lambda: admission.admitted)
     metrics.export_state(registry, drain, admission, queue, dispatcher)
-    base = GrpcServer(
-        component="router",
-        service_names=(SERVICE_NAME,),
-        host=config.host,
-        port=config.port,
-        telemetry=config.telemetry,
-        metrics_registry=metrics.registry,
-        default_metrics_port=DEFAULT_METRICS_PORT,
-        metrics_routes={"/targets": lambda: targets(registry), "/workers": lambda: worker_states(registry)},
-        tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
-        options=options,
-        interceptors=[interceptor := ErrorInterceptor(config.stream_idle_timeout_s)],
-    )
+    modes = reasoning_modes(models)  # logged once, here; a LoRA adapter reasons as its base model
+
+    def reasoning(name: str):
+        return modes.get(models.base_id(name))
+
+    # the servicer before the server: its interceptor gates each message with it (starts nothing:
+    # its decode and grammar-compile processes start on first use)
     service = GenerationService(
         registry,
         models,
@@ -159,10 +153,30 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
         metrics=metrics,
         queue_requests=config.queue_requests,
         lora_autoload_retry_s=config.lora_autoload_retry_s if config.lora_autoload else None,
+        reasoning=reasoning,
     )
-    modes = reasoning_modes(models)  # logged once, here; a LoRA adapter reasons as its base model
-    service.reasoning = lambda name: modes.get(models.base_id(name))
-    interceptor.gate = service.gate_message  # the key and the tenant's rate before a message is parsed
+    # the key and the tenant's rate before a message is parsed
+    interceptor = ErrorInterceptor(config.stream_idle_timeout_s, gate=service.gate_message)
+    try:
+        base = GrpcServer(
+            component="router",
+            service_names=(SERVICE_NAME,),
+            host=config.host,
+            port=config.port,
+            telemetry=config.telemetry,
+            metrics_registry=metrics.registry,
+            default_metrics_port=DEFAULT_METRICS_PORT,
+            metrics_routes={
+                "/targets": lambda: targets(registry),
+                "/workers": lambda: worker_states(registry),
+            },
+            tls=(config.tls_cert, config.tls_key, config.tls_client_ca),
+            options=options,
+            interceptors=[interceptor],
+        )
+    except SystemExit:  # the metrics port: nothing served
+        service.close()
+        raise
     generation_pb2_grpc.add_GenerationServicer_to_server(service, base.server)
     http = None
     if config.http_port != -1:  # the OpenAI-compatible front, over the same servicer
@@ -171,7 +185,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
             registry.models,
             metrics,
             decoder=models.decoder,
-            reasoning=service.reasoning,
+            reasoning=reasoning,
             max_body_bytes=config.max_message_bytes,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             serving=lambda: base.serving,
@@ -196,6 +210,7 @@ async def serve(config: RouterConfig, stop_requested: Callable[[], bool] = lambd
             )
         except SystemExit:
             base.close()
+            service.close()
             raise
     base.bind()
     await base.set_serving(False)  # SERVING while at least one worker is healthy

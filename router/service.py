@@ -6,7 +6,12 @@ Contract
   (router/lora_admin.py: LoRA adapters loaded / unloaded at run time); the served models
   (`router.models.ModelTable`: tokenizer, chat template and generation defaults per id).
 - output: a stream of `GenerateResponse` (chunks, then `Finished`); `ListModelsResponse`;
-  `TokenizeResponse` / `DetokenizeResponse`.
+  `TokenizeResponse` / `DetokenizeResponse`. Fronts that are not gRPC call the public
+  `generate(request, context, obs, choice=None)` (the pipeline `Generate` runs; `context` need only
+  have `invocation_metadata()`, `peer()` and `time_remaining()`), `gate(context)` (the checks before
+  a body is read) and `tenant_of(context)`.
+- construction: everything it uses is passed in, including `reasoning` (model id -> its reasoning
+  mode or None; router/server.py derives it from the served models); nothing is set afterwards.
 - state: none of its own (drain counter, registry, tenants, admission and dispatcher are
   injected).
 - failure modes: raises `router.errors` exceptions; `ErrorInterceptor` turns them into statuses.
@@ -36,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 import jinja2
@@ -175,6 +180,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         metrics: RouterMetrics | None = None,
         queue_requests: bool = True,
         lora_autoload_retry_s: float | None = None,
+        reasoning: Callable[[str], object | None] = lambda model: None,
     ):
         self._registry = registry
         self._metrics = metrics
@@ -200,12 +206,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.autoload = Autoloader(self.adapters, lora_autoload_retry_s, counter)
         # model id -> its reasoning mode (router/openai/reasoning.py), None for most: a reasoning
         # model's structured output holds after its think block (common.structured.after_thinking)
-        self.reasoning: Callable[[str], object | None] = lambda model: None
+        self._reasoning = reasoning
 
     async def Generate(self, request: pb.GenerateRequest, context):
         obs = RequestObservation(self._metrics, context.invocation_metadata())
         try:
-            async with aclosing(self._generate(request, context, obs)) as responses:
+            async with aclosing(self.generate(request, context, obs)) as responses:
                 async for response in responses:
                     yield response
         except BaseException as exc:  # observed, then handled by ErrorInterceptor
@@ -252,10 +258,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise Overloaded(err.message, err.retry_after_ms) from None
         return tenant
 
-    async def _generate(
+    async def generate(
         self, request: pb.GenerateRequest, context, obs: RequestObservation, choice: ChoiceOf | None = None
-    ):
-        """`choice`: one of several choices of `request` (OpenAI `n`) that share its preparation."""
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The pipeline of one Generate call, for every front (`Generate` for gRPC; the HTTP front,
+        router/openai/app.py): drain check, auth, validation, admission, fair queue, relay. ->
+        `GenerateResponse`s (chunks, then one `Finished`); raises `router.errors` exceptions.
+        `context`: what it reads of a gRPC context (`invocation_metadata()`, `peer()`,
+        `time_remaining()`); `obs`: the caller's `RequestObservation`, which it stages and labels
+        (the caller records the failure and finishes it); `choice`: one of several choices of
+        `request` (OpenAI `n`) that share its preparation."""
         arrival_s = time.monotonic()
         self._drain.enter()
         try:
@@ -498,7 +510,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._refuse_hopeless_text(req)
         prompt_ids = await self._tokenize_pool.run(self._tokenize, req)
         max_tokens = fit_to_context(req, len(prompt_ids), self._limits)
-        if req.grammar and (mode := self.reasoning(req.model.name)) is not None:
+        if req.grammar and (mode := self._reasoning(req.model.name)) is not None:
             req = await after_think_block(req, mode, prompt_ids, self._grammars, tenant.name)
         return req, prompt_ids, max_tokens
 

@@ -79,7 +79,7 @@ def test_a_call_read_only_to_its_finish_counts_as_a_success():
             async def observed(req):  # as router/openai/app.py reads a call
                 obs = RequestObservation(None, ())
                 try:
-                    async with aclosing(router.service._generate(req, Ctx(), obs)) as events:
+                    async with aclosing(router.service.generate(req, Ctx(), obs)) as events:
                         async for response in events:
                             yield getattr(response, response.WhichOneof("kind"))
                 finally:

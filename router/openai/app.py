@@ -7,7 +7,7 @@ Contract
   gRPC), optional `X-Request-Id`, W3C `traceparent`. `GET /health` (no key): 200 while the
   router's gRPC health is SERVING (a healthy worker, not draining), else 503.
 - output: OpenAI JSON, or server-sent events with `stream: true` (router/openai/responses.py).
-  Each request runs the gRPC pipeline itself, `GenerationService._generate` (auth, validation,
+  Each request runs the gRPC pipeline itself, `GenerationService.generate` (auth, validation,
   admission, fair queue, relay), with `HttpCallContext` standing in for the gRPC context, under a
   `RequestObservation` labelled protocol="http" (the same spans, metrics and log line).
 - failure modes: one OpenAI error object per failure, its status from the domain error: invalid
@@ -200,7 +200,7 @@ def create_app(
         """The gRPC pipeline's responses, unwrapped: `TokenChunk`s, then one `Finished`."""
         obs = RequestObservation(metrics, ctx.invocation_metadata(), protocol="http")
         try:
-            async with aclosing(service._generate(request, ctx, obs, choice)) as events:
+            async with aclosing(service.generate(request, ctx, obs, choice)) as events:
                 async for response in events:
                     yield getattr(response, response.WhichOneof("kind"))
         except BaseException as exc:  # observed here, answered by the caller
