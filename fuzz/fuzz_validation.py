@@ -46,7 +46,7 @@ LIMITS = Limits(max_prompt_chars=20_000)  # tokenizing is the slow part: keep in
 # A refusal names the field it is about ("sampling.pooling: unknown value 105"): every sampling
 # field is checked (penalties, logit bias, pooling, logprobs counts), so any of their names.
 FIELD = re.compile(
-    r"^(request|request_id|model|input|prompt|chat\.messages(\[\d+\]\.role)?|token_ids\.ids|"
+    r"^(request|request_id|model|input|prompt|chat\.(messages|tools)(\[\d+\](\.[a-z_]+(\[\d+\])?)*)?|token_ids\.ids|"
     r"sampling\.[a-z_]+|stopping\.(max_tokens|stop(\[\d+\])?|"
     r"stop_token_ids)): "
 )

@@ -230,7 +230,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         parsed: `gate` (a wrong key costs no parse; a throttled tenant is refused), then, for a
         large Generate message, its counts checked in the decode pool (a million logit_bias
         entries take ~0.3 s to parse: not on the event loop), then the parse."""
-        tenant = self.gate(context)
+        tenant = self.gate(context, observe_as="grpc" if method.endswith("/Generate") else None)
         if method.endswith("/Generate"):
             try:
                 problem = await self.decode_pool.run(
@@ -247,15 +247,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.decode_pool.close()
         self._grammars.close()
 
-    def gate(self, context):
+    def gate(self, context, observe_as: str | None = None):
         """What a front checks before it reads a request's body: the key (AuthError) and the
         refusals that need nothing but the tenant (request rate, concurrency, queue caps: 429),
-        taking nothing (each generation claims its own). -> the tenant."""
-        tenant = self.tenant_of(context)
+        taking nothing (each generation claims its own). -> the tenant. `observe_as` ("grpc",
+        "http"): a generation's front; its refusal here is observed as a request (its span, log
+        line and metrics), as one refused later in the pipeline is."""
         try:
-            self._admission.gate(tenant, OUTPUT_COST * self._limits.default_max_tokens)
-        except AdmissionError as err:
-            raise Overloaded(err.message, err.retry_after_ms) from None
+            tenant = self.tenant_of(context)
+            try:
+                self._admission.gate(tenant, OUTPUT_COST * self._limits.default_max_tokens)
+            except AdmissionError as err:
+                raise Overloaded(err.message, err.retry_after_ms) from None
+        except Exception as exc:
+            if observe_as is not None:
+                obs = RequestObservation(self._metrics, context.invocation_metadata(), protocol=observe_as)
+                obs.stage("auth")
+                obs.fail(exc)
+                obs.finish()
+            raise
         return tenant
 
     async def generate(

@@ -164,13 +164,14 @@ def create_app(
     outbound = Outbound(max_streams_per_tenant, int(max_unsent_mb_per_tenant * 1e6))
     app.state.outbound = outbound
 
-    async def body_of(request: Request, then: Callable, *args):
+    async def body_of(request: Request, then: Callable, *args, generation: bool = True):
         """The key first (401 before a byte of the body is read), then the refusals that need
         nothing but the tenant (429: request rate, concurrency, queue caps), then the body, read up
         to its limit and decoded and parsed by `then(json, *args)` (large bodies off the loop).
+        `generation`: a refusal here is observed as a request (span, log line, metrics).
         -> (the call context, the tenant's name, the parse)."""
         ctx = HttpCallContext(request)
-        tenant = service.gate(ctx).name
+        tenant = service.gate(ctx, observe_as="http" if generation else None).name
         outbound.check(tenant)  # its clients' unread answers
         body = await read_body(request, max_body_bytes)
         try:
@@ -328,7 +329,7 @@ def create_app(
     async def unary(request: Request, read, call, answer) -> Response:
         """/tokenize and /detokenize: the body -> the service's unary call -> the JSON answer."""
         try:
-            ctx, _, message = await body_of(request, read)
+            ctx, _, message = await body_of(request, read, generation=False)
             return JSONResponse(answer(await call(message, ctx)))
         except Exception as exc:  # noqa: BLE001 - the one mapping point of the HTTP front
             return error_response(api_error(exc, None))
