@@ -243,7 +243,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._idle_s = stream_idle_timeout_s or None
         # `gate(method, raw, context, deserialize)` -> the request: the service's checks before a
         # message of GATED is parsed (the key, the tenant's rate; a large one's counts off the
-        # loop: router/service.py `gate_message`); set by the server once its service exists
+        # loop: router/service.py `gate_message`); given by the server, which builds the service first
         self.gate = gate
 
     async def intercept_service(self, continuation, handler_call_details):
