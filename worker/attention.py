@@ -57,10 +57,10 @@ class AttentionBackend:
         self.name = name
         self.fused = fused
         self.rope_store_kv = rope_store_kv
-        self._store_kv = store_kv
-        self._paged_attention = paged_attention
-        self._takes_max_lens = takes_max_lens
-        self._prepare = prepare
+        self.store_kv = store_kv
+        self.paged_attention = paged_attention
+        self.takes_max_lens = takes_max_lens
+        self.prepare = prepare
 
     def forward(
         self,
@@ -75,7 +75,7 @@ class AttentionBackend:
         """Write the new k/v (T, Hkv, D) into the cache, then attend q (T, H, D) over it. A KV cache
         of another dtype than the activations (--kv-cache-dtype) gets q cast to it, and the output
         cast back; except an fp8 cache under triton, whose kernel widens the K/V tiles to q's dtype."""
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale)
 
     def rope_store_forward(
@@ -112,16 +112,16 @@ class AttentionBackend:
     ) -> torch.Tensor:
         extra = (
             dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-            if self._takes_max_lens
+            if self.takes_max_lens
             else {}
         )
-        if self._prepare is not None:
+        if self.prepare is not None:
             if meta.prepared is None:
-                meta.prepared = self._prepare(
+                meta.prepared = self.prepare(
                     meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1]
                 )
             extra["plan"] = meta.prepared
-        return self._paged_attention(
+        return self.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
         )
 

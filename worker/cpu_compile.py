@@ -61,10 +61,10 @@ def store_attend(
 ) -> torch.Tensor:
     """Store k/v (T, Hkv, D) at `slot_mapping`, then attend q (T, H, D); returns (T, H, D)."""
     backend = _BACKENDS[backend_id]
-    if backend._prepare is None and not backend._takes_max_lens and q.dtype == k_cache.dtype:
+    if backend.prepare is None and not backend.takes_max_lens and q.dtype == k_cache.dtype:
         # The "cpu" op needs no host-side plan or lengths: skip building them (30x a step).
-        backend._store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return backend._paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return backend.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     meta = AttentionMetadata(
