@@ -23,7 +23,7 @@ import logging
 import torch.nn as nn
 
 from worker.kernels import cpu_quant
-from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, _QuantLinearBase
+from worker.model.quant import Int4Linear, Int8Embedding, Int8Linear, QuantLinearBase
 
 
 def use_int8_activations(model: nn.Module) -> int:
@@ -82,7 +82,7 @@ def keep_dense_copies(model: nn.Module, min_rows: int = 16) -> int:
     Note: a torch.compile'd step that skips guard evaluation keeps whichever branch it traced."""
     added = 0
     for module in model.modules():
-        if isinstance(module, (_QuantLinearBase, Int8Embedding)):
+        if isinstance(module, (QuantLinearBase, Int8Embedding)):
             module.keep_dense_copy(min_rows)
             added += module.dense.numel() * module.dense.element_size()
     return added

@@ -74,7 +74,7 @@ def int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torc
     return torch._weight_int8pack_mm(x, weight, scales)
 
 
-class _QuantLinearBase(nn.Module):
+class QuantLinearBase(nn.Module):
     in_features: int
     out_features: int
 
@@ -144,7 +144,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat & 15, flat >> 4], dim=-1).reshape(-1)
 
 
-class Int4Linear(_QuantLinearBase):
+class Int4Linear(QuantLinearBase):
     def __init__(
         self,
         q: torch.Tensor,
@@ -246,7 +246,7 @@ class Int4Linear(_QuantLinearBase):
         )
 
 
-class Int8Linear(_QuantLinearBase):
+class Int8Linear(QuantLinearBase):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         if q.dim() != 2 or q.dtype != torch.int8:
