@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import jinja2
@@ -56,6 +56,7 @@ from router.dispatcher import Dispatcher, Pending
 from router.drain import Drain
 from router.errors import DeadlineExceeded, Overloaded, Unavailable, ValidationError, context_exceeded
 from router.fair_queue import OUTPUT_COST
+from router.fanout import ChoiceOf
 from router.grammar_compile import GrammarCompiler
 from router.lora_admin import AdapterAdmin
 from router.lora_autoload import Autoloader
@@ -70,7 +71,6 @@ from router.tokenize_pool import TokenizePool
 from router.validation import (
     ValidRequest,
     after_think_block,
-    checked_request_id,
     compile_response_format,
     fit_to_context,
     validate,
@@ -127,44 +127,6 @@ def _to_pb(event: Chunk | Done) -> pb.GenerateResponse:
             timing=pb.Timing(queue_ms=event.queue_ms, ttft_ms=event.ttft_ms, total_ms=event.total_ms),
         )
     )
-
-
-class Fanout:
-    """The choices of one request (OpenAI `n`, router/openai/app.py): validated, compiled and
-    tokenized once, by whichever choice gets there first; each is then admitted, queued and
-    generated on its own. The preparation runs as a task of its own, so a choice that is
-    cancelled while it prepares does not fail the others; its result (or error) is every
-    choice's."""
-
-    def __init__(self) -> None:
-        self._task: asyncio.Future | None = None
-
-    async def once(self, prepare: Callable[[], Awaitable]):
-        if self._task is None:
-            self._task = asyncio.ensure_future(prepare())
-            self._task.add_done_callback(_retrieved)  # every choice may be gone when it fails
-        return await asyncio.shield(self._task)
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-@dataclasses.dataclass(frozen=True)
-class ChoiceOf:
-    """One choice of a `Fanout`: its own request id, and `seed_offset` j (a seeded request's j-th
-    choice samples with seed + j, mod 2**64: distinct, reproducible samples)."""
-
-    fanout: Fanout
-    request_id: str
-    seed_offset: int = 0
-
-    def applied(self, req: ValidRequest, limits: Limits) -> ValidRequest:
-        seed = req.seed
-        if seed is not None and self.seed_offset:
-            seed = (seed + self.seed_offset) % 2**64
-        return dataclasses.replace(req, request_id=checked_request_id(self.request_id, limits), seed=seed)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

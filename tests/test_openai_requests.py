@@ -89,7 +89,7 @@ def test_choices_share_their_prompts_protobuf_prompt_major_with_seed_plus_j():
 
 def test_a_choice_takes_its_own_request_id_and_seed_plus_j_wrapping():
     from router.config import Limits
-    from router.service import ChoiceOf, Fanout
+    from router.fanout import ChoiceOf, Fanout
     from router.validation import ModelSpec, ValidRequest
 
     req = ValidRequest(request_id="r", model=ModelSpec("m", 64, 100), prompt="a", seed=2**64 - 1)

@@ -48,6 +48,7 @@ from protos.llm.v1 import generation_pb2 as pb
 from router.config import Limits
 from router.decode_pool import Busy
 from router.errors import Overloaded, RouterError, ValidationError, scrub_addresses
+from router.fanout import ChoiceOf, Fanout
 from router.metrics import RouterMetrics
 from router.observe import RequestObservation
 from router.openai import embeddings, responses_api, tokens
@@ -64,7 +65,6 @@ from router.openai.http import (
 from router.openai.reasoning import Reasoning
 from router.openai.requests import ApiError, Parsed, param_of, parse
 from router.openai.responses import Chunk, Done, Responder
-from router.service import ChoiceOf, Fanout
 
 log = logging.getLogger(__name__)
 STATUS = {
