@@ -161,7 +161,7 @@ def test_a_parked_sequence_that_finishes_from_the_step_in_flight_is_not_reschedu
         served._streams["x"] = SimpleNamespace(full=True, paused=False)  # the reader is behind
         max_seqs = engine.scheduler.max_num_seqs
         parked = served._park()
-        assert [s.request_id for s in parked[0]] == ["x"] and not engine.scheduler.running
+        assert [s.request_id for s in parked.running] == ["x"] and not engine.scheduler.running
         outputs = engine.step()  # nothing new to plan; the step in flight finishes "x"
         served._unpark(parked)
     finally:

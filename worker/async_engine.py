@@ -17,8 +17,9 @@ Contract:
   Fewer, larger messages per stream: less CPU per token in the worker's event loop, the router and
   the client, at the price of burstier inter-token gaps (docs/serving.md).
 - Backpressure: each stream buffers at most `stream_buffer` outputs its reader has not taken;
-  while it is full the sequence is left out of the engine's steps (it keeps its KV blocks), so a
-  reader that stops reading stops its generation instead of growing a queue.
+  while it is full the sequence is parked in the scheduler (`Scheduler.park`/`unpark` around each
+  step): left out of the engine's steps, it keeps its KV blocks and slot, so a reader that stops
+  reading stops its generation instead of growing a queue.
 - `stats()` returns the snapshot taken after the latest step (immutable; safe from any thread).
 - `AsyncEngine.from_config(config)` builds and starts one for a single-rank config; a config with
   `tensor_parallel_size > 1` is refused (ValueError): its caller (worker/server.py) builds a
@@ -36,7 +37,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import dataclasses
 import logging
@@ -49,7 +49,7 @@ from typing import TypeVar
 from common.structured import start_deep
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.sequence import Sequence
+from worker.scheduler import Parked
 from worker.step_thread import EXIT_JOIN_S, stop_at_exit
 from worker.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
@@ -262,7 +262,7 @@ class AsyncEngine:
                 continue
             parked = self._park()
             scheduler = engine.scheduler
-            if any(parked) and not (
+            if parked and not (
                 scheduler.running or scheduler.waiting or engine._aborted or engine.has_in_flight
             ):
                 self._unpark(parked)  # every stream's reader is behind: wait for one to read
@@ -290,7 +290,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
                     log.exception("a step observer failed")
             self._hand_back(outputs)
-            if any(parked) and engine.num_steps == steps and not engine.has_in_flight:
+            if parked and engine.num_steps == steps and not engine.has_in_flight:
                 # Nothing ran: what waits needs the slots or KV blocks of parked sequences. Only a
                 # reader taking something (or a command) changes that: wait for one, not spin.
                 self._wakeup.wait(timeout=1.0)
@@ -311,39 +311,27 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # its event loop closed: nobody reads them
                 loop.call_soon_threadsafe(_deliver, items)
 
-    def _park(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Takes the sequences whose stream buffer is full out of the scheduler's queues for one
-        step (backpressure): they keep their KV blocks but get no compute until their reader takes
-        something; the idle timeout of the server ends a reader that never does. Their slots stay
-        counted against max_num_seqs."""
+    def _park(self) -> Parked:
+        """Parks the sequences whose stream buffer is full in the scheduler for one step
+        (backpressure, `Scheduler.park`): they keep their KV blocks and slots but get no compute
+        until their reader takes something; the idle timeout of the server ends a reader that never
+        does. Returns the sequences parked."""
         full = {rid for rid, stream in list(self._streams.items()) if stream.full}
         if not full:
-            return [], []
-        s = self.engine.scheduler
-        running = [seq for seq in s.running if seq.request_id in full]
-        waiting = [seq for seq in s.waiting if seq.request_id in full]
-        for seq in running:
-            s.running.remove(seq)
-        for seq in waiting:
-            s.waiting.remove(seq)
-        s.max_num_seqs -= len(running)
+            return Parked()
+        parked = self.engine.scheduler.park(full)
         for rid in full:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.paused = True
-        return running, waiting
+        return parked
 
-    def _unpark(self, parked: tuple[list[Sequence], list[Sequence]]) -> None:
-        running, waiting = parked
-        if not running and not waiting:
+    def _unpark(self, parked: Parked) -> None:
+        """Puts the sequences `_park` parked back in the scheduler's queues (`Scheduler.unpark`)."""
+        if not parked:
             return
-        s = self.engine.scheduler
-        s.max_num_seqs += len(running)
-        # With async scheduling a parked sequence can finish: its step was already in flight.
-        s.running.extend(seq for seq in running if not seq.is_finished)
-        for seq in waiting:
-            bisect.insort(s.waiting, seq, key=Sequence.sort_key)
-        for seq in running + waiting:
+        self.engine.scheduler.unpark()
+        for seq in parked.running + parked.waiting:
             stream = self._streams.get(seq.request_id)
             if stream is not None:
                 stream.paused = stream.full

@@ -16,6 +16,11 @@ Contract:
   the sampled token, up to the first that ends the sequence, and sets its computed tokens to
   those whose KV holds known tokens (what rejected drafts wrote lies beyond and is overwritten).
   Its next draft length adapts (`draft_len`).
+- Backpressure (worker/async_engine.py): `park(request_ids)` moves sequences from the queues to
+  `parked` (their readers are behind): no plan schedules them, they keep their KV blocks, and a
+  running one keeps its slot (`max_num_seqs` counts it, so no waiting sequence takes it); an abort
+  ends a parked one as any other; `unpark()` puts back every parked sequence not finished
+  meanwhile (async scheduling: the step in flight may finish one).
 - Fails how: when KV blocks run out, the lowest-priority, newest running sequence is preempted by
   recompute (blocks freed, it returns to the front of its priority class in `waiting`). A waiting
   sequence of higher priority may preempt a lower-priority running one.
@@ -26,7 +31,9 @@ Contract:
   tests/test_async_scheduling.py (async == sync), tests/test_async_preemption.py (preemption while
   a step is in flight: targeted cases and hypothesis workloads over a runner that checks each
   step's inputs and KV cache), tests/test_async_ends_in_flight.py (sequences ending in flight: their
-  blocks reused by the next plan, a failing step rolled back after that).
+  blocks reused by the next plan, a failing step rolled back after that); park/unpark by
+  tests/test_scheduler_park.py (targeted cases and hypothesis workloads), tests/test_async_handoff.py
+  and tests/test_async_engine_loop.py.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from worker.block_manager import BlockManager
@@ -44,6 +53,17 @@ from worker.speculative import Drafting, NgramProposer, draftable
 from worker.types import FinishReason
 
 _ORDER = attrgetter("order")
+
+
+@dataclass
+class Parked:
+    """The sequences `Scheduler.park` took out of its queues, for `unpark` to put back."""
+
+    running: list[Sequence] = field(default_factory=list)
+    waiting: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.running or self.waiting)
 
 
 class Scheduler(Drafting, AsyncPlans):
@@ -76,6 +96,7 @@ class Scheduler(Drafting, AsyncPlans):
         # Plans launched and not yet committed, oldest first (async scheduling; the engine keeps
         # it): their sequences are `pinned`.
         self.in_flight: deque[SchedulerOutput] = deque()
+        self.parked = Parked()  # out of the queues for backpressure (`park`); slots kept
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,12 +125,38 @@ class Scheduler(Drafting, AsyncPlans):
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.parked.running, self.parked.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self._finish(seq, FinishReason.ABORT)
         return seq
+
+    # -- backpressure ---------------------------------------------------------------------
+    def park(self, request_ids: Collection[str]) -> Parked:
+        """Takes the queued sequences of `request_ids` out of the queues until `unpark`: no plan
+        schedules them (their readers are behind). They keep their KV blocks; a running one keeps
+        its slot (no waiting sequence is admitted in its place). Returns the ones it took."""
+        taken = Parked(
+            [seq for seq in self.running if seq.request_id in request_ids],
+            [seq for seq in self.waiting if seq.request_id in request_ids],
+        )
+        for seq in taken.running:
+            self.running.remove(seq)
+        for seq in taken.waiting:
+            self.waiting.remove(seq)
+        self.parked.running += taken.running
+        self.parked.waiting += taken.waiting
+        return taken
+
+    def unpark(self) -> None:
+        """Puts every parked sequence back in its queue (a running one's slot back to the pool),
+        except those finished meanwhile by the step in flight (async scheduling)."""
+        parked, self.parked = self.parked, Parked()
+        self.running.extend(seq for seq in parked.running if not seq.is_finished)
+        for seq in parked.waiting:
+            if not seq.is_finished:
+                bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     @property
     def pinned(self) -> set[Sequence]:
@@ -179,7 +226,8 @@ class Scheduler(Drafting, AsyncPlans):
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, speculative: bool = False) -> int:
         waiting, j = self.waiting, 0
-        while j < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        slots = self.max_num_seqs - len(self.parked.running)  # a parked sequence keeps its slot
+        while j < len(waiting) and budget > 0 and len(self.running) < slots:
             seq = waiting[j]
             if seq.num_placeholders:  # preempted while the step in flight samples its token
                 if self._ends_by_length(seq, seq.num_tokens):
@@ -299,13 +347,16 @@ class Scheduler(Drafting, AsyncPlans):
         del self.requests[seq.request_id]
 
     def check_integrity(self) -> None:
-        live = self.waiting + self.running
+        # A parked sequence the step in flight finished waits there, uncounted, for `unpark`.
+        running = self.running + [s for s in self.parked.running if not s.is_finished]
+        waiting = self.waiting + [s for s in self.parked.waiting if not s.is_finished]
+        live = waiting + running
         assert len(live) == len(self.requests), "queues and request map disagree"
-        assert len(self.running) <= self.max_num_seqs
-        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
-        assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
+        assert len(self.running) + len(self.parked.running) <= self.max_num_seqs
+        assert all(s.status is SequenceStatus.RUNNING for s in running)
+        assert all(s.status is SequenceStatus.WAITING for s in waiting)
         pinned = self.pinned
-        for s in self.waiting:  # preempted while a plan in flight samples its token: no blocks
+        for s in waiting:  # preempted while a plan in flight samples its token: no blocks
             assert not s.num_placeholders or (s in pinned and not s.block_table), (
                 f"{s.request_id}: a placeholder outside a plan in flight"
             )

@@ -76,7 +76,8 @@ class AsyncPlans:
                 seq.first_token_s = now
             if token in seq.stop_ids or done + 1 >= seq.max_num_tokens:
                 reason = self._stop_reason(seq, token, done + 1)
-                # Preempted: in `waiting`. A backpressured sequence is parked outside both.
+                # Preempted: in `waiting`. A parked one (backpressure) stays in `parked`, finished,
+                # until `unpark` drops it.
                 queue = self.waiting if preempted else self.running
                 if seq in queue:
                     queue.remove(seq)
