@@ -263,7 +263,7 @@ class AsyncEngine:
             parked = self._park()
             scheduler = engine.scheduler
             if parked and not (
-                scheduler.running or scheduler.waiting or engine._aborted or engine.has_in_flight
+                scheduler.running or scheduler.waiting or engine.has_pending_aborts or engine.has_in_flight
             ):
                 self._unpark(parked)  # every stream's reader is behind: wait for one to read
                 self._wakeup.wait(timeout=1.0)

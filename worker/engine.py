@@ -185,6 +185,12 @@ class LLMEngine(EngineAdapters):
         """Drops the pending abort output of `request_id` (nobody reads it: its id is reused)."""
         self._aborted = [seq for seq in self._aborted if seq.request_id != request_id]
 
+    @property
+    def has_pending_aborts(self) -> bool:
+        """Requests aborted since the last `step()`, whose final outputs (finish_reason ABORT) the
+        next `step()` returns: that step has work even if nothing is left to schedule."""
+        return bool(self._aborted)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
 
