@@ -24,6 +24,8 @@ Contract:
 - `AsyncEngine.from_config(config)` builds and starts one for a single-rank config; a config with
   `tensor_parallel_size > 1` is refused (ValueError): its caller (worker/server.py) builds a
   `worker.tp.engine.TPAsyncEngine` instead, so this module never imports its subclass.
+- State: `engine`, the LLMEngine, read afresh by the loop each turn: a subclass may replace it
+  between steps (worker/tp/engine.py, after a group restart).
 - `call(fn)` runs fn(engine) on the engine thread between steps and returns its result (LoRA
   loads and unloads, worker/server.py).
 - Fails how: an exception inside `step()` fails every in-flight stream with that error, aborts
@@ -253,8 +255,8 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
         while not self._stopping:
+            engine = self.engine  # read each turn: a subclass may replace it (worker/tp/engine.py)
             self._apply_commands()
             if not engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)

@@ -7,10 +7,11 @@ Contract
 - failure: a step that raises `GroupFailed` (a rank died, a collective failed or timed out) ends
   every stream in flight with `GroupUnavailable` (the server answers UNAVAILABLE), turns the
   worker's health NOT_SERVING (`bind_health`: routers route around it), restarts the whole group
-  (ranks 1..N-1 stopped within a deadline and started afresh, a new process group), gives the
-  engine a fresh scheduler and block manager (the restarted ranks' KV pools hold nothing: no
-  prefix may be served from them), and turns health SERVING again. Requests that arrive during the
-  restart wait in the command queue and run after it. A restart that fails is retried
+  (ranks 1..N-1 stopped within a deadline and started afresh, a new process group), replaces the
+  engine by a fresh one over the same rank-0 runner (`restarted`: a new scheduler and block
+  manager, since the restarted ranks' KV pools hold nothing and no prefix may be served from them;
+  the loop picks it up at its next turn), and turns health SERVING again. Requests that arrive
+  during the restart wait in the command queue and run after it. A restart that fails is retried
   (`MAX_RESTART_ATTEMPTS`), then the process ends itself with SIGTERM (the usual drain), so its
   supervisor (Ray's max_restarts, Kubernetes, deploy/local.py) starts it again. Other step errors
   are AsyncEngine's (INTERNAL, the group keeps serving).
@@ -105,17 +106,22 @@ class TPAsyncEngine(AsyncEngine):
             log.critical("tensor-parallel group could not restart; ending the worker")
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        # A fresh scheduler and block manager over the same rank-0 runner: the new ranks' pools
-        # are empty, so nothing cached before may be reused. Same LLMEngine object (the loop
-        # thread holds it), new state; its step counters carry on.
-        engine = self.engine
-        runner = engine.runner
-        runner.num_blocks = min([runner.num_blocks, *self.group.rank_blocks])
-        fresh = LLMEngine(engine.config, runner)
-        fresh.num_steps, fresh.step_s_total = engine.num_steps, engine.step_s_total
-        engine.__dict__.update(fresh.__dict__)
+        # The loop reads `self.engine` afresh each turn (worker/async_engine.py).
+        self.engine = restarted(self.engine, self.group.rank_blocks)
         self.num_restarts += 1
         self._stats = self.engine.stats()
         log.info("tensor-parallel group restarted (%d restart(s))", self.num_restarts)
         if self._health is not None:
             self._health(True)
+
+
+def restarted(engine: LLMEngine, rank_blocks: list[int]) -> LLMEngine:
+    """The LLMEngine that serves after a group restart: a fresh scheduler and block manager over
+    `engine`'s rank-0 runner, sized to the smallest KV pool of the restarted ranks (`rank_blocks`).
+    Their pools are empty, so nothing cached before may be reused; its step counters carry on
+    (`num_steps`, `step_s_total`: the metrics' step index and totals)."""
+    runner = engine.runner
+    runner.num_blocks = min([runner.num_blocks, *rank_blocks])
+    fresh = LLMEngine(engine.config, runner)
+    fresh.num_steps, fresh.step_s_total = engine.num_steps, engine.step_s_total
+    return fresh
