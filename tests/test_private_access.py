@@ -10,13 +10,12 @@ Rule
   name or an operation of that class instead (issue 46: `AsyncEngine` edited the scheduler's
   queues and limit, and read `engine._aborted`; the TP engine replaced an engine's `__dict__`).
 - Dunder names (`__dict__`, `__code__`) are not private; nor are namedtuple's documented
-  `_replace`, `_asdict`, `_fields` and `_make`. But `X.__dict__.update(...)` (X not self/cls)
-  rewrites another object's whole state: it counts as a reach too.
-- Limits: a name the module also defines for itself is not checked where another object's is
-  read (`other._x` passes when the module has its own `_x`); the rule holds between modules.
-
+  _replace, _asdict, _fields and _make. But X.__dict__.update(...) (X not self/cls) rewrites
+  another object's whole state: it counts as a reach too.
 - The same holds for imports: `from pkg.mod import _name` of a first-party module (router,
   worker, common) reaches into that module's internals.
+- Limits: a name the module also defines for itself is not checked where another object's is
+  read (other._x passes when the module has its own _x); the rule holds between modules.
 
 A deliberate exception is listed in ALLOWED (ALLOWED_IMPORTS), keyed by (file, the expression as
 written) ((file, "module._name")), with its reason; an entry that matches nothing fails the test,
