@@ -182,7 +182,7 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
         version, _num_tensors, num_fields = struct.unpack_from("<IQQ", blob, 4)
         if version not in _GGUF_VERSIONS:
             raise ValueError(f"{path} is GGUF v{version}; only v2 and v3 are supported.")
-        reader = _HeaderReader(blob, pos=24)
+        reader = HeaderReader(blob, pos=24)
         metadata: dict[str, Any] = {}
         for _ in range(num_fields):
             key = reader.string()
@@ -190,7 +190,7 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
         return metadata
 
 
-class _HeaderReader:
+class HeaderReader:
     """A cursor over the GGUF header: each read returns a value and advances past it."""
 
     def __init__(self, blob: mmap.mmap, pos: int) -> None:

@@ -73,10 +73,6 @@ ALLOWED_IMPORTS: dict[tuple[str, str], str] = {
     ("worker/kernels/triton_rope_kv.py", "worker.kernels.triton_norm._rope_rotate"): TRITON_SIBLINGS,
     ("worker/kernels/triton_rope_kv.py", "worker.kernels.triton_store_kv._check_store_args"): TRITON_SIBLINGS,
     ("worker/kernels/triton_rope_kv.py", "worker.kernels.triton_store_kv._store_heads"): TRITON_SIBLINGS,
-    ("worker/model/checkpoint.py", "common.model_files._HeaderReader"): (
-        "GGUF header parsing shared with common/model_files.py; to become a public name there "
-        "(common/ is outside the worker-side change of issue 46)"
-    ),
 }
 
 

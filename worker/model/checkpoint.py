@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.model_files import _HeaderReader, read_gguf_metadata
+from common.model_files import HeaderReader, read_gguf_metadata
 from worker.config import ModelConfig, RopeScaling
 from worker.model.gguf_quant import GGUF_INT4_TYPES
 
@@ -144,7 +144,7 @@ def read_gguf_tensor_infos(path: str | Path) -> list[GGUFTensorInfo]:
         if blob[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
         _version, num_tensors, num_fields = struct.unpack_from("<IQQ", blob, 4)
-        reader = _HeaderReader(blob, pos=24)
+        reader = HeaderReader(blob, pos=24)
         alignment = 32
         for _ in range(num_fields):
             key = reader.string()
