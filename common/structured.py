@@ -53,6 +53,7 @@ MAX_GBNF_RULES = 500  # llguidance's GBNF conversion is quadratic in the rules (
 DEEP_STACK_BYTES = 512 * 2**20
 
 
+MEMORY_ENV = "LLM_GRAMMAR_COMPILE_MEMORY_BYTES"  # a compile child's memory budget (router/grammar_compile.py)
 _STACK_SIZE = threading.Lock()  # threading's stack size is process-wide: one setter at a time
 
 
@@ -246,6 +247,7 @@ def serve_compiles() -> None:
         os._exit(0)
 
     def serve() -> None:
+        _cap_memory(int(os.environ.get(MEMORY_ENV) or 0))  # every thread's stack is reserved by now
         out.write(b'{"ready": true}\n')
         out.flush()
         for line in sys.stdin.buffer:
@@ -257,3 +259,17 @@ def serve_compiles() -> None:
     thread = threading.Thread(target=serve, name="grammar-compile")
     start_deep(thread)
     thread.join()
+
+
+def _cap_memory(budget_bytes: int) -> None:
+    """Caps the process's address space at what it holds now plus `budget_bytes` (0: no cap): an
+    allocation past it fails, which llguidance (Rust) answers by aborting the process, a refusal
+    to the router. Address space, not resident memory: a cap it counts before any page is used."""
+    if budget_bytes <= 0:
+        return
+    import resource
+
+    with open("/proc/self/status") as status:
+        size_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    limit = size_kb * 1024 + budget_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

@@ -62,6 +62,13 @@ class Limits:
             "compile process is killed and the request refused, INVALID_ARGUMENT (router/grammar_compile.py)"
         ),
     )
+    grammar_compile_memory_mb: int = field(
+        default=1024,
+        metadata=option(
+            "memory budget of one grammar-compile process, beyond what it holds when ready (its address "
+            "space is capped there: a compile past it ends the process, a refusal); 0 = no cap"
+        ),
+    )
     grammar_compile_processes: int = field(
         default=4, metadata=option("grammar-compile processes at most (started on first use)")
     )
@@ -95,6 +102,8 @@ class Limits:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
         if not self.grammar_compile_timeout_s > 0:  # NaN too
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_compile_memory_mb < 0:
+            raise ValueError(f"grammar_compile_memory_mb must be >= 0, got {self.grammar_compile_memory_mb}")
         if self.grammar_compile_processes < 1 or self.grammar_compiles_per_tenant < 1:
             raise ValueError("grammar_compile_processes and grammar_compiles_per_tenant must be >= 1")
 

@@ -19,7 +19,9 @@ Contract
 - How: up to `processes` child processes (`python -c` `common.structured.serve_compiles`: started
   on first use, each compile on a DEEP_STACK_BYTES thread, nice 10) take one task at a time over a
   pipe. A compile past `budget_s` gets its child killed (SIGKILL) and a replacement started in the
-  background; a child that dies on a grammar (a stack overflow is a SIGSEGV) is a refusal too.
+  background; a child that dies on a grammar (a stack overflow is a SIGSEGV; a compile past the
+  child's memory budget, `memory_bytes` of address space beyond what it had when ready, aborts
+  it) is a refusal too.
   Results, refusals included, go to a bounded LRU cache keyed by the task (entries and bytes; a
   timeout or a dead child is remembered for `failure_ttl_s`, 10 minutes, the rest until evicted):
   a repeated bad schema costs nothing. Concurrent calls with the same task share one compile (n
@@ -30,7 +32,7 @@ Contract
   done, whoever cancelled.
 - state: the cache, the child processes, the per-tenant counts (on the event loop; a compiler
   moved to another event loop starts its queues afresh).
-- options: `--grammar-compile-timeout-s`, `--grammar-compile-processes`,
+- options: `--grammar-compile-timeout-s`, `--grammar-compile-memory-mb`, `--grammar-compile-processes`,
   `--grammar-compiles-per-tenant` (router/config.py `Limits`).
 - proven by: tests/test_grammar_budget.py.
 """
@@ -52,6 +54,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from common.structured import MEMORY_ENV
 from router.errors import Overloaded, Unavailable
 
 if TYPE_CHECKING:
@@ -72,9 +75,10 @@ class _ChildGone(Exception):
 class _Child:
     """One compile process and its pipes (blocking calls: run on a thread, not the event loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_bytes: int = 0) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        env[MEMORY_ENV] = str(memory_bytes)  # the child's memory budget (common.structured)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD],
             stdin=subprocess.PIPE,
@@ -133,8 +137,8 @@ class CompilePool:
     children live or are starting (a caller runs at most `processes` tasks at once: one waiting for
     a child then always finds one idle or starting)."""
 
-    def __init__(self, processes: int):
-        self.processes = processes
+    def __init__(self, processes: int, memory_bytes: int = 0):
+        self.processes, self.memory_bytes = processes, memory_bytes
         self._idle: list[_Child] = []
         self._all: set[_Child] = set()
         self._starting = 0
@@ -159,7 +163,7 @@ class CompilePool:
             self._starting += 1
         child = None
         try:
-            child = _Child()
+            child = _Child(self.memory_bytes)
         finally:
             with self._cond:
                 self._starting -= 1
@@ -285,6 +289,7 @@ class GrammarCompiler:
         cache_entries: int = 512,
         cache_bytes: int = 64 * 2**20,
         failure_ttl_s: float = 600.0,
+        memory_bytes: int = 0,
     ):
         if not budget_s > 0 or processes < 1 or per_tenant < 1:
             raise ValueError("budget_s must be > 0, processes and per_tenant >= 1")
@@ -292,7 +297,7 @@ class GrammarCompiler:
         self.per_tenant = min(per_tenant, processes)
         self.wait_s = 2 * budget_s if wait_s is None else wait_s
         self.failure_ttl_s = failure_ttl_s
-        self.pool = CompilePool(processes)
+        self.pool = CompilePool(processes, memory_bytes)
         self.cache = _Cache(cache_entries, cache_bytes)
         self._threads = concurrent.futures.ThreadPoolExecutor(processes, thread_name_prefix="grammar-compile")
         self._finalizer = weakref.finalize(self, _close, self.pool, self._threads)
@@ -305,6 +310,7 @@ class GrammarCompiler:
             budget_s=limits.grammar_compile_timeout_s,
             processes=limits.grammar_compile_processes,
             per_tenant=limits.grammar_compiles_per_tenant,
+            memory_bytes=limits.grammar_compile_memory_mb * 2**20,
         )
         compiler.results = results
         return compiler

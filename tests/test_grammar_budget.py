@@ -234,3 +234,17 @@ def test_the_think_block_form_goes_through_the_compiler_and_its_cache(compiler):
 
     wrapped, again = asyncio.run(main())
     assert wrapped == again and "think_then_answer" in wrapped and c.pool.tasks == 1
+
+
+def test_a_compile_past_its_memory_budget_is_a_refusal(compiler):
+    """`memory_bytes`: the child's address space is capped at what it held when ready plus the
+    budget; the slow schema grows past 32 MB long before its time runs out, its child ends, and
+    the grammar is refused (and cached); a small grammar still compiles within that budget."""
+    c = compiler(budget_s=60.0, processes=1, memory_bytes=32 * 2**20)
+
+    async def main():
+        return await _timed(c.compile(SLOW, "a")), await c.compile(JSON_OBJECT, "a")
+
+    (err, seconds), served = asyncio.run(main())
+    assert isinstance(err, ValueError) and str(err) == "the grammar compiler failed on this grammar", err
+    assert seconds < 30.0 and c.counts["crashed"] == 1 and json.loads(served)

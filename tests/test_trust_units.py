@@ -225,7 +225,10 @@ def test_dispatcher_fails_a_request_no_worker_context_holds():
         dispatcher.dispatch_ready()
         with pytest.raises(Exception) as err:
             await dispatcher.wait_placed(pending, None, time.monotonic())
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length is 64 tokens" in err.value.message
+        assert (
+            err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            and "maximum context length is 64 tokens" in err.value.message
+        )
         ticket.release()
 
     asyncio.run(main())
