@@ -70,6 +70,15 @@ def _open_requests(router) -> float:
     return sum(v for (n, _), v in scrape(router).items() if n == "llm_router_tenant_open_requests")
 
 
+def _served_and_other(main) -> tuple[set[str], str]:
+    """The adapters `main` serves (one at least: `sql` is loaded when the module runs alone) and one
+    it does not, which a request naming it would load."""
+    if not set(_models(main)) - {"tiny"}:
+        _generate(main, "sql")
+    served = set(_models(main)) - {"tiny"}
+    return served, ({"sql", "poet"} - served).pop()
+
+
 def _refused(router, model: str, metadata=()) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as refused:
         _generate(router, model, metadata)
@@ -123,10 +132,7 @@ def test_a_tenant_over_its_rate_causes_no_load(stack, logs):
     """Refused (429) before the router asks a worker to load, or unload to make room: a second
     router over the same worker, with one request a tenant's rate allows."""
     main, worker, _, path = stack
-    if not set(_models(main)) - {"tiny"}:  # (run alone) one adapter served, for the listing below
-        _generate(main, "sql")
-    served = set(_models(main)) - {"tiny"}
-    other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
+    served, other = _served_and_other(main)
     tenants = (
         f"tenants:\n  - name: limited\n    key_sha256: {hash_key('limited')}\n"
         "    rate_requests_per_s: 0.001\n    burst_requests: 1\n"
@@ -178,10 +184,7 @@ def test_a_tenant_names_only_its_adapters_and_autoloads_at_most_its_limit(stack,
     """A second router over the same worker with a tenants file: `narrow` may use `chat-*` only (the
     base model too), `capped` may autoload none; both refused before the worker is asked to load."""
     main, worker, _, path = stack
-    if not set(_models(main)) - {"tiny"}:  # (run alone) one adapter served, for the listing below
-        _generate(main, "sql")
-    served = set(_models(main)) - {"tiny"}
-    other = ({"sql", "poet"} - served).pop()  # not loaded: naming it would load it
+    served, other = _served_and_other(main)
     tenants = (
         f"tenants:\n  - name: narrow\n    key_sha256: {hash_key('narrow')}\n"
         '    adapters: ["chat-*"]\n'
