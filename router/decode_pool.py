@@ -29,9 +29,8 @@ import threading
 from collections.abc import Callable
 
 from protos.llm.v1 import generation_pb2 as pb
-from router.chat_validation import MAX_TOOLS
 from router.config import Limits
-from router.validation import MAX_LOGIT_BIAS
+from router.validation import count_bounds
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +113,9 @@ def message_problem(raw: bytes, limits: Limits) -> tuple[str, str] | None:
         req = pb.GenerateRequest.FromString(raw)
     except Exception:  # noqa: BLE001 - any parse failure is reported by the caller's parse
         return None
-    counts = (
-        ("sampling.logit_bias", len(req.sampling.logit_bias), MAX_LOGIT_BIAS, "entries"),
-        ("stopping.stop", len(req.stopping.stop), limits.max_stop_strings, "stop strings"),
-        ("stopping.stop_token_ids", len(req.stopping.stop_token_ids), limits.max_stop_token_ids, "ids"),
-        ("chat.messages", len(req.chat.messages), limits.max_chat_messages, "messages"),
-        ("chat.tools", len(req.chat.tools), MAX_TOOLS, "tools"),
-        ("token_ids.ids", len(req.token_ids.ids), limits.max_prompt_chars, "token ids"),
-    )
-    for field, count, bound, what in counts:
+    for field, _, bound, what in count_bounds(limits):
+        message, name = field.split(".")
+        count = len(getattr(getattr(req, message), name))
         if count > bound:
             return field, f"at most {bound} {what}, got {count}"
     return None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from common.structured import MAX_GRAMMAR_BYTES, after_thinking, compile_executor, grammar_of
 from protos.llm.v1 import generation_pb2 as pb
-from router.chat_validation import CHAT_ROLES, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
+from router.chat_validation import CHAT_ROLES, MAX_TOOLS, validate_chat  # noqa: F401 - CHAT_ROLES: the fuzz tests' roles
 from router.config import Limits
 from router.errors import ValidationError, context_exceeded
 
@@ -81,6 +81,21 @@ class ValidRequest:
     grammar_source: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # None = off; N: the prompt's logprobs and N top tokens each
     pooling: int = 0  # pb.Pooling: 0 = off; an embedding of the prompt, with one token
+
+
+def count_bounds(limits: Limits) -> tuple[tuple[str, str, int, str], ...]:
+    """The repeated fields whose count validation bounds, as (protobuf field, OpenAI parameter,
+    bound, what they are): the fronts check these counts before they build or parse a protobuf
+    (router/openai/requests.py on the JSON, router/decode_pool.py on a large message's bytes).
+    `prompt` is the completions parameter: a batch of prompts, or token ids."""
+    return (
+        ("sampling.logit_bias", "logit_bias", MAX_LOGIT_BIAS, "entries"),
+        ("stopping.stop", "stop", limits.max_stop_strings, "stop strings"),
+        ("stopping.stop_token_ids", "stop_token_ids", limits.max_stop_token_ids, "stop token ids"),
+        ("chat.messages", "messages", limits.max_chat_messages, "messages"),
+        ("chat.tools", "tools", MAX_TOOLS, "tools"),
+        ("token_ids.ids", "prompt", limits.max_prompt_chars, "prompt items"),
+    )
 
 
 def _check(ok: bool, field: str, problem: str) -> None:

@@ -185,8 +185,7 @@ def try_stream(client_a, args) -> bool:
     import openai
 
     try:
-        for _ in client_a.completions.create(**{**args, "max_tokens": 2}):
-            pass
+        list(client_a.completions.create(**{**args, "max_tokens": 2}))  # the stream, read to its end
         return True
     except openai.RateLimitError:
         return False

@@ -242,11 +242,11 @@ class _Sent:
 
 
 class OwedResponse(_Sent, Response):
-    pass
+    """A whole answer's bytes (encoded off the loop), charged to its tenant until handed off."""
 
 
 class OwedJSON(_Sent, JSONResponse):
-    pass
+    """A small whole answer, encoded on the loop, charged to its tenant until handed off."""
 
 
 async def json_answer(

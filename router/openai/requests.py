@@ -34,11 +34,10 @@ import re
 from dataclasses import dataclass, field
 
 from protos.llm.v1 import generation_pb2 as pb
-from router.chat_validation import MAX_TOOLS
 from router.config import Limits
 from router.openai.formats import FormatError, parse_format
 from router.openai.tools import ToolMode, ToolsError, parse_tools
-from router.validation import MAX_LOGIT_BIAS
+from router.validation import count_bounds
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1  # what the protobuf fields hold
 MAX_COMPLETIONS_LOGPROBS = 20  # /v1/completions `logprobs` is the number of top tokens (OpenAI: 5)
@@ -324,25 +323,17 @@ def parse(body: object, chat: bool, request_id: str, limits: Limits = Limits()) 
         raise ApiError(400, "request: nested too deeply") from None
 
 
-def _count(body: dict, name: str, limit: int, what: str) -> None:
-    value = body.get(name)
-    if isinstance(value, (list, dict)) and len(value) > limit:
-        raise _bad(name, f"at most {limit} {what}, got {len(value)}")
-
-
 def _bounded(body: object, chat: bool, limits: Limits) -> None:
-    """The counts validation would refuse (router/validation.py, router/chat_validation.py), on the
-    decoded JSON: O(1) each, before the work they would multiply."""
+    """The counts validation would refuse (router/validation.py `count_bounds`), on the decoded
+    JSON: O(1) each, before the work they would multiply."""
     if not isinstance(body, dict):
         return  # _parse names the problem
-    _count(body, "logit_bias", MAX_LOGIT_BIAS, "entries")
-    _count(body, "stop", limits.max_stop_strings, "stop strings")
-    _count(body, "stop_token_ids", limits.max_stop_token_ids, "stop token ids")
-    if chat:
-        _count(body, "messages", limits.max_chat_messages, "messages")
-        _count(body, "tools", MAX_TOOLS, "tools")
-    else:
-        _count(body, "prompt", max(MAX_CHOICES, limits.max_prompt_chars), "prompts or token ids")
+    for pb_field, name, limit, what in count_bounds(limits):
+        if pb_field.startswith("chat.") and not chat or name == "prompt" and chat:
+            continue
+        value = body.get(name)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise _bad(name, f"at most {limit} {what}, got {len(value)}")
 
 
 def _parse(body: object, chat: bool, request_id: str) -> Parsed:
